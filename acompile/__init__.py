@@ -1,0 +1,43 @@
+"""acompile: an async compile service for GPU kernels.
+
+    async with acompile.CompilePool(target="cuda:90") as pool:
+        kernel = await pool.triton(add_kernel, signature={...}, constexprs={"BLOCK": 1024})
+
+Importing acompile imports neither Triton nor cuda-python: backends load on first use.
+"""
+
+from __future__ import annotations
+
+from acompile._backends._triton import TritonKernel as TritonKernel
+from acompile._backends._triton import TritonSpec as TritonSpec
+from acompile._compiler import CompilePool as CompilePool
+from acompile._errors import AcompileError as AcompileError
+from acompile._errors import BackendUnavailableError as BackendUnavailableError
+from acompile._errors import CompileError as CompileError
+from acompile._errors import DeviceUnavailableError as DeviceUnavailableError
+from acompile._errors import InvalidSpecError as InvalidSpecError
+from acompile._errors import PoolClosedError as PoolClosedError
+from acompile._errors import PoolError as PoolError
+from acompile._errors import UnknownTargetError as UnknownTargetError
+from acompile._errors import WorkerCrashedError as WorkerCrashedError
+from acompile._errors import WorkerStartError as WorkerStartError
+from acompile._targets import Target as Target
+from acompile._version import __version__ as __version__
+
+__all__ = (
+    "AcompileError",
+    "BackendUnavailableError",
+    "CompileError",
+    "CompilePool",
+    "DeviceUnavailableError",
+    "InvalidSpecError",
+    "PoolClosedError",
+    "PoolError",
+    "Target",
+    "TritonKernel",
+    "TritonSpec",
+    "UnknownTargetError",
+    "WorkerCrashedError",
+    "WorkerStartError",
+    "__version__",
+)

@@ -1,0 +1,385 @@
+"""``CompilePool``: the public front end. Requests, single flight, cache look-ups, stats."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from acompile._backends import load_parent
+from acompile._cache import Cache, default_cache_dir
+from acompile._cache import _entry as entry_format
+from acompile._errors import AcompileError, PoolClosedError
+from acompile._pool import BACKGROUND, URGENT, Job, JobCancelled, WorkerPool
+from acompile._sizing import default_workers
+from acompile._targets import Target, local_target, parse_target
+
+logger = logging.getLogger("acompile")
+
+
+@dataclass(eq=False)
+class _Flight:
+    """One compile in progress, shared by every caller that asked for the same key."""
+
+    key: str
+    waiters: int = 0
+    done: anyio.Event = field(default_factory=anyio.Event)
+    result: Any = None
+    error: BaseException | None = None
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+
+    def finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        if not self.done.is_set():
+            self.result, self.error = result, error
+            self.done.set()
+
+
+class CompilePool:
+    """A pool of compile workers with a cache, used as ``async with CompilePool() as pool:``.
+
+    Args:
+        workers: how many worker processes; ``None`` means one per CPU this process may use
+            (affinity and cgroup quota), keeping one for the process itself beyond four.
+        target: the default target of requests, ``"cuda:90"``, ``"cuda:80"`` ...; ``None`` means
+            the local GPU (a ``DeviceUnavailableError`` where there is none).
+        cache_dir: the disk cache folder; default ``$ACOMPILE_CACHE_DIR`` or
+            ``~/.cache/acompile``. Several processes may share it.
+        memory_cache_size: how many loaded kernels the memory tier keeps (LRU).
+        prestart: start (and preload) the workers when the pool is entered. With ``False`` they
+            start at the first request that misses the cache, so a process whose kernels are all
+            cached never starts one.
+
+    Entering starts the workers in the background and returns at once; ``wait_ready()`` waits
+    for their preload. Leaving stops every worker, whatever happens in the body. A pool is
+    entered once.
+    """
+
+    def __init__(
+        self,
+        workers: int | None = None,
+        *,
+        target: str | Target | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        memory_cache_size: int = 1024,
+        prestart: bool = True,
+    ) -> None:
+        if workers is not None and (not isinstance(workers, int) or workers < 1):
+            raise ValueError(f"workers must be a positive integer or None, got {workers!r}")
+        self._size = workers if workers is not None else default_workers()
+        self._target_arg = target
+        self._target: Target | None = parse_target(target) if target is not None else None
+        self._cache = Cache(Path(cache_dir) if cache_dir is not None else default_cache_dir(), memory_cache_size)
+        self._prestart = prestart
+        self._state = "new"
+        self._flights: dict[str, _Flight] = {}
+        self._counts: Counter[str] = Counter()
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._workers: WorkerPool | None = None
+        self._workers_started = False
+        self._workdir: str | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> CompilePool:
+        if self._state != "new":
+            raise PoolClosedError("a CompilePool is entered once; make a new one")
+        self._state = "starting"
+        try:
+            if self._target is None:
+                self._target = await anyio.to_thread.run_sync(local_target)
+            await self._cache.open()
+            self._workdir = await anyio.to_thread.run_sync(lambda: tempfile.mkdtemp(prefix="acompile-"))
+            config = {
+                "sys_path": list(sys.path),
+                "cwd": os.getcwd(),
+                "target": str(self._target),
+                "preload": ["acompile._backends._triton_worker"],
+            }
+            self._workers = WorkerPool(self._size, config, self._workdir)
+            self._tg = anyio.create_task_group()
+            await self._tg.__aenter__()
+        except BaseException:
+            self._state = "closed"
+            await self._remove_workdir()
+            raise
+        self._state = "running"
+        if self._prestart:
+            self._start_workers()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        self._state = "closed"
+        assert self._tg is not None
+        # Whatever the body did, compiles in progress are abandoned and workers stopped now.
+        self._tg.cancel_scope.cancel()
+        try:
+            return await self._tg.__aexit__(exc_type, exc, tb)
+        finally:
+            for flight in list(self._flights.values()):
+                flight.finish(error=PoolClosedError("the pool shut down while compiling"))
+            await self._remove_workdir()
+
+    async def _remove_workdir(self) -> None:
+        if self._workdir is not None:
+            workdir, self._workdir = self._workdir, None
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(lambda: shutil.rmtree(workdir, ignore_errors=True))
+
+    def _start_workers(self) -> None:
+        if not self._workers_started:
+            assert self._tg is not None and self._workers is not None
+            self._workers_started = True
+            self._tg.start_soon(self._workers.run)
+
+    def _check_running(self) -> None:
+        if self._state != "running":
+            raise PoolClosedError(
+                "the pool is not running: use it inside `async with CompilePool() as pool:`"
+                if self._state == "new"
+                else "the pool has shut down; make a new CompilePool"
+            )
+
+    async def wait_ready(self) -> None:
+        """Wait until every worker has started and preloaded.
+
+        Raises ``WorkerStartError`` if workers cannot start (the message says why).
+        """
+        self._check_running()
+        self._start_workers()
+        assert self._workers is not None
+        await self._workers.wait_ready()
+
+    # -- requests --------------------------------------------------------------------------------
+
+    async def triton(
+        self,
+        fn_or_source: Any,
+        *,
+        signature: dict[str, str],
+        constexprs: dict[str, Any] | None = None,
+        kernel_name: str | None = None,
+        num_warps: int = 4,
+        num_stages: int = 3,
+        target: str | Target | None = None,
+        attrs: dict[Any, Any] | None = None,
+        **options: Any,
+    ) -> Any:
+        """Compile a Triton kernel, or take it from the cache; returns a ``TritonKernel``.
+
+        Args:
+            fn_or_source: a ``@triton.jit`` function, or Python source text defining one (then
+                ``kernel_name`` says which, unless it defines exactly one).
+            signature: Triton type of each runtime parameter: ``{"x": "*fp32", "n": "i32"}``.
+            constexprs: values of the compile-time parameters: ``{"BLOCK": 1024}``. Constexpr
+                parameters with a default may be left out.
+            num_warps, num_stages, **options: Triton's compile options (``num_ctas``,
+                ``maxnreg``, ``enable_fp_fusion`` ...); unknown names are an error.
+            target: ``"cuda:90"`` ...; default: the pool's.
+            attrs: Triton's specialisation attributes by parameter name or index, e.g.
+                ``{"x": [["tt.divisibility", 16]]}``.
+
+        Raises:
+            InvalidSpecError: the request is wrong (before any worker is involved).
+            CompileError: Triton rejected the kernel; the error carries its message.
+            PoolClosedError: the pool is not running.
+        """
+        from acompile._backends._triton import TritonSpec
+
+        spec = TritonSpec(
+            fn_or_source,
+            signature,
+            constexprs,
+            kernel_name,
+            num_warps,
+            num_stages,
+            target,
+            attrs,
+            options,
+        )
+        return await self.compile(spec)
+
+    async def compile(self, spec: Any, *, background: bool = False) -> Any:
+        """Compile one spec (``acompile.TritonSpec``), or take it from the cache.
+
+        ``background=True`` queues the work behind requests that someone is waiting on (for
+        warm-up jobs that should not delay a server's on-demand compiles).
+        """
+        self._check_running()
+        backend = load_parent(_backend_of(spec))
+        request = await backend.prepare(spec, self._target)
+        kernel = self._cache.memory.get(request.key)
+        if kernel is not None:
+            self._counts["hits_memory"] += 1
+            return kernel
+        flight = self._flights.get(request.key)
+        if flight is None:
+            flight = _Flight(request.key)
+            self._flights[request.key] = flight
+            assert self._tg is not None
+            self._tg.start_soon(self._fly, flight, backend, request, BACKGROUND if background else URGENT)
+        else:
+            self._counts["joined_in_flight"] += 1
+        flight.waiters += 1
+        try:
+            await flight.done.wait()
+        finally:
+            flight.waiters -= 1
+            if flight.waiters == 0 and not flight.done.is_set():
+                # The last caller left: stop the work, and let a later caller start afresh.
+                if self._flights.get(flight.key) is flight:
+                    del self._flights[flight.key]
+                flight.scope.cancel()
+        if flight.error is not None:
+            # Each caller raises its own copy: one exception object raised in several tasks
+            # would collect all their tracebacks.
+            raise copy.copy(flight.error)
+        return flight.result
+
+    async def _fly(self, flight: _Flight, backend: Any, request: Any, lane: int) -> None:
+        try:
+            with flight.scope:
+                entry = await self._cache.read(request.key)
+                if entry is not None:
+                    self._counts["hits_disk"] += 1
+                    tier = "disk"
+                else:
+                    self._counts["misses"] += 1
+                    data = await self._run_job(backend, request, lane)
+                    entry = entry_format.decode(data, request.key, verify=False)
+                    await self._cache.write(request.key, data)
+                    self._counts["compiled"] += 1
+                    tier = "compile"
+                kernel = backend.load(request, entry)
+                kernel.source_tier = tier
+                self._cache.memory.set(request.key, kernel)
+                flight.finish(kernel)
+        except AcompileError as exc:
+            if not isinstance(exc, JobCancelled):
+                self._counts["failed"] += 1
+                logger.warning("compile of %s failed: %s", request.name, str(exc).splitlines()[0])
+            flight.finish(error=exc)
+        except Exception as exc:
+            flight.finish(error=exc)
+        except BaseException:
+            flight.finish(error=PoolClosedError("the pool shut down while compiling"))
+            raise
+        finally:
+            if self._flights.get(flight.key) is flight:
+                del self._flights[flight.key]
+            # Cancelled by its last waiter (not by shutdown): nobody is left to tell.
+            flight.finish(error=JobCancelled(request.name))
+
+    async def _run_job(self, backend: Any, request: Any, lane: int) -> bytes:
+        assert self._workers is not None
+        self._start_workers()
+        job = self._workers.submit(Job(backend.WORKER_MODULE, request.payload, request.name, lane))
+        try:
+            result: bytes = await job.outcome()
+        finally:
+            if not job.done.is_set():
+                job.abandon()
+        return result
+
+    async def gather(self, *specs: Any, return_exceptions: bool = False, background: bool = False) -> list[Any]:
+        """Compile many specs at once; results in the order given.
+
+        With ``return_exceptions=True`` a failed spec's place holds its exception and the others
+        go on; otherwise the first failure cancels the rest and is raised.
+        """
+        results: list[Any] = [None] * len(specs)
+        failure: list[BaseException] = []
+
+        async def one(i: int, spec: Any) -> None:
+            try:
+                results[i] = await self.compile(spec, background=background)
+            except AcompileError as exc:
+                if return_exceptions:
+                    results[i] = exc
+                else:
+                    failure.append(exc)
+                    tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            for i, spec in enumerate(specs):
+                tg.start_soon(one, i, spec)
+        if failure:
+            raise failure[0]
+        return results
+
+    # -- introspection ---------------------------------------------------------------------------
+
+    @property
+    def target(self) -> Target | None:
+        """The default target of this pool's requests."""
+        return self._target
+
+    @property
+    def cache_dir(self) -> Path:
+        return self._cache.root
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of the pool: workers, jobs, cache hits by tier, compile times."""
+        workers = self._workers
+        times = sorted(workers.stats.job_seconds) if workers else []
+        return {
+            "state": self._state,
+            "target": str(self._target) if self._target else None,
+            "workers": {
+                "size": self._size,
+                "alive": len(workers.alive) if workers else 0,
+                "busy": workers.busy if workers else 0,
+                "started": workers.stats.started if workers else 0,
+                "restarts": dict(workers.stats.restarts) if workers else {},
+            },
+            "jobs": {
+                "queued": len(workers.queue) if workers else 0,
+                "running": workers.busy if workers else 0,
+                "done": workers.stats.jobs_done if workers else 0,
+                "failed": workers.stats.jobs_failed if workers else 0,
+                "cancelled": workers.stats.jobs_cancelled if workers else 0,
+            },
+            "cache": {
+                "memory_entries": len(self._cache.memory),
+                "hits_memory": self._counts["hits_memory"],
+                "hits_disk": self._counts["hits_disk"],
+                "misses": self._counts["misses"],
+                "disk_corrupt": self._cache.counts["disk_corrupt"],
+                "disk_writes": self._cache.counts["disk_writes"],
+            },
+            "compiled": self._counts["compiled"],
+            "failed": self._counts["failed"],
+            "compile_seconds": _percentiles(times),
+        }
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    if len(values) == 1:
+        return {"p50": values[0], "p90": values[0], "max": values[0]}
+    q = statistics.quantiles(values, n=10, method="inclusive")
+    return {"p50": statistics.median(values), "p90": q[8], "max": values[-1]}
+
+
+def _backend_of(spec: Any) -> str:
+    name = type(spec).__name__
+    if name == "TritonSpec":
+        return "triton"
+    raise TypeError(f"not a compile spec: {spec!r}; build one with acompile.TritonSpec(...)")

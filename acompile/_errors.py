@@ -1,0 +1,124 @@
+"""The exception tree of acompile.
+
+Every error acompile raises on purpose derives from ``AcompileError``::
+
+    AcompileError
+    ├── InvalidSpecError          (also a ValueError)  a compile request that cannot be right
+    │   └── UnknownTargetError                          a target string acompile cannot read
+    ├── CompileError                                    the compiler rejected the kernel
+    │   └── WorkerCrashedError                          the worker died while compiling it
+    ├── PoolError                                       the pool cannot take work
+    │   ├── PoolClosedError                             used outside ``async with``, or after it
+    │   └── WorkerStartError                            a worker failed to start or preload
+    ├── BackendUnavailableError   (also an ImportError) a backend's package is not installed
+    └── DeviceUnavailableError                          loading or launching with no usable GPU
+
+Cancellation (``anyio.get_cancelled_exc_class()``) is never translated into one of these: a
+caller that cancels, or whose ``anyio.fail_after`` deadline expires, sees its own cancellation.
+"""
+
+from __future__ import annotations
+
+
+class AcompileError(Exception):
+    """Base class of every error acompile raises on purpose."""
+
+
+class InvalidSpecError(AcompileError, ValueError):
+    """A compile request that is wrong before any compiler sees it.
+
+    Raised by ``CompilePool.triton()`` and friends before a worker is involved: an unknown type
+    string, a missing constexpr, an object that is not a Triton JIT function, a source string
+    without the named kernel, an option the backend does not know. The message says what to change.
+    """
+
+
+class UnknownTargetError(InvalidSpecError):
+    """A target acompile cannot read, such as ``"cuda90"`` or ``"cuda:12"``."""
+
+
+class CompileError(AcompileError):
+    """The compiler rejected a kernel (or crashed on it).
+
+    Attributes:
+        kernel: the kernel's name.
+        backend: ``"triton"``, ``"cuda"``, ``"cpp"`` ...
+        log: the compiler's own message.
+        stderr_tail: the last part of what the worker's compilers wrote to fd 2 during the job.
+        worker_traceback: the traceback of the failure inside the worker, as text.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        kernel: str,
+        backend: str,
+        log: str = "",
+        stderr_tail: str = "",
+        worker_traceback: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.kernel = kernel
+        self.backend = backend
+        self.log = log
+        self.stderr_tail = stderr_tail
+        self.worker_traceback = worker_traceback
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if self.stderr_tail.strip():
+            text += "\n--- compiler stderr (tail) ---\n" + self.stderr_tail.rstrip()
+        return text
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keyword-only attributes do not survive the default pickling of exceptions.
+        return (_rebuild_compile_error, (type(self), self.args[0], self.__dict__.copy()))
+
+
+def _rebuild_compile_error(
+    cls: type[CompileError], message: str, state: dict[str, object]
+) -> CompileError:
+    err = cls.__new__(cls)
+    Exception.__init__(err, message)
+    err.__dict__.update(state)
+    return err
+
+
+class WorkerCrashedError(CompileError):
+    """The worker process died while it compiled this kernel.
+
+    Attributes (besides ``CompileError``'s):
+        exit_code: the worker's exit status; negative for a signal (``-11`` is SIGSEGV).
+    """
+
+    def __init__(self, message: str, *, exit_code: int | None, **kwargs: str) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.exit_code = exit_code
+
+
+class PoolError(AcompileError):
+    """The pool cannot take this work."""
+
+
+class PoolClosedError(PoolError):
+    """The pool is not running: used before ``async with`` entered it, or after it left.
+
+    A pool is entered once; leaving it stops its workers for good. Make a new ``CompilePool``.
+    """
+
+
+class WorkerStartError(PoolError):
+    """A worker process failed to start or to finish its preload (the message says why)."""
+
+
+class BackendUnavailableError(AcompileError, ImportError):
+    """A backend's package is missing; the message names what to install."""
+
+
+class DeviceUnavailableError(AcompileError):
+    """Loading or launching a kernel needs a GPU and a driver, and there is none usable.
+
+    Compiling never needs one: pass an explicit target (``target="cuda:90"``) to compile on a
+    machine without a GPU; load and launch the results where a GPU is.
+    """
