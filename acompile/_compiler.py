@@ -37,6 +37,7 @@ class _Flight:
     waiters: int = 0
     done: anyio.Event = field(default_factory=anyio.Event)
     result: Any = None
+    tier: str = ""
     error: BaseException | None = None
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
 
@@ -60,6 +61,8 @@ class CompilePool:
         prestart: start (and preload) the workers when the pool is entered. With ``False`` they
             start at the first request that misses the cache, so a process whose kernels are all
             cached never starts one.
+        preload: the backends each worker imports and warms up before it reports ready
+            (``"triton"``); a backend not named here loads at its first job instead.
 
     Entering starts the workers in the background and returns at once; ``wait_ready()`` waits
     for their preload. Leaving stops every worker, whatever happens in the body. A pool is
@@ -74,6 +77,7 @@ class CompilePool:
         cache_dir: str | os.PathLike[str] | None = None,
         memory_cache_size: int = 1024,
         prestart: bool = True,
+        preload: tuple[str, ...] = ("triton",),
     ) -> None:
         if workers is not None and (not isinstance(workers, int) or workers < 1):
             raise ValueError(f"workers must be a positive integer or None, got {workers!r}")
@@ -82,6 +86,7 @@ class CompilePool:
         self._target: Target | None = parse_target(target) if target is not None else None
         self._cache = Cache(Path(cache_dir) if cache_dir is not None else default_cache_dir(), memory_cache_size)
         self._prestart = prestart
+        self._preload = [_WORKER_MODULES[name] for name in preload] if _known_backends(preload) else []
         self._state = "new"
         self._flights: dict[str, _Flight] = {}
         self._counts: Counter[str] = Counter()
@@ -105,7 +110,7 @@ class CompilePool:
                 "sys_path": list(sys.path),
                 "cwd": os.getcwd(),
                 "target": str(self._target),
-                "preload": ["acompile._backends._triton_worker"],
+                "preload": self._preload,
             }
             self._workers = WorkerPool(self._size, config, self._workdir)
             self._tg = anyio.create_task_group()
@@ -124,13 +129,15 @@ class CompilePool:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool | None:
+    ) -> None:
         self._state = "closed"
         assert self._tg is not None
         # Whatever the body did, compiles in progress are abandoned and workers stopped now.
         self._tg.cancel_scope.cancel()
         try:
-            return await self._tg.__aexit__(exc_type, exc, tb)
+            # The body's own exception is not the task group's business: it propagates as it is
+            # once this returns, instead of wrapped in an exception group.
+            await self._tg.__aexit__(None, None, None)
         finally:
             for flight in list(self._flights.values()):
                 flight.finish(error=PoolClosedError("the pool shut down while compiling"))
@@ -221,19 +228,25 @@ class CompilePool:
         ``background=True`` queues the work behind requests that someone is waiting on (for
         warm-up jobs that should not delay a server's on-demand compiles).
         """
+        kernel, _ = await self.compile_with_tier(spec, background=background)
+        return kernel
+
+    async def compile_with_tier(self, spec: Any, *, background: bool = False) -> tuple[Any, str]:
+        """Like ``compile()``, and say where the result came from: ``"memory"``, ``"disk"`` or
+        ``"compile"`` (a worker compiled it for this request or one it joined)."""
         self._check_running()
         backend = load_parent(_backend_of(spec))
         request = await backend.prepare(spec, self._target)
         kernel = self._cache.memory.get(request.key)
         if kernel is not None:
             self._counts["hits_memory"] += 1
-            return kernel
+            return kernel, "memory"
         flight = self._flights.get(request.key)
         if flight is None:
             flight = _Flight(request.key)
             self._flights[request.key] = flight
             assert self._tg is not None
-            self._tg.start_soon(self._fly, flight, backend, request, BACKGROUND if background else URGENT)
+            self._tg.start_soon(self._fly, flight, backend, request, background)
         else:
             self._counts["joined_in_flight"] += 1
         flight.waiters += 1
@@ -250,9 +263,9 @@ class CompilePool:
             # Each caller raises its own copy: one exception object raised in several tasks
             # would collect all their tracebacks.
             raise copy.copy(flight.error)
-        return flight.result
+        return flight.result, flight.tier
 
-    async def _fly(self, flight: _Flight, backend: Any, request: Any, lane: int) -> None:
+    async def _fly(self, flight: _Flight, backend: Any, request: Any, background: bool) -> None:
         try:
             with flight.scope:
                 entry = await self._cache.read(request.key)
@@ -261,14 +274,14 @@ class CompilePool:
                     tier = "disk"
                 else:
                     self._counts["misses"] += 1
-                    data = await self._run_job(backend, request, lane)
+                    data = await self._run(backend.WORKER_MODULE, request.payload, request.name, background=background)
                     entry = entry_format.decode(data, request.key, verify=False)
                     await self._cache.write(request.key, data)
                     self._counts["compiled"] += 1
                     tier = "compile"
                 kernel = backend.load(request, entry)
-                kernel.source_tier = tier
                 self._cache.memory.set(request.key, kernel)
+                flight.tier = tier
                 flight.finish(kernel)
         except AcompileError as exc:
             if not isinstance(exc, JobCancelled):
@@ -286,16 +299,21 @@ class CompilePool:
             # Cancelled by its last waiter (not by shutdown): nobody is left to tell.
             flight.finish(error=JobCancelled(request.name))
 
-    async def _run_job(self, backend: Any, request: Any, lane: int) -> bytes:
+    async def _run(self, backend_module: str, payload: Any, name: str, *, background: bool = False) -> Any:
+        """Run one job on a worker with the named worker-side backend module, uncached.
+
+        The seam tests use to drive the pool with fake backends (a job that sleeps, crashes,
+        floods fd 2); the same cancellation rules hold as for real compiles.
+        """
+        self._check_running()
         assert self._workers is not None
         self._start_workers()
-        job = self._workers.submit(Job(backend.WORKER_MODULE, request.payload, request.name, lane))
+        job = self._workers.submit(Job(backend_module, payload, name, BACKGROUND if background else URGENT))
         try:
-            result: bytes = await job.outcome()
+            return await job.outcome()
         finally:
             if not job.done.is_set():
                 job.abandon()
-        return result
 
     async def gather(self, *specs: Any, return_exceptions: bool = False, background: bool = False) -> list[Any]:
         """Compile many specs at once; results in the order given.
@@ -376,6 +394,16 @@ def _percentiles(values: list[float]) -> dict[str, float]:
         return {"p50": values[0], "p90": values[0], "max": values[0]}
     q = statistics.quantiles(values, n=10, method="inclusive")
     return {"p50": statistics.median(values), "p90": q[8], "max": values[-1]}
+
+
+_WORKER_MODULES = {"triton": "acompile._backends._triton_worker"}
+
+
+def _known_backends(names: tuple[str, ...]) -> bool:
+    unknown = [n for n in names if n not in _WORKER_MODULES]
+    if unknown:
+        raise ValueError(f"unknown backend(s) to preload: {unknown}; known: {sorted(_WORKER_MODULES)}")
+    return True
 
 
 def _backend_of(spec: Any) -> str:

@@ -274,15 +274,20 @@ class WorkerPool:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
         config = dict(self.config, triton_cache_dir=os.path.join(self.workdir, f"triton-{slot}"))
         t0 = time.perf_counter()
-        with open(stderr_path, "wb") as stderr:
+        # Read-write (the worker reads its own tail back) and append-only (after the worker
+        # truncates it at a job's start, writes land at the new end, not at the old offset).
+        stderr_fd = os.open(stderr_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        try:
             process = await anyio.open_process(
                 [sys.executable, "-m", "acompile._worker"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
-                stderr=stderr,
+                stderr=stderr_fd,
                 cwd=self.config["cwd"],
                 env=env,
             )
+        finally:
+            os.close(stderr_fd)
         worker = _WorkerProcess(process, stderr_path)
         self.alive[worker.pid] = worker
         try:

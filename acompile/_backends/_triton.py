@@ -446,7 +446,6 @@ class TritonKernel:
         self.cubin: bytes = compiled.kernel
         self._constants = request.constants
         self._order = list(request.signature)
-        self.source_tier = "compile"
 
     def __repr__(self) -> str:
         return f"<TritonKernel {self.name} {self.target} key={self.key[:12]}…>"

@@ -1,0 +1,241 @@
+"""A model server that compiles Triton kernels on demand, with acompile behind it.
+
+    uvicorn examples.server:app                      # from the repository root
+    uvicorn server:app --app-dir examples --port 8000
+    python examples/server.py --host 0.0.0.0 --port 8000
+
+Routes:
+    GET  /health    answers at once, whatever is compiling: the warm-up's state and
+                    ``pool.stats()``.
+    POST /compile   ``{"kernel": "add_kernel", "constexprs": {"BLOCK": 512}, "num_warps": 4}``
+                    compiles (or takes from the cache) and answers ``{"name", "key", "tier",
+                    "cubin_bytes", "seconds"}``; a wrong request is a 400, a kernel Triton
+                    rejects a 422, each with the message that says why.
+
+The server starts accepting requests as soon as the pool is entered. The kernels it knows are
+compiled in the background meanwhile (``background=True``), so a request that someone waits on
+never queues behind the warm-up.
+
+Environment: ``ACOMPILE_TARGET`` (default ``cuda:90``; compiling needs no GPU),
+``ACOMPILE_CACHE_DIR`` (the pool's disk cache), ``ACOMPILE_HOST`` and ``ACOMPILE_PORT`` (for
+``python examples/server.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+import acompile
+
+# The kernels live next to this file. Import them as the top-level module `kernels` however the
+# server is started (`uvicorn examples.server:app`, `--app-dir examples`, or as a script); the
+# pool hands its workers this sys.path, so they can import the module too if they need to.
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+import kernels  # noqa: E402
+
+logger = logging.getLogger("acompile.example")
+
+# A deadline for one on-demand compile: a compile that takes longer is abandoned (its worker is
+# replaced) and the caller gets a 504 instead of a hung connection.
+COMPILE_DEADLINE_S = 120.0
+
+_FP32_PTRS = {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32"}
+
+# What a client may name, and the runtime signature each kernel is compiled with.
+KERNELS: dict[str, tuple[Any, dict[str, str]]] = {
+    "add_kernel": (kernels.add_kernel, {**_FP32_PTRS, "n": "i32"}),
+    "bias_gelu_kernel": (
+        kernels.bias_gelu_kernel,
+        {"x_ptr": "*fp16", "bias_ptr": "*fp16", "out_ptr": "*fp16", "n": "i32", "cols": "i32"},
+    ),
+    "softmax_kernel": (
+        kernels.softmax_kernel,
+        {"x_ptr": "*fp32", "out_ptr": "*fp32", "stride": "i32", "cols": "i32"},
+    ),
+    "matmul_kernel": (
+        kernels.matmul_kernel,
+        {
+            "a_ptr": "*fp16", "b_ptr": "*fp16", "c_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32",
+            "stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32",
+            "stride_cm": "i32", "stride_cn": "i32",
+        },
+    ),
+}
+
+# The variants compiled at start-up (those of examples/manifest.toml), as
+# (kernel, constexprs, num_warps, num_stages).
+WARMUP: list[tuple[str, dict[str, int], int, int]] = [
+    ("add_kernel", {"BLOCK": 256}, 4, 3),
+    ("add_kernel", {"BLOCK": 1024}, 4, 3),
+    ("bias_gelu_kernel", {"BLOCK": 1024}, 4, 3),
+    ("softmax_kernel", {"BLOCK": 1024}, 8, 3),
+    ("softmax_kernel", {"BLOCK": 4096}, 8, 3),
+    ("matmul_kernel", {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}, 4, 3),
+    ("matmul_kernel", {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, 4, 3),
+]
+
+_REQUEST_FIELDS = {"kernel", "constexprs", "num_warps", "num_stages"}
+
+
+class BadRequest(Exception):
+    """The request body is wrong before acompile sees it (answered with a 400)."""
+
+
+class _Warmup:
+    """What /health reports of the warm-up: "running", then "done" or "failed"."""
+
+    def __init__(self) -> None:
+        self.state = "running"
+        self.total = len(WARMUP)
+        self.errors: list[str] = []
+        self.seconds: float | None = None
+
+    def report(self) -> dict[str, Any]:
+        return {"total": self.total, "errors": self.errors, "seconds": self.seconds}
+
+
+def _spec(kernel: str, constexprs: Any, num_warps: Any, num_stages: Any) -> acompile.TritonSpec:
+    try:
+        fn, signature = KERNELS[kernel]
+    except (KeyError, TypeError):
+        raise BadRequest(f"unknown kernel {kernel!r}; this server knows {sorted(KERNELS)}") from None
+    # acompile checks the rest (constexpr names and values, num_warps, num_stages) and says
+    # what is wrong with an InvalidSpecError.
+    return acompile.TritonSpec(fn, signature, constexprs, num_warps=num_warps, num_stages=num_stages)
+
+
+async def _warm_up(pool: acompile.CompilePool, warmup: _Warmup) -> None:
+    t0 = time.perf_counter()
+    try:
+        await pool.wait_ready()
+        specs = [_spec(name, c, w, s) for name, c, w, s in WARMUP]
+        results = await pool.gather(*specs, return_exceptions=True, background=True)
+    except acompile.AcompileError as exc:  # the workers could not start: the message says why
+        warmup.errors.append(str(exc))
+        results = []
+    warmup.errors += [
+        f"{name} {c}: {r}" for (name, c, _, _), r in zip(WARMUP, results) if isinstance(r, Exception)
+    ]
+    warmup.seconds = round(time.perf_counter() - t0, 3)
+    warmup.state = "failed" if warmup.errors else "done"
+    logger.info("warm-up %s: %d kernels in %.2f s", warmup.state, len(WARMUP), warmup.seconds)
+
+
+def create_app(target: str | None = None, workers: int | None = None) -> Starlette:
+    """The server as a Starlette app, compiling for ``target`` (default ``$ACOMPILE_TARGET``
+    or ``cuda:90``) with ``workers`` compile processes (default: one per usable CPU)."""
+    target = target or os.environ.get("ACOMPILE_TARGET", "cuda:90")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
+        warmup = _Warmup()
+        async with acompile.CompilePool(workers, target=target) as pool, anyio.create_task_group() as tg:
+            # Not awaited here: the server takes requests while the warm-up runs.
+            tg.start_soon(_warm_up, pool, warmup)
+            yield {"pool": pool, "warmup": warmup}
+            # Shutting down: a warm-up still running is dropped; leaving the pool stops workers.
+            tg.cancel_scope.cancel()
+
+    async def health(request: Request) -> JSONResponse:
+        pool: acompile.CompilePool = request.state.pool
+        warmup: _Warmup = request.state.warmup
+        return JSONResponse(
+            {"status": "ok", "warmup": warmup.state, "warmup_detail": warmup.report(), "pool": pool.stats()}
+        )
+
+    async def compile_kernel(request: Request) -> JSONResponse:
+        pool: acompile.CompilePool = request.state.pool
+        t0 = time.perf_counter()
+        try:
+            body = await _read_body(request)
+            spec = _spec(
+                body["kernel"] if "kernel" in body else None,
+                body.get("constexprs", {}),
+                body.get("num_warps", 4),
+                body.get("num_stages", 3),
+            )
+            with anyio.fail_after(COMPILE_DEADLINE_S):
+                kernel, tier = await pool.compile_with_tier(spec)
+        except (BadRequest, acompile.InvalidSpecError) as exc:
+            return _error(400, str(exc))
+        except acompile.CompileError as exc:
+            return _error(422, str(exc))
+        except acompile.PoolClosedError as exc:
+            return _error(503, str(exc))
+        except TimeoutError:
+            return _error(504, f"the compile took longer than {COMPILE_DEADLINE_S:g} s and was abandoned")
+        return JSONResponse(
+            {
+                "name": kernel.name,
+                "key": kernel.key,
+                "tier": tier,  # "memory", "disk" or "compile": where this answer came from
+                "cubin_bytes": len(kernel.cubin),
+                "seconds": round(time.perf_counter() - t0, 6),
+            }
+        )
+
+    return Starlette(
+        routes=[Route("/health", health), Route("/compile", compile_kernel, methods=["POST"])],
+        lifespan=lifespan,
+    )
+
+
+async def _read_body(request: Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"the body must be a JSON object such as {_EXAMPLE}, got {type(body).__name__}")
+    unknown = sorted(set(body) - _REQUEST_FIELDS)
+    if unknown:
+        raise BadRequest(f"unknown field(s) {unknown}; a request has {sorted(_REQUEST_FIELDS)}")
+    if "kernel" not in body:
+        raise BadRequest(f"missing field 'kernel'; e.g. {_EXAMPLE}")
+    return body
+
+
+_EXAMPLE = '{"kernel": "add_kernel", "constexprs": {"BLOCK": 1024}, "num_warps": 4}'
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+app = create_app()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description="Serve Triton compiles over HTTP with acompile.")
+    parser.add_argument("--host", default=os.environ.get("ACOMPILE_HOST", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(os.environ.get("ACOMPILE_PORT", "8000")))
+    parser.add_argument("--target", default=None, help="default: $ACOMPILE_TARGET or cuda:90")
+    parser.add_argument("--workers", type=int, default=None, help="compile processes (default: one per CPU)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    server_app = app if args.target is None and args.workers is None else create_app(args.target, args.workers)
+    uvicorn.run(server_app, host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()

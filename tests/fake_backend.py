@@ -1,0 +1,61 @@
+"""A worker-side backend for tests: jobs that do what Triton will not do on demand.
+
+Payload: {"name": str, "action": str, ...}. Real processes, real signals, real file descriptors;
+only the compiler is fake.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from acompile._errors import CompileError
+
+
+def setup(config: dict[str, Any]) -> None:
+    pass
+
+
+def preload(config: dict[str, Any]) -> None:
+    pass
+
+
+def compile(payload: dict[str, Any]) -> Any:
+    action = payload["action"]
+    if action == "echo":
+        return payload.get("value")
+    if action == "pid":
+        return os.getpid()
+    if action == "env":
+        return {"cwd": os.getcwd(), "sys_path": list(sys.path), "env": payload.get("var") and os.environ.get(payload["var"])}
+    if action == "sleep":
+        time.sleep(payload["seconds"])
+        return payload.get("value", "slept")
+    if action == "flood":
+        # Megabytes to fd 2, as LLVM with MLIR_ENABLE_DUMP=1 does; then fail, so the tail shows.
+        chunk = (b"x" * 1023 + b"\n") * 1024
+        for _ in range(payload["megabytes"]):
+            os.write(2, chunk)
+        os.write(2, b"the last words of the compiler\n")
+        if payload.get("fail"):
+            raise CompileError("flooded and failed", kernel=payload["name"], backend="fake", log="see stderr")
+        return "flooded"
+    if action == "print":
+        print("a compiler that prints to stdout must not corrupt the protocol")
+        return "printed"
+    if action == "raise":
+        raise ValueError(payload.get("message", "broken kernel"))
+    if action == "crash":
+        os.write(2, b"about to crash\n")
+        os.kill(os.getpid(), getattr(signal, payload.get("signal", "SIGSEGV")))
+        time.sleep(10)
+    if action == "exit":
+        os._exit(payload.get("code", 1))
+    if action == "big":
+        return b"\x01" * payload["bytes"]
+    if action == "unpicklable":
+        return lambda: None
+    raise ValueError(f"unknown action {action!r}")

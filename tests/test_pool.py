@@ -1,0 +1,258 @@
+"""The worker pool, driven through the fake backend: real processes, fake compiler."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import anyio
+import psutil
+import pytest
+
+import acompile
+from acompile._pool import JobCancelled
+
+pytestmark = pytest.mark.anyio
+FAKE = "fake_backend"
+
+
+def pool(cache_dir: Path, workers: int = 2, **kw: object) -> acompile.CompilePool:
+    return acompile.CompilePool(workers, target="cuda:90", cache_dir=cache_dir, preload=(), **kw)  # type: ignore[arg-type]
+
+
+async def test_jobs_run_in_separate_worker_processes(cache_dir: Path) -> None:
+    async with pool(cache_dir) as p:
+        await p.wait_ready()
+        pids = set()
+        async with anyio.create_task_group() as tg:
+            for i in range(2):
+
+                async def one() -> None:
+                    pids.add(await p._run(FAKE, {"name": "s", "action": "sleep", "seconds": 0.3, "value": os.getpid()}, "s"))
+                    pids.add(await p._run(FAKE, {"name": "p", "action": "pid"}, "p"))
+
+                tg.start_soon(one)
+        worker_pids = {pid for pid in pids if pid != os.getpid()}
+        assert len(worker_pids) == 2 and os.getpid() not in worker_pids
+        assert p.stats()["workers"]["alive"] == 2
+
+
+async def test_worker_sees_parent_cwd_sys_path_and_environment(cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ACOMPILE_TEST_VALUE", "from-the-parent")
+    extra = str(tmp_path / "extra-path")
+    monkeypatch.syspath_prepend(extra)
+    async with pool(cache_dir, workers=1) as p:
+        seen = await p._run(FAKE, {"name": "e", "action": "env", "var": "ACOMPILE_TEST_VALUE"}, "e")
+    assert seen["cwd"] == str(tmp_path)
+    assert extra in seen["sys_path"]
+    assert seen["env"] == "from-the-parent"
+
+
+async def test_output_on_stdout_does_not_corrupt_the_protocol(cache_dir: Path) -> None:
+    async with pool(cache_dir, workers=1) as p:
+        assert await p._run(FAKE, {"name": "p", "action": "print"}, "p") == "printed"
+        assert await p._run(FAKE, {"name": "e", "action": "echo", "value": 42}, "e") == 42
+
+
+async def test_a_stderr_flood_never_hangs_and_its_tail_travels_with_the_error(cache_dir: Path) -> None:
+    async with pool(cache_dir, workers=1) as p:
+        with anyio.fail_after(60):
+            assert await p._run(FAKE, {"name": "f", "action": "flood", "megabytes": 50}, "f") == "flooded"
+            with pytest.raises(acompile.CompileError) as info:
+                await p._run(FAKE, {"name": "flooder", "action": "flood", "megabytes": 2, "fail": True}, "flooder")
+    err = info.value
+    assert "the last words of the compiler" in err.stderr_tail
+    assert len(err.stderr_tail) <= 64 * 1024
+    assert "the last words of the compiler" in str(err)
+
+
+async def test_large_results_come_back_whole(cache_dir: Path) -> None:
+    async with pool(cache_dir, workers=1) as p:
+        data = await p._run(FAKE, {"name": "b", "action": "big", "bytes": 100 * 1024 * 1024}, "b")
+    assert len(data) == 100 * 1024 * 1024 and data[:1] == b"\x01" and data[-1:] == b"\x01"
+
+
+async def test_an_exception_in_the_compiler_is_a_compile_error_with_the_worker_traceback(cache_dir: Path) -> None:
+    async with pool(cache_dir, workers=1) as p:
+        with pytest.raises(acompile.CompileError) as info:
+            await p._run(FAKE, {"name": "k1", "action": "raise", "message": "bad tile"}, "k1")
+        assert info.value.kernel == "k1"
+        assert "bad tile" in str(info.value) and "bad tile" in info.value.log
+        assert "fake_backend.py" in info.value.worker_traceback
+        # The worker survived: same process answers the next job.
+        assert await p._run(FAKE, {"name": "e", "action": "echo", "value": 1}, "e") == 1
+        assert p.stats()["workers"]["restarts"] == {}
+
+
+async def test_an_unpicklable_result_fails_that_job_only(cache_dir: Path) -> None:
+    async with pool(cache_dir, workers=1) as p:
+        with pytest.raises(acompile.CompileError, match="pickle"):
+            await p._run(FAKE, {"name": "u", "action": "unpicklable"}, "u")
+        assert await p._run(FAKE, {"name": "e", "action": "echo", "value": 2}, "e") == 2
+
+
+async def test_an_unsendable_request_fails_that_job_only(cache_dir: Path) -> None:
+    async with pool(cache_dir, workers=1) as p:
+        with pytest.raises(acompile.CompileError, match="cannot send"):
+            await p._run(FAKE, {"name": "u", "action": "echo", "value": lambda: None}, "u")
+        assert await p._run(FAKE, {"name": "e", "action": "echo", "value": 3}, "e") == 3
+
+
+@pytest.mark.parametrize("how", ["SIGSEGV", "SIGABRT", "exit"])
+async def test_a_crashing_worker_fails_its_job_and_is_replaced(cache_dir: Path, how: str) -> None:
+    payload = {"name": "crasher", "action": "exit", "code": 134} if how == "exit" else {"name": "crasher", "action": "crash", "signal": how}
+    async with pool(cache_dir, workers=2) as p:
+        await p.wait_ready()
+        async with anyio.create_task_group() as tg:
+            survivor: list[object] = []
+
+            async def other() -> None:
+                survivor.append(await p._run(FAKE, {"name": "ok", "action": "sleep", "seconds": 0.5, "value": "ok"}, "ok"))
+
+            tg.start_soon(other)
+            with pytest.raises(acompile.WorkerCrashedError) as info:
+                await p._run(FAKE, payload, "crasher")
+        assert survivor == ["ok"]
+        err = info.value
+        assert err.kernel == "crasher"
+        assert (err.exit_code == 134) if how == "exit" else (err.exit_code == -getattr(__import__("signal"), how))
+        if how != "exit":
+            assert "about to crash" in err.stderr_tail
+        assert await p._run(FAKE, {"name": "e", "action": "echo", "value": "after"}, "e") == "after"
+        await p.wait_ready()
+        assert p.stats()["workers"]["alive"] == 2
+        assert p.stats()["workers"]["restarts"] == {"crash": 1}
+
+
+async def test_cancelling_a_running_job_stops_its_worker(cache_dir: Path) -> None:
+    async with pool(cache_dir, workers=1) as p:
+        pid = await p._run(FAKE, {"name": "p", "action": "pid"}, "p")
+        with anyio.move_on_after(0.5) as scope:
+            await p._run(FAKE, {"name": "slow", "action": "sleep", "seconds": 60}, "slow")
+        assert scope.cancelled_caught
+        # The process that ran it is gone, and a fresh one answers.
+        with anyio.fail_after(10):
+            while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                await anyio.sleep(0.02)
+            new_pid = await p._run(FAKE, {"name": "p", "action": "pid"}, "p")
+        assert new_pid != pid
+        assert p.stats()["workers"]["restarts"] == {"abandoned": 1}
+        assert p.stats()["jobs"]["cancelled"] == 1
+
+
+async def test_cancelling_a_queued_job_drops_it_without_touching_workers(cache_dir: Path) -> None:
+    async with pool(cache_dir, workers=1) as p:
+        await p.wait_ready()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(p._run, FAKE, {"name": "busy", "action": "sleep", "seconds": 0.8}, "busy")
+            await anyio.sleep(0.1)
+            with anyio.move_on_after(0.2):
+                await p._run(FAKE, {"name": "never", "action": "crash"}, "never")  # would crash if it ran
+        assert p.stats()["workers"]["restarts"] == {}
+        assert p.stats()["jobs"]["done"] == 1 and p.stats()["jobs"]["failed"] == 0
+
+
+async def test_background_work_waits_behind_urgent_work(cache_dir: Path) -> None:
+    order: list[str] = []
+    async with pool(cache_dir, workers=1) as p:
+        await p.wait_ready()
+        async with anyio.create_task_group() as tg:
+
+            async def run(name: str, background: bool) -> None:
+                await p._run(FAKE, {"name": name, "action": "echo", "value": name}, name, background=background)
+                order.append(name)
+
+            tg.start_soon(p._run, FAKE, {"name": "first", "action": "sleep", "seconds": 0.3}, "first")
+            await anyio.sleep(0.1)
+            for i in range(3):
+                tg.start_soon(run, f"warmup{i}", True)
+            await anyio.sleep(0.05)
+            tg.start_soon(run, "urgent", False)
+    assert order[0] == "urgent" and sorted(order[1:]) == ["warmup0", "warmup1", "warmup2"]
+
+
+async def test_leaving_the_pool_stops_every_worker_even_mid_compile(cache_dir: Path) -> None:
+    outcome: list[BaseException] = []
+    async with pool(cache_dir, workers=2) as p:
+        await p.wait_ready()
+        pids = [w.pid for w in p._workers.alive.values()]  # type: ignore[union-attr]
+
+        async def stuck() -> None:
+            try:
+                await p._run(FAKE, {"name": "hang", "action": "sleep", "seconds": 600}, "hang")
+            except BaseException as exc:
+                outcome.append(exc)
+                raise
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stuck)
+            await anyio.sleep(0.3)
+            tg.cancel_scope.cancel()
+        t0 = anyio.current_time()
+    assert anyio.current_time() - t0 < 2
+    assert all(not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE for pid in pids)
+
+
+async def test_an_exception_in_the_body_still_stops_the_workers(cache_dir: Path) -> None:
+    with pytest.raises(RuntimeError, match="user code failed"):
+        async with pool(cache_dir, workers=2) as p:
+            await p.wait_ready()
+            raise RuntimeError("user code failed")
+    # the autouse fixture checks the process table
+
+
+async def test_cancelling_the_task_that_owns_the_pool_stops_the_workers(cache_dir: Path) -> None:
+    async with anyio.create_task_group() as tg:
+
+        async def owner() -> None:
+            async with pool(cache_dir, workers=2) as p:
+                await p.wait_ready()
+                await p._run(FAKE, {"name": "hang", "action": "sleep", "seconds": 600}, "hang")
+
+        tg.start_soon(owner)
+        await anyio.sleep(1.5)
+        tg.cancel_scope.cancel()
+
+
+async def test_a_pool_is_used_inside_async_with_and_entered_once(cache_dir: Path) -> None:
+    p = pool(cache_dir, workers=1)
+    with pytest.raises(acompile.PoolClosedError, match="async with"):
+        await p._run(FAKE, {"name": "e", "action": "echo"}, "e")
+    async with p:
+        pass
+    with pytest.raises(acompile.PoolClosedError, match="shut down"):
+        await p._run(FAKE, {"name": "e", "action": "echo"}, "e")
+    with pytest.raises(acompile.PoolClosedError, match="entered once"):
+        async with p:
+            pass
+
+
+async def test_a_worker_that_cannot_start_is_reported(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A preload that fails: the worker cannot import its backend because PYTHONPATH
+    # shadows acompile with a broken package.
+    broken = cache_dir.parent / "shadow"
+    (broken / "acompile").mkdir(parents=True)
+    (broken / "acompile" / "__init__.py").write_text("raise ImportError('shadowed acompile for the test')\n")
+    monkeypatch.setattr(sys, "executable", sys.executable)
+    async with acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir, preload=()) as p:
+        p._workers.config["preload"] = ["module_that_does_not_exist_anywhere"]  # type: ignore[union-attr]
+        with anyio.fail_after(30):
+            with pytest.raises(acompile.WorkerStartError, match="module_that_does_not_exist_anywhere"):
+                await p.wait_ready()
+            with pytest.raises(acompile.WorkerStartError):
+                await p._run(FAKE, {"name": "e", "action": "echo"}, "e")
+
+
+async def test_bad_pool_arguments_are_rejected_up_front(cache_dir: Path) -> None:
+    with pytest.raises(ValueError, match="workers"):
+        acompile.CompilePool(0, target="cuda:90", cache_dir=cache_dir)
+    with pytest.raises(acompile.UnknownTargetError, match="cuda:90"):
+        acompile.CompilePool(1, target="cuda90", cache_dir=cache_dir)
+    with pytest.raises(ValueError, match="preload"):
+        acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir, preload=("fortran",))
+
+
+async def test_job_cancelled_is_internal() -> None:
+    assert issubclass(JobCancelled, acompile.AcompileError)
