@@ -112,7 +112,7 @@ class _Warmup:
         return {"total": self.total, "errors": self.errors, "seconds": self.seconds}
 
 
-def _spec(kernel: str, constexprs: Any, num_warps: Any, num_stages: Any) -> acompile.TritonSpec:
+def _spec(kernel: Any, constexprs: Any, num_warps: Any, num_stages: Any) -> acompile.TritonSpec:
     try:
         fn, signature = KERNELS[kernel]
     except (KeyError, TypeError):
@@ -130,10 +130,10 @@ async def _warm_up(pool: acompile.CompilePool, warmup: _Warmup) -> None:
         results = await pool.gather(*specs, return_exceptions=True, background=True)
     except acompile.AcompileError as exc:  # the workers could not start: the message says why
         warmup.errors.append(str(exc))
-        results = []
-    warmup.errors += [
-        f"{name} {c}: {r}" for (name, c, _, _), r in zip(WARMUP, results) if isinstance(r, Exception)
-    ]
+    else:
+        for (name, constexprs, _, _), result in zip(WARMUP, results, strict=True):
+            if isinstance(result, Exception):
+                warmup.errors.append(f"{name} {constexprs}: {result}")
     warmup.seconds = round(time.perf_counter() - t0, 3)
     warmup.state = "failed" if warmup.errors else "done"
     logger.info("warm-up %s: %d kernels in %.2f s", warmup.state, len(WARMUP), warmup.seconds)
@@ -233,7 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=None, help="compile processes (default: one per CPU)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
-    server_app = app if args.target is None and args.workers is None else create_app(args.target, args.workers)
+    default = args.target is None and args.workers is None
+    server_app = app if default else create_app(args.target, args.workers)
     uvicorn.run(server_app, host=args.host, port=args.port)
 
 

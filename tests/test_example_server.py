@@ -142,6 +142,10 @@ async def _stop(process: anyio.abc.Process) -> None:
             await process.wait()
 
 
+def client_of(server: Server) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=server.url, timeout=60)
+
+
 async def post_compile(client: httpx.AsyncClient, body: Any) -> httpx.Response:
     return await client.post("/compile", json=body)
 
@@ -157,7 +161,7 @@ async def test_health_answers_at_once_while_warmup_and_compiles_run(tmp_path: Pa
         results: dict[int, httpx.Response] = {}
         storm_over = anyio.Event()
 
-        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        async with client_of(server) as client:
 
             async def poll_health() -> None:
                 # Every 50 ms until the storm is over, and a few times after.
@@ -186,7 +190,10 @@ async def test_health_answers_at_once_while_warmup_and_compiles_run(tmp_path: Pa
 
             # Once the storm is over, the warm-up finishes too: wait for it, still answering.
             with anyio.fail_after(60):
-                while (health := (await client.get("/health")).json())["warmup"] == "running":
+                while True:
+                    health = (await client.get("/health")).json()
+                    if health["warmup"] != "running":
+                        break
                     await anyio.sleep(0.05)
 
     failed = {i: r.text for i, r in results.items() if r.status_code != 200}
@@ -212,12 +219,24 @@ async def test_health_answers_at_once_while_warmup_and_compiles_run(tmp_path: Pa
 
 
 @pytest.mark.timeout(180)
-async def test_compile_answers_with_the_kernel_and_where_it_came_from(tmp_path: Path, server_loop: str) -> None:
+async def test_compile_answers_with_the_kernel_and_where_it_came_from(
+    tmp_path: Path, server_loop: str
+) -> None:
     body = {"kernel": "add_kernel", "constexprs": {"BLOCK": 512}, "num_warps": 4}
     cache_dir = tmp_path / "cache"
-    async with serve(cache_dir, server_loop) as server, httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+    async with serve(cache_dir, server_loop) as server, client_of(server) as client:
+        # Ask once the warm-up's jobs wait in the queue behind ready workers.
+        with anyio.fail_after(30):
+            while True:
+                stats = (await client.get("/health")).json()["pool"]
+                if stats["workers"]["started"] == stats["workers"]["size"] and stats["jobs"]["queued"] > 0:
+                    break
+                await anyio.sleep(0.01)
         first = await post_compile(client, body)
         assert first.status_code == 200, f"{first.text}\n{server.log}"
+        # It went ahead of the warm-up (queued with background=True), which is still going on.
+        during = (await client.get("/health")).json()
+        assert during["warmup"] == "running", during
         again = await post_compile(client, body)
         assert again.status_code == 200, again.text
 
@@ -231,7 +250,7 @@ async def test_compile_answers_with_the_kernel_and_where_it_came_from(tmp_path: 
     assert two["seconds"] < one["seconds"], (one, two)
 
     # A new server process on the same cache folder finds it on disk.
-    async with serve(cache_dir, server_loop) as server, httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+    async with serve(cache_dir, server_loop) as server, client_of(server) as client:
         third = await post_compile(client, body)
         assert third.status_code == 200, third.text
     assert third.json()["tier"] == "disk", third.json()
@@ -239,24 +258,30 @@ async def test_compile_answers_with_the_kernel_and_where_it_came_from(tmp_path: 
 
 
 @pytest.mark.timeout(180)
-async def test_bad_requests_get_400_and_kernels_triton_rejects_get_422(tmp_path: Path, server_loop: str) -> None:
+async def test_bad_requests_get_400_and_kernels_triton_rejects_get_422(
+    tmp_path: Path, server_loop: str
+) -> None:
     bad_requests: list[tuple[Any, str]] = [
         ({"kernel": "no_such_kernel"}, "this server knows ['add_kernel'"),
         ({"constexprs": {"BLOCK": 256}}, "missing field 'kernel'"),
         ({"kernel": "add_kernel", "block": 256}, "unknown field(s) ['block']"),
         ({"kernel": "add_kernel", "constexprs": {"BLOK": 256}}, "add_kernel has no parameter 'BLOK'"),
         ({"kernel": "add_kernel"}, "missing constexpr 'BLOCK' of add_kernel"),
-        ({"kernel": "add_kernel", "constexprs": {"BLOCK": 256}, "num_warps": 3}, "num_warps must be a power of two"),
+        (
+            {"kernel": "add_kernel", "constexprs": {"BLOCK": 256}, "num_warps": 3},
+            "num_warps must be a power of two",
+        ),
         ({"kernel": "add_kernel", "constexprs": [256]}, "constexprs must map names to values"),
         (["add_kernel"], "the body must be a JSON object"),
     ]
-    async with serve(tmp_path / "cache", server_loop) as server, httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+    async with serve(tmp_path / "cache", server_loop) as server, client_of(server) as client:
         for body, expected in bad_requests:
             response = await post_compile(client, body)
             assert response.status_code == 400, (body, response.text)
             assert expected in response.json()["error"], (body, response.json())
 
-        response = await client.post("/compile", content=b"{not json", headers={"content-type": "application/json"})
+        headers = {"content-type": "application/json"}
+        response = await client.post("/compile", content=b"{not json", headers=headers)
         assert response.status_code == 400, response.text
         assert "the body is not JSON" in response.json()["error"]
 
@@ -278,8 +303,10 @@ async def test_bad_requests_get_400_and_kernels_triton_rejects_get_422(tmp_path:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-async def test_signal_stops_the_server_and_its_workers(tmp_path: Path, server_loop: str, signum: int) -> None:
-    async with serve(tmp_path / "cache", server_loop) as server, httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+async def test_signal_stops_the_server_and_its_workers(
+    tmp_path: Path, server_loop: str, signum: signal.Signals
+) -> None:
+    async with serve(tmp_path / "cache", server_loop) as server, client_of(server) as client:
         # Wait until every worker process exists, while the warm-up still compiles.
         with anyio.fail_after(30):
             while True:
@@ -307,12 +334,12 @@ async def test_signal_stops_the_server_and_its_workers(tmp_path: Path, server_lo
     _, alive = psutil.wait_procs(children, timeout=3)
     alive = [p for p in alive if _status(p) != psutil.STATUS_ZOMBIE]
     assert not alive, f"left running after shutdown (warm-up was {warmup_when_signalled}): {alive}"
-    print(f"{signal.Signals(signum).name} during warm-up {warmup_when_signalled!r}: exit {code} in {seconds:.2f} s")
+    print(f"{signum.name} during warm-up {warmup_when_signalled!r}: exit {code} in {seconds:.2f} s")
 
 
 def _cmdline(process: psutil.Process) -> list[str]:
     try:
-        return process.cmdline()
+        return list(process.cmdline())
     except psutil.Error:
         return []
 
@@ -321,4 +348,4 @@ def _status(process: psutil.Process) -> str:
     try:
         return str(process.status())
     except psutil.NoSuchProcess:
-        return psutil.STATUS_DEAD
+        return str(psutil.STATUS_DEAD)

@@ -53,7 +53,10 @@ Async rows also measure event-loop lag while the clock runs: a probe task loops 
 ``await anyio.sleep(0.001)`` and records (actual - requested) sleep; p99 and max are reported.
 The idle lag of an empty loop on this machine is given as the floor. Every row checks that it
 produced a kernel (a non-empty cubin) for every spec and counts failures, and compares each
-cubin's digest to the ``sequential`` row's (``cubin≠seq``: how many differ).
+cubin's digest to the ``sequential`` row's (``cubin≠seq``: how many differ). ``cpu s`` is the
+CPU time of the row's process and every process it started and reaped (its workers), ``load``
+the 1-minute load average just before the row: on a shared machine, a high load before a row
+means its wall time is not trustworthy.
 
 Triton's UserWarnings (``TRITON_DEFAULT_FP_FUSION`` is unset ...) are silenced in the benchmark's
 own processes; the environment is left as it is, so every row compiles with the same settings.
@@ -72,6 +75,7 @@ import json
 import math
 import os
 import platform
+import resource
 import shutil
 import signal
 import subprocess
@@ -580,6 +584,8 @@ def _run_row(name: str, args: argparse.Namespace, root: Path, warm_cache: str | 
         assert warm_cache is not None
         cmd += ["--warm-cache", warm_cache]
     log = row_dir / "log.txt"
+    load_before = os.getloadavg()[0]
+    usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(log, "wb") as log_file:
         t_spawn = time.time()
         t0 = time.perf_counter()
@@ -593,6 +599,7 @@ def _run_row(name: str, args: argparse.Namespace, root: Path, warm_cache: str | 
             child.wait()
             code = None
         process_s = time.perf_counter() - t0
+    usage1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     tail = log.read_text(errors="replace")[-3000:]
     if code is None:
         result = {"crashed": f"timed out after {args.row_timeout} s", "log_tail": tail}
@@ -603,6 +610,10 @@ def _run_row(name: str, args: argparse.Namespace, root: Path, warm_cache: str | 
         if tail.strip():
             result["log_tail"] = tail
     result["process_s"] = process_s
+    # CPU seconds of the row's process and every process it started and reaped (workers), and
+    # the 1-minute load average before it: a busy machine shows here, not only in the wall time.
+    result["cpu_s"] = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
+    result["loadavg_before"] = load_before
     if "stamps" in result:
         # Interpreter start (just before the spawn) -> every kernel ready, on the wall clock.
         result["process_to_ready_s"] = result["stamps"]["ready"] - t_spawn
@@ -629,7 +640,10 @@ def _report(results: dict[str, dict[str, Any]], machine: dict[str, Any], args: a
     seq = results.get("sequential", {})
     seq_wall = seq.get("wall_s")
     seq_digests = seq.get("digests") or {}
-    header = f"{'row':<20} {'wall s':>8} {'vs seq':>7} {'lag p99 ms':>11} {'lag max ms':>11} {'ok':>7} {'cubin≠seq':>9}  notes"
+    header = (
+        f"{'row':<20} {'wall s':>8} {'vs seq':>7} {'lag p99 ms':>11} {'lag max ms':>11} {'ok':>7} "
+        f"{'cubin≠seq':>9} {'cpu s':>6} {'load':>5}  notes"
+    )
     lines += [header, "-" * len(header)]
     for name in TABLE_ROWS:
         r = results.get(name)
@@ -661,7 +675,8 @@ def _report(results: dict[str, dict[str, Any]], machine: dict[str, Any], args: a
         lines.append(
             f"{name:<20} {wall:>8.2f} {_fmt(speed, '.2f') + 'x' if speed else 'n/a':>7} "
             f"{_fmt(lag.get('p99_ms'), '.2f'):>11} {_fmt(lag.get('max_ms'), '.2f'):>11} "
-            f"{str(r['ok']) + '/' + str(r['specs']):>7} {_fmt(differ, 'd'):>9}  {', '.join(notes)}"
+            f"{str(r['ok']) + '/' + str(r['specs']):>7} {_fmt(differ, 'd'):>9} {r['cpu_s']:>6.1f} "
+            f"{r['loadavg_before']:>5.2f}  {', '.join(notes)}"
         )
     lines.append("")
     wa = results.get("warm_acompile")

@@ -2,10 +2,10 @@
 
 ::
 
-    b"ACMPL" version:u8 header_len:u32 header(JSON) blob blob ...
+    b"ACMPL" version:u8 header_len:u32 sha256:32 header(JSON) blob blob ...
 
-The header is small JSON: the entry's key, backend and kernel name, the names and sizes of the
-blobs, a SHA-256 of the blob bytes, and backend metadata. Nothing in an entry is ever unpickled;
+The SHA-256 covers the header and every blob. The header is small JSON: the entry's key, backend
+and kernel name, the names and sizes of the blobs, and backend metadata. Nothing in an entry is ever unpickled;
 a reader that finds anything out of place (magic, version, lengths, digest, key) treats the entry
 as missing.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 MAGIC = b"ACMPL"
 VERSION = 1
-_PREFIX = struct.Struct(">5sBI")
+_PREFIX = struct.Struct(">5sBI32s")
 
 
 class CorruptEntry(ValueError):
@@ -36,19 +36,18 @@ class Entry:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def encode(self) -> bytes:
-        digest = hashlib.sha256()
-        for data in self.blobs.values():
-            digest.update(data)
         header = {
             "key": self.key,
             "backend": self.backend,
             "name": self.name,
             "blobs": [[name, len(data)] for name, data in self.blobs.items()],
-            "sha256": digest.hexdigest(),
             "meta": self.meta,
         }
         head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
-        return b"".join([_PREFIX.pack(MAGIC, VERSION, len(head)), head, *self.blobs.values()])
+        digest = hashlib.sha256(head)
+        for data in self.blobs.values():
+            digest.update(data)
+        return b"".join([_PREFIX.pack(MAGIC, VERSION, len(head), digest.digest()), head, *self.blobs.values()])
 
     @property
     def size(self) -> int:
@@ -59,7 +58,7 @@ def peek_header(data: bytes) -> dict[str, Any]:
     """The header alone, unverified (for listings)."""
     if len(data) < _PREFIX.size:
         raise CorruptEntry("truncated before the header")
-    magic, version, head_len = _PREFIX.unpack_from(data)
+    magic, version, head_len, digest = _PREFIX.unpack_from(data)
     if magic != MAGIC:
         raise CorruptEntry("not an acompile cache entry")
     if version != VERSION:
@@ -74,6 +73,7 @@ def peek_header(data: bytes) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise CorruptEntry("header is not an object")
     header["_end"] = end
+    header["_digest"] = digest
     return header
 
 
@@ -82,6 +82,8 @@ def decode(data: bytes, expect_key: str | None = None, *, verify: bool = True) -
     header = peek_header(data)
     try:
         offset = header.pop("_end")
+        expected_digest = header.pop("_digest")
+        head_start = _PREFIX.size
         blobs: dict[str, bytes] = {}
         for name, size in header["blobs"]:
             if not isinstance(name, str) or not isinstance(size, int) or size < 0:
@@ -89,7 +91,6 @@ def decode(data: bytes, expect_key: str | None = None, *, verify: bool = True) -
             blobs[name] = data[offset : offset + size]
             offset += size
         key, backend, name, meta = header["key"], header["backend"], header["name"], header["meta"]
-        expected_digest = header["sha256"]
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptEntry(f"malformed header: {exc}") from None
     if offset != len(data):
@@ -97,9 +98,7 @@ def decode(data: bytes, expect_key: str | None = None, *, verify: bool = True) -
     if expect_key is not None and key != expect_key:
         raise CorruptEntry(f"entry holds key {key[:16]}…, not {expect_key[:16]}…")
     if verify:
-        digest = hashlib.sha256()
-        for blob in blobs.values():
-            digest.update(blob)
-        if digest.hexdigest() != expected_digest:
+        # The header and the blobs, as stored: one hash over everything after the prefix.
+        if hashlib.sha256(memoryview(data)[head_start:]).digest() != expected_digest:
             raise CorruptEntry("content does not match its checksum")
     return Entry(key=key, backend=backend, name=name, blobs=blobs, meta=meta)

@@ -1,0 +1,205 @@
+"""The cache: entries, the disk tier, keys, and what a fresh process finds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import TARGET, subprocess_env
+from kernels_for_tests import ADD_SIG, add_kernel
+
+import acompile
+from acompile._cache import DiskTier, MemoryTier
+from acompile._cache._entry import CorruptEntry, Entry, decode
+
+pytestmark = pytest.mark.anyio
+
+
+def pool(cache_dir: Path, workers: int = 1, **kw: object) -> acompile.CompilePool:
+    return acompile.CompilePool(workers, target=TARGET, cache_dir=cache_dir, **kw)  # type: ignore[arg-type]
+
+
+def entry_path(cache_dir: Path, key: str) -> Path:
+    return DiskTier(cache_dir).path(key)
+
+
+# --- entries -------------------------------------------------------------------------------------
+
+
+def sample_entry() -> Entry:
+    return Entry(key="ab" * 32, backend="triton", name="k", blobs={"json": b'{"a": 1}', "cubin": bytes(range(256)) * 4}, meta={"m": 1})
+
+
+def test_an_entry_round_trips() -> None:
+    e = sample_entry()
+    back = decode(e.encode(), e.key)
+    assert back.blobs == e.blobs and back.meta == e.meta and back.name == "k"
+
+
+def test_every_damaged_byte_and_every_truncation_is_detected() -> None:
+    data = sample_entry().encode()
+    key = sample_entry().key
+    for i in range(len(data)):
+        damaged = bytearray(data)
+        damaged[i] ^= 0x41
+        try:
+            back = decode(bytes(damaged), key)
+        except CorruptEntry:
+            continue
+        # A flip inside JSON whitespace-free text that still parses must not change the content.
+        assert back.blobs == sample_entry().blobs and back.key == key, f"byte {i} changed content silently"
+    for n in range(len(data)):
+        with pytest.raises(CorruptEntry):
+            decode(data[:n], key)
+
+
+def test_an_entry_for_another_key_is_refused() -> None:
+    with pytest.raises(CorruptEntry, match="holds key"):
+        decode(sample_entry().encode(), "cd" * 32)
+
+
+def test_memory_tier_is_bounded_lru() -> None:
+    tier = MemoryTier(2)
+    tier.set("a", 1)
+    tier.set("b", 2)
+    assert tier.get("a") == 1
+    tier.set("c", 3)
+    assert tier.get("b") is None and tier.get("a") == 1 and tier.get("c") == 3 and len(tier) == 2
+
+
+# --- the disk tier through the pool -----------------------------------------------------------------
+
+
+async def test_a_fresh_process_loads_last_runs_kernels_without_any_worker(cache_dir: Path) -> None:
+    async with pool(cache_dir) as p:
+        first = await p.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 512})
+    script = textwrap.dedent(
+        f"""
+        import json, anyio, acompile
+        from kernels_for_tests import add_kernel, ADD_SIG
+
+        async def main():
+            async with acompile.CompilePool(2, target="cuda:90", cache_dir={str(cache_dir)!r}, prestart=False) as p:
+                k, tier = await p.compile_with_tier(acompile.TritonSpec(add_kernel, ADD_SIG, {{"BLOCK": 512}}))
+                print(json.dumps({{"key": k.key, "tier": tier, "ptx": k.asm["ptx"], "started": p.stats()["workers"]["started"]}}))
+
+        anyio.run(main)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+        env=subprocess_env(PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), subprocess_env()["PYTHONPATH"]])),
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result == {"key": first.key, "tier": "disk", "ptx": first.asm["ptx"], "started": 0}
+
+
+async def test_the_memory_tier_answers_repeats(cache_dir: Path) -> None:
+    async with pool(cache_dir) as p:
+        spec = acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 64})
+        a, tier_a = await p.compile_with_tier(spec)
+        b, tier_b = await p.compile_with_tier(spec)
+    assert (tier_a, tier_b) == ("compile", "memory") and a is b
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "empty", "other-key"])
+async def test_a_damaged_disk_entry_is_a_miss_and_is_replaced(cache_dir: Path, damage: str, caplog: pytest.LogCaptureFixture) -> None:
+    spec = acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 256})
+    async with pool(cache_dir) as p:
+        good = await p.compile(spec)
+        other = await p.compile(acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 128}))
+    path = entry_path(cache_dir, good.key)
+    data = path.read_bytes()
+    if damage == "flip":
+        data = data[:-100] + bytes([data[-100] ^ 0xFF]) + data[-99:]
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "garbage":
+        data = os.urandom(len(data))
+    elif damage == "empty":
+        data = b""
+    else:
+        data = entry_path(cache_dir, other.key).read_bytes()
+    path.write_bytes(data)
+    async with pool(cache_dir) as p:
+        k, tier = await p.compile_with_tier(spec)
+        stats = p.stats()
+    assert tier == "compile" and k.asm["ptx"] == good.asm["ptx"]
+    assert stats["cache"]["disk_corrupt"] == 1
+    assert any("damaged" in r.message for r in caplog.records)
+    assert decode(path.read_bytes(), good.key).blobs["cubin"] == good.cubin  # overwritten whole
+
+
+async def test_keys_are_portable_across_cache_folders_and_working_directories(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 64})
+    keys = []
+    for i in range(2):
+        where = tmp_path / f"cwd{i}"
+        where.mkdir()
+        monkeypatch.chdir(where)
+        async with acompile.CompilePool(1, target=TARGET, cache_dir=tmp_path / f"cache{i}", prestart=False) as p:
+            # Keys are computed in the parent: no compile needed to know one.
+            from acompile._backends import _triton
+
+            keys.append((await _triton.prepare(spec, p.target)).key)
+    assert keys[0] == keys[1]
+
+
+async def test_the_key_follows_what_changes_the_binary(cache_dir: Path) -> None:
+    from acompile._backends import _triton
+
+    base = acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 64})
+    variants = [
+        base,
+        acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 128}),
+        acompile.TritonSpec(add_kernel, {**ADD_SIG, "x_ptr": "*fp16"}, {"BLOCK": 64}),
+        acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 64}, num_warps=8),
+        acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 64}, num_stages=2),
+        acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 64}, target="cuda:80"),
+        acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 64}, attrs={"x_ptr": [["tt.divisibility", 16]]}),
+        acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 64}, options={"enable_fp_fusion": False}),
+    ]
+    target = acompile.Target("cuda", 90)
+    keys = [(await _triton.prepare(s, target)).key for s in variants]
+    assert len(set(keys)) == len(keys)
+    assert (await _triton.prepare(base, target)).key == keys[0]
+    parts = (await _triton.prepare(base, target)).key_parts
+    assert str(Path.home()) not in json.dumps(parts) and str(cache_dir) not in json.dumps(parts)
+    assert parts["toolchain"]["triton"] == __import__("triton").__version__
+
+
+async def test_several_processes_share_one_cache_folder(cache_dir: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        import anyio, acompile
+        from kernels_for_tests import add_kernel, ADD_SIG
+
+        async def main():
+            async with acompile.CompilePool(1, target="cuda:90", cache_dir={str(cache_dir)!r}) as p:
+                ks = await p.gather(*[acompile.TritonSpec(add_kernel, ADD_SIG, {{"BLOCK": b}}) for b in (64, 128, 256)])
+                print(" ".join(k.key for k in ks))
+
+        anyio.run(main)
+        """
+    )
+    env = subprocess_env(PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), subprocess_env()["PYTHONPATH"]]))
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(3)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
+    assert len({o[0] for o in outs}) == 1
+    for key in outs[0][0].split():
+        decode(entry_path(cache_dir, key).read_bytes(), key)
+    leftovers = [p for p in (cache_dir / "v1").rglob(".*") if p.is_file()]
+    assert leftovers == []
+
+
+async def test_the_cache_folder_is_private(cache_dir: Path) -> None:
+    async with pool(cache_dir, prestart=False):
+        pass
+    assert (cache_dir.stat().st_mode & 0o777) == 0o700

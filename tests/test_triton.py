@@ -1,0 +1,254 @@
+"""The Triton backend with real compiles for cuda:90 (no GPU needed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import anyio
+import pytest
+import triton
+from conftest import TARGET, subprocess_env
+from kernels_for_tests import ADD_SIG, add_kernel, broken_kernel, scale_add_kernel
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import acompile
+
+pytestmark = pytest.mark.anyio
+
+
+def pool(cache_dir: Path, workers: int = 2, **kw: object) -> acompile.CompilePool:
+    return acompile.CompilePool(workers, target=TARGET, cache_dir=cache_dir, **kw)  # type: ignore[arg-type]
+
+
+def triton_reference(fn: object, signature: dict[str, str], constexprs: dict[str, object], tmp: Path, **options: object) -> object:
+    full = {name: ("constexpr" if name in constexprs else signature[name]) for name in fn.arg_names}  # type: ignore[attr-defined]
+    os.environ["TRITON_CACHE_DIR"] = str(tmp / "triton-ref")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return triton.compile(
+                ASTSource(fn, full, constexprs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3, **options}
+            )
+    finally:
+        del os.environ["TRITON_CACHE_DIR"]
+
+
+async def test_compiles_the_same_kernel_triton_compile_does(cache_dir: Path, tmp_path: Path) -> None:
+    async with pool(cache_dir) as p:
+        k = await p.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 1024}, num_warps=4)
+    ref = triton_reference(add_kernel, ADD_SIG, {"BLOCK": 1024}, tmp_path)
+    assert k.name == "add_kernel"
+    assert len(k.key) == 64 and int(k.key, 16) >= 0
+    assert k.asm["ptx"] == ref.asm["ptx"]  # type: ignore[attr-defined]
+    assert k.cubin == ref.asm["cubin"] and k.cubin[:4] == b"\x7fELF"  # type: ignore[attr-defined]
+    assert k.metadata == ref.metadata  # type: ignore[attr-defined]
+    assert isinstance(k.compiled, triton.compiler.CompiledKernel)
+    assert set(vars(k.compiled)) == set(vars(ref))
+    assert k.metadata.num_warps == 4 and k.target == acompile.Target("cuda", 90)
+
+
+async def test_helpers_and_constexpr_globals_travel_without_importing_the_module(
+    cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = tmp_path / "imports.txt"
+    # The workers inherit the environment: had any of them imported kernels_for_tests, it would
+    # have written its pid into the marker.
+    monkeypatch.setenv("ACOMPILE_TEST_IMPORT_MARKER", str(marker))
+    async with pool(cache_dir) as p:
+        k = await p.triton(scale_add_kernel, signature=ADD_SIG)  # BLOCK: its default, 256
+        worker_pids = {w.pid for w in p._workers.alive.values()}  # type: ignore[union-attr]
+    ref = triton_reference(scale_add_kernel, ADD_SIG, {"BLOCK": 256}, tmp_path)
+    assert k.asm["ptx"] == ref.asm["ptx"]  # type: ignore[attr-defined]
+    assert "mul.f32" in k.asm["ptx"] or "3.0" in k.asm["ttir"] or "3 " in k.asm["ttir"]
+    imported_by = set(marker.read_text().split()) if marker.exists() else set()
+    assert not imported_by & {str(pid) for pid in worker_pids}
+
+
+async def test_a_kernel_from_source_text(cache_dir: Path) -> None:
+    source = textwrap.dedent(
+        """
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def double(x_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n
+            tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=m) * 2, mask=m)
+
+        @triton.jit
+        def halve(x_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n
+            tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=m) * 0.5, mask=m)
+        """
+    )
+    async with pool(cache_dir) as p:
+        k = await p.triton(source, kernel_name="halve", signature={"x_ptr": "*fp32", "n": "i32"}, constexprs={"BLOCK": 128})
+        assert k.name == "halve" and ".entry halve" in k.asm["ptx"]
+        with pytest.raises(acompile.InvalidSpecError, match=r"no @triton.jit function named 'triple'.*double.*halve"):
+            await p.triton(source, kernel_name="triple", signature={"x_ptr": "*fp32", "n": "i32"})
+        with pytest.raises(acompile.InvalidSpecError, match="kernel_name"):
+            await p.triton(source, signature={"x_ptr": "*fp32", "n": "i32"})
+        with pytest.raises(acompile.InvalidSpecError, match="does not parse"):
+            await p.triton("def (:", kernel_name="x", signature={})
+
+
+async def test_a_kernel_defined_in_a_script(tmp_path: Path, cache_dir: Path) -> None:
+    script = tmp_path / "my_script.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import anyio, acompile, triton, triton.language as tl
+
+            @triton.jit
+            def script_kernel(x_ptr, n, BLOCK: tl.constexpr):
+                offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+                tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+            async def main():
+                async with acompile.CompilePool(1, target="cuda:90", cache_dir=CACHE) as pool:
+                    k = await pool.triton(script_kernel, signature={"x_ptr": "*i32", "n": "i32"}, constexprs={"BLOCK": 64})
+                    print("compiled", k.name, len(k.cubin) > 0)
+
+            if __name__ == "__main__":
+                anyio.run(main)
+            """
+        ).replace("CACHE", repr(str(cache_dir)))
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=subprocess_env())
+    assert out.returncode == 0, out.stderr
+    assert "compiled script_kernel True" in out.stdout
+
+
+async def test_argument_mistakes_raise_before_any_worker_starts(cache_dir: Path) -> None:
+    async with pool(cache_dir, prestart=False) as p:
+        cases = [
+            (dict(signature={**ADD_SIG, "n": "int"}, constexprs={"BLOCK": 64}), r"unknown Triton type 'int' for 'n'"),
+            (dict(signature=ADD_SIG), r"missing constexpr 'BLOCK'.*constexprs=\{'BLOCK': \.\.\.\}"),
+            (dict(signature={k: v for k, v in ADD_SIG.items() if k != "n"}, constexprs={"BLOCK": 64}), r"missing type for parameter 'n'"),
+            (dict(signature={**ADD_SIG, "m": "i32"}, constexprs={"BLOCK": 64}), r"no parameter 'm'.*x_ptr"),
+            (dict(signature=ADD_SIG, constexprs={"BLOCK": 64}, target="cuda:12"), r"unknown CUDA architecture"),
+            (dict(signature=ADD_SIG, constexprs={"BLOCK": 64}, target="gpu"), r"unknown target 'gpu'.*cuda:90"),
+            (dict(signature=ADD_SIG, constexprs={"BLOCK": 64}, num_warps=3), r"num_warps must be a power of two"),
+            (dict(signature=ADD_SIG, constexprs={"BLOCK": 64}, num_wraps=4), r"unknown Triton option\(s\) \['num_wraps'\]"),
+            (dict(signature=ADD_SIG, constexprs={"BLOCK": object()}), r"cannot be part of a cache key"),
+        ]
+        for kwargs, message in cases:
+            with pytest.raises(acompile.InvalidSpecError, match=message):
+                await p.triton(add_kernel, **kwargs)  # type: ignore[arg-type]
+
+        def not_jit(x: int) -> int:
+            return x
+
+        with pytest.raises(acompile.InvalidSpecError, match="not a Triton JIT function"):
+            await p.triton(not_jit, signature={"x": "i32"})
+        with pytest.raises(acompile.InvalidSpecError, match="pass the inner function"):
+            await p.triton(triton.autotune(configs=[triton.Config({"BLOCK": 64})], key=[])(add_kernel), signature=ADD_SIG)
+        assert p.stats()["workers"]["started"] == 0
+    assert issubclass(acompile.InvalidSpecError, ValueError)
+
+
+async def test_a_broken_kernel_is_a_compile_error_and_the_pool_goes_on(cache_dir: Path) -> None:
+    async with pool(cache_dir, workers=1) as p:
+        with pytest.raises(acompile.CompileError) as info:
+            await p.triton(broken_kernel, signature={"x_ptr": "*fp32", "n": "i32"}, constexprs={"BLOCK": 64})
+        err = info.value
+        assert err.kernel == "broken_kernel" and err.backend == "triton"
+        assert "undefined_name" in str(err) and "undefined_name" in err.log
+        assert "broken_kernel" in str(err) and "cuda:90" in str(err)
+        k = await p.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 64})
+        assert k.cubin
+        assert p.stats()["workers"]["restarts"] == {}
+        # A failure is not cached: asking again compiles again and fails the same way.
+        with pytest.raises(acompile.CompileError):
+            await p.triton(broken_kernel, signature={"x_ptr": "*fp32", "n": "i32"}, constexprs={"BLOCK": 64})
+
+
+async def test_targets_and_options_reach_the_compiler(cache_dir: Path) -> None:
+    async with pool(cache_dir) as p:
+        k80, k90 = await p.gather(
+            acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 256}, target="cuda:80"),
+            acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 256}, num_warps=8),
+        )
+    assert ".target sm_80" in k80.asm["ptx"] and k80.metadata.num_warps == 4
+    assert ".target sm_90a" in k90.asm["ptx"] and k90.metadata.num_warps == 8
+    assert k80.key != k90.key
+
+
+async def test_gather_many_at_once_and_single_flight(cache_dir: Path) -> None:
+    specs = [acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": b}) for b in (64, 128, 256, 512)]
+    async with pool(cache_dir) as p:
+        kernels = await p.gather(*specs, *specs, *specs)
+        stats = p.stats()
+    assert [k.metadata.num_warps for k in kernels] == [4] * 12
+    assert [k.key for k in kernels[:4]] == [k.key for k in kernels[4:8]] == [k.key for k in kernels[8:]]
+    assert kernels[0] is kernels[4] is kernels[8]
+    assert stats["compiled"] == 4 and stats["jobs"]["done"] == 4
+
+
+async def test_gather_with_return_exceptions(cache_dir: Path) -> None:
+    good = acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 64})
+    bad = acompile.TritonSpec(broken_kernel, {"x_ptr": "*fp32", "n": "i32"}, {"BLOCK": 64})
+    async with pool(cache_dir) as p:
+        results = await p.gather(good, bad, return_exceptions=True)
+        assert results[0].name == "add_kernel" and isinstance(results[1], acompile.CompileError)
+        with pytest.raises(acompile.CompileError):
+            await p.gather(good, bad)
+
+
+async def test_a_cancelled_caller_leaves_the_shared_compile_to_the_others(cache_dir: Path) -> None:
+    spec = acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 2048})
+    async with pool(cache_dir, workers=1) as p:
+        await p.wait_ready()
+        got: list[object] = []
+        async with anyio.create_task_group() as tg:
+
+            async def patient() -> None:
+                got.append(await p.compile(spec))
+
+            async def impatient() -> None:
+                with anyio.fail_after(0.01):
+                    await p.compile(spec)
+
+            tg.start_soon(patient)
+            await anyio.sleep(0)
+            with pytest.raises(TimeoutError):
+                await impatient()
+        assert len(got) == 1 and got[0].name == "add_kernel"  # type: ignore[attr-defined]
+        stats = p.stats()
+        assert stats["workers"]["restarts"] == {} and stats["compiled"] == 1
+
+
+async def test_when_every_caller_gives_up_the_compile_stops(cache_dir: Path) -> None:
+    async with pool(cache_dir, workers=1) as p:
+        await p.wait_ready()
+        with anyio.move_on_after(0.02):
+            await p.compile(acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 4096}))
+        with anyio.fail_after(10):
+            while p.stats()["jobs"]["cancelled"] == 0:
+                await anyio.sleep(0.01)
+        # Nothing was cached, and the next request compiles afresh on a fresh worker.
+        k = await p.compile(acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 4096}))
+        assert k.cubin and p.stats()["workers"]["restarts"] == {"abandoned": 1}
+
+
+async def test_environment_that_changes_code_is_in_the_key_and_reaches_the_worker(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 128})
+    async with pool(cache_dir, workers=1) as p:
+        await p.wait_ready()
+        monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+        off = await p.compile(spec)
+        monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+        on = await p.compile(spec)
+    assert off.key != on.key
+    # Set after the workers started: the worker compiled with the request's setting anyway.
+    assert off.metadata.enable_fp_fusion is False and on.metadata.enable_fp_fusion is True
