@@ -84,7 +84,9 @@ class CompilePool:
         self._size = workers if workers is not None else default_workers()
         self._target_arg = target
         self._target: Target | None = parse_target(target) if target is not None else None
-        self._cache = Cache(Path(cache_dir) if cache_dir is not None else default_cache_dir(), memory_cache_size)
+        self._cache = Cache(
+            Path(cache_dir) if cache_dir is not None else default_cache_dir(), memory_cache_size
+        )
         self._prestart = prestart
         self._preload = [_WORKER_MODULES[name] for name in preload] if _known_backends(preload) else []
         self._state = "new"
@@ -274,7 +276,9 @@ class CompilePool:
                     tier = "disk"
                 else:
                     self._counts["misses"] += 1
-                    data = await self._run(backend.WORKER_MODULE, request.payload, request.name, background=background)
+                    data = await self._run(
+                        backend.WORKER_MODULE, request.payload, request.name, background=background
+                    )
                     entry = entry_format.decode(data, request.key, verify=False)
                     await self._cache.write(request.key, data)
                     self._counts["compiled"] += 1
@@ -315,7 +319,9 @@ class CompilePool:
             if not job.done.is_set():
                 job.abandon()
 
-    async def gather(self, *specs: Any, return_exceptions: bool = False, background: bool = False) -> list[Any]:
+    async def gather(
+        self, *specs: Any, return_exceptions: bool = False, background: bool = False
+    ) -> list[Any]:
         """Compile many specs at once; results in the order given.
 
         With ``return_exceptions=True`` a failed spec's place holds its exception and the others

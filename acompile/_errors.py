@@ -76,9 +76,7 @@ class CompileError(AcompileError):
         return (_rebuild_compile_error, (type(self), self.args[0], self.__dict__.copy()))
 
 
-def _rebuild_compile_error(
-    cls: type[CompileError], message: str, state: dict[str, object]
-) -> CompileError:
+def _rebuild_compile_error(cls: type[CompileError], message: str, state: dict[str, object]) -> CompileError:
     err = cls.__new__(cls)
     Exception.__init__(err, message)
     err.__dict__.update(state)
@@ -92,8 +90,25 @@ class WorkerCrashedError(CompileError):
         exit_code: the worker's exit status; negative for a signal (``-11`` is SIGSEGV).
     """
 
-    def __init__(self, message: str, *, exit_code: int | None, **kwargs: str) -> None:
-        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        message: str,
+        *,
+        exit_code: int | None,
+        kernel: str,
+        backend: str,
+        log: str = "",
+        stderr_tail: str = "",
+        worker_traceback: str = "",
+    ) -> None:
+        super().__init__(
+            message,
+            kernel=kernel,
+            backend=backend,
+            log=log,
+            stderr_tail=stderr_tail,
+            worker_traceback=worker_traceback,
+        )
         self.exit_code = exit_code
 
 

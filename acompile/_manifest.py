@@ -30,9 +30,18 @@ from acompile._errors import InvalidSpecError
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
+    import tomli as tomllib
 
-_KERNEL_FIELDS = {"kernel", "signature", "constexprs", "targets", "num_warps", "num_stages", "options", "attrs"}
+_KERNEL_FIELDS = {
+    "kernel",
+    "signature",
+    "constexprs",
+    "targets",
+    "num_warps",
+    "num_stages",
+    "options",
+    "attrs",
+}
 
 
 def load_manifest(path: str | Path) -> list[TritonSpec]:
@@ -49,7 +58,9 @@ def load_manifest(path: str | Path) -> list[TritonSpec]:
         raise InvalidSpecError(f"{path} is not valid TOML: {exc}") from None
     unknown_top = set(data) - {"defaults", "kernel"}
     if unknown_top:
-        raise InvalidSpecError(f"{path}: unknown section(s) {sorted(unknown_top)}; use [defaults] and [[kernel]]")
+        raise InvalidSpecError(
+            f"{path}: unknown section(s) {sorted(unknown_top)}; use [defaults] and [[kernel]]"
+        )
     defaults = data.get("defaults", {})
     kernels = data.get("kernel", [])
     if not isinstance(kernels, list) or not kernels:
@@ -60,9 +71,11 @@ def load_manifest(path: str | Path) -> list[TritonSpec]:
         where = f"{path} kernel #{index} ({entry.get('kernel', '?')})"
         unknown = set(entry) - _KERNEL_FIELDS
         if unknown:
-            raise InvalidSpecError(f"{where}: unknown field(s) {sorted(unknown)}; known: {sorted(_KERNEL_FIELDS)}")
+            raise InvalidSpecError(
+                f"{where}: unknown field(s) {sorted(unknown)}; known: {sorted(_KERNEL_FIELDS)}"
+            )
         if "kernel" not in entry or "signature" not in entry:
-            raise InvalidSpecError(f"{where}: needs kernel = \"file.py:name\" and signature = {{...}}")
+            raise InvalidSpecError(f'{where}: needs kernel = "file.py:name" and signature = {{...}}')
         fn = _import_kernel(entry["kernel"], path.parent, where)
         variants = entry.get("constexprs", [{}])
         if isinstance(variants, Mapping):
@@ -89,7 +102,9 @@ def load_manifest(path: str | Path) -> list[TritonSpec]:
 
 def _import_kernel(ref: str, base: Path, where: str) -> Any:
     if not isinstance(ref, str) or ":" not in ref:
-        raise InvalidSpecError(f"{where}: kernel must read 'file.py:name' or 'package.module:name', got {ref!r}")
+        raise InvalidSpecError(
+            f"{where}: kernel must read 'file.py:name' or 'package.module:name', got {ref!r}"
+        )
     target, _, name = ref.rpartition(":")
     try:
         if target.endswith(".py"):

@@ -38,6 +38,9 @@ URGENT = 0
 BACKGROUND = 1
 _STDERR_TAIL = 64 * 1024
 _job_ids = itertools.count(1)
+# The worker imports acompile before it reads its configuration (and the parent's sys.path):
+# it must find the same acompile the parent runs.
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class JobCancelled(AcompileError):
@@ -154,7 +157,7 @@ class _WorkerProcess:
             with anyio.move_on_after(5):
                 await self.process.wait()
             await self.process.aclose()
-            return self.process.returncode
+        return self.process.returncode
 
     async def stderr_tail(self) -> str:
         def read() -> str:
@@ -268,10 +271,7 @@ class WorkerPool:
         stderr_path = os.path.join(self.workdir, f"worker-{slot}.stderr")
         env = dict(os.environ)
         env["ACOMPILE_PARENT_PID"] = str(os.getpid())
-        # The worker imports acompile before it reads its configuration (and the parent's
-        # sys.path): make sure it finds the same acompile the parent runs.
-        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
         config = dict(self.config, triton_cache_dir=os.path.join(self.workdir, f"triton-{slot}"))
         t0 = time.perf_counter()
         # Read-write (the worker reads its own tail back) and append-only (after the worker
@@ -387,4 +387,3 @@ def _crash_error(job: Job, code: int | None, tail: str) -> CompileError:
         backend=short,
         stderr_tail=tail,
     )
-

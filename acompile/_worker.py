@@ -105,7 +105,7 @@ class Worker:
             _reset_stderr()
             try:
                 result = self.backend(backend).compile(payload)
-            except BaseException as exc:  # noqa: BLE001 - every failure goes back to the pool
+            except BaseException as exc:
                 reply = ("error", job_id, _as_compile_error(exc, backend, payload))
             else:
                 reply = ("done", job_id, result)

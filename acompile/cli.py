@@ -1,8 +1,8 @@
 """The ``acompile`` command.
 
-    acompile warmup MANIFEST [--workers N] [--target T] [--cache-dir DIR]
-    acompile cache stats [--cache-dir DIR]
-    acompile bench [...]        (see acompile bench --help)
+acompile warmup MANIFEST [--workers N] [--target T] [--cache-dir DIR]
+acompile cache stats [--cache-dir DIR]
+acompile bench [...]        (see acompile bench --help)
 """
 
 from __future__ import annotations
@@ -30,9 +30,15 @@ def main(argv: list[str] | None = None) -> int:
     warm = sub.add_parser("warmup", help="compile every kernel of a manifest into the cache")
     warm.add_argument("manifest", type=Path)
     warm.add_argument("--workers", type=int, default=None, help="worker processes (default: usable CPUs)")
-    warm.add_argument("--target", default=None, help="target for kernels whose entry names none, e.g. cuda:90")
-    warm.add_argument("--cache-dir", type=Path, default=None, help="default: $ACOMPILE_CACHE_DIR or ~/.cache/acompile")
-    warm.add_argument("--json", dest="json_path", type=Path, default=None, help="also write the results as JSON")
+    warm.add_argument(
+        "--target", default=None, help="target for kernels whose entry names none, e.g. cuda:90"
+    )
+    warm.add_argument(
+        "--cache-dir", type=Path, default=None, help="default: $ACOMPILE_CACHE_DIR or ~/.cache/acompile"
+    )
+    warm.add_argument(
+        "--json", dest="json_path", type=Path, default=None, help="also write the results as JSON"
+    )
 
     cache = sub.add_parser("cache", help="look at the cache")
     cache_sub = cache.add_subparsers(dest="cache_command", required=True)
@@ -65,7 +71,7 @@ def _warmup(args: argparse.Namespace) -> int:
         return 2
     if args.target is None and any(s.target is None for s in specs):
         print(
-            "acompile warmup: some kernels name no target: add targets = [\"cuda:90\"] to the manifest "
+            'acompile warmup: some kernels name no target: add targets = ["cuda:90"] to the manifest '
             "or pass --target cuda:90",
             file=sys.stderr,
         )
@@ -86,7 +92,9 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     progress = _Progress(len(specs), sys.stderr)
     t0 = time.perf_counter()
-    async with CompilePool(args.workers, target=args.target or specs[0].target, cache_dir=args.cache_dir, prestart=False) as pool:
+    async with CompilePool(
+        args.workers, target=args.target or specs[0].target, cache_dir=args.cache_dir, prestart=False
+    ) as pool:
 
         async def one(spec: Any) -> None:
             start = time.perf_counter()
@@ -134,9 +142,10 @@ class _Progress:
         done = sum(self.counts.values())
         width = 30
         filled = width * done // max(1, self.total)
+        c = self.counts
         line = (
-            f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total}  compiled {self.counts['compiled']}"
-            f"  cached {self.counts['cached']}  failed {self.counts['failed']}  {time.perf_counter() - self.t0:.1f}s"
+            f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total}  compiled {c['compiled']}"
+            f"  cached {c['cached']}  failed {c['failed']}  {time.perf_counter() - self.t0:.1f}s"
         )
         if self.tty:
             self.out.write("\r" + line)
@@ -156,10 +165,12 @@ def _print_summary(rows: list[dict[str, Any]], elapsed: float, cache_dir: Path, 
     table = [("kernel", "target", "constexprs", "warps", "result", "seconds")]
     for r in rows:
         consts = ",".join(f"{k}={v}" for k, v in r["constexprs"].items())
-        table.append((r["kernel"], r["target"], consts, str(r["num_warps"]), r["result"], f"{r['seconds']:.2f}"))
+        table.append(
+            (r["kernel"], r["target"], consts, str(r["num_warps"]), r["result"], f"{r['seconds']:.2f}")
+        )
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     for i, row in enumerate(table):
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip(), file=out)
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip(), file=out)
         if i == 0:
             print("  ".join("-" * w for w in widths), file=out)
     counts = Counter(r["result"] for r in rows)
@@ -196,7 +207,10 @@ def _cache_stats(root: Path) -> int:
         names[f"{backend}:{header.get('name', '?')}"] += 1
     total = sum(by_backend.values())
     print(f"cache folder: {root}")
-    print(f"entries: {total}  ({_human(sum(size_by_backend.values()))})" + (f", {damaged} damaged" if damaged else ""))
+    print(
+        f"entries: {total}  ({_human(sum(size_by_backend.values()))})"
+        + (f", {damaged} damaged" if damaged else "")
+    )
     for backend in sorted(by_backend):
         print(f"  {backend}: {by_backend[backend]} entries, {_human(size_by_backend[backend])}")
     if names:

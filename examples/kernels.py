@@ -44,9 +44,21 @@ def softmax_kernel(x_ptr, out_ptr, stride, cols, BLOCK: tl.constexpr):
 
 @triton.jit
 def matmul_kernel(
-    a_ptr, b_ptr, c_ptr, M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -55,11 +67,20 @@ def matmul_kernel(
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        a = tl.load(a_ptr + rm[:, None] * stride_am + (k + rk)[None, :] * stride_ak,
-                    mask=(rm[:, None] < M) & ((k + rk)[None, :] < K), other=0.0)
-        b = tl.load(b_ptr + (k + rk)[:, None] * stride_bk + rn[None, :] * stride_bn,
-                    mask=((k + rk)[:, None] < K) & (rn[None, :] < N), other=0.0)
+        a = tl.load(
+            a_ptr + rm[:, None] * stride_am + (k + rk)[None, :] * stride_ak,
+            mask=(rm[:, None] < M) & ((k + rk)[None, :] < K),
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + (k + rk)[:, None] * stride_bk + rn[None, :] * stride_bn,
+            mask=((k + rk)[:, None] < K) & (rn[None, :] < N),
+            other=0.0,
+        )
         acc += tl.dot(a, b)
     c = acc.to(c_ptr.dtype.element_ty)
-    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, c,
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(
+        c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
+        c,
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )

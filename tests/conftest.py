@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -74,7 +75,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for a child Python that imports acompile and the tests' kernels."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    paths = [str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     env.update(extra)
     return env
+
+
+def run_python(code: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """Run Python code in a fresh interpreter (blocking: from async tests, use a thread)."""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=subprocess_env()
+    )

@@ -30,7 +30,11 @@ def compile(payload: dict[str, Any]) -> Any:
     if action == "pid":
         return os.getpid()
     if action == "env":
-        return {"cwd": os.getcwd(), "sys_path": list(sys.path), "env": payload.get("var") and os.environ.get(payload["var"])}
+        return {
+            "cwd": os.getcwd(),
+            "sys_path": list(sys.path),
+            "env": payload.get("var") and os.environ.get(payload["var"]),
+        }
     if action == "sleep":
         time.sleep(payload["seconds"])
         return payload.get("value", "slept")

@@ -9,8 +9,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import anyio
 import pytest
-from conftest import TARGET, subprocess_env
+from conftest import TARGET, run_python, subprocess_env
 from kernels_for_tests import ADD_SIG, add_kernel
 
 import acompile
@@ -32,7 +33,13 @@ def entry_path(cache_dir: Path, key: str) -> Path:
 
 
 def sample_entry() -> Entry:
-    return Entry(key="ab" * 32, backend="triton", name="k", blobs={"json": b'{"a": 1}', "cubin": bytes(range(256)) * 4}, meta={"m": 1})
+    return Entry(
+        key="ab" * 32,
+        backend="triton",
+        name="k",
+        blobs={"json": b'{"a": 1}', "cubin": bytes(range(256)) * 4},
+        meta={"m": 1},
+    )
 
 
 def test_an_entry_round_trips() -> None:
@@ -91,10 +98,7 @@ async def test_a_fresh_process_loads_last_runs_kernels_without_any_worker(cache_
         anyio.run(main)
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-        env=subprocess_env(PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), subprocess_env()["PYTHONPATH"]])),
-    )
+    out = await anyio.to_thread.run_sync(run_python, script)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result == {"key": first.key, "tier": "disk", "ptx": first.asm["ptx"], "started": 0}
@@ -109,7 +113,9 @@ async def test_the_memory_tier_answers_repeats(cache_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "empty", "other-key"])
-async def test_a_damaged_disk_entry_is_a_miss_and_is_replaced(cache_dir: Path, damage: str, caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_damaged_disk_entry_is_a_miss_and_is_replaced(
+    cache_dir: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
     spec = acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 256})
     async with pool(cache_dir) as p:
         good = await p.compile(spec)
@@ -136,14 +142,18 @@ async def test_a_damaged_disk_entry_is_a_miss_and_is_replaced(cache_dir: Path, d
     assert decode(path.read_bytes(), good.key).blobs["cubin"] == good.cubin  # overwritten whole
 
 
-async def test_keys_are_portable_across_cache_folders_and_working_directories(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_keys_are_portable_across_cache_folders_and_working_directories(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     spec = acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 64})
     keys = []
     for i in range(2):
         where = tmp_path / f"cwd{i}"
         where.mkdir()
         monkeypatch.chdir(where)
-        async with acompile.CompilePool(1, target=TARGET, cache_dir=tmp_path / f"cache{i}", prestart=False) as p:
+        async with acompile.CompilePool(
+            1, target=TARGET, cache_dir=tmp_path / f"cache{i}", prestart=False
+        ) as p:
             # Keys are computed in the parent: no compile needed to know one.
             from acompile._backends import _triton
 
@@ -174,7 +184,7 @@ async def test_the_key_follows_what_changes_the_binary(cache_dir: Path) -> None:
     assert parts["toolchain"]["triton"] == __import__("triton").__version__
 
 
-async def test_several_processes_share_one_cache_folder(cache_dir: Path) -> None:
+def test_several_processes_share_one_cache_folder(cache_dir: Path) -> None:
     script = textwrap.dedent(
         f"""
         import anyio, acompile
@@ -188,8 +198,13 @@ async def test_several_processes_share_one_cache_folder(cache_dir: Path) -> None
         anyio.run(main)
         """
     )
-    env = subprocess_env(PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), subprocess_env()["PYTHONPATH"]]))
-    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(3)]
+    env = subprocess_env()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for _ in range(3)
+    ]
     outs = [p.communicate(timeout=180) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
     assert len({o[0] for o in outs}) == 1
@@ -202,4 +217,5 @@ async def test_several_processes_share_one_cache_folder(cache_dir: Path) -> None
 async def test_the_cache_folder_is_private(cache_dir: Path) -> None:
     async with pool(cache_dir, prestart=False):
         pass
-    assert (cache_dir.stat().st_mode & 0o777) == 0o700
+    mode = (await anyio.Path(cache_dir).stat()).st_mode
+    assert mode & 0o777 == 0o700

@@ -26,10 +26,14 @@ async def test_jobs_run_in_separate_worker_processes(cache_dir: Path) -> None:
         await p.wait_ready()
         pids = set()
         async with anyio.create_task_group() as tg:
-            for i in range(2):
+            for _ in range(2):
 
                 async def one() -> None:
-                    pids.add(await p._run(FAKE, {"name": "s", "action": "sleep", "seconds": 0.3, "value": os.getpid()}, "s"))
+                    pids.add(
+                        await p._run(
+                            FAKE, {"name": "s", "action": "sleep", "seconds": 0.3, "value": os.getpid()}, "s"
+                        )
+                    )
                     pids.add(await p._run(FAKE, {"name": "p", "action": "pid"}, "p"))
 
                 tg.start_soon(one)
@@ -38,7 +42,9 @@ async def test_jobs_run_in_separate_worker_processes(cache_dir: Path) -> None:
         assert p.stats()["workers"]["alive"] == 2
 
 
-async def test_worker_sees_parent_cwd_sys_path_and_environment(cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_worker_sees_parent_cwd_sys_path_and_environment(
+    cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("ACOMPILE_TEST_VALUE", "from-the-parent")
     extra = str(tmp_path / "extra-path")
@@ -61,7 +67,9 @@ async def test_a_stderr_flood_never_hangs_and_its_tail_travels_with_the_error(ca
         with anyio.fail_after(60):
             assert await p._run(FAKE, {"name": "f", "action": "flood", "megabytes": 50}, "f") == "flooded"
             with pytest.raises(acompile.CompileError) as info:
-                await p._run(FAKE, {"name": "flooder", "action": "flood", "megabytes": 2, "fail": True}, "flooder")
+                await p._run(
+                    FAKE, {"name": "flooder", "action": "flood", "megabytes": 2, "fail": True}, "flooder"
+                )
     err = info.value
     assert "the last words of the compiler" in err.stderr_tail
     assert len(err.stderr_tail) <= 64 * 1024
@@ -74,7 +82,9 @@ async def test_large_results_come_back_whole(cache_dir: Path) -> None:
     assert len(data) == 100 * 1024 * 1024 and data[:1] == b"\x01" and data[-1:] == b"\x01"
 
 
-async def test_an_exception_in_the_compiler_is_a_compile_error_with_the_worker_traceback(cache_dir: Path) -> None:
+async def test_an_exception_in_the_compiler_is_a_compile_error_with_the_worker_traceback(
+    cache_dir: Path,
+) -> None:
     async with pool(cache_dir, workers=1) as p:
         with pytest.raises(acompile.CompileError) as info:
             await p._run(FAKE, {"name": "k1", "action": "raise", "message": "bad tile"}, "k1")
@@ -102,14 +112,20 @@ async def test_an_unsendable_request_fails_that_job_only(cache_dir: Path) -> Non
 
 @pytest.mark.parametrize("how", ["SIGSEGV", "SIGABRT", "exit"])
 async def test_a_crashing_worker_fails_its_job_and_is_replaced(cache_dir: Path, how: str) -> None:
-    payload = {"name": "crasher", "action": "exit", "code": 134} if how == "exit" else {"name": "crasher", "action": "crash", "signal": how}
+    payload = (
+        {"name": "crasher", "action": "exit", "code": 134}
+        if how == "exit"
+        else {"name": "crasher", "action": "crash", "signal": how}
+    )
     async with pool(cache_dir, workers=2) as p:
         await p.wait_ready()
         async with anyio.create_task_group() as tg:
             survivor: list[object] = []
 
             async def other() -> None:
-                survivor.append(await p._run(FAKE, {"name": "ok", "action": "sleep", "seconds": 0.5, "value": "ok"}, "ok"))
+                survivor.append(
+                    await p._run(FAKE, {"name": "ok", "action": "sleep", "seconds": 0.5, "value": "ok"}, "ok")
+                )
 
             tg.start_soon(other)
             with pytest.raises(acompile.WorkerCrashedError) as info:
@@ -117,7 +133,11 @@ async def test_a_crashing_worker_fails_its_job_and_is_replaced(cache_dir: Path, 
         assert survivor == ["ok"]
         err = info.value
         assert err.kernel == "crasher"
-        assert (err.exit_code == 134) if how == "exit" else (err.exit_code == -getattr(__import__("signal"), how))
+        assert (
+            (err.exit_code == 134)
+            if how == "exit"
+            else (err.exit_code == -getattr(__import__("signal"), how))
+        )
         if how != "exit":
             assert "about to crash" in err.stderr_tail
         assert await p._run(FAKE, {"name": "e", "action": "echo", "value": "after"}, "e") == "after"
@@ -134,7 +154,8 @@ async def test_cancelling_a_running_job_stops_its_worker(cache_dir: Path) -> Non
         assert scope.cancelled_caught
         # The process that ran it is gone, and a fresh one answers.
         with anyio.fail_after(10):
-            while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            # No event announces another process's death: poll the process table.
+            while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:  # noqa: ASYNC110
                 await anyio.sleep(0.02)
             new_pid = await p._run(FAKE, {"name": "p", "action": "pid"}, "p")
         assert new_pid != pid
@@ -161,7 +182,9 @@ async def test_background_work_waits_behind_urgent_work(cache_dir: Path) -> None
         async with anyio.create_task_group() as tg:
 
             async def run(name: str, background: bool) -> None:
-                await p._run(FAKE, {"name": name, "action": "echo", "value": name}, name, background=background)
+                await p._run(
+                    FAKE, {"name": name, "action": "echo", "value": name}, name, background=background
+                )
                 order.append(name)
 
             tg.start_soon(p._run, FAKE, {"name": "first", "action": "sleep", "seconds": 0.3}, "first")
@@ -192,7 +215,9 @@ async def test_leaving_the_pool_stops_every_worker_even_mid_compile(cache_dir: P
             tg.cancel_scope.cancel()
         t0 = anyio.current_time()
     assert anyio.current_time() - t0 < 2
-    assert all(not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE for pid in pids)
+    assert all(
+        not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE for pid in pids
+    )
 
 
 async def test_an_exception_in_the_body_still_stops_the_workers(cache_dir: Path) -> None:
@@ -229,7 +254,9 @@ async def test_a_pool_is_used_inside_async_with_and_entered_once(cache_dir: Path
             pass
 
 
-async def test_a_worker_that_cannot_start_is_reported(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_worker_that_cannot_start_is_reported(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # A preload that fails: the worker cannot import its backend because PYTHONPATH
     # shadows acompile with a broken package.
     broken = cache_dir.parent / "shadow"

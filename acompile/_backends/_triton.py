@@ -226,7 +226,9 @@ async def _resolve_kernel(spec: TritonSpec) -> tuple[Any, dict[str, Any]]:
             )
         return fn, _triton_source.describe(fn)
     inner = getattr(fn, "fn", None)
-    if isinstance(inner, JITFunction) or (inner is not None and isinstance(getattr(inner, "fn", None), JITFunction)):
+    if isinstance(inner, JITFunction) or (
+        inner is not None and isinstance(getattr(inner, "fn", None), JITFunction)
+    ):
         raise InvalidSpecError(
             f"{type(fn).__name__} wraps a JIT function with its own configs: pass the inner "
             "function (its .fn) with the config's constexprs and options, or use pool.autotune()"
@@ -236,9 +238,7 @@ async def _resolve_kernel(spec: TritonSpec) -> tuple[Any, dict[str, Any]]:
             f"{getattr(fn, '__qualname__', fn)!r} is not a Triton JIT function: decorate it with "
             "@triton.jit, or pass the kernel's source text with kernel_name="
         )
-    raise InvalidSpecError(
-        f"expected a @triton.jit function or a source string, got {type(fn).__name__}"
-    )
+    raise InvalidSpecError(f"expected a @triton.jit function or a source string, got {type(fn).__name__}")
 
 
 async def _kernel_from_text(text: str, kernel_name: str | None) -> tuple[Any, dict[str, Any]]:
@@ -256,9 +256,7 @@ async def _kernel_from_text(text: str, kernel_name: str | None) -> tuple[Any, di
         except SyntaxError as exc:
             raise InvalidSpecError(f"the kernel source does not parse: {exc}") from exc
         except Exception as exc:
-            raise InvalidSpecError(
-                f"running the kernel source failed: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise InvalidSpecError(f"running the kernel source failed: {type(exc).__name__}: {exc}") from exc
         _source_kernels[digest] = namespace
     from triton.runtime.jit import JITFunction
 
@@ -364,7 +362,7 @@ def _option_names(backend: str) -> frozenset[str]:
     if backend == "cuda":
         from triton.backends.nvidia.compiler import CUDAOptions as options_cls
     else:
-        from triton.backends.amd.compiler import HIPOptions as options_cls  # type: ignore[no-redef]
+        from triton.backends.amd.compiler import HIPOptions as options_cls
     return frozenset(options_cls.__dataclass_fields__)
 
 
@@ -373,9 +371,7 @@ def _check_options(target: Target, spec: TritonSpec) -> dict[str, Any]:
     known = _option_names(target.backend)
     unknown = sorted(set(options) - known)
     if unknown:
-        raise InvalidSpecError(
-            f"unknown Triton option(s) {unknown} for {target}; known: {sorted(known)}"
-        )
+        raise InvalidSpecError(f"unknown Triton option(s) {unknown} for {target}; known: {sorted(known)}")
     warps = options["num_warps"]
     if not isinstance(warps, int) or warps < 1 or warps & (warps - 1):
         raise InvalidSpecError(f"num_warps must be a power of two (1, 2, 4, 8, 16, 32), got {warps!r}")
@@ -455,7 +451,7 @@ class TritonKernel:
         try:
             self.compiled._init_handles()
         except RuntimeError as exc:
-            if "active driver" in str(exc) or "driver" in str(exc).lower() and "0 active" in str(exc):
+            if "active driver" in str(exc) or ("driver" in str(exc).lower() and "0 active" in str(exc)):
                 raise DeviceUnavailableError(
                     f"cannot load {self.name}: no GPU or driver here ({exc}); compiled results "
                     "can still be cached and shipped"
@@ -508,7 +504,7 @@ def build_compiled_kernel(request: TritonRequest, entry: Entry) -> Any:
     t = metadata["target"]
     metadata["target"] = GPUTarget(t["backend"], t["arch"], t["warp_size"])
     KernelMetadata = namedtuple("KernelMetadata", sorted(metadata))  # type: ignore[misc]
-    md = KernelMetadata(**metadata)
+    md: Any = KernelMetadata(**metadata)
     backend = make_backend(md.target)
     binary_ext = backend.binary_ext
     asm = AsmDict(
@@ -535,5 +531,3 @@ def build_compiled_kernel(request: TritonRequest, entry: Entry) -> Any:
     if "_module_pid" not in CompiledKernel.__init__.__code__.co_names:
         del ck._module_pid  # Triton before 3.9 has no such attribute
     return ck
-
-

@@ -13,8 +13,8 @@ Both halves live here: ``describe()`` runs in the parent, ``materialize()`` in t
 """
 
 from __future__ import annotations
-
 import __future__
+
 import ast
 import importlib
 import linecache
@@ -128,7 +128,7 @@ class _Describer:
         namespace = self.namespaces.setdefault(space, {})
         scope = dict(py.__globals__)
         if py.__closure__:
-            scope.update(zip(code.co_freevars, (c.cell_contents for c in py.__closure__)))
+            scope.update(zip(code.co_freevars, (c.cell_contents for c in py.__closure__), strict=True))
         tree = ast.parse(textwrap.dedent(raw))
         names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
         for name in sorted(names):
@@ -298,8 +298,8 @@ def _register_lines(functions: list[dict[str, Any]]) -> None:
         by_file.setdefault(fn_desc["file"], []).append(fn_desc)
     for filename, descs in by_file.items():
         lines: list[str] = []
-        existing = linecache.cache.get(filename)
-        if existing is not None and existing[1] is None:
+        existing: Any = linecache.cache.get(filename)
+        if existing is not None and len(existing) == 4 and existing[1] is None:
             lines = list(existing[2])
         for fn_desc in descs:
             src_lines = fn_desc["source"].splitlines(keepends=True)

@@ -48,7 +48,11 @@ def preload(config: dict[str, Any]) -> None:
     target = config.get("target")
     if target is None:
         return
-    src = ASTSource(_preload_kernel, {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 128})
+    src = ASTSource(
+        _preload_kernel,
+        {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
+        {"BLOCK": 128},
+    )
     compiled = triton.compile(src, target=parse_target(target).to_triton(), options={"num_warps": 4})
     _remove_group(compiled.metadata_group)
 

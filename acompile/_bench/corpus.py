@@ -143,9 +143,7 @@ def dropout_hash_kernel(x_ptr, out_ptr, n, seed, p, BLOCK: tl.constexpr):
 
 # out = x * scale + shift with per-channel scale/shift (inference batchnorm, NCHW-flat)
 @triton.jit
-def affine_channel_kernel(
-    x_ptr, scale_ptr, shift_ptr, out_ptr, n, hw, channels, BLOCK: tl.constexpr
-):
+def affine_channel_kernel(x_ptr, scale_ptr, shift_ptr, out_ptr, n, hw, channels, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     ch = (offs // hw) % channels
@@ -166,9 +164,7 @@ def affine_channel_kernel(
 def row_sum_kernel(x_ptr, out_ptr, n_cols, stride, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row * stride + cols, mask=cols < n_cols, other=0.0).to(
-        tl.float32
-    )
+    x = tl.load(x_ptr + row * stride + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     tl.store(out_ptr + row, tl.sum(x, axis=0))
 
 
@@ -196,9 +192,7 @@ def softmax_kernel(x_ptr, out_ptr, n_cols, stride, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride + cols, mask=mask, other=-float("inf")).to(
-        tl.float32
-    )
+    x = tl.load(x_ptr + row * stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
     e = tl.exp(x - tl.max(x, axis=0))
     y = e / tl.sum(e, axis=0)
     tl.store(out_ptr + row * stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -210,9 +204,7 @@ def log_softmax_kernel(x_ptr, out_ptr, n_cols, stride, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride + cols, mask=mask, other=-float("inf")).to(
-        tl.float32
-    )
+    x = tl.load(x_ptr + row * stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
     z = x - tl.max(x, axis=0)
     y = z - tl.log(tl.sum(tl.exp(z), axis=0))
     tl.store(out_ptr + row * stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -239,9 +231,7 @@ def softmax_looped_kernel(x_ptr, out_ptr, n_cols, stride, BLOCK: tl.constexpr):
         mask = cols < n_cols
         x = tl.load(base + cols, mask=mask, other=-float("inf")).to(tl.float32)
         y = tl.exp(x - row_max) / total
-        tl.store(
-            out_ptr + row * stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask
-        )
+        tl.store(out_ptr + row * stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # LayerNorm forward: y = (x - mean) * rstd * w + b, also writes mean and rstd
@@ -291,9 +281,7 @@ def rmsnorm_kernel(x_ptr, w_ptr, y_ptr, n_cols, stride, eps, BLOCK: tl.constexpr
 
 # Fused residual add + RMSNorm: h = x + res (written back to res), y = rmsnorm(h) * w
 @triton.jit
-def add_rmsnorm_kernel(
-    x_ptr, res_ptr, w_ptr, y_ptr, n_cols, stride, eps, BLOCK: tl.constexpr
-):
+def add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, n_cols, stride, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -324,26 +312,20 @@ def row_var_kernel(x_ptr, out_ptr, n_cols, stride, BLOCK: tl.constexpr):
 
 # out[c] = sum over rows of x[:, c]; a BLOCK_R x BLOCK_C tile walks down the rows
 @triton.jit
-def col_sum_kernel(
-    x_ptr, out_ptr, n_rows, n_cols, stride, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
-):
+def col_sum_kernel(x_ptr, out_ptr, n_rows, n_cols, stride, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     acc = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
     for start in range(0, n_rows, BLOCK_R):
         rows = start + tl.arange(0, BLOCK_R)
         mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-        x = tl.load(
-            x_ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0
-        )
+        x = tl.load(x_ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0)
         acc += x.to(tl.float32)
     tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < n_cols)
 
 
 # Per-row cross-entropy loss: logsumexp(x[r, :]) - x[r, target[r]]
 @triton.jit
-def cross_entropy_kernel(
-    logits_ptr, target_ptr, loss_ptr, n_cols, stride, BLOCK: tl.constexpr
-):
+def cross_entropy_kernel(logits_ptr, target_ptr, loss_ptr, n_cols, stride, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -510,9 +492,7 @@ def bmm_kernel(
 
 # y = A @ x (matrix-vector), one BLOCK_M strip of rows per program, reduced with tl.sum
 @triton.jit
-def gemv_kernel(
-    a_ptr, x_ptr, y_ptr, M, N, stride_am, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
-):
+def gemv_kernel(a_ptr, x_ptr, y_ptr, M, N, stride_am, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_M,), tl.float32)
     for n0 in range(0, N, BLOCK_N):
@@ -594,9 +574,7 @@ def attention_fwd_kernel(
 
 # out = x^T for a row-major (M, N) matrix, one BLOCK_M x BLOCK_N tile per program
 @triton.jit
-def transpose_kernel(
-    x_ptr, out_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
-):
+def transpose_kernel(x_ptr, out_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -631,9 +609,7 @@ def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride, HALF: tl.constexpr):
 
 # Strided 2D copy: out[i, j] = x[i * sx0 + j * sx1] into a contiguous output
 @triton.jit
-def strided_copy_kernel(
-    x_ptr, out_ptr, M, N, sx0, sx1, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
-):
+def strided_copy_kernel(x_ptr, out_ptr, M, N, sx0, sx1, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -651,9 +627,7 @@ def atomic_sum_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 # Adam optimizer step, updates param / exp_avg / exp_avg_sq in place
 @triton.jit
-def adam_kernel(
-    p_ptr, g_ptr, m_ptr, v_ptr, n, lr, beta1, beta2, eps, bc1, bc2, BLOCK: tl.constexpr
-):
+def adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, lr, beta1, beta2, eps, bc1, bc2, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
@@ -693,9 +667,7 @@ def _spec(name, fn, types, warps=4, stages=3, **constexprs) -> Spec:
     type_list = types.split()
     if len(runtime) != len(type_list):
         raise ValueError(f"{name}: {len(type_list)} types for params {runtime}")
-    return Spec(
-        name, fn, dict(zip(runtime, type_list, strict=True)), constexprs, warps, stages
-    )
+    return Spec(name, fn, dict(zip(runtime, type_list, strict=True)), constexprs, warps, stages)
 
 
 _ACT_NAMES = ("relu", "gelu", "silu", "sigmoid", "leaky")
@@ -889,9 +861,7 @@ def full_signature(spec: Spec) -> dict[str, str]:
         elif name in spec.signature:
             sig[name] = spec.signature[name]
         else:
-            raise KeyError(
-                f"{spec.name}: no type or constexpr value for param {name!r}"
-            )
+            raise KeyError(f"{spec.name}: no type or constexpr value for param {name!r}")
     extra = (set(spec.signature) | set(spec.constexprs)) - set(sig)
     if extra:
         raise KeyError(f"{spec.name}: unknown params {sorted(extra)}")
@@ -905,9 +875,7 @@ def compile_spec(spec: Spec, target=None):
 
     if target is None:
         target = GPUTarget("cuda", 90, 32)
-    src = ASTSource(
-        fn=spec.fn, signature=full_signature(spec), constexprs=dict(spec.constexprs)
-    )
+    src = ASTSource(fn=spec.fn, signature=full_signature(spec), constexprs=dict(spec.constexprs))
     return triton.compile(
         src,
         target=target,

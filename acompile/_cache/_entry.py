@@ -5,9 +5,9 @@
     b"ACMPL" version:u8 header_len:u32 sha256:32 header(JSON) blob blob ...
 
 The SHA-256 covers the header and every blob. The header is small JSON: the entry's key, backend
-and kernel name, the names and sizes of the blobs, and backend metadata. Nothing in an entry is ever unpickled;
-a reader that finds anything out of place (magic, version, lengths, digest, key) treats the entry
-as missing.
+and kernel name, the names and sizes of the blobs, and backend metadata. Nothing in an entry is
+ever unpickled; a reader that finds anything out of place (magic, version, lengths, digest, key)
+treats the entry as missing.
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ class Entry:
         digest = hashlib.sha256(head)
         for data in self.blobs.values():
             digest.update(data)
-        return b"".join([_PREFIX.pack(MAGIC, VERSION, len(head), digest.digest()), head, *self.blobs.values()])
+        return b"".join(
+            [_PREFIX.pack(MAGIC, VERSION, len(head), digest.digest()), head, *self.blobs.values()]
+        )
 
     @property
     def size(self) -> int:
