@@ -1,0 +1,21 @@
+"""The examples run as documented."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT, subprocess_env
+
+
+def test_the_warmup_example_fills_the_cache_then_finds_it_full(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(ROOT / "examples" / "warmup.py"), "--cache-dir", str(tmp_path / "cache")]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env())
+    assert first.returncode == 0, first.stderr
+    assert "14 kernels for cuda:90, cuda:80: 14 compiled, 0 cached, 0 failed" in first.stdout
+    again = subprocess.run(
+        [*cmd, "--target", "cuda:90"], capture_output=True, text=True, timeout=300, env=subprocess_env()
+    )
+    assert again.returncode == 0, again.stderr
+    assert "7 kernels for cuda:90: 0 compiled, 7 cached, 0 failed" in again.stdout

@@ -1,0 +1,111 @@
+"""The GPU path: kernels compiled by the pool launch and compute the right thing.
+
+These need an NVIDIA GPU, its driver and PyTorch (for device memory); they skip themselves where
+any is missing (CI has no GPU). The last test is the opposite: what a machine *without* a GPU
+says when asked to launch.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import anyio
+import pytest
+from conftest import gpu_available, run_python
+from kernels_for_tests import ADD_SIG, add_kernel, scale_add_kernel
+
+import acompile
+
+pytestmark = pytest.mark.anyio
+
+
+def torch_cuda():  # type: ignore[no-untyped-def]
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch sees no CUDA device")
+    return torch
+
+
+@pytest.mark.gpu
+async def test_a_pool_kernel_launches_and_matches_tritons_own_jit(cache_dir: Path) -> None:
+    torch = torch_cuda()
+    n = 1_000_003
+    x = torch.randn(n, device="cuda")
+    y = torch.randn(n, device="cuda")
+    ours = torch.empty_like(x)
+    theirs = torch.empty_like(x)
+    async with acompile.CompilePool(2, cache_dir=cache_dir) as pool:  # target: the local GPU
+        assert pool.target is not None and pool.target.backend == "cuda"
+        k = await pool.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 1024})
+        k[(triton_cdiv(n, 1024),)](x, y, ours, n)
+        scaled = await pool.triton(scale_add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 512})
+        out2 = torch.empty_like(x)
+        scaled[lambda meta: (triton_cdiv(n, meta["BLOCK"]),)](x, y, out2, n)
+    add_kernel[(triton_cdiv(n, 1024),)](x, y, theirs, n, BLOCK=1024)
+    torch.cuda.synchronize()
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours, x + y)
+    torch.testing.assert_close(out2, x * 3 + y)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+@pytest.mark.gpu
+async def test_a_fresh_process_launches_from_the_disk_cache(cache_dir: Path) -> None:
+    torch_cuda()
+    async with acompile.CompilePool(1, cache_dir=cache_dir) as pool:
+        await pool.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 1024})
+    script = textwrap.dedent(
+        f"""
+        import time
+        t0 = time.perf_counter()
+        import json, anyio, torch, acompile
+        from kernels_for_tests import add_kernel, ADD_SIG
+
+        async def main():
+            t1 = time.perf_counter()
+            async with acompile.CompilePool(1, cache_dir={str(cache_dir)!r}, prestart=False) as pool:
+                k, tier = await pool.compile_with_tier(acompile.TritonSpec(add_kernel, ADD_SIG, {{"BLOCK": 1024}}))
+                n = 4096
+                x = torch.arange(n, device="cuda", dtype=torch.float32)
+                y = torch.ones(n, device="cuda", dtype=torch.float32)
+                out = torch.empty_like(x)
+                t2 = time.perf_counter()
+                k[(n // 1024,)](x, y, out, n)
+                torch.cuda.synchronize()
+                t3 = time.perf_counter()
+                ok = bool(torch.equal(out, x + 1))
+                print(json.dumps({{"tier": tier, "ok": ok, "started": pool.stats()["workers"]["started"],
+                                   "pool_entry_to_launched_s": t3 - t1, "first_launch_s": t3 - t2,
+                                   "process_start_to_launched_s": t3 - t0}}))
+
+        anyio.run(main)
+        """
+    )
+    out = await anyio.to_thread.run_sync(run_python, script)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["tier"] == "disk" and result["ok"] and result["started"] == 0
+    print("fresh-process launch from the disk cache:", result)
+
+
+@pytest.mark.skipif(gpu_available(), reason="checks the message on a machine without a GPU")
+async def test_launching_without_a_gpu_says_so(cache_dir: Path) -> None:
+    async with acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir) as pool:
+        k = await pool.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 64})
+    with pytest.raises(acompile.DeviceUnavailableError, match="no GPU"):
+        k[(1,)](0, 0, 0, 64)
+    with pytest.raises(acompile.DeviceUnavailableError):
+        k.load()
+
+
+async def test_a_pool_without_a_target_on_a_machine_without_a_gpu_says_what_to_do(cache_dir: Path) -> None:
+    if gpu_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(acompile.DeviceUnavailableError, match="target='cuda:90'"):
+        async with acompile.CompilePool(1, cache_dir=cache_dir):
+            pass

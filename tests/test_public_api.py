@@ -1,0 +1,69 @@
+"""The public surface: one namespace, nothing heavy on import."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import run_python
+
+import acompile
+
+EXPECTED = {
+    "AcompileError",
+    "BackendUnavailableError",
+    "CompileError",
+    "CompilePool",
+    "DeviceUnavailableError",
+    "InvalidSpecError",
+    "PoolClosedError",
+    "PoolError",
+    "Target",
+    "TritonKernel",
+    "TritonSpec",
+    "UnknownTargetError",
+    "WorkerCrashedError",
+    "WorkerStartError",
+    "__version__",
+}
+
+
+def test_all_lists_exactly_the_public_names() -> None:
+    assert isinstance(acompile.__all__, tuple)
+    assert set(acompile.__all__) == EXPECTED
+    for name in acompile.__all__:
+        assert getattr(acompile, name) is not None
+    public = {n for n in vars(acompile) if not n.startswith("_")} - {"annotations"}
+    assert public <= EXPECTED | {n for n in public if n.startswith("_")}, public - EXPECTED
+
+
+def test_every_public_name_has_a_docstring() -> None:
+    for name in acompile.__all__:
+        obj = getattr(acompile, name)
+        if callable(obj):
+            assert obj.__doc__ and obj.__doc__.strip(), name
+
+
+def test_errors_form_one_tree() -> None:
+    errors = [getattr(acompile, n) for n in acompile.__all__ if n.endswith("Error")]
+    assert all(issubclass(e, acompile.AcompileError) for e in errors)
+    assert issubclass(acompile.WorkerCrashedError, acompile.CompileError)
+    assert issubclass(acompile.UnknownTargetError, acompile.InvalidSpecError)
+
+
+def test_importing_acompile_imports_neither_triton_nor_cuda() -> None:
+    out = run_python(
+        "import sys, json, acompile\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('triton', 'cuda', 'torch'))))"
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == []
+
+
+def test_a_compile_error_survives_pickling_with_its_details() -> None:
+    import pickle
+
+    err = acompile.WorkerCrashedError("died", exit_code=-11, kernel="k", backend="triton", stderr_tail="tail")
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is acompile.WorkerCrashedError
+    assert (back.kernel, back.backend, back.exit_code, back.stderr_tail) == ("k", "triton", -11, "tail")
+    assert str(back) == str(err)
