@@ -34,6 +34,8 @@ class _Flight:
     """One compile in progress, shared by every caller that asked for the same key."""
 
     key: str
+    background: bool = False
+    job: Job | None = None  # once the flight has queued one
     waiters: int = 0
     done: anyio.Event = field(default_factory=anyio.Event)
     result: Any = None
@@ -245,12 +247,17 @@ class CompilePool:
             return kernel, "memory"
         flight = self._flights.get(request.key)
         if flight is None:
-            flight = _Flight(request.key)
+            flight = _Flight(request.key, background=background)
             self._flights[request.key] = flight
             assert self._tg is not None
-            self._tg.start_soon(self._fly, flight, backend, request, background)
+            self._tg.start_soon(self._fly, flight, backend, request)
         else:
             self._counts["joined_in_flight"] += 1
+            if flight.background and not background:
+                # Someone waits for it now: it must not stay behind the warm-up.
+                flight.background = False
+                if flight.job is not None and self._workers is not None:
+                    self._workers.queue.promote(flight.job)
         flight.waiters += 1
         try:
             await flight.done.wait()
@@ -267,7 +274,7 @@ class CompilePool:
             raise copy.copy(flight.error)
         return flight.result, flight.tier
 
-    async def _fly(self, flight: _Flight, backend: Any, request: Any, background: bool) -> None:
+    async def _fly(self, flight: _Flight, backend: Any, request: Any) -> None:
         try:
             with flight.scope:
                 entry = await self._cache.read(request.key)
@@ -277,7 +284,7 @@ class CompilePool:
                 else:
                     self._counts["misses"] += 1
                     data = await self._run(
-                        backend.WORKER_MODULE, request.payload, request.name, background=background
+                        backend.WORKER_MODULE, request.payload, request.name, flight=flight
                     )
                     entry = entry_format.decode(data, request.key, verify=False)
                     await self._cache.write(request.key, data)
@@ -303,7 +310,15 @@ class CompilePool:
             # Cancelled by its last waiter (not by shutdown): nobody is left to tell.
             flight.finish(error=JobCancelled(request.name))
 
-    async def _run(self, backend_module: str, payload: Any, name: str, *, background: bool = False) -> Any:
+    async def _run(
+        self,
+        backend_module: str,
+        payload: Any,
+        name: str,
+        *,
+        background: bool = False,
+        flight: _Flight | None = None,
+    ) -> Any:
         """Run one job on a worker with the named worker-side backend module, uncached.
 
         The seam tests use to drive the pool with fake backends (a job that sleeps, crashes,
@@ -312,7 +327,11 @@ class CompilePool:
         self._check_running()
         assert self._workers is not None
         self._start_workers()
+        if flight is not None:
+            background = flight.background
         job = self._workers.submit(Job(backend_module, payload, name, BACKGROUND if background else URGENT))
+        if flight is not None:
+            flight.job = job
         try:
             return await job.outcome()
         finally:

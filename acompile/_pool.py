@@ -91,7 +91,12 @@ class _JobQueue:
         self._waiters: list[anyio.Event] = []
 
     def __len__(self) -> int:
-        return sum(1 for lane in self._lanes for job in lane if job.state == "queued")
+        return sum(1 for i, lane in enumerate(self._lanes) for job in lane if self._live(job, i))
+
+    @staticmethod
+    def _live(job: Job, lane: int) -> bool:
+        # A promoted job stays in its old lane until popped: only its current place counts.
+        return job.state == "queued" and job.lane == lane
 
     def put(self, job: Job) -> None:
         self._lanes[job.lane].append(job)
@@ -101,11 +106,17 @@ class _JobQueue:
             event.set()
         self._waiters.clear()
 
+    def promote(self, job: Job) -> None:
+        """Move a queued background job to the urgent lane (its old place is skipped later)."""
+        if job.state == "queued" and job.lane != URGENT:
+            job.lane = URGENT
+            self._lanes[URGENT].append(job)
+
     def pop(self) -> Job | None:
-        for lane in self._lanes:
+        for i, lane in enumerate(self._lanes):
             while lane:
                 job = lane.popleft()
-                if job.state == "queued":
+                if self._live(job, i):
                     return job
         return None
 

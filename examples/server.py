@@ -73,9 +73,18 @@ KERNELS: dict[str, tuple[Any, dict[str, str]]] = {
     "matmul_kernel": (
         kernels.matmul_kernel,
         {
-            "a_ptr": "*fp16", "b_ptr": "*fp16", "c_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32",
-            "stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32",
-            "stride_cm": "i32", "stride_cn": "i32",
+            "a_ptr": "*fp16",
+            "b_ptr": "*fp16",
+            "c_ptr": "*fp16",
+            "M": "i32",
+            "N": "i32",
+            "K": "i32",
+            "stride_am": "i32",
+            "stride_ak": "i32",
+            "stride_bk": "i32",
+            "stride_bn": "i32",
+            "stride_cm": "i32",
+            "stride_cn": "i32",
         },
     ),
 }
@@ -167,7 +176,7 @@ def create_app(target: str | None = None, workers: int | None = None) -> Starlet
         try:
             body = await _read_body(request)
             spec = _spec(
-                body["kernel"] if "kernel" in body else None,
+                body["kernel"],
                 body.get("constexprs", {}),
                 body.get("num_warps", 4),
                 body.get("num_stages", 3),

@@ -8,7 +8,6 @@ would: answers, their timing, error messages, and the process table after shutdo
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import socket
 import subprocess
@@ -24,10 +23,9 @@ import anyio.abc
 import httpx
 import psutil
 import pytest
+from conftest import ROOT, TARGET, subprocess_env
 
 pytestmark = pytest.mark.anyio
-
-ROOT = Path(__file__).resolve().parent.parent
 
 # Twelve on-demand compiles, none of them among the server's warm-up variants.
 STORM: list[dict[str, Any]] = [
@@ -79,11 +77,20 @@ def server_loop(anyio_backend: Any) -> str:
 async def serve(cache_dir: Path, loop: str) -> AsyncIterator[Server]:
     """Start the example under uvicorn, wait for its first /health answer, stop it afterwards."""
     port = _free_port()
-    env = dict(os.environ, ACOMPILE_CACHE_DIR=str(cache_dir), ACOMPILE_TARGET="cuda:90")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = subprocess_env(ACOMPILE_CACHE_DIR=str(cache_dir), ACOMPILE_TARGET=TARGET)
     command = [
-        sys.executable, "-m", "uvicorn", "server:app", "--app-dir", "examples",
-        "--host", "127.0.0.1", "--port", str(port), "--loop", loop,
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "server:app",
+        "--app-dir",
+        "examples",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--loop",
+        loop,
     ]
     process = await anyio.open_process(
         command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT

@@ -284,3 +284,25 @@ async def test_environment_that_changes_code_is_in_the_key_and_reaches_the_worke
     assert off.key != on.key
     # Set after the workers started: the worker compiled with the request's setting anyway.
     assert off.metadata.enable_fp_fusion is False and on.metadata.enable_fp_fusion is True
+
+
+async def test_an_urgent_request_for_queued_warmup_work_jumps_the_queue(cache_dir: Path) -> None:
+    warmup = [acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": b}) for b in (32, 64, 128, 256, 512, 1024)]
+    finished: list[str] = []
+    async with pool(cache_dir, workers=1) as p:
+        await p.wait_ready()
+        async with anyio.create_task_group() as tg:
+
+            async def background(spec: acompile.TritonSpec) -> None:
+                await p.compile(spec, background=True)
+                finished.append(f"warmup{spec.constexprs['BLOCK']}")  # type: ignore[index]
+
+            for spec in warmup:
+                tg.start_soon(background, spec)
+            with anyio.fail_after(30):
+                while p.stats()["jobs"]["queued"] < 5:  # noqa: ASYNC110 - the queue has no event to wait on
+                    await anyio.sleep(0.01)
+            # The last queued warm-up spec, asked for by someone who waits for it.
+            await p.compile(warmup[-1])
+            finished.append("urgent")
+    assert finished.index("urgent") <= 2, finished

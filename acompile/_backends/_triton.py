@@ -12,6 +12,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import weakref
 from collections import namedtuple
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -121,6 +122,15 @@ def toolchain() -> dict[str, str]:
     return tools
 
 
+_toolchain_memo: dict[str, str] | None = None
+
+
+def _remember_toolchain() -> dict[str, str]:
+    global _toolchain_memo
+    _toolchain_memo = toolchain()
+    return _toolchain_memo
+
+
 def _file_digest(folder: str) -> str:
     digest = hashlib.sha256()
     for name in sorted(os.listdir(folder)):
@@ -169,8 +179,10 @@ async def prepare(spec: TritonSpec, default_target: Target | None) -> TritonRequ
     fn, kernel_ref = await _resolve_kernel(spec)
     signature, constants = _full_signature(fn, spec.signature, spec.constexprs or {})
     attrs = _normalize_attrs(fn, spec.attrs)
+    if target.backend not in _option_names_memo:
+        await anyio.to_thread.run_sync(_option_names, target.backend)  # imports the backend
     options = _check_options(target, spec)
-    tools = await anyio.to_thread.run_sync(toolchain)
+    tools = _toolchain_memo or await anyio.to_thread.run_sync(_remember_toolchain)
     env = key_environment(os.environ)
     key_parts = {
         "format": 1,
@@ -224,7 +236,11 @@ async def _resolve_kernel(spec: TritonSpec) -> tuple[Any, dict[str, Any]]:
                 f"kernel_name={spec.kernel_name!r} names a kernel in a source string; the JIT "
                 f"function passed is {fn.__name__!r}: drop kernel_name"
             )
-        return fn, _triton_source.describe(fn)
+        ref = _described_already(fn)
+        if ref is None:
+            # The first request for a function parses it and everything it calls: off the loop.
+            ref = await anyio.to_thread.run_sync(_describe, fn)
+        return fn, ref
     inner = getattr(fn, "fn", None)
     if isinstance(inner, JITFunction) or (
         inner is not None and isinstance(getattr(inner, "fn", None), JITFunction)
@@ -239,6 +255,31 @@ async def _resolve_kernel(spec: TritonSpec) -> tuple[Any, dict[str, Any]]:
             "@triton.jit, or pass the kernel's source text with kernel_name="
         )
     raise InvalidSpecError(f"expected a @triton.jit function or a source string, got {type(fn).__name__}")
+
+
+_described: dict[int, tuple[weakref.ref[Any], str, dict[str, Any]]] = {}
+
+
+def _described_already(fn: Any) -> dict[str, Any] | None:
+    memo = _described.get(id(fn))
+    alive: Any = memo[0]() if memo is not None else None
+    if memo is None or alive is not fn:
+        return None
+    return memo[2] if memo[1] == alive.cache_key else None
+
+
+def _describe(fn: Any) -> dict[str, Any]:
+    """The worker's description of fn, built once per function (and again if its source
+    changes, which changes its cache key)."""
+    key = fn.cache_key
+    ref = _triton_source.describe(fn)
+    fn_id = id(fn)
+
+    def forget(_: object) -> None:
+        _described.pop(fn_id, None)
+
+    _described[fn_id] = (weakref.ref(fn, forget), key, ref)
+    return ref
 
 
 async def _kernel_from_text(text: str, kernel_name: str | None) -> tuple[Any, dict[str, Any]]:
@@ -357,13 +398,18 @@ def _normalize_attrs(fn: Any, attrs: Mapping[Any, Any] | None) -> dict[tuple[int
     return result
 
 
-@functools.cache
+_option_names_memo: dict[str, frozenset[str]] = {}
+
+
 def _option_names(backend: str) -> frozenset[str]:
-    if backend == "cuda":
-        from triton.backends.nvidia.compiler import CUDAOptions as options_cls
-    else:
-        from triton.backends.amd.compiler import HIPOptions as options_cls
-    return frozenset(options_cls.__dataclass_fields__)
+    names = _option_names_memo.get(backend)
+    if names is None:
+        if backend == "cuda":
+            from triton.backends.nvidia.compiler import CUDAOptions as options_cls
+        else:
+            from triton.backends.amd.compiler import HIPOptions as options_cls
+        names = _option_names_memo[backend] = frozenset(options_cls.__dataclass_fields__)
+    return names
 
 
 def _check_options(target: Target, spec: TritonSpec) -> dict[str, Any]:
