@@ -21,7 +21,7 @@ import anyio.abc
 from acompile._backends import load_parent
 from acompile._cache import Cache, default_cache_dir
 from acompile._cache import _entry as entry_format
-from acompile._errors import AcompileError, PoolClosedError
+from acompile._errors import AcompileError, PoolClosedError, WorkerStartError
 from acompile._pool import BACKGROUND, URGENT, Job, JobCancelled, WorkerPool
 from acompile._sizing import default_workers
 from acompile._targets import Target, local_target, parse_target
@@ -65,6 +65,9 @@ class CompilePool:
             cached never starts one.
         preload: the backends each worker imports and warms up before it reports ready
             (``"triton"``); a backend not named here loads at its first job instead.
+        worker_nice: added to the workers' nice value (Unix), so that when the machine is
+            saturated the process serving requests gets the CPU before its compilers; 0 runs
+            workers at this process's priority.
 
     Entering starts the workers in the background and returns at once; ``wait_ready()`` waits
     for their preload. Leaving stops every worker, whatever happens in the body. A pool is
@@ -80,6 +83,7 @@ class CompilePool:
         memory_cache_size: int = 1024,
         prestart: bool = True,
         preload: tuple[str, ...] = ("triton",),
+        worker_nice: int = 5,
     ) -> None:
         if workers is not None and (not isinstance(workers, int) or workers < 1):
             raise ValueError(f"workers must be a positive integer or None, got {workers!r}")
@@ -90,7 +94,11 @@ class CompilePool:
             Path(cache_dir) if cache_dir is not None else default_cache_dir(), memory_cache_size
         )
         self._prestart = prestart
-        self._preload = [_WORKER_MODULES[name] for name in preload] if _known_backends(preload) else []
+        if not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19:
+            raise ValueError(f"worker_nice must be an integer from 0 to 19, got {worker_nice!r}")
+        self._worker_nice = worker_nice
+        _check_backends(preload)
+        self._preload = preload
         self._state = "new"
         self._flights: dict[str, _Flight] = {}
         self._counts: Counter[str] = Counter()
@@ -109,12 +117,17 @@ class CompilePool:
             if self._target is None:
                 self._target = await anyio.to_thread.run_sync(local_target)
             await self._cache.open()
+            for name in self._preload:
+                # Imports (in a thread) and one-time costs now, not in the first request.
+                backend = await anyio.to_thread.run_sync(load_parent, name)
+                await backend.setup(self._memo_dir, self._target)
             self._workdir = await anyio.to_thread.run_sync(lambda: tempfile.mkdtemp(prefix="acompile-"))
             config = {
                 "sys_path": list(sys.path),
                 "cwd": os.getcwd(),
                 "target": str(self._target),
-                "preload": self._preload,
+                "preload": [_WORKER_MODULES[name] for name in self._preload],
+                "nice": self._worker_nice,
             }
             self._workers = WorkerPool(self._size, config, self._workdir)
             self._tg = anyio.create_task_group()
@@ -153,11 +166,27 @@ class CompilePool:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(lambda: shutil.rmtree(workdir, ignore_errors=True))
 
+    @property
+    def _memo_dir(self) -> Path:
+        return self._cache.root / "toolchain"
+
     def _start_workers(self) -> None:
         if not self._workers_started:
-            assert self._tg is not None and self._workers is not None
+            assert self._tg is not None
             self._workers_started = True
-            self._tg.start_soon(self._workers.run)
+            self._tg.start_soon(self._run_workers)
+
+    async def _run_workers(self) -> None:
+        assert self._workers is not None
+        try:
+            for name in self._preload:
+                backend = load_parent(name)  # imported by __aenter__ already
+                self._workers.config.update(await backend.worker_config(self._memo_dir))
+        except Exception as exc:
+            logger.error("cannot prepare the workers' preload: %s", exc)
+            self._workers.fail_to_start(WorkerStartError(f"cannot prepare the workers' preload: {exc}"))
+            return
+        await self._workers.run()
 
     def _check_running(self) -> None:
         if self._state != "running":
@@ -240,7 +269,7 @@ class CompilePool:
         ``"compile"`` (a worker compiled it for this request or one it joined)."""
         self._check_running()
         backend = load_parent(_backend_of(spec))
-        request = await backend.prepare(spec, self._target)
+        request = await backend.prepare(spec, self._target, self._memo_dir)
         kernel = self._cache.memory.get(request.key)
         if kernel is not None:
             self._counts["hits_memory"] += 1
@@ -283,9 +312,8 @@ class CompilePool:
                     tier = "disk"
                 else:
                     self._counts["misses"] += 1
-                    data = await self._run(
-                        backend.WORKER_MODULE, request.payload, request.name, flight=flight
-                    )
+                    payload = await backend.payload(request)
+                    data = await self._run(backend.WORKER_MODULE, payload, request.name, flight=flight)
                     entry = entry_format.decode(data, request.key, verify=False)
                     await self._cache.write(request.key, data)
                     self._counts["compiled"] += 1
@@ -424,11 +452,10 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 _WORKER_MODULES = {"triton": "acompile._backends._triton_worker"}
 
 
-def _known_backends(names: tuple[str, ...]) -> bool:
+def _check_backends(names: tuple[str, ...]) -> None:
     unknown = [n for n in names if n not in _WORKER_MODULES]
     if unknown:
         raise ValueError(f"unknown backend(s) to preload: {unknown}; known: {sorted(_WORKER_MODULES)}")
-    return True
 
 
 def _backend_of(spec: Any) -> str:

@@ -232,8 +232,17 @@ class WorkerPool:
     def submit(self, job: Job) -> Job:
         if self._closed:
             raise PoolClosedError("the pool has shut down; make a new CompilePool")
+        if self._start_error is not None and not self.alive:
+            raise self._start_error
         self.queue.put(job)
         return job
+
+    def fail_to_start(self, error: WorkerStartError) -> None:
+        """No worker can start: fail what waits and what will wait, instead of hanging it."""
+        self._start_error = error
+        self.queue.fail_all(error)
+        for event in self._ready:
+            event.set()
 
     async def wait_ready(self) -> None:
         for event in self._ready:
@@ -282,6 +291,7 @@ class WorkerPool:
         stderr_path = os.path.join(self.workdir, f"worker-{slot}.stderr")
         env = dict(os.environ)
         env["ACOMPILE_PARENT_PID"] = str(os.getpid())
+        env["ACOMPILE_WORKER_NICE"] = str(self.config.get("nice", 0))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
         config = dict(self.config, triton_cache_dir=os.path.join(self.workdir, f"triton-{slot}"))
         t0 = time.perf_counter()

@@ -157,6 +157,13 @@ def main() -> None:
     os.close(devnull)
     os.dup2(2, 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    niceness = int(os.environ.get("ACOMPILE_WORKER_NICE", "0"))
+    if niceness > 0:
+        # Below the process that serves requests: when both want a CPU, its event loop wins.
+        try:
+            os.nice(niceness)
+        except OSError:
+            pass
     worker = Worker(fd_in, fd_out)
     if worker.start():
         worker.serve()

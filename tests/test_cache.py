@@ -157,7 +157,7 @@ async def test_keys_are_portable_across_cache_folders_and_working_directories(
             # Keys are computed in the parent: no compile needed to know one.
             from acompile._backends import _triton
 
-            keys.append((await _triton.prepare(spec, p.target)).key)
+            keys.append((await _triton.prepare(spec, p.target, tmp_path / f"memo{i}")).key)
     assert keys[0] == keys[1]
 
 
@@ -176,10 +176,10 @@ async def test_the_key_follows_what_changes_the_binary(cache_dir: Path) -> None:
         acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 64}, options={"enable_fp_fusion": False}),
     ]
     target = acompile.Target("cuda", 90)
-    keys = [(await _triton.prepare(s, target)).key for s in variants]
+    keys = [(await _triton.prepare(s, target, cache_dir)).key for s in variants]
     assert len(set(keys)) == len(keys)
-    assert (await _triton.prepare(base, target)).key == keys[0]
-    parts = (await _triton.prepare(base, target)).key_parts
+    assert (await _triton.prepare(base, target, cache_dir)).key == keys[0]
+    parts = (await _triton.prepare(base, target, cache_dir)).key_parts
     assert str(Path.home()) not in json.dumps(parts) and str(cache_dir) not in json.dumps(parts)
     assert parts["toolchain"]["triton"] == __import__("triton").__version__
 

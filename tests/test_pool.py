@@ -283,3 +283,12 @@ async def test_bad_pool_arguments_are_rejected_up_front(cache_dir: Path) -> None
 
 async def test_job_cancelled_is_internal() -> None:
     assert issubclass(JobCancelled, acompile.AcompileError)
+
+
+async def test_workers_run_below_the_parent_priority(cache_dir: Path) -> None:
+    async with pool(cache_dir, workers=1) as p:
+        pid = await p._run(FAKE, {"name": "p", "action": "pid"}, "p")
+        assert psutil.Process(pid).nice() == psutil.Process().nice() + 5
+    async with pool(cache_dir, workers=1, worker_nice=0) as p:
+        pid = await p._run(FAKE, {"name": "p", "action": "pid"}, "p")
+        assert psutil.Process(pid).nice() == psutil.Process().nice()

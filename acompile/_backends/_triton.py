@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.metadata
 import json
 import os
 import weakref
 from collections import namedtuple
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
 
-from acompile._backends import _triton_source
+from acompile._backends import _triton_source, _triton_toolchain
 from acompile._cache._entry import Entry
 from acompile._cache._keys import make_key
 from acompile._errors import DeviceUnavailableError, InvalidSpecError
@@ -61,14 +61,11 @@ _ENV_IGNORED = frozenset(
 
 def key_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """The environment variables that change what Triton compiles, as they are in environ."""
-    selected = {k: v for k, v in environ.items() if k.startswith("TRITON_") and k not in _ENV_IGNORED}
-    selected.update(_invalidating_env_vars(environ))
-    return dict(sorted(selected.items()))
-
-
-def _invalidating_env_vars(environ: Mapping[str, str]) -> dict[str, str]:
-    names = _invalidating_env_names()
-    return {k: environ[k] for k in names if k in environ and k not in _ENV_IGNORED}
+    # One pass over the names only: this runs for every request, and os.environ decodes each
+    # entry it yields.
+    extra = _invalidating_env_names()
+    names = sorted(k for k in environ if (k.startswith("TRITON_") or k in extra) and k not in _ENV_IGNORED)
+    return {k: environ[k] for k in names}
 
 
 @functools.cache
@@ -84,62 +81,6 @@ def _invalidating_env_names() -> frozenset[str]:
             if isinstance(key, str) and key.isupper():
                 names.add(key)
     return frozenset(n for n in names if not n.startswith("TRITON_"))
-
-
-@functools.cache
-def toolchain() -> dict[str, str]:
-    """What identifies the compilers: Triton's release and the digest of its compiler files as
-    its wheel records them, and the versions of the ptxas it runs. Computed once per process and
-    cheap (no hash of libtriton.so): call it from a thread, as ``prepare()`` does."""
-    import triton
-
-    digest = hashlib.sha256(triton.__version__.encode())
-    try:
-        files = importlib.metadata.distribution("triton").files or []
-    except importlib.metadata.PackageNotFoundError:
-        files = []
-    recorded = sorted(
-        (str(f), f.hash.value)
-        for f in files
-        if f.hash is not None and str(f).startswith(("triton/_C/", "triton/compiler/", "triton/backends/"))
-    )
-    if recorded:
-        for name, value in recorded:
-            digest.update(f"{name}={value}\n".encode())
-    else:
-        # A source or editable install has no record: hash the library itself (slow, once).
-        digest.update(_file_digest(os.path.join(os.path.dirname(triton.__file__), "_C")).encode())
-    tools = {"triton": triton.__version__, "triton_files": digest.hexdigest()}
-    try:
-        from triton import knobs
-
-        for name in ("ptxas", "ptxas_blackwell"):
-            tool = getattr(knobs.nvidia, name, None)
-            if tool is not None:
-                tools[name] = str(tool.version)
-    except Exception as exc:  # no CUDA tools bundled: the HIP build, say
-        tools["ptxas"] = f"unavailable ({type(exc).__name__})"
-    return tools
-
-
-_toolchain_memo: dict[str, str] | None = None
-
-
-def _remember_toolchain() -> dict[str, str]:
-    global _toolchain_memo
-    _toolchain_memo = toolchain()
-    return _toolchain_memo
-
-
-def _file_digest(folder: str) -> str:
-    digest = hashlib.sha256()
-    for name in sorted(os.listdir(folder)):
-        path = os.path.join(folder, name)
-        if os.path.isfile(path):
-            with open(path, "rb") as f:
-                while chunk := f.read(1 << 20):
-                    digest.update(chunk)
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -173,7 +114,35 @@ class TritonRequest:
     key_parts: dict[str, Any]
 
 
-async def prepare(spec: TritonSpec, default_target: Target | None) -> TritonRequest:
+async def setup(memo_dir: Path, target: Target | None) -> None:
+    """Pay this process's one-time costs off the loop, before requests arrive: the toolchain's
+    identity (remembered on disk) and the option names of the target's backend."""
+
+    def work() -> None:
+        _toolchain(memo_dir)
+        _invalidating_env_names()
+        if target is not None:
+            _option_names(target.backend)
+
+    await anyio.to_thread.run_sync(work)
+
+
+async def worker_config(memo_dir: Path) -> dict[str, Any]:
+    """What workers need from the parent: Triton's own key of its binaries, computed once."""
+    return {"triton_key": await anyio.to_thread.run_sync(_triton_toolchain.triton_key, memo_dir)}
+
+
+_toolchain_memo: dict[str, str] | None = None
+
+
+def _toolchain(memo_dir: Path) -> dict[str, str]:
+    global _toolchain_memo
+    if _toolchain_memo is None:
+        _toolchain_memo = _triton_toolchain.toolchain(memo_dir)
+    return _toolchain_memo
+
+
+async def prepare(spec: TritonSpec, default_target: Target | None, memo_dir: Path) -> TritonRequest:
     """Check a spec and compute its key; raises ``InvalidSpecError`` with what to change."""
     target = _resolve_target(spec.target, default_target)
     fn, kernel_ref = await _resolve_kernel(spec)
@@ -182,7 +151,7 @@ async def prepare(spec: TritonSpec, default_target: Target | None) -> TritonRequ
     if target.backend not in _option_names_memo:
         await anyio.to_thread.run_sync(_option_names, target.backend)  # imports the backend
     options = _check_options(target, spec)
-    tools = _toolchain_memo or await anyio.to_thread.run_sync(_remember_toolchain)
+    tools = _toolchain_memo or await anyio.to_thread.run_sync(_toolchain, memo_dir)
     env = key_environment(os.environ)
     key_parts = {
         "format": 1,
@@ -224,7 +193,23 @@ def _resolve_target(value: Any, default: Target | None) -> Target:
 _source_kernels: dict[str, dict[str, Any]] = {}
 
 
-async def _resolve_kernel(spec: TritonSpec) -> tuple[Any, dict[str, Any]]:
+def _has_cache_key(fn: Any) -> bool:
+    key = getattr(fn, "hash", None)  # where JITFunction keeps its computed cache_key
+    return isinstance(key, str) and not key.startswith("recursion:")
+
+
+async def payload(request: TritonRequest) -> dict[str, Any]:
+    """The job a worker runs for request (called on a cache miss only)."""
+    if request.payload["kernel"] is None:
+        fn = request.fn
+        ref = _described_already(fn)
+        if ref is None:
+            ref = await _once(("describe", id(fn)), lambda: _described_already(fn), _describe, fn)
+        request.payload["kernel"] = ref
+    return request.payload
+
+
+async def _resolve_kernel(spec: TritonSpec) -> tuple[Any, dict[str, Any] | None]:
     from triton.runtime.jit import JITFunction
 
     fn = spec.fn
@@ -236,11 +221,12 @@ async def _resolve_kernel(spec: TritonSpec) -> tuple[Any, dict[str, Any]]:
                 f"kernel_name={spec.kernel_name!r} names a kernel in a source string; the JIT "
                 f"function passed is {fn.__name__!r}: drop kernel_name"
             )
-        ref = _described_already(fn)
-        if ref is None:
-            # The first request for a function parses it and everything it calls: off the loop.
-            ref = await anyio.to_thread.run_sync(_describe, fn)
-        return fn, ref
+        if not _has_cache_key(fn):
+            # Triton's key of a function parses it and everything it calls: off the loop, once,
+            # however many requests for it arrive together.
+            await _once(("key", id(fn)), lambda: _has_cache_key(fn) or None, lambda: fn.cache_key)
+        # What a worker needs to rebuild it is worked out only if a worker is needed.
+        return fn, None
     inner = getattr(fn, "fn", None)
     if isinstance(inner, JITFunction) or (
         inner is not None and isinstance(getattr(inner, "fn", None), JITFunction)
@@ -255,6 +241,28 @@ async def _resolve_kernel(spec: TritonSpec) -> tuple[Any, dict[str, Any]]:
             "@triton.jit, or pass the kernel's source text with kernel_name="
         )
     raise InvalidSpecError(f"expected a @triton.jit function or a source string, got {type(fn).__name__}")
+
+
+_in_progress: dict[Any, anyio.Event] = {}
+# Parsing kernels is pure Python: run concurrently in many threads, they would queue the event
+# loop's thread behind them for the GIL. One at a time keeps the loop's waits short.
+_parse_limiter = anyio.CapacityLimiter(1)
+
+
+async def _once(key: Any, done: Callable[[], Any], work: Callable[..., Any], *args: Any) -> Any:
+    """Run work(*args) in a thread, once for all the tasks that ask for key at the same time;
+    the others wait and then read the result with done()."""
+    while (pending := _in_progress.get(key)) is not None:
+        await pending.wait()
+        result = done()
+        if result is not None:
+            return result
+    event = _in_progress[key] = anyio.Event()
+    try:
+        return await anyio.to_thread.run_sync(work, *args, limiter=_parse_limiter)
+    finally:
+        del _in_progress[key]
+        event.set()
 
 
 _described: dict[int, tuple[weakref.ref[Any], str, dict[str, Any]]] = {}
@@ -289,16 +297,17 @@ async def _kernel_from_text(text: str, kernel_name: str | None) -> tuple[Any, di
     if namespace is None:
 
         def run() -> dict[str, Any]:
-            return _triton_source.run_source_text(text, filename)
+            ns = _triton_source.run_source_text(text, filename)
+            _source_kernels[digest] = ns
+            return ns
 
         try:
             # Off the loop: the text's own imports (triton.language, ...) may take a while.
-            namespace = await anyio.to_thread.run_sync(run)
+            namespace = await _once(("source", digest), lambda: _source_kernels.get(digest), run)
         except SyntaxError as exc:
             raise InvalidSpecError(f"the kernel source does not parse: {exc}") from exc
         except Exception as exc:
             raise InvalidSpecError(f"running the kernel source failed: {type(exc).__name__}: {exc}") from exc
-        _source_kernels[digest] = namespace
     from triton.runtime.jit import JITFunction
 
     found = sorted(k for k, v in namespace.items() if isinstance(v, JITFunction))
@@ -316,6 +325,9 @@ async def _kernel_from_text(text: str, kernel_name: str | None) -> tuple[Any, di
             f"the source has no @triton.jit function named {kernel_name!r}; it defines {found or 'none'}"
         )
     return fn, {"kind": "text", "text": text, "filename": filename, "name": kernel_name}
+
+
+_valid_types: set[str] = set()
 
 
 def _full_signature(
@@ -354,7 +366,9 @@ def _full_signature(
             if not isinstance(ty, str):
                 raise InvalidSpecError(f"type of {name!r} must be a string such as '*fp32', got {ty!r}")
             try:
-                str_to_ty(ty, None)
+                if ty not in _valid_types:
+                    str_to_ty(ty, None)
+                    _valid_types.add(ty)
             except (KeyError, IndexError, ValueError, TypeError):
                 raise InvalidSpecError(
                     f"unknown Triton type {ty!r} for {name!r}: use e.g. '*fp32' or '*fp16' "
@@ -539,6 +553,10 @@ def load(request: TritonRequest, entry: Entry) -> TritonKernel:
     return TritonKernel(request, entry, build_compiled_kernel(request, entry))
 
 
+_metadata_types: dict[tuple[str, ...], Any] = {}
+_backends: dict[Any, Any] = {}
+
+
 def build_compiled_kernel(request: TritonRequest, entry: Entry) -> Any:
     """Triton's ``CompiledKernel`` from an entry's bytes, attribute for attribute as
     ``CompiledKernel.__init__`` builds it from files (3.6 to 3.9), with no file involved."""
@@ -549,9 +567,16 @@ def build_compiled_kernel(request: TritonRequest, entry: Entry) -> Any:
     metadata = json.loads(entry.blobs["json"])
     t = metadata["target"]
     metadata["target"] = GPUTarget(t["backend"], t["arch"], t["warp_size"])
-    KernelMetadata = namedtuple("KernelMetadata", sorted(metadata))  # type: ignore[misc]
+    fields = tuple(sorted(metadata))
+    KernelMetadata = _metadata_types.get(fields)
+    if KernelMetadata is None:
+        # Triton makes a class per kernel; one per field list reads the same and saves a class
+        # creation per kernel loaded from the cache.
+        KernelMetadata = _metadata_types[fields] = namedtuple("KernelMetadata", fields)
     md: Any = KernelMetadata(**metadata)
-    backend = make_backend(md.target)
+    backend = _backends.get(md.target)
+    if backend is None:
+        backend = _backends[md.target] = make_backend(md.target)
     binary_ext = backend.binary_ext
     asm = AsmDict(
         {

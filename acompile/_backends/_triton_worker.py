@@ -29,6 +29,13 @@ def setup(config: dict[str, Any]) -> None:
     os.environ["TRITON_CACHE_DIR"] = config["triton_cache_dir"]
     knobs.cache.dir = config["triton_cache_dir"]
     knobs.compilation.always_compile = True
+    if config.get("triton_key"):
+        # The parent computed Triton's hash of its own binaries once (~0.5 s of CPU); take it
+        # instead of paying it again here, as Triton's own preload pool does.
+        import triton.runtime.cache
+
+        value = config["triton_key"]
+        triton.runtime.cache.triton_key = lambda: value
     _base_env.update(os.environ)
 
 

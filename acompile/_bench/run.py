@@ -230,17 +230,20 @@ def _row_sequential(args: argparse.Namespace) -> dict[str, Any]:
     specs = _specs(args.limit)
     out = _Outcome([s.name for s in specs])
     target = _gpu_target(args.target)
+    seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     first = None
     for i, spec in enumerate(specs):
+        t = time.perf_counter()
         try:
             out.set(i, compile_spec(spec, target).asm["cubin"])
         except Exception as exc:
             out.set(i, error=exc)
+        seconds[spec.name] = round(time.perf_counter() - t, 4)
         if first is None:
             first = time.perf_counter() - t0
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "first_s": first, "lag": None, **out.report()}
+    return {"wall_s": wall, "first_s": first, "lag": None, "spec_seconds": seconds, **out.report()}
 
 
 async def _row_threads(args: argparse.Namespace) -> dict[str, Any]:
@@ -311,7 +314,9 @@ async def _row_anyio_to_process(args: argparse.Namespace) -> dict[str, Any]:
 
     async def one(i: int) -> None:
         try:
-            result = await anyio.to_process.run_sync(_compile_index, i, args.target, args.limit, limiter=limiter)
+            result = await anyio.to_process.run_sync(
+                _compile_index, i, args.target, args.limit, limiter=limiter
+            )
             out.set(i, result["asm"].get("cubin"))
         except Exception as exc:
             out.set(i, error=exc)
@@ -351,8 +356,11 @@ async def _row_acompile(args: argparse.Namespace, *, warm_pool: bool) -> dict[st
     requests = _acompile_specs(args.limit)
     cache_dir = os.environ["ACOMPILE_CACHE_DIR"]
     extra: dict[str, Any] = {}
+
     def make_pool() -> Any:
-        return acompile.CompilePool(workers=args.workers, target=args.target, cache_dir=cache_dir, prestart=True)
+        return acompile.CompilePool(
+            workers=args.workers, target=args.target, cache_dir=cache_dir, prestart=True
+        )
 
     if not warm_pool:
         # Pool start is part of the measurement: the probe and the clock start before entry.
@@ -457,7 +465,14 @@ _ROW_FUNCS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "warm_acompile": _row_warm_acompile,
     "warm_triton": _row_warm_triton,
 }
-_ASYNC_ROWS = {"threads", "process_pool", "anyio_to_process", "acompile_cold", "acompile_warm_pool", "warm_acompile"}
+_ASYNC_ROWS = {
+    "threads",
+    "process_pool",
+    "anyio_to_process",
+    "acompile_cold",
+    "acompile_warm_pool",
+    "warm_acompile",
+}
 
 
 def _child_main(argv: list[str]) -> int:
@@ -515,7 +530,9 @@ def _machine() -> dict[str, Any]:
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         git = subprocess.run(
             ["git", "-C", _PACKAGE_ROOT, "describe", "--always", "--dirty"],
-            capture_output=True, text=True, timeout=10,
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
         commit = git.stdout.strip() or None
     return {
@@ -536,7 +553,7 @@ def _prime_page_cache() -> None:
     spec = importlib.util.find_spec("triton")
     if spec is None or not spec.submodule_search_locations:
         return
-    root = Path(list(spec.submodule_search_locations)[0])
+    root = Path(next(iter(spec.submodule_search_locations)))
     for folder in (root / "_C", root / "backends" / "nvidia" / "bin", root / "backends" / "nvidia" / "lib"):
         if not folder.is_dir():
             continue
@@ -575,8 +592,17 @@ def _run_row(name: str, args: argparse.Namespace, root: Path, warm_cache: str | 
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
     out = row_dir / "result.json"
     cmd = [
-        sys.executable, "-c", _CHILD_ENTRY,
-        "--row", name, "--out", str(out), "--workers", str(args.workers), "--target", args.target,
+        sys.executable,
+        "-c",
+        _CHILD_ENTRY,
+        "--row",
+        name,
+        "--out",
+        str(out),
+        "--workers",
+        str(args.workers),
+        "--target",
+        args.target,
     ]
     if args.limit:
         cmd += ["--limit", str(args.limit)]
@@ -590,7 +616,9 @@ def _run_row(name: str, args: argparse.Namespace, root: Path, warm_cache: str | 
         t_spawn = time.time()
         t0 = time.perf_counter()
         # A session of its own, so a row that hangs can be stopped with everything it started.
-        child = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        child = subprocess.Popen(
+            cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             code = child.wait(timeout=args.row_timeout)
         except subprocess.TimeoutExpired:
@@ -601,6 +629,7 @@ def _run_row(name: str, args: argparse.Namespace, root: Path, warm_cache: str | 
         process_s = time.perf_counter() - t0
     usage1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     tail = log.read_text(errors="replace")[-3000:]
+    result: dict[str, Any]
     if code is None:
         result = {"crashed": f"timed out after {args.row_timeout} s", "log_tail": tail}
     elif not out.exists():
@@ -627,7 +656,9 @@ def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def _report(results: dict[str, dict[str, Any]], machine: dict[str, Any], args: argparse.Namespace, n: int) -> str:
+def _report(
+    results: dict[str, dict[str, Any]], machine: dict[str, Any], args: argparse.Namespace, n: int
+) -> str:
     lines = [
         f"acompile compile benchmark: {n} specs, target {args.target}, {args.workers} workers",
         f"machine: {machine['cpu_count']} CPUs ({machine['usable_cpus']} usable), {machine['cpu_model']}",
@@ -656,7 +687,11 @@ def _report(results: dict[str, dict[str, Any]], machine: dict[str, Any], args: a
         speed = seq_wall / wall if seq_wall and wall else None
         lag = r.get("lag") or {}
         differ = (
-            sum(1 for k, d in (r.get("digests") or {}).items() if d and seq_digests.get(k) and d != seq_digests[k])
+            sum(
+                1
+                for k, d in (r.get("digests") or {}).items()
+                if d and seq_digests.get(k) and d != seq_digests[k]
+            )
             if seq_digests and name != "sequential"
             else None
         )
@@ -717,13 +752,27 @@ def _report(results: dict[str, dict[str, Any]], machine: dict[str, Any], args: a
 def main(argv: list[str] | None = None) -> int:
     from acompile._sizing import default_workers
 
-    parser = argparse.ArgumentParser(prog="python -m acompile._bench.run", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, default=default_workers(), help="workers / threads / processes (default: %(default)s)")
+    parser = argparse.ArgumentParser(
+        prog="python -m acompile._bench.run", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=default_workers(),
+        help="workers / threads / processes (default: %(default)s)",
+    )
     parser.add_argument("--target", default="cuda:90", help="compile target (default: %(default)s)")
-    parser.add_argument("--json", default="bench-results/bench.json", help="where to write the results (default: %(default)s)")
+    parser.add_argument(
+        "--json", default="bench-results/bench.json", help="where to write the results (default: %(default)s)"
+    )
     parser.add_argument("--only", default=None, help=f"comma-separated rows to run, of: {', '.join(ROWS)}")
     parser.add_argument("--limit", type=int, default=None, help="use only the first K specs of the corpus")
-    parser.add_argument("--row-timeout", type=float, default=900.0, help="seconds before a row is killed (default: %(default)s)")
+    parser.add_argument(
+        "--row-timeout",
+        type=float,
+        default=900.0,
+        help="seconds before a row is killed (default: %(default)s)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the rows' cache folders and logs")
     args = parser.parse_args(argv)
     if args.workers < 1:
@@ -753,14 +802,20 @@ def main(argv: list[str] | None = None) -> int:
             warm_cache = None
             if name in _NEEDS:
                 source = results.get(_NEEDS[name], {})
-                warm_cache = source.get("acompile_cache_dir" if name == "warm_acompile" else "triton_cache_dir")
+                warm_cache = source.get(
+                    "acompile_cache_dir" if name == "warm_acompile" else "triton_cache_dir"
+                )
             print(f"[bench] {name} ...", file=sys.stderr, flush=True)
             results[name] = _run_row(name, args, root, warm_cache)
             r = results[name]
             n_specs = r.get("specs", n_specs)
             print(
                 f"[bench] {name}: "
-                + (f"CRASHED {r['crashed']}" if "crashed" in r else f"{r['wall_s']:.2f} s, ok {r['ok']}/{r['specs']}"),
+                + (
+                    f"CRASHED {r['crashed']}"
+                    if "crashed" in r
+                    else f"{r['wall_s']:.2f} s, ok {r['ok']}/{r['specs']}"
+                ),
                 file=sys.stderr,
                 flush=True,
             )
@@ -773,16 +828,19 @@ def main(argv: list[str] | None = None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     document = {
         "machine": machine,
-        "config": {"workers": args.workers, "target": args.target, "limit": args.limit, "rows": selected, "specs": n_specs},
+        "config": {
+            "workers": args.workers,
+            "target": args.target,
+            "limit": args.limit,
+            "rows": selected,
+            "specs": n_specs,
+        },
         "rows": results,
         "report": text,
     }
     path.write_text(json.dumps(document, indent=2, default=str))
     print(f"\nresults written to {path}")
-    failed = [
-        name for name, r in results.items()
-        if "crashed" in r or r.get("failed") or r.get("assertion")
-    ]
+    failed = [name for name, r in results.items() if "crashed" in r or r.get("failed") or r.get("assertion")]
     return 1 if failed else 0
 
 

@@ -20,7 +20,8 @@ from acompile._cache._memory import MemoryTier
 
 logger = logging.getLogger("acompile")
 
-# Entries at least this large are verified on a thread: hashing them would stall the loop.
+# Entries at least this large are verified on a thread: hashing them would stall the loop
+# (SHA-256 runs at about 1 GB/s: 256 KiB is some 0.25 ms).
 _VERIFY_INLINE_MAX = 256 * 1024
 
 
