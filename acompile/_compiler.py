@@ -21,7 +21,7 @@ import anyio.abc
 from acompile._backends import load_parent
 from acompile._cache import Cache, default_cache_dir
 from acompile._cache import _entry as entry_format
-from acompile._errors import AcompileError, PoolClosedError, WorkerStartError
+from acompile._errors import AcompileError, PoolClosedError
 from acompile._pool import BACKGROUND, URGENT, Job, JobCancelled, WorkerPool
 from acompile._sizing import default_workers
 from acompile._targets import Target, local_target, parse_target
@@ -177,16 +177,21 @@ class CompilePool:
             self._tg.start_soon(self._run_workers)
 
     async def _run_workers(self) -> None:
-        assert self._workers is not None
+        workers = self._workers
+        assert workers is not None and self._tg is not None
+        # Processes start now; what their preload needs from this process (Triton's key of its
+        # binaries, computed once per machine) is prepared meanwhile and sent when ready.
+        workers.defer_config()
+        self._tg.start_soon(workers.run)
+        extra: dict[str, Any] = {}
         try:
             for name in self._preload:
                 backend = load_parent(name)  # imported by __aenter__ already
-                self._workers.config.update(await backend.worker_config(self._memo_dir))
+                extra.update(await backend.worker_config(self._memo_dir))
         except Exception as exc:
-            logger.error("cannot prepare the workers' preload: %s", exc)
-            self._workers.fail_to_start(WorkerStartError(f"cannot prepare the workers' preload: {exc}"))
-            return
-        await self._workers.run()
+            # Not fatal: each worker then computes what it needs itself, at some cost.
+            logger.warning("cannot prepare the workers' preload here (%s); workers will", exc)
+        workers.complete_config(extra)
 
     def _check_running(self) -> None:
         if self._state != "running":

@@ -21,6 +21,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from acompile import _protocol
@@ -184,6 +185,16 @@ class _WorkerProcess:
         return await anyio.to_thread.run_sync(read)
 
 
+def _lower_priority(pid: int, nice: int) -> None:
+    # Right away, so that the worker's start-up (Python, Triton's import) already yields to the
+    # process serving requests; the worker applies it too, in case this is refused.
+    if nice > 0 and hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, pid, os.getpriority(os.PRIO_PROCESS, 0) + nice)
+        except OSError:
+            pass
+
+
 def _describe_exit(code: int | None) -> str:
     if code is None:
         return "did not exit"
@@ -226,6 +237,9 @@ class WorkerPool:
         self._ready = [anyio.Event() for _ in range(size)]
         self._start_error: WorkerStartError | None = None
         self._closed = False
+        self._spawn_lock = anyio.Lock()
+        self._config_ready = anyio.Event()
+        self._config_ready.set()
 
     # -- the caller's side -------------------------------------------------------------------
 
@@ -237,12 +251,14 @@ class WorkerPool:
         self.queue.put(job)
         return job
 
-    def fail_to_start(self, error: WorkerStartError) -> None:
-        """No worker can start: fail what waits and what will wait, instead of hanging it."""
-        self._start_error = error
-        self.queue.fail_all(error)
-        for event in self._ready:
-            event.set()
+    def defer_config(self) -> None:
+        """Workers may start before their configuration is complete: hold it back until
+        ``complete_config()``; they import their backends meanwhile."""
+        self._config_ready = anyio.Event()
+
+    def complete_config(self, extra: dict[str, Any]) -> None:
+        self.config.update(extra)
+        self._config_ready.set()
 
     async def wait_ready(self) -> None:
         for event in self._ready:
@@ -292,6 +308,7 @@ class WorkerPool:
         env = dict(os.environ)
         env["ACOMPILE_PARENT_PID"] = str(os.getpid())
         env["ACOMPILE_WORKER_NICE"] = str(self.config.get("nice", 0))
+        env["ACOMPILE_PARENT_NICE"] = str(os.nice(0))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
         config = dict(self.config, triton_cache_dir=os.path.join(self.workdir, f"triton-{slot}"))
         t0 = time.perf_counter()
@@ -299,19 +316,27 @@ class WorkerPool:
         # truncates it at a job's start, writes land at the new end, not at the old offset).
         stderr_fd = os.open(stderr_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
         try:
-            process = await anyio.open_process(
-                [sys.executable, "-m", "acompile._worker"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=stderr_fd,
-                cwd=self.config["cwd"],
-                env=env,
-            )
+            # Starting a process blocks the loop until the child has exec'd (a few ms). One at a
+            # time, with the loop's other work in between: sixteen slots starting in the same
+            # loop iteration would otherwise stall it for all sixteen.
+            async with self._spawn_lock:
+                process = await anyio.open_process(
+                    [sys.executable, "-m", "acompile._worker", *self.config.get("preload", ())],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=stderr_fd,
+                    cwd=self.config["cwd"],
+                    env=env,
+                )
+                _lower_priority(process.pid, self.config.get("nice", 0))
+                await anyio.lowlevel.checkpoint()
         finally:
             os.close(stderr_fd)
         worker = _WorkerProcess(process, stderr_path)
         self.alive[worker.pid] = worker
         try:
+            await self._config_ready.wait()  # the worker imports its backends meanwhile
+            config = dict(self.config, triton_cache_dir=config["triton_cache_dir"])
             await worker.send(config)
             reply = await worker.receive()
         except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError) as exc:

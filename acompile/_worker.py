@@ -75,13 +75,25 @@ class Worker:
             self.backends[name] = module
         return module
 
-    def start(self) -> bool:
+    def start(self, early_imports: list[str]) -> bool:
+        # Import the backends named on the command line while the parent may still be preparing
+        # the configuration (it sends it as soon as it has it); an import error is reported
+        # once the configuration is in.
+        t0 = time.perf_counter()
+        import_error: BaseException | None = None
+        for name in early_imports:
+            try:
+                importlib.import_module(name)
+            except BaseException as exc:
+                import_error = exc
+                break
         config = _protocol.read_message(self.fd_in)
         if config is None:
             return False
         self.config = config
-        t0 = time.perf_counter()
         try:
+            if import_error is not None:
+                raise import_error
             _apply_config(config)
             for name in config.get("preload", ()):
                 self.backend(name).preload(config)
@@ -158,14 +170,16 @@ def main() -> None:
     os.dup2(2, 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     niceness = int(os.environ.get("ACOMPILE_WORKER_NICE", "0"))
-    if niceness > 0:
+    parent_nice = int(os.environ.get("ACOMPILE_PARENT_NICE", "0"))
+    if niceness > 0 and os.nice(0) < parent_nice + niceness:
         # Below the process that serves requests: when both want a CPU, its event loop wins.
+        # (The pool usually did this already, as soon as the process existed.)
         try:
-            os.nice(niceness)
+            os.nice(parent_nice + niceness - os.nice(0))
         except OSError:
             pass
     worker = Worker(fd_in, fd_out)
-    if worker.start():
+    if worker.start(sys.argv[1:]):
         worker.serve()
     sys.stdout.flush()
     os._exit(0)
