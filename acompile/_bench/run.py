@@ -510,6 +510,12 @@ def _child_main(argv: list[str]) -> int:
 # -- the orchestrator ----------------------------------------------------------------------------
 
 
+def _acompile_version() -> str:
+    from acompile._version import __version__
+
+    return __version__
+
+
 def _machine() -> dict[str, Any]:
     from acompile._sizing import usable_cpus
 
@@ -543,7 +549,7 @@ def _machine() -> dict[str, Any]:
         "python": sys.version.split()[0],
         "triton": version("triton"),
         "anyio": version("anyio"),
-        "acompile": version("acompile"),
+        "acompile": _acompile_version(),
         "acompile_commit": commit,
     }
 
