@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -133,11 +134,8 @@ async def test_a_crashing_worker_fails_its_job_and_is_replaced(cache_dir: Path, 
         assert survivor == ["ok"]
         err = info.value
         assert err.kernel == "crasher"
-        assert (
-            (err.exit_code == 134)
-            if how == "exit"
-            else (err.exit_code == -getattr(__import__("signal"), how))
-        )
+        expected = 134 if how == "exit" else -getattr(signal, how)
+        assert err.exit_code == expected, (err.exit_code, str(err))
         if how != "exit":
             assert "about to crash" in err.stderr_tail
         assert await p._run(FAKE, {"name": "e", "action": "echo", "value": "after"}, "e") == "after"
