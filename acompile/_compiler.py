@@ -9,6 +9,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ from acompile._cache import Cache, default_cache_dir
 from acompile._cache import _entry as entry_format
 from acompile._errors import AcompileError, PoolClosedError
 from acompile._pool import BACKGROUND, URGENT, Job, JobCancelled, WorkerPool
-from acompile._sizing import default_workers
+from acompile._sizing import default_workers, parse_size
 from acompile._targets import Target, local_target, parse_target
 
 logger = logging.getLogger("acompile")
@@ -68,6 +69,15 @@ class CompilePool:
         worker_nice: added to the workers' nice value (Unix), so that when the machine is
             saturated the process serving requests gets the CPU before its compilers; 0 runs
             workers at this process's priority.
+        idle_timeout: quiesce the pool after this many seconds without work (``None``: never);
+            the next request wakes it.
+        memory_limit: a worker whose resident memory passes this many bytes (or ``"4GiB"``,
+            ``"512MiB"``) is stopped; its job fails with ``WorkerCrashedError`` saying so.
+        max_compile_seconds: a job that runs longer fails with ``CompileTimeoutError`` and its
+            worker is stopped (for compilers that never return). Callers' own deadlines are
+            theirs to set with ``anyio.fail_after``.
+        fork_workers: fork workers from a preloaded template process (fast start and wake-up);
+            ``False`` starts each worker as a fresh interpreter.
 
     Entering starts the workers in the background and returns at once; ``wait_ready()`` waits
     for their preload. Leaving stops every worker, whatever happens in the body. A pool is
@@ -84,6 +94,10 @@ class CompilePool:
         prestart: bool = True,
         preload: tuple[str, ...] = ("triton",),
         worker_nice: int = 5,
+        idle_timeout: float | None = None,
+        memory_limit: int | str | None = None,
+        max_compile_seconds: float | None = None,
+        fork_workers: bool = True,
     ) -> None:
         if workers is not None and (not isinstance(workers, int) or workers < 1):
             raise ValueError(f"workers must be a positive integer or None, got {workers!r}")
@@ -99,12 +113,21 @@ class CompilePool:
         self._worker_nice = worker_nice
         _check_backends(preload)
         self._preload = preload
+        if idle_timeout is not None and not idle_timeout > 0:
+            raise ValueError(
+                f"idle_timeout must be a positive number of seconds or None, got {idle_timeout!r}"
+            )
+        self._idle_timeout = idle_timeout
+        self._memory_limit = parse_size(memory_limit) if memory_limit is not None else None
+        if max_compile_seconds is not None and not max_compile_seconds > 0:
+            raise ValueError(f"max_compile_seconds must be positive or None, got {max_compile_seconds!r}")
+        self._max_compile_seconds = max_compile_seconds
+        self._fork_workers = fork_workers
         self._state = "new"
         self._flights: dict[str, _Flight] = {}
         self._counts: Counter[str] = Counter()
         self._tg: anyio.abc.TaskGroup | None = None
         self._workers: WorkerPool | None = None
-        self._workers_started = False
         self._workdir: str | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -129,7 +152,17 @@ class CompilePool:
                 "preload": [_WORKER_MODULES[name] for name in self._preload],
                 "nice": self._worker_nice,
             }
-            self._workers = WorkerPool(self._size, config, self._workdir)
+            self._workers = WorkerPool(
+                self._size,
+                config,
+                self._workdir,
+                memory_limit=self._memory_limit,
+                max_compile_seconds=self._max_compile_seconds,
+                use_template=self._fork_workers,
+            )
+            # What the workers' preload needs from this process (Triton's key of its binaries,
+            # computed once per machine) is prepared when they first start, meanwhile.
+            self._workers.prepare_config_with(self._worker_config)
             self._tg = anyio.create_task_group()
             await self._tg.__aenter__()
         except BaseException:
@@ -137,8 +170,11 @@ class CompilePool:
             await self._remove_workdir()
             raise
         self._state = "running"
+        self._tg.start_soon(self._workers.run)
+        if self._idle_timeout is not None:
+            self._tg.start_soon(self._quiesce_when_idle, self._idle_timeout)
         if self._prestart:
-            self._start_workers()
+            self._workers.wakeup()
         return self
 
     async def __aexit__(
@@ -170,28 +206,26 @@ class CompilePool:
     def _memo_dir(self) -> Path:
         return self._cache.root / "toolchain"
 
-    def _start_workers(self) -> None:
-        if not self._workers_started:
-            assert self._tg is not None
-            self._workers_started = True
-            self._tg.start_soon(self._run_workers)
-
-    async def _run_workers(self) -> None:
-        workers = self._workers
-        assert workers is not None and self._tg is not None
-        # Processes start now; what their preload needs from this process (Triton's key of its
-        # binaries, computed once per machine) is prepared meanwhile and sent when ready.
-        workers.defer_config()
-        self._tg.start_soon(workers.run)
+    async def _worker_config(self) -> dict[str, Any]:
         extra: dict[str, Any] = {}
-        try:
-            for name in self._preload:
-                backend = load_parent(name)  # imported by __aenter__ already
-                extra.update(await backend.worker_config(self._memo_dir))
-        except Exception as exc:
-            # Not fatal: each worker then computes what it needs itself, at some cost.
-            logger.warning("cannot prepare the workers' preload here (%s); workers will", exc)
-        workers.complete_config(extra)
+        for name in self._preload:
+            backend = load_parent(name)  # imported by __aenter__ already
+            extra.update(await backend.worker_config(self._memo_dir))
+        return extra
+
+    async def _quiesce_when_idle(self, after: float) -> None:
+        # A timer on the loop: sleep until `after` after the last activity, then look again.
+        workers = self._workers
+        assert workers is not None
+        while True:
+            idle_for = time.monotonic() - workers.last_activity
+            if idle_for < after or not workers.awake:
+                await anyio.sleep(after - idle_for if workers.awake else after)
+                continue
+            if workers.busy == 0 and not workers.queue:
+                logger.debug("no work for %.1f s: quiescing the pool", idle_for)
+                workers.quiesce()
+            workers.last_activity = time.monotonic()
 
     def _check_running(self) -> None:
         if self._state != "running":
@@ -202,14 +236,29 @@ class CompilePool:
             )
 
     async def wait_ready(self) -> None:
-        """Wait until every worker has started and preloaded.
+        """Wait until every worker has started and preloaded (starting them if needed).
 
         Raises ``WorkerStartError`` if workers cannot start (the message says why).
         """
         self._check_running()
-        self._start_workers()
         assert self._workers is not None
         await self._workers.wait_ready()
+
+    async def quiesce(self) -> None:
+        """Stop every worker and return at once; the pool and its cache stay.
+
+        The workers' memory goes back to the system (the template they are forked from stays,
+        so waking is fast). Compiles that were running go back to the front of the queue, and a
+        pool with work waiting, or asked for more, wakes by itself. For a quiet machine during
+        CUDA-graph capture or latency-critical serving.
+        """
+        self._check_running()
+        assert self._workers is not None
+        self._workers.quiesce()
+
+    async def wakeup(self) -> None:
+        """Start the workers again after ``quiesce()`` and wait until they are ready."""
+        await self.wait_ready()
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -359,7 +408,6 @@ class CompilePool:
         """
         self._check_running()
         assert self._workers is not None
-        self._start_workers()
         if flight is not None:
             background = flight.background
         job = self._workers.submit(Job(backend_module, payload, name, BACKGROUND if background else URGENT))

@@ -6,7 +6,8 @@ Every error acompile raises on purpose derives from ``AcompileError``::
     ├── InvalidSpecError          (also a ValueError)  a compile request that cannot be right
     │   └── UnknownTargetError                          a target string acompile cannot read
     ├── CompileError                                    the compiler rejected the kernel
-    │   └── WorkerCrashedError                          the worker died while compiling it
+    │   ├── WorkerCrashedError                          the worker died while compiling it
+    │   └── CompileTimeoutError                         it ran past the pool's max_compile_seconds
     ├── PoolError                                       the pool cannot take work
     │   ├── PoolClosedError                             used outside ``async with``, or after it
     │   └── WorkerStartError                            a worker failed to start or preload
@@ -88,6 +89,8 @@ class WorkerCrashedError(CompileError):
 
     Attributes (besides ``CompileError``'s):
         exit_code: the worker's exit status; negative for a signal (``-11`` is SIGSEGV).
+        cause: ``"crash"`` (the compiler crashed), ``"killed"`` (killed from outside, twice),
+            or ``"memory"`` (it passed the pool's ``memory_limit``).
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class WorkerCrashedError(CompileError):
         message: str,
         *,
         exit_code: int | None,
+        cause: str = "crash",
         kernel: str,
         backend: str,
         log: str = "",
@@ -110,6 +114,15 @@ class WorkerCrashedError(CompileError):
             worker_traceback=worker_traceback,
         )
         self.exit_code = exit_code
+        self.cause = cause
+
+
+class CompileTimeoutError(CompileError):
+    """The compile ran longer than the pool's ``max_compile_seconds``; its worker was stopped.
+
+    A caller's own deadline (``anyio.fail_after``) cancels the caller instead; this limit is for
+    compilers that never return (ptxas has been seen to hang for half an hour).
+    """
 
 
 class PoolError(AcompileError):

@@ -1,23 +1,36 @@
-"""Worker processes: start, preload, dispatch one job at a time, cancel, replace.
+"""Worker processes: start, preload, dispatch one job at a time, cancel, replace, quiesce.
 
 ``WorkerPool`` is the process half of ``CompilePool``: it knows nothing of kernels or caches. It
-runs a fixed number of slots inside the caller's task group; each slot owns at most one worker
-process at a time, takes jobs from a shared queue, and replaces its worker whenever the worker
-dies or a running job is abandoned (the only way to stop a compiler is to stop its process).
+runs a fixed number of slots; each slot owns at most one worker process at a time, takes jobs from
+a shared two-lane queue, and replaces its worker whenever the worker dies, passes its memory
+limit, runs past the job time limit, or runs a job nobody waits for any more (the only way to stop
+a compiler is to stop its process).
+
+Workers are forked from a *template*: a process that did a worker's whole preload once (see
+``acompile._worker.Template``); a forked worker is ready in milliseconds. Where no template can be
+had (it has threads, or fails), workers start as fresh interpreters (``python -m
+acompile._worker``) through anyio's process API, which take a second to preload.
+
+The slots run in *epochs*: ``quiesce()`` ends the current one (its workers are stopped, running
+jobs go back to the front of the queue), and new work, ``wakeup()`` or a waiting job starts the
+next. The template outlives epochs, so waking is a matter of forks.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import anyio.abc
@@ -28,6 +41,7 @@ from acompile import _protocol
 from acompile._errors import (
     AcompileError,
     CompileError,
+    CompileTimeoutError,
     PoolClosedError,
     WorkerCrashedError,
     WorkerStartError,
@@ -42,6 +56,10 @@ _job_ids = itertools.count(1)
 # The worker imports acompile before it reads its configuration (and the parent's sys.path):
 # it must find the same acompile the parent runs.
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Signals that say "killed from outside" (an operator, an OOM killer, a chaos test) rather than
+# "the compiler crashed": a job whose worker dies of one is retried once on a fresh worker.
+_EXTERNAL = frozenset({-signal.SIGKILL, -signal.SIGTERM, -signal.SIGHUP, -signal.SIGINT, -signal.SIGQUIT})
+_TOP_N = 10
 
 
 class JobCancelled(AcompileError):
@@ -57,12 +75,13 @@ class Job:
     name: str
     lane: int = URGENT
     id: int = field(default_factory=lambda: next(_job_ids))
-    state: str = "queued"  # queued -> running -> done
+    state: str = "queued"  # queued -> running -> done (running -> queued on a retry or quiesce)
     result: Any = None
     error: BaseException | None = None
     done: anyio.Event = field(default_factory=anyio.Event)
     worker_pid: int | None = None
     seconds: float = 0.0
+    external_kills: int = 0
     _scope: anyio.CancelScope | None = None
 
     def finish(self, result: Any = None, error: BaseException | None = None) -> None:
@@ -99,8 +118,12 @@ class _JobQueue:
         # A promoted job stays in its old lane until popped: only its current place counts.
         return job.state == "queued" and job.lane == lane
 
-    def put(self, job: Job) -> None:
-        self._lanes[job.lane].append(job)
+    def put(self, job: Job, *, front: bool = False) -> None:
+        job.state = "queued"
+        if front:
+            self._lanes[job.lane].appendleft(job)
+        else:
+            self._lanes[job.lane].append(job)
         # Wake every idle slot: a woken slot that is cancelled before it pops must not strand
         # the job, and there are only ever as many waiters as workers.
         for event in self._waiters:
@@ -135,54 +158,134 @@ class _JobQueue:
             job.finish(error=error)
 
 
-class _WorkerProcess:
-    """A started worker: its process, its framed reader, the file that holds its fd 2."""
+# --- workers ----------------------------------------------------------------------------------
 
-    def __init__(self, process: anyio.abc.Process, stderr_path: str) -> None:
-        self.process = process
-        self.pid = process.pid
-        self.stderr_path = stderr_path
-        assert process.stdin is not None and process.stdout is not None
-        self._stdin = process.stdin
-        self._reader = BufferedByteReceiveStream(process.stdout)
+
+class _Worker(Protocol):
+    pid: int
+    stderr_path: str
+    exited: anyio.Event
+    stop_cause: str | None  # why the pool stopped it, when it did
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def send_bytes(self, data: bytes) -> None: ...
+
+    async def receive(self) -> Any: ...
+
+    async def wait_exit(self) -> None: ...
+
+    def signal_kill(self) -> None: ...
+
+
+class _WorkerBase:
+    pid: int
+    stderr_path: str
+
+    def __init__(self, receive: anyio.abc.ByteReceiveStream, send: anyio.abc.ByteSendStream) -> None:
+        self._reader = BufferedByteReceiveStream(receive)
+        self._send = send
+        self.exited = anyio.Event()
+        self.stop_cause: str | None = None
         self.started = time.monotonic()
 
-    async def send(self, message: Any) -> None:
-        await self._stdin.send(_protocol.encode(message))
-
     async def send_bytes(self, data: bytes) -> None:
-        await self._stdin.send(data)
+        await self._send.send(data)
 
     async def receive(self) -> Any:
         header = await self._reader.receive_exactly(_protocol.HEADER_SIZE)
         body = await self._reader.receive_exactly(_protocol.decode_length(header))
         return _protocol.decode(body)
 
-    async def kill(self) -> int | None:
-        """Stop the process now and reap it; returns its exit status."""
-        with anyio.CancelScope(shield=True):
-            if self.process.returncode is None:
-                try:
-                    self.process.kill()
-                except ProcessLookupError:
-                    pass
-            with anyio.move_on_after(5):
-                await self.process.wait()
-            await self.process.aclose()
+
+class _SpawnedWorker(_WorkerBase):
+    """A worker started as a fresh interpreter; its pipes are its stdin and stdout."""
+
+    def __init__(self, process: anyio.abc.Process, stderr_path: str) -> None:
+        assert process.stdin is not None and process.stdout is not None
+        super().__init__(process.stdout, process.stdin)
+        self.process = process
+        self.pid = process.pid
+        self.stderr_path = stderr_path
+
+    @property
+    def returncode(self) -> int | None:
         return self.process.returncode
 
-    async def stderr_tail(self) -> str:
-        def read() -> str:
+    def signal_kill(self) -> None:
+        if self.process.returncode is None:
             try:
-                with open(self.stderr_path, "rb") as f:
-                    f.seek(0, os.SEEK_END)
-                    size = f.tell()
-                    f.seek(max(0, size - _STDERR_TAIL))
-                    return f.read().decode("utf-8", "replace")
-            except OSError:
-                return ""
+                self.process.kill()
+            except ProcessLookupError:
+                pass
 
-        return await anyio.to_thread.run_sync(read)
+    async def watch(self) -> None:
+        await self.wait_exit()
+
+    async def wait_exit(self) -> None:
+        await self.process.wait()
+        self.exited.set()
+
+    async def close(self) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.process.aclose()
+
+
+class _ForkedWorker(_WorkerBase):
+    """A worker forked by the template; it talks over a Unix socket it connected to us."""
+
+    def __init__(self, connection: _Connection, pid: int, stderr_path: str) -> None:
+        reader, stream = connection
+        super().__init__(reader, stream)
+        self.stream = stream
+        self.pid = pid
+        self.stderr_path = stderr_path
+        self._returncode: int | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._returncode
+
+    def set_exited(self, code: int) -> None:
+        self._returncode = code
+        self.exited.set()
+
+    async def wait_exit(self) -> None:
+        await self.exited.wait()  # the template says when
+
+    def signal_kill(self) -> None:
+        # The template reaps its children and tells us; until then the pid is still this one's.
+        if not self.exited.is_set():
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    async def close(self) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.stream.aclose()
+
+
+async def _stop(worker: _SpawnedWorker | _ForkedWorker) -> int | None:
+    """Stop a worker now and wait until it is gone; returns its exit status."""
+    with anyio.CancelScope(shield=True):
+        worker.signal_kill()
+        with anyio.move_on_after(5):
+            await worker.wait_exit()
+        await worker.close()
+    return worker.returncode
+
+
+def _stderr_tail(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - _STDERR_TAIL))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
 
 
 def _lower_priority(pid: int, nice: int) -> None:
@@ -206,42 +309,209 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with status {code}"
 
 
+def _rss_all(pids: list[int]) -> list[int | None]:
+    return [_rss(pid) for pid in pids]
+
+
+def _rss(pid: int) -> int | None:
+    """Resident memory of a process in bytes (Linux), or None."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+# --- the template -----------------------------------------------------------------------------
+
+
+_Connection = tuple[BufferedByteReceiveStream, anyio.abc.SocketStream]
+
+
+class _Template:
+    """The process workers are forked from, and the Unix socket they connect back to."""
+
+    def __init__(self, process: anyio.abc.Process, address: str) -> None:
+        assert process.stdin is not None and process.stdout is not None
+        self.process = process
+        self.pid = process.pid
+        self.address = address
+        self.token = secrets.token_hex(16)
+        self._reader = BufferedByteReceiveStream(process.stdout)
+        self._stdin = process.stdin
+        self.forked: dict[int, tuple[anyio.Event, list[int]]] = {}
+        self.connections: dict[int, tuple[anyio.Event, list[_Connection]]] = {}
+        self.workers: dict[int, _ForkedWorker] = {}
+        self.early_exits: dict[int, int] = {}
+        self.lost = anyio.Event()
+
+    async def receive(self) -> Any:
+        header = await self._reader.receive_exactly(_protocol.HEADER_SIZE)
+        return _protocol.decode(await self._reader.receive_exactly(_protocol.decode_length(header)))
+
+    async def listen(self) -> None:
+        """The template's reports: which pid a fork got, and which workers exited."""
+        try:
+            while True:
+                message = await self.receive()
+                if message[0] == "forked":
+                    _, slot, pid = message
+                    waiting = self.forked.get(slot)
+                    if waiting is not None:
+                        waiting[1].append(pid)
+                        waiting[0].set()
+                elif message[0] == "exited":
+                    _, pid, code = message
+                    worker = self.workers.pop(pid, None)
+                    if worker is not None:
+                        worker.set_exited(code)
+                    else:
+                        self.early_exits[pid] = code
+        except (
+            anyio.EndOfStream,
+            anyio.IncompleteRead,
+            anyio.BrokenResourceError,
+            anyio.ClosedResourceError,
+        ):
+            pass
+        finally:
+            # Without the template, its workers die too (parent-death signal): tell their slots.
+            self.lost.set()
+            for worker in self.workers.values():
+                worker.set_exited(-signal.SIGKILL)
+
+    async def serve_connections(self, listener: anyio.abc.SocketListener) -> None:
+        async with listener:
+            async with anyio.create_task_group() as tg:
+                while True:
+                    stream = await listener.accept()
+                    tg.start_soon(self._introduce, stream)
+
+    async def _introduce(self, stream: anyio.abc.SocketStream) -> None:
+        try:
+            with anyio.fail_after(30):
+                reader = BufferedByteReceiveStream(stream)
+                header = await reader.receive_exactly(_protocol.HEADER_SIZE)
+                hello = _protocol.decode(await reader.receive_exactly(_protocol.decode_length(header)))
+        except Exception:
+            await stream.aclose()
+            return
+        if not (isinstance(hello, tuple) and hello[:1] == ("hello",) and hello[3] == self.token):
+            await stream.aclose()  # not one of ours
+            return
+        _, slot, _pid, _ = hello
+        waiting = self.connections.get(slot)
+        if waiting is None:
+            await stream.aclose()
+            return
+        # The reader goes along: what it buffered past the hello is the worker's next message.
+        waiting[1].append((reader, stream))
+        waiting[0].set()
+
+    async def fork(self, slot: int, config: dict[str, Any]) -> tuple[int, _Connection]:
+        forked: tuple[anyio.Event, list[int]] = (anyio.Event(), [])
+        connected: tuple[anyio.Event, list[_Connection]] = (anyio.Event(), [])
+        self.forked[slot] = forked
+        self.connections[slot] = connected
+        try:
+            config = dict(config, address=self.address, token=self.token)
+            await self._stdin.send(_protocol.encode(("fork", slot, config)))
+            with anyio.fail_after(30):
+                await forked[0].wait()
+                pid = forked[1][0]
+                while not connected[0].is_set():
+                    if pid in self.early_exits:
+                        code = self.early_exits.pop(pid)
+                        raise WorkerStartError(f"a forked worker {_describe_exit(code)} before it connected")
+                    with anyio.move_on_after(0.05):
+                        await connected[0].wait()
+            return pid, connected[1][0]
+        except TimeoutError:
+            raise WorkerStartError("a forked worker did not connect within 30 s") from None
+        finally:
+            self.forked.pop(slot, None)
+            self.connections.pop(slot, None)
+
+
+# --- the pool ---------------------------------------------------------------------------------
+
+
 @dataclass
 class PoolStats:
     started: int = 0
+    forked: int = 0
     restarts: dict[str, int] = field(default_factory=dict)
     jobs_done: int = 0
     jobs_failed: int = 0
     jobs_cancelled: int = 0
-    preload_s: list[float] = field(default_factory=list)
-    job_seconds: list[float] = field(default_factory=list)
+    jobs_retried: int = 0
+    preload_s: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
+    job_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=10000))
+    slowest: list[tuple[float, str]] = field(default_factory=list)  # a min-heap of the top N
+    worker_rss: dict[int, int] = field(default_factory=dict)
+
+    def record_job(self, name: str, seconds: float) -> None:
+        self.job_seconds.append(seconds)
+        if len(self.slowest) < _TOP_N:
+            heapq.heappush(self.slowest, (seconds, name))
+        elif seconds > self.slowest[0][0]:
+            heapq.heapreplace(self.slowest, (seconds, name))
+
+    def restart(self, cause: str) -> None:
+        self.restarts[cause] = self.restarts.get(cause, 0) + 1
 
 
 class WorkerPool:
     """A fixed number of worker slots fed from one queue.
 
     ``run()`` is started in the owner's task group and runs until that group is cancelled; it
-    kills every worker on the way out, whatever cancelled it.
+    kills every worker (and the template) on the way out, whatever cancelled it.
     """
 
-    def __init__(self, size: int, config: dict[str, Any], workdir: str) -> None:
+    def __init__(
+        self,
+        size: int,
+        config: dict[str, Any],
+        workdir: str,
+        *,
+        memory_limit: int | None = None,
+        max_compile_seconds: float | None = None,
+        use_template: bool = True,
+    ) -> None:
         if size < 1:
             raise ValueError(f"a pool needs at least one worker, got workers={size}")
         self.size = size
         self.config = config
         self.workdir = workdir
+        self.memory_limit = memory_limit
+        self.max_compile_seconds = max_compile_seconds
+        self.use_template = use_template and hasattr(os, "fork") and sys.platform.startswith("linux")
         self.queue = _JobQueue()
         self.stats = PoolStats()
         self.busy = 0
-        self.alive: dict[int, _WorkerProcess] = {}
+        self.alive: dict[int, _SpawnedWorker | _ForkedWorker] = {}
+        self.last_activity = time.monotonic()
         self._ready = [anyio.Event() for _ in range(size)]
         self._start_error: WorkerStartError | None = None
         self._closed = False
         self._spawn_lock = anyio.Lock()
         self._config_ready = anyio.Event()
         self._config_ready.set()
+        self._config_hook: Callable[[], Awaitable[dict[str, Any]]] | None = None
+        self._config_started = False
+        self._awake = False
+        self._wake = anyio.Event()
+        self._epoch_scope: anyio.CancelScope | None = None
+        self._template: _Template | None = None
+        self._template_failed = False
+        self._template_lock = anyio.Lock()
+        self._tg: anyio.abc.TaskGroup | None = None
 
     # -- the caller's side -------------------------------------------------------------------
+
+    @property
+    def awake(self) -> bool:
+        return self._awake
 
     def submit(self, job: Job) -> Job:
         if self._closed:
@@ -249,19 +519,44 @@ class WorkerPool:
         if self._start_error is not None and not self.alive:
             raise self._start_error
         self.queue.put(job)
+        self.wakeup()  # a request on a quiesced pool wakes it
         return job
 
-    def defer_config(self) -> None:
-        """Workers may start before their configuration is complete: hold it back until
-        ``complete_config()``; they import their backends meanwhile."""
+    def prepare_config_with(self, hook: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+        """Complete the workers' configuration with what ``hook()`` returns, computed when the
+        workers first start (not before: a pool whose requests all hit the cache never needs
+        it). Workers start meanwhile and import their backends; they get the configuration
+        when it is complete."""
+        self._config_hook = hook
         self._config_ready = anyio.Event()
 
-    def complete_config(self, extra: dict[str, Any]) -> None:
-        self.config.update(extra)
+    async def _prepare_config(self) -> None:
+        assert self._config_hook is not None
+        try:
+            self.config.update(await self._config_hook())
+        except Exception as exc:
+            # Not fatal: each worker then computes what it needs itself, at some cost.
+            logger.warning("cannot prepare the workers' configuration here (%s); workers will", exc)
         self._config_ready.set()
 
+    def wakeup(self) -> None:
+        """Start the workers (if they are not running); ``wait_ready()`` waits for them."""
+        if not self._awake and not self._closed:
+            self._awake = True
+            self._ready = [anyio.Event() for _ in range(self.size)]
+            self._wake.set()
+
+    def quiesce(self) -> None:
+        """Stop every worker now; running jobs go back to the front of the queue. Returns at
+        once: the workers are stopped by their slots, in a few milliseconds."""
+        if self._awake:
+            self._awake = False
+            if self._epoch_scope is not None:
+                self._epoch_scope.cancel()
+
     async def wait_ready(self) -> None:
-        for event in self._ready:
+        self.wakeup()
+        for event in list(self._ready):
             await event.wait()
             if self._start_error is not None:
                 raise self._start_error
@@ -271,17 +566,44 @@ class WorkerPool:
     async def run(self) -> None:
         try:
             async with anyio.create_task_group() as tg:
-                for slot in range(self.size):
-                    tg.start_soon(self._slot, slot)
+                self._tg = tg
+                tg.start_soon(self._watch_memory)
+                while True:
+                    await self._wake.wait()
+                    self._wake = anyio.Event()
+                    if self._config_hook is not None and not self._config_started:
+                        self._config_started = True
+                        tg.start_soon(self._prepare_config)
+                    await self._epoch()
+                    if self.queue and not self._closed:
+                        # Work arrived (or was put back) while the epoch ended: start again.
+                        self.wakeup()
         finally:
             self._closed = True
+            self._awake = False
             self.queue.fail_all(PoolClosedError("the pool shut down before this job ran"))
+            template, self._template = self._template, None
+            if template is not None:
+                await _stop_template(template)
+
+    async def _epoch(self) -> None:
+        ready = self._ready
+        with anyio.CancelScope() as scope:
+            self._epoch_scope = scope
+            if not self._awake:  # quiesced before it began
+                return
+            async with anyio.create_task_group() as tg:
+                for slot in range(self.size):
+                    tg.start_soon(self._slot, slot)
+        self._epoch_scope = None
+        for event in ready:
+            event.set()  # nobody waits for an epoch that ended
 
     async def _slot(self, slot: int) -> None:
         failures = 0
         while True:
             try:
-                worker = await self._spawn(slot)
+                worker = await self._start_worker(slot)
             except WorkerStartError as exc:
                 failures += 1
                 self._start_error = exc
@@ -294,34 +616,84 @@ class WorkerPool:
             failures = 0
             self._start_error = None
             self._ready[slot].set()
+            cause = "shutdown"
             try:
-                cause = await self._serve(worker)
+                async with anyio.create_task_group() as tg:
+                    if isinstance(worker, _SpawnedWorker):
+                        tg.start_soon(worker.watch)
+                    cause = await self._serve(worker)
+                    tg.cancel_scope.cancel()
             finally:
                 self.alive.pop(worker.pid, None)
-                code = await worker.kill()
-            if cause != "abandoned":
-                logger.warning("worker %d (pid %d) %s; replacing it", slot, worker.pid, _describe_exit(code))
-            self.stats.restarts[cause] = self.stats.restarts.get(cause, 0) + 1
+                self.stats.worker_rss.pop(worker.pid, None)
+                code = await _stop(worker)
+                logger.debug("worker pid %d stopped (%s, %s)", worker.pid, cause, _describe_exit(code))
+            self.stats.restart(cause)
 
-    async def _spawn(self, slot: int) -> _WorkerProcess:
+    async def _start_worker(self, slot: int) -> _SpawnedWorker | _ForkedWorker:
         stderr_path = os.path.join(self.workdir, f"worker-{slot}.stderr")
+        # Read-write (the worker reads its own tail back) and append-only (after the worker
+        # truncates it at a job's start, writes land at the new end, not at the old offset).
+        os.close(os.open(stderr_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600))
+        slot_config = {
+            "triton_cache_dir": os.path.join(self.workdir, f"triton-{slot}"),
+            "stderr_path": stderr_path,
+        }
+        template = await self._get_template() if self.use_template else None
+        t0 = time.perf_counter()
+        worker: _SpawnedWorker | _ForkedWorker
+        if template is not None:
+            pid, connection = await template.fork(slot, slot_config)
+            worker = _ForkedWorker(connection, pid, stderr_path)
+            template.workers[pid] = worker
+            if pid in template.early_exits:
+                worker.set_exited(template.early_exits.pop(pid))
+            self.stats.forked += 1
+        else:
+            worker = await self._spawn(stderr_path)
+        self.alive[worker.pid] = worker
+        try:
+            if isinstance(worker, _SpawnedWorker):
+                await self._config_ready.wait()  # the worker imports its backends meanwhile
+                await worker.send_bytes(_protocol.encode(dict(self.config, **slot_config)))
+            reply = await worker.receive()
+        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError) as exc:
+            self.alive.pop(worker.pid, None)
+            code = await _stop(worker)
+            tail = await anyio.to_thread.run_sync(_stderr_tail, stderr_path)
+            raise WorkerStartError(
+                f"worker process {_describe_exit(code)} during preload\n{tail}".rstrip()
+            ) from exc
+        except BaseException:
+            self.alive.pop(worker.pid, None)
+            await _stop(worker)
+            raise
+        if reply[0] != "ready":
+            self.alive.pop(worker.pid, None)
+            await _stop(worker)
+            raise WorkerStartError(f"worker preload failed: {reply[1]}")
+        self.stats.started += 1
+        self.stats.preload_s.append(time.perf_counter() - t0)
+        logger.debug("worker pid %d ready in %.3f s", worker.pid, time.perf_counter() - t0)
+        return worker
+
+    def _command(self, *extra: str) -> tuple[list[str], dict[str, str]]:
         env = dict(os.environ)
         env["ACOMPILE_PARENT_PID"] = str(os.getpid())
         env["ACOMPILE_WORKER_NICE"] = str(self.config.get("nice", 0))
         env["ACOMPILE_PARENT_NICE"] = str(os.nice(0))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
-        config = dict(self.config, triton_cache_dir=os.path.join(self.workdir, f"triton-{slot}"))
-        t0 = time.perf_counter()
-        # Read-write (the worker reads its own tail back) and append-only (after the worker
-        # truncates it at a job's start, writes land at the new end, not at the old offset).
-        stderr_fd = os.open(stderr_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        return [sys.executable, "-m", "acompile._worker", *extra, *self.config.get("preload", ())], env
+
+    async def _open(self, command: list[str], env: dict[str, str], stderr_path: str) -> anyio.abc.Process:
+        stderr_fd = os.open(stderr_path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             # Starting a process blocks the loop until the child has exec'd (a few ms). One at a
             # time, with the loop's other work in between: sixteen slots starting in the same
             # loop iteration would otherwise stall it for all sixteen.
             async with self._spawn_lock:
                 process = await anyio.open_process(
-                    [sys.executable, "-m", "acompile._worker", *self.config.get("preload", ())],
+                    command,
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=stderr_fd,
@@ -332,37 +704,93 @@ class WorkerPool:
                 await anyio.lowlevel.checkpoint()
         finally:
             os.close(stderr_fd)
-        worker = _WorkerProcess(process, stderr_path)
-        self.alive[worker.pid] = worker
+        return process
+
+    async def _spawn(self, stderr_path: str) -> _SpawnedWorker:
+        command, env = self._command()
+        return _SpawnedWorker(await self._open(command, env, stderr_path), stderr_path)
+
+    async def _get_template(self) -> _Template | None:
+        async with self._template_lock:
+            if self._template is not None and not self._template.lost.is_set():
+                return self._template
+            if self._template_failed:
+                return None
+            try:
+                self._template = await self._start_template()
+            except WorkerStartError as exc:
+                logger.warning(
+                    "cannot start a template to fork workers from (%s); starting each worker afresh", exc
+                )
+                self._template_failed = True
+                self._template = None
+            return self._template
+
+    async def _start_template(self) -> _Template:
+        assert self._tg is not None
+        stderr_path = os.path.join(self.workdir, "template.stderr")
+        address = os.path.join(self.workdir, "workers.sock")
+        listener = await anyio.create_unix_listener(address)
+        command, env = self._command("--template")
+        process = await self._open(command, env, stderr_path)
+        template = _Template(process, address)
         try:
-            await self._config_ready.wait()  # the worker imports its backends meanwhile
-            config = dict(self.config, triton_cache_dir=config["triton_cache_dir"])
-            await worker.send(config)
-            reply = await worker.receive()
-        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError) as exc:
-            code = await worker.kill()
-            self.alive.pop(worker.pid, None)
-            tail = await worker.stderr_tail()
-            raise WorkerStartError(
-                f"worker process {_describe_exit(code)} during preload\n{tail}".rstrip()
-            ) from exc
-        except BaseException:
-            self.alive.pop(worker.pid, None)
-            await worker.kill()
+            await self._config_ready.wait()
+            await template._stdin.send(
+                _protocol.encode(
+                    dict(self.config, triton_cache_dir=os.path.join(self.workdir, "triton-template"))
+                )
+            )
+            reply = await template.receive()
+        except BaseException as exc:
+            await listener.aclose()
+            await _stop_template(template)
+            if isinstance(exc, (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError)):
+                tail = await anyio.to_thread.run_sync(_stderr_tail, stderr_path)
+                raise WorkerStartError(
+                    f"the template process exited during preload\n{tail}".rstrip()
+                ) from exc
             raise
         if reply[0] != "ready":
-            self.alive.pop(worker.pid, None)
-            await worker.kill()
-            raise WorkerStartError(f"worker preload failed: {reply[1]}")
-        self.stats.started += 1
-        self.stats.preload_s.append(time.perf_counter() - t0)
-        logger.debug("worker pid %d ready in %.3f s", worker.pid, time.perf_counter() - t0)
-        return worker
+            await listener.aclose()
+            await _stop_template(template)
+            raise WorkerStartError(f"template preload failed: {reply[1]}")
+        threads = reply[1].get("threads", 1)
+        if threads != 1:
+            await listener.aclose()
+            await _stop_template(template)
+            raise WorkerStartError(
+                f"the template has {threads} threads after its preload; forking it is unsafe"
+            )
+        self._tg.start_soon(template.listen)
+        self._tg.start_soon(template.serve_connections, listener)
+        logger.debug("template pid %d ready in %.3f s", template.pid, reply[1].get("preload_s", 0.0))
+        return template
 
-    async def _serve(self, worker: _WorkerProcess) -> str:
+    async def _next_job(self, worker: _SpawnedWorker | _ForkedWorker) -> Job | None:
+        """The next job, or None if the worker died while it waited for one."""
+        if worker.exited.is_set():
+            return None
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                await worker.exited.wait()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            job = await self.queue.get()
+            tg.cancel_scope.cancel()
+            return job
+        return None
+
+    async def _serve(self, worker: _SpawnedWorker | _ForkedWorker) -> str:
         """Run jobs on one worker until it must be replaced; returns why."""
         while True:
-            job = await self.queue.get()
+            job = await self._next_job(worker)
+            if job is None:
+                code = worker.returncode
+                logger.warning("idle worker pid %d %s; replacing it", worker.pid, _describe_exit(code))
+                return "killed" if code in _EXTERNAL else "crash"
             try:
                 message = _protocol.encode(("job", job.id, job.backend, job.payload))
             except Exception as exc:
@@ -373,39 +801,51 @@ class WorkerPool:
             job.state = "running"
             job.worker_pid = worker.pid
             self.busy += 1
+            self.last_activity = time.monotonic()
             reply = None
+            timed_out = False
             t0 = time.perf_counter()
             try:
                 with anyio.CancelScope() as scope:
                     job._scope = scope
-                    try:
-                        await worker.send_bytes(message)
-                        reply = await worker.receive()
-                    except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
-                        reply = None
+                    with anyio.move_on_after(self.max_compile_seconds or float("inf")) as deadline:
+                        try:
+                            await worker.send_bytes(message)
+                            reply = await worker.receive()
+                        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
+                            reply = None
+                    timed_out = deadline.cancelled_caught
+            except BaseException:
+                # The epoch ended (quiesce) or the pool is shutting down: the job goes back to
+                # the front of the queue; shutdown fails what is left there.
+                if job.state == "running":
+                    self.queue.put(job, front=True)
+                raise
             finally:
                 self.busy -= 1
                 job._scope = None
                 job.seconds = time.perf_counter() - t0
+                self.last_activity = time.monotonic()
             if scope.cancel_called:
-                # Every waiter left while it ran: the only way to stop a compiler is to stop
-                # its process, so this worker is replaced.
+                # Every waiter left while it ran: stop the compiler by stopping its process.
                 job.finish(error=JobCancelled(job.name))
                 self.stats.jobs_cancelled += 1
                 return "abandoned"
-            if reply is None:
-                code = await worker.kill()
-                tail = await worker.stderr_tail()
-                job.finish(error=_crash_error(job, code, tail))
+            if timed_out:
+                job.finish(error=_timeout_error(job, self.max_compile_seconds or 0.0))
                 self.stats.jobs_failed += 1
-                logger.error(
-                    "worker pid %d %s while compiling %s", worker.pid, _describe_exit(code), job.name
+                logger.warning(
+                    "%s ran past max_compile_seconds=%s; stopping its worker",
+                    job.name,
+                    self.max_compile_seconds,
                 )
-                return "crash"
+                return "timeout"
+            if reply is None:
+                return await self._lost_during(job, worker)
             kind, job_id, value = reply
             if job_id != job.id:
                 raise RuntimeError(f"worker answered job {job_id} while running job {job.id}")
-            self.stats.job_seconds.append(job.seconds)
+            self.stats.record_job(job.name, job.seconds)
             if kind == "done":
                 self.stats.jobs_done += 1
                 job.finish(result=value)
@@ -413,23 +853,94 @@ class WorkerPool:
                 self.stats.jobs_failed += 1
                 job.finish(error=value)
 
+    async def _lost_during(self, job: Job, worker: _SpawnedWorker | _ForkedWorker) -> str:
+        """The worker died while it ran job: retry or fail the job; returns the restart cause."""
+        code = await _stop(worker)
+        cause = worker.stop_cause or ("killed" if code in _EXTERNAL else "crash")
+        if cause == "killed" and job.external_kills == 0:
+            # Not the job's fault: once more, on a fresh worker, ahead of everything else.
+            job.external_kills += 1
+            self.stats.jobs_retried += 1
+            logger.warning(
+                "worker pid %d %s while compiling %s; retrying it", worker.pid, _describe_exit(code), job.name
+            )
+            self.queue.put(job, front=True)
+            return cause
+        tail = await anyio.to_thread.run_sync(_stderr_tail, worker.stderr_path)
+        job.finish(error=_crash_error(job, code, tail, cause, self.memory_limit))
+        self.stats.jobs_failed += 1
+        logger.error("worker pid %d %s while compiling %s", worker.pid, _describe_exit(code), job.name)
+        return cause
+
+    async def _watch_memory(self) -> None:
+        """Measure every worker's memory (for stats) and stop any that passes the limit."""
+        interval = 0.2 if self.memory_limit is not None else 2.0
+        while True:
+            await anyio.sleep(interval)
+            workers = list(self.alive.values())
+            if not workers:
+                continue
+            sizes = await anyio.to_thread.run_sync(_rss_all, [w.pid for w in workers])
+            for worker, rss in zip(workers, sizes, strict=True):
+                if rss is None:
+                    continue
+                self.stats.worker_rss[worker.pid] = rss
+                if self.memory_limit is not None and rss > self.memory_limit and worker.stop_cause is None:
+                    worker.stop_cause = "memory"
+                    logger.warning(
+                        "worker pid %d uses %d MiB, past the limit of %d MiB; stopping it",
+                        worker.pid,
+                        rss >> 20,
+                        self.memory_limit >> 20,
+                    )
+                    worker.signal_kill()
+
+
+async def _stop_template(template: _Template) -> None:
+    with anyio.CancelScope(shield=True):
+        if template.process.returncode is None:
+            try:
+                template.process.kill()
+            except ProcessLookupError:
+                pass
+        with anyio.move_on_after(5):
+            await template.process.wait()
+        await template.process.aclose()
+
+
+def _short(backend: str) -> str:
+    return backend.rsplit(".", 1)[-1].lstrip("_")
+
 
 def _unsendable_error(job: Job, exc: Exception) -> CompileError:
-    short = job.backend.rsplit(".", 1)[-1].lstrip("_")
     return CompileError(
         f"cannot send {job.name!r} to a worker: {type(exc).__name__}: {exc}",
         kernel=job.name,
-        backend=short,
+        backend=_short(job.backend),
         log=str(exc),
     )
 
 
-def _crash_error(job: Job, code: int | None, tail: str) -> CompileError:
-    short = job.backend.rsplit(".", 1)[-1].lstrip("_")
-    return WorkerCrashedError(
-        f"the worker compiling {job.name!r} {_describe_exit(code)}",
-        exit_code=code,
+def _timeout_error(job: Job, limit: float) -> CompileTimeoutError:
+    return CompileTimeoutError(
+        f"compiling {job.name!r} took longer than max_compile_seconds={limit:g}; its worker was stopped",
         kernel=job.name,
-        backend=short,
+        backend=_short(job.backend),
+    )
+
+
+def _crash_error(job: Job, code: int | None, tail: str, cause: str, memory_limit: int | None) -> CompileError:
+    if cause == "memory":
+        what = f"passed the pool's memory limit of {(memory_limit or 0) >> 20} MiB and was stopped"
+    elif cause == "killed":
+        what = f"{_describe_exit(code)} twice (killed from outside; retried once)"
+    else:
+        what = _describe_exit(code)
+    return WorkerCrashedError(
+        f"the worker compiling {job.name!r} {what}",
+        exit_code=code,
+        cause=cause,
+        kernel=job.name,
+        backend=_short(job.backend),
         stderr_tail=tail,
     )

@@ -40,3 +40,28 @@ def default_workers() -> int:
     """One worker per usable CPU, leaving one CPU to the process itself beyond four."""
     cpus = usable_cpus()
     return cpus - 1 if cpus > 4 else cpus
+
+
+_UNITS = {"": 1, "b": 1}
+for _prefix, _power in (("k", 1), ("m", 2), ("g", 3), ("t", 4)):
+    _UNITS[_prefix] = _UNITS[_prefix + "b"] = 1000**_power
+    _UNITS[_prefix + "ib"] = 1024**_power
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as ``"4GiB"``, ``"512 MiB"`` or ``"2G"``."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"a size is bytes (int) or a string such as '4GiB', got {value!r}")
+    if isinstance(value, int):
+        size = value
+    else:
+        text = value.strip().lower().replace(" ", "")
+        number = text.rstrip("kmgtib")
+        unit = text[len(number) :]
+        try:
+            size = int(float(number) * _UNITS[unit])
+        except (ValueError, KeyError):
+            raise ValueError(f"cannot read the size {value!r}: write e.g. '4GiB', '512MiB'") from None
+    if size <= 0:
+        raise ValueError(f"a size must be positive, got {value!r}")
+    return size

@@ -104,7 +104,7 @@ class Worker:
             )
             return False
         _reset_stderr()
-        info = {"pid": os.getpid(), "preload_s": time.perf_counter() - t0}
+        info = {"pid": os.getpid(), "preload_s": time.perf_counter() - t0, "threads": thread_count()}
         _protocol.write_message(self.fd_out, ("ready", info))
         return True
 
@@ -128,6 +128,117 @@ class Worker:
             except Exception as exc:  # an unpicklable result: report it instead of dying
                 err = _as_compile_error(exc, backend, payload)
                 _protocol.write_message(self.fd_out, ("error", job_id, err))
+
+
+def thread_count() -> int:
+    """Threads of this process, native ones included (Python's own count misses those)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        import threading
+
+        return threading.active_count()
+
+
+class Template:
+    """A preloaded process that forks workers (``python -m acompile._worker --template``).
+
+    It does a worker's whole preload once (imports, Triton's set-up, a first compile), then forks
+    a worker per request: a forked worker is ready in milliseconds instead of the second a fresh
+    interpreter needs. Forking is safe only from a process with one thread; the template reports
+    its thread count, and the pool does not ask a template with more to fork.
+
+    Messages, pool to template: ("fork", slot, config); the template answers ("forked", slot,
+    pid), and ("exited", pid, status) when a worker it forked is gone (it is their parent and
+    reaps them). A forked worker connects to the pool's Unix socket (config["address"]) and
+    introduces itself with ("hello", slot, pid, token) before its ("ready", info).
+    """
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.children: set[int] = set()
+
+    def serve(self) -> None:
+        import select
+
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        os.set_blocking(wake_r, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # the wakeup fd does the work
+        try:
+            while True:
+                try:
+                    readable, _, _ = select.select([self.worker.fd_in, wake_r], [], [])
+                except InterruptedError:
+                    continue
+                if wake_r in readable:
+                    try:
+                        os.read(wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                    self.reap()
+                if self.worker.fd_in in readable:
+                    message = _protocol.read_message(self.worker.fd_in)
+                    if message is None or message[0] == "exit":
+                        return
+                    _, slot, config = message
+                    config = dict(config, template_pid=os.getpid())
+                    pid = os.fork()
+                    if pid == 0:
+                        os.close(wake_r)
+                        os.close(wake_w)
+                        self.become_worker(slot, config)  # never returns
+                    self.children.add(pid)
+                    _protocol.write_message(self.worker.fd_out, ("forked", slot, pid))
+        finally:
+            for pid in self.children:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.children.discard(pid)
+            _protocol.write_message(self.worker.fd_out, ("exited", pid, os.waitstatus_to_exitcode(status)))
+
+    def become_worker(self, slot: int, config: dict[str, Any]) -> None:
+        import socket
+
+        code = 1
+        try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os.close(self.worker.fd_in)
+            os.close(self.worker.fd_out)
+            _die_with_parent(int(config["template_pid"]))
+            stderr = os.open(config["stderr_path"], os.O_RDWR | os.O_APPEND)
+            os.dup2(stderr, 2)
+            os.dup2(stderr, 1)
+            os.close(stderr)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(config["address"])
+            fd = sock.detach()
+            worker = self.worker
+            worker.fd_in = worker.fd_out = fd
+            worker.config = dict(worker.config, **config)
+            for module in worker.backends.values():
+                module.setup(worker.config)
+            _protocol.write_message(fd, ("hello", slot, os.getpid(), config["token"]))
+            info = {"pid": os.getpid(), "preload_s": 0.0, "forked": True}
+            _protocol.write_message(fd, ("ready", info))
+            worker.serve()
+            code = 0
+        finally:
+            sys.stdout.flush()
+            os._exit(code)
 
 
 def _as_compile_error(exc: BaseException, backend: str, payload: Any) -> CompileError:
@@ -178,9 +289,14 @@ def main() -> None:
             os.nice(parent_nice + niceness - os.nice(0))
         except OSError:
             pass
+    args = sys.argv[1:]
+    template = args[:1] == ["--template"]
     worker = Worker(fd_in, fd_out)
-    if worker.start(sys.argv[1:]):
-        worker.serve()
+    if worker.start(args[1:] if template else args):
+        if template:
+            Template(worker).serve()
+        else:
+            worker.serve()
     sys.stdout.flush()
     os._exit(0)
 

@@ -37,7 +37,7 @@ def compile(payload: dict[str, Any]) -> Any:
         }
     if action == "sleep":
         time.sleep(payload["seconds"])
-        return payload.get("value", "slept")
+        return os.getpid() if payload.get("pid") else payload.get("value", "slept")
     if action == "flood":
         # Megabytes to fd 2, as LLVM with MLIR_ENABLE_DUMP=1 does; then fail, so the tail shows.
         chunk = (b"x" * 1023 + b"\n") * 1024
