@@ -14,6 +14,7 @@ from acompile._compiler import CompilePool as CompilePool
 from acompile._errors import AcompileError as AcompileError
 from acompile._errors import BackendUnavailableError as BackendUnavailableError
 from acompile._errors import CompileError as CompileError
+from acompile._errors import CompileTimeoutError as CompileTimeoutError
 from acompile._errors import DeviceUnavailableError as DeviceUnavailableError
 from acompile._errors import InvalidSpecError as InvalidSpecError
 from acompile._errors import PoolClosedError as PoolClosedError
@@ -29,6 +30,7 @@ __all__ = (
     "BackendUnavailableError",
     "CompileError",
     "CompilePool",
+    "CompileTimeoutError",
     "DeviceUnavailableError",
     "InvalidSpecError",
     "PoolClosedError",

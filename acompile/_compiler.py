@@ -459,9 +459,19 @@ class CompilePool:
         return self._cache.root
 
     def stats(self) -> dict[str, Any]:
-        """A snapshot of the pool: workers, jobs, cache hits by tier, compile times."""
+        """A snapshot of the pool, as plain data (cheap; nothing is measured on the call).
+
+        ``workers``: size, alive, busy, awake (False while quiesced), started, forked (from the
+        template), restarts by cause (crash, killed, memory, timeout, abandoned, shutdown),
+        resident memory per worker in MiB (measured every few seconds) and its mean.
+        ``jobs``: queued, running, done, failed, cancelled, retried. ``cache``: entries and hits
+        by tier. ``compile_seconds``: p50, p90, p99, max of recent jobs; ``slowest``: the ten
+        slowest compiles as [name, seconds].
+        """
         workers = self._workers
-        times = sorted(workers.stats.job_seconds) if workers else []
+        assert workers is not None or self._state == "new"
+        w = workers.stats if workers else None
+        rss = {pid: round(size / 2**20, 1) for pid, size in w.worker_rss.items()} if w else {}
         return {
             "state": self._state,
             "target": str(self._target) if self._target else None,
@@ -469,15 +479,20 @@ class CompilePool:
                 "size": self._size,
                 "alive": len(workers.alive) if workers else 0,
                 "busy": workers.busy if workers else 0,
-                "started": workers.stats.started if workers else 0,
-                "restarts": dict(workers.stats.restarts) if workers else {},
+                "awake": workers.awake if workers else False,
+                "started": w.started if w else 0,
+                "forked": w.forked if w else 0,
+                "restarts": dict(w.restarts) if w else {},
+                "rss_mib": rss,
+                "mean_rss_mib": round(statistics.fmean(rss.values()), 1) if rss else None,
             },
             "jobs": {
                 "queued": len(workers.queue) if workers else 0,
                 "running": workers.busy if workers else 0,
-                "done": workers.stats.jobs_done if workers else 0,
-                "failed": workers.stats.jobs_failed if workers else 0,
-                "cancelled": workers.stats.jobs_cancelled if workers else 0,
+                "done": w.jobs_done if w else 0,
+                "failed": w.jobs_failed if w else 0,
+                "cancelled": w.jobs_cancelled if w else 0,
+                "retried": w.jobs_retried if w else 0,
             },
             "cache": {
                 "memory_entries": len(self._cache.memory),
@@ -489,17 +504,20 @@ class CompilePool:
             },
             "compiled": self._counts["compiled"],
             "failed": self._counts["failed"],
-            "compile_seconds": _percentiles(times),
+            "compile_seconds": _percentiles(sorted(w.job_seconds) if w else []),
+            "slowest": [[name, round(sec, 4)] for sec, name in sorted(w.slowest, reverse=True)] if w else [],
         }
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
+    """p50/p90/p99/max of sorted values (nearest rank)."""
     if not values:
         return {}
-    if len(values) == 1:
-        return {"p50": values[0], "p90": values[0], "max": values[0]}
-    q = statistics.quantiles(values, n=10, method="inclusive")
-    return {"p50": statistics.median(values), "p90": q[8], "max": values[-1]}
+
+    def rank(q: float) -> float:
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+    return {"p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99), "max": values[-1]}
 
 
 _WORKER_MODULES = {"triton": "acompile._backends._triton_worker"}

@@ -897,14 +897,22 @@ class WorkerPool:
 
 
 async def _stop_template(template: _Template) -> None:
+    """Stop the template: at EOF it kills and reaps every worker it forked, then exits; once it
+    has exited, none of them is left."""
     with anyio.CancelScope(shield=True):
+        try:
+            await template._stdin.aclose()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass
+        with anyio.move_on_after(2):
+            await template.process.wait()
         if template.process.returncode is None:
             try:
                 template.process.kill()
             except ProcessLookupError:
                 pass
-        with anyio.move_on_after(5):
-            await template.process.wait()
+            with anyio.move_on_after(5):
+                await template.process.wait()
         await template.process.aclose()
 
 

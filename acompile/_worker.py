@@ -77,23 +77,19 @@ class Worker:
 
     def start(self, early_imports: list[str]) -> bool:
         # Import the backends named on the command line while the parent may still be preparing
-        # the configuration (it sends it as soon as it has it); an import error is reported
-        # once the configuration is in.
+        # the configuration (it sends it as soon as it has it). Best effort: a backend that
+        # needs the parent's sys.path to import is imported again, for real, below.
         t0 = time.perf_counter()
-        import_error: BaseException | None = None
         for name in early_imports:
             try:
                 importlib.import_module(name)
-            except BaseException as exc:
-                import_error = exc
-                break
+            except Exception:
+                pass
         config = _protocol.read_message(self.fd_in)
         if config is None:
             return False
         self.config = config
         try:
-            if import_error is not None:
-                raise import_error
             _apply_config(config)
             for name in config.get("preload", ()):
                 self.backend(name).preload(config)
@@ -192,10 +188,17 @@ class Template:
                     self.children.add(pid)
                     _protocol.write_message(self.worker.fd_out, ("forked", slot, pid))
         finally:
+            # Leave no worker behind, and reap them all: when the pool sees this process exit,
+            # every worker it forked is gone.
             for pid in self.children:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
+                    pass
+            for pid in self.children:
+                try:
+                    os.waitpid(pid, 0)
+                except ChildProcessError:
                     pass
 
     def reap(self) -> None:

@@ -58,6 +58,10 @@ def compile(payload: dict[str, Any]) -> Any:
         time.sleep(10)
     if action == "exit":
         os._exit(payload.get("code", 1))
+    if action == "alloc":
+        hold = bytearray(payload["megabytes"] << 20)  # zero-filled: every page is touched
+        time.sleep(payload.get("seconds", 30))
+        return len(hold)
     if action == "big":
         return b"\x01" * payload["bytes"]
     if action == "unpicklable":

@@ -30,7 +30,9 @@ async def test_jobs_run_in_separate_worker_processes(cache_dir: Path) -> None:
             for _ in range(2):
 
                 async def one() -> None:
-                    pids.append(await p._run(FAKE, {"name": "s", "action": "sleep", "seconds": 0.5, "pid": True}, "s"))
+                    pids.append(
+                        await p._run(FAKE, {"name": "s", "action": "sleep", "seconds": 0.5, "pid": True}, "s")
+                    )
 
                 tg.start_soon(one)
         # Two jobs at once on a pool of two: two worker processes, neither of them this one.

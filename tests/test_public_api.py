@@ -13,6 +13,7 @@ EXPECTED = {
     "BackendUnavailableError",
     "CompileError",
     "CompilePool",
+    "CompileTimeoutError",
     "DeviceUnavailableError",
     "InvalidSpecError",
     "PoolClosedError",
