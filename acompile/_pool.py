@@ -82,6 +82,7 @@ class Job:
     worker_pid: int | None = None
     seconds: float = 0.0
     external_kills: int = 0
+    abandoned: bool = False
     _scope: anyio.CancelScope | None = None
 
     def finish(self, result: Any = None, error: BaseException | None = None) -> None:
@@ -96,6 +97,7 @@ class Job:
         if self.state == "queued":
             self.finish(error=JobCancelled(self.name))
         elif self.state == "running" and self._scope is not None:
+            self.abandoned = True
             self._scope.cancel()
 
     async def outcome(self) -> Any:
@@ -188,6 +190,7 @@ class _WorkerBase:
         self._send = send
         self.exited = anyio.Event()
         self.stop_cause: str | None = None
+        self.idle_scope: anyio.CancelScope | None = None
         self.started = time.monotonic()
 
     async def send_bytes(self, data: bytes) -> None:
@@ -219,9 +222,6 @@ class _SpawnedWorker(_WorkerBase):
                 self.process.kill()
             except ProcessLookupError:
                 pass
-
-    async def watch(self) -> None:
-        await self.wait_exit()
 
     async def wait_exit(self) -> None:
         await self.process.wait()
@@ -619,8 +619,7 @@ class WorkerPool:
             cause = "shutdown"
             try:
                 async with anyio.create_task_group() as tg:
-                    if isinstance(worker, _SpawnedWorker):
-                        tg.start_soon(worker.watch)
+                    tg.start_soon(self._watch, worker)
                     cause = await self._serve(worker)
                     tg.cancel_scope.cancel()
             finally:
@@ -771,17 +770,18 @@ class WorkerPool:
         """The next job, or None if the worker died while it waited for one."""
         if worker.exited.is_set():
             return None
-        async with anyio.create_task_group() as tg:
-
-            async def watch() -> None:
-                await worker.exited.wait()
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(watch)
-            job = await self.queue.get()
-            tg.cancel_scope.cancel()
-            return job
+        try:
+            with anyio.CancelScope() as worker.idle_scope:  # cancelled by _watch if it dies
+                return await self.queue.get()
+        finally:
+            worker.idle_scope = None
         return None
+
+    @staticmethod
+    async def _watch(worker: _SpawnedWorker | _ForkedWorker) -> None:
+        await worker.wait_exit()
+        if worker.idle_scope is not None:
+            worker.idle_scope.cancel()
 
     async def _serve(self, worker: _SpawnedWorker | _ForkedWorker) -> str:
         """Run jobs on one worker until it must be replaced; returns why."""
@@ -808,13 +808,15 @@ class WorkerPool:
             try:
                 with anyio.CancelScope() as scope:
                     job._scope = scope
-                    with anyio.move_on_after(self.max_compile_seconds or float("inf")) as deadline:
-                        try:
-                            await worker.send_bytes(message)
-                            reply = await worker.receive()
-                        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
-                            reply = None
-                    timed_out = deadline.cancelled_caught
+                    if self.max_compile_seconds is not None:
+                        scope.deadline = anyio.current_time() + self.max_compile_seconds
+                    try:
+                        await worker.send_bytes(message)
+                        reply = await worker.receive()
+                    except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
+                        reply = None
+                # Cancelled by the deadline, not by a caller: the compile ran too long.
+                timed_out = scope.cancelled_caught and not job.abandoned
             except BaseException:
                 # The epoch ended (quiesce) or the pool is shutting down: the job goes back to
                 # the front of the queue; shutdown fails what is left there.
@@ -826,7 +828,7 @@ class WorkerPool:
                 job._scope = None
                 job.seconds = time.perf_counter() - t0
                 self.last_activity = time.monotonic()
-            if scope.cancel_called:
+            if job.abandoned:
                 # Every waiter left while it ran: stop the compiler by stopping its process.
                 job.finish(error=JobCancelled(job.name))
                 self.stats.jobs_cancelled += 1
