@@ -8,6 +8,12 @@ Importing acompile imports neither Triton nor cuda-python: backends load on firs
 
 from __future__ import annotations
 
+from acompile._backends._native import CppSpec as CppSpec
+from acompile._backends._native import CudaFunction as CudaFunction
+from acompile._backends._native import CudaModule as CudaModule
+from acompile._backends._native import CudaSpec as CudaSpec
+from acompile._backends._native import ObjectFile as ObjectFile
+from acompile._backends._native import SharedLibrary as SharedLibrary
 from acompile._backends._triton import TritonKernel as TritonKernel
 from acompile._backends._triton import TritonSpec as TritonSpec
 from acompile._compiler import CompilePool as CompilePool
@@ -15,6 +21,8 @@ from acompile._errors import AcompileError as AcompileError
 from acompile._errors import BackendUnavailableError as BackendUnavailableError
 from acompile._errors import CompileError as CompileError
 from acompile._errors import CompileTimeoutError as CompileTimeoutError
+from acompile._errors import CppCompileError as CppCompileError
+from acompile._errors import CUDACompileError as CUDACompileError
 from acompile._errors import DeviceUnavailableError as DeviceUnavailableError
 from acompile._errors import InvalidSpecError as InvalidSpecError
 from acompile._errors import PoolClosedError as PoolClosedError
@@ -28,13 +36,21 @@ from acompile._version import __version__ as __version__
 __all__ = (
     "AcompileError",
     "BackendUnavailableError",
+    "CUDACompileError",
     "CompileError",
     "CompilePool",
     "CompileTimeoutError",
+    "CppCompileError",
+    "CppSpec",
+    "CudaFunction",
+    "CudaModule",
+    "CudaSpec",
     "DeviceUnavailableError",
     "InvalidSpecError",
+    "ObjectFile",
     "PoolClosedError",
     "PoolError",
+    "SharedLibrary",
     "Target",
     "TritonKernel",
     "TritonSpec",

@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -142,14 +143,14 @@ class CompilePool:
             await self._cache.open()
             for name in self._preload:
                 # Imports (in a thread) and one-time costs now, not in the first request.
-                backend = await anyio.to_thread.run_sync(load_parent, name)
+                backend = await anyio.to_thread.run_sync(load_parent, _PARENT_MODULES[name])
                 await backend.setup(self._memo_dir, self._target)
             self._workdir = await anyio.to_thread.run_sync(lambda: tempfile.mkdtemp(prefix="acompile-"))
             config = {
                 "sys_path": list(sys.path),
                 "cwd": os.getcwd(),
                 "target": str(self._target),
-                "preload": [_WORKER_MODULES[name] for name in self._preload],
+                "preload": list(dict.fromkeys(_WORKER_MODULES[name] for name in self._preload)),
                 "nice": self._worker_nice,
             }
             self._workers = WorkerPool(
@@ -209,7 +210,7 @@ class CompilePool:
     async def _worker_config(self) -> dict[str, Any]:
         extra: dict[str, Any] = {}
         for name in self._preload:
-            backend = load_parent(name)  # imported by __aenter__ already
+            backend = load_parent(_PARENT_MODULES[name])  # imported by __aenter__ already
             extra.update(await backend.worker_config(self._memo_dir))
         return extra
 
@@ -309,6 +310,56 @@ class CompilePool:
         )
         return await self.compile(spec)
 
+    async def cuda(
+        self,
+        source: str,
+        *,
+        output: str = "cubin",
+        arch: str | int | None = None,
+        options: Sequence[str] = (),
+        name_expressions: Sequence[str] = (),
+        name: str | None = None,
+    ) -> Any:
+        """Compile CUDA C++ source, or take it from the cache.
+
+        Args:
+            output: ``"cubin"`` or ``"ptx"`` (NVRTC, no nvcc or host compiler needed) return a
+                ``CudaModule`` whose kernels launch through the CUDA driver API; ``"so"`` (nvcc)
+                returns a ``SharedLibrary`` loaded with ctypes; ``"o"`` (nvcc) an ``ObjectFile``
+                in the cache folder.
+            arch: ``"sm_90"``, ``90``, ``"sm_90a"`` ...; default: the pool's target.
+            options: compiler flags (``"-O3"``, ``"--use_fast_math"``, ``"-DTILE=64"`` ...).
+            name_expressions: template instantiations to look up after an NVRTC compile
+                (``"scale<float>"``): ``module["scale<float>"]`` finds the mangled kernel.
+            name: the module's name (in errors and stats); default: the first ``__global__``.
+
+        Raises:
+            InvalidSpecError: a wrong argument (before any worker is involved).
+            CUDACompileError: the compiler rejected the source; it carries the log, the line
+                number and the source line of the first error.
+        """
+        from acompile._backends._native import CudaSpec
+
+        return await self.compile(CudaSpec(source, output, arch, options, name_expressions, name))
+
+    async def cpp(
+        self,
+        source: str,
+        *,
+        options: Sequence[str] = (),
+        include_dirs: Sequence[str] = (),
+        name: str | None = None,
+    ) -> Any:
+        """Compile C++ source into a shared library with the system compiler (``$CXX``, else
+        ``c++``), or take it from the cache; returns a ``SharedLibrary`` loaded with ctypes.
+
+        Raises ``InvalidSpecError`` for wrong arguments and ``CppCompileError`` (log, line,
+        source line) when the compiler rejects the source.
+        """
+        from acompile._backends._native import CppSpec
+
+        return await self.compile(CppSpec(source, options, include_dirs, name))
+
     async def compile(self, spec: Any, *, background: bool = False) -> Any:
         """Compile one spec (``acompile.TritonSpec``), or take it from the cache.
 
@@ -372,7 +423,7 @@ class CompilePool:
                     await self._cache.write(request.key, data)
                     self._counts["compiled"] += 1
                     tier = "compile"
-                kernel = backend.load(request, entry)
+                kernel = await backend.load(request, entry, self._cache.root)
                 self._cache.memory.set(request.key, kernel)
                 flight.tier = tier
                 flight.finish(kernel)
@@ -520,7 +571,13 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99), "max": values[-1]}
 
 
-_WORKER_MODULES = {"triton": "acompile._backends._triton_worker"}
+# Backend names users give (preload=...) and the modules behind them, parent side and worker side.
+_PARENT_MODULES = {"triton": "triton", "cuda": "native", "cpp": "native"}
+_WORKER_MODULES = {
+    "triton": "acompile._backends._triton_worker",
+    "cuda": "acompile._backends._native_worker",
+    "cpp": "acompile._backends._native_worker",
+}
 
 
 def _check_backends(names: tuple[str, ...]) -> None:
@@ -533,4 +590,6 @@ def _backend_of(spec: Any) -> str:
     name = type(spec).__name__
     if name == "TritonSpec":
         return "triton"
-    raise TypeError(f"not a compile spec: {spec!r}; build one with acompile.TritonSpec(...)")
+    if name in ("CudaSpec", "CppSpec"):
+        return "native"
+    raise TypeError(f"not a compile spec: {spec!r}; build one with acompile.TritonSpec, CudaSpec or CppSpec")

@@ -7,7 +7,9 @@ Every error acompile raises on purpose derives from ``AcompileError``::
     │   └── UnknownTargetError                          a target string acompile cannot read
     ├── CompileError                                    the compiler rejected the kernel
     │   ├── WorkerCrashedError                          the worker died while compiling it
-    │   └── CompileTimeoutError                         it ran past the pool's max_compile_seconds
+    │   ├── CompileTimeoutError                         it ran past the pool's max_compile_seconds
+    │   ├── CUDACompileError                            NVRTC or nvcc rejected CUDA C++ source
+    │   └── CppCompileError                             the C++ compiler rejected C++ source
     ├── PoolError                                       the pool cannot take work
     │   ├── PoolClosedError                             used outside ``async with``, or after it
     │   └── WorkerStartError                            a worker failed to start or preload
@@ -115,6 +117,26 @@ class WorkerCrashedError(CompileError):
         )
         self.exit_code = exit_code
         self.cause = cause
+
+
+class _SourceCompileError(CompileError):
+    """Shared by the C++-family errors: where in the source the compiler pointed."""
+
+    line: int | None = None
+    source_line: str = ""
+
+
+class CUDACompileError(_SourceCompileError):
+    """NVRTC or nvcc rejected CUDA C++ source.
+
+    Attributes (besides ``CompileError``'s, with ``log`` the compiler's whole log):
+        line: the line of the first error the compiler reported, if it named one.
+        source_line: that line of the source.
+    """
+
+
+class CppCompileError(_SourceCompileError):
+    """The C++ compiler rejected the source (same attributes as ``CUDACompileError``)."""
 
 
 class CompileTimeoutError(CompileError):

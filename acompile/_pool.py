@@ -636,6 +636,7 @@ class WorkerPool:
         os.close(os.open(stderr_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600))
         slot_config = {
             "triton_cache_dir": os.path.join(self.workdir, f"triton-{slot}"),
+            "scratch_dir": os.path.join(self.workdir, f"scratch-{slot}"),
             "stderr_path": stderr_path,
         }
         template = await self._get_template() if self.use_template else None

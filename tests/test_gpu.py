@@ -109,3 +109,66 @@ async def test_a_pool_without_a_target_on_a_machine_without_a_gpu_says_what_to_d
     with pytest.raises(acompile.DeviceUnavailableError, match="target='cuda:90'"):
         async with acompile.CompilePool(1, cache_dir=cache_dir):
             pass
+
+
+SAXPY_KERNELS = r"""
+extern "C" __global__ void saxpy(float a, const float* x, float* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+
+template <typename T> __global__ void scale(T* x, T a, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= a;
+}
+"""
+
+SAXPY_HOST = r"""
+extern "C" __global__ void saxpy(float a, const float* x, float* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+
+extern "C" int saxpy_host(float a, const float* x, float* y, int n) {
+    saxpy<<<(n + 255) / 256, 256>>>(a, x, y, n);
+    return (int)cudaDeviceSynchronize();
+}
+"""
+
+
+@pytest.mark.gpu
+async def test_saxpy_through_nvrtc_cubin_and_the_driver_api(cache_dir: Path) -> None:
+    import ctypes
+
+    torch = torch_cuda()
+    n = 1 << 20
+    x = torch.randn(n, device="cuda")
+    y = torch.randn(n, device="cuda")
+    expected = 2.5 * x + y
+    async with acompile.CompilePool(1, cache_dir=cache_dir, preload=("cuda",)) as pool:
+        module = await pool.cuda(SAXPY_KERNELS, name_expressions=["scale<float>"])
+    module["saxpy"]((n + 255) // 256, 256, ctypes.c_float(2.5), x, y, ctypes.c_int32(n))
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, expected)
+    module["scale<float>"]((n + 255) // 256, 256, y, ctypes.c_float(2.0), ctypes.c_int32(n))
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, 2 * expected)
+
+
+@pytest.mark.gpu
+async def test_saxpy_through_an_nvcc_shared_library(cache_dir: Path) -> None:
+    import ctypes
+    import shutil
+
+    torch = torch_cuda()
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not on PATH")
+    n = 1 << 20
+    x = torch.randn(n, device="cuda")
+    y = torch.randn(n, device="cuda")
+    expected = 0.5 * x + y
+    async with acompile.CompilePool(1, cache_dir=cache_dir, preload=("cuda",)) as pool:
+        lib = await pool.cuda(SAXPY_HOST, output="so")
+    lib.saxpy_host.argtypes = [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    assert lib.saxpy_host(0.5, x.data_ptr(), y.data_ptr(), n) == 0
+    torch.testing.assert_close(y, expected)

@@ -10,6 +10,14 @@ import acompile
 
 EXPECTED = {
     "AcompileError",
+    "CUDACompileError",
+    "CppCompileError",
+    "CppSpec",
+    "CudaFunction",
+    "CudaModule",
+    "CudaSpec",
+    "ObjectFile",
+    "SharedLibrary",
     "BackendUnavailableError",
     "CompileError",
     "CompilePool",

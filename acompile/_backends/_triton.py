@@ -549,7 +549,7 @@ def _grid3(grid: Any, constants: Mapping[str, Any]) -> tuple[int, int, int]:
     return (g[0], g[1], g[2])
 
 
-def load(request: TritonRequest, entry: Entry) -> TritonKernel:
+async def load(request: TritonRequest, entry: Entry, cache_root: Path) -> TritonKernel:
     return TritonKernel(request, entry, build_compiled_kernel(request, entry))
 
 

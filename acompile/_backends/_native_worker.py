@@ -1,0 +1,126 @@
+"""The worker's half of the CUDA C++ and C++ backends: NVRTC, nvcc and the system C++ compiler.
+
+Each compile returns cache-entry bytes; a rejected source raises ``CUDACompileError`` or
+``CppCompileError`` with the compiler's log and the source line its first error points at.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from typing import Any
+
+from acompile._cache._entry import Entry
+from acompile._errors import CppCompileError, CUDACompileError
+
+_scratch = ""
+
+# "file.cu(12): error: ..." (NVRTC, nvcc) and "file.cpp:12:5: error: ..." (gcc, clang)
+_ERROR_LINE = re.compile(r"(?:\((\d+)\):?|:(\d+):\d+:)\s*(?:fatal )?error")
+
+
+def setup(config: dict[str, Any]) -> None:
+    global _scratch
+    _scratch = config.get("scratch_dir") or tempfile.gettempdir()
+
+
+def preload(config: dict[str, Any]) -> None:
+    from cuda.bindings import nvrtc  # noqa: F401 - the import is the preload
+
+
+def compile(payload: dict[str, Any]) -> bytes:
+    kind = payload["kind"]
+    if kind == "nvrtc":
+        blobs, meta = _nvrtc(payload)
+    else:
+        blobs, meta = _tool(payload)
+    return Entry(
+        key=payload["key"], backend=payload["backend"], name=payload["name"], blobs=blobs, meta=meta
+    ).encode()
+
+
+def _fail(payload: dict[str, Any], log: str, what: str) -> Exception:
+    cls = CppCompileError if payload["backend"] == "cpp" else CUDACompileError
+    match = _ERROR_LINE.search(log)
+    line = int(match.group(1) or match.group(2)) if match else None
+    source_lines = payload["source"].splitlines()
+    source_line = source_lines[line - 1].strip() if line and 0 < line <= len(source_lines) else ""
+    where = f" at line {line}: {source_line}" if line else ""
+    first = next((ln.strip() for ln in log.splitlines() if "error" in ln), log.strip()[:500])
+    err = cls(
+        f"{what} rejected {payload['name']!r}{where}\n{first}",
+        kernel=payload["name"],
+        backend=payload["backend"],
+        log=log,
+    )
+    err.line, err.source_line = line, source_line
+    return err
+
+
+def _nvrtc(payload: dict[str, Any]) -> tuple[dict[str, bytes], dict[str, Any]]:
+    from cuda.bindings import nvrtc
+
+    def check(result: Any) -> Any:
+        err = result[0]
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"NVRTC: {err.name}")
+        return result[1] if len(result) == 2 else result[1:]
+
+    err, prog = nvrtc.nvrtcCreateProgram(
+        payload["source"].encode(), f"{payload['name']}.cu".encode(), 0, [], []
+    )
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"NVRTC cannot create a program: {err.name}")
+    try:
+        for expr in payload["name_expressions"]:
+            check(nvrtc.nvrtcAddNameExpression(prog, expr.encode()))
+        arch = payload["arch"]
+        target = f"--gpu-architecture={'sm' if payload['output'] == 'cubin' else 'compute'}_{arch}"
+        options = [target.encode(), *(o.encode() for o in payload["options"])]
+        (result,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
+        size = check(nvrtc.nvrtcGetProgramLogSize(prog))
+        log_buf = b" " * size
+        check(nvrtc.nvrtcGetProgramLog(prog, log_buf))
+        log = log_buf.rstrip(b"\0 ").decode("utf-8", "replace")
+        if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise _fail(payload, log, "NVRTC")
+        if payload["output"] == "cubin":
+            size = check(nvrtc.nvrtcGetCUBINSize(prog))
+            binary = b" " * size
+            check(nvrtc.nvrtcGetCUBIN(prog, binary))
+        else:
+            size = check(nvrtc.nvrtcGetPTXSize(prog))
+            binary = b" " * size
+            check(nvrtc.nvrtcGetPTX(prog, binary))
+            binary = binary.rstrip(b"\0")
+        lowered = {
+            e: check(nvrtc.nvrtcGetLoweredName(prog, e.encode())).decode()
+            for e in payload["name_expressions"]
+        }
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    return {payload["output"]: binary, "log": log.encode()}, {"lowered": lowered, "arch": arch}
+
+
+def _tool(payload: dict[str, Any]) -> tuple[dict[str, bytes], dict[str, Any]]:
+    os.makedirs(_scratch, exist_ok=True)
+    folder = tempfile.mkdtemp(dir=_scratch)
+    try:
+        suffix = ".cu" if payload["kind"] == "nvcc" else ".cpp"
+        source = os.path.join(folder, payload["name"] + suffix)
+        with open(source, "w") as f:
+            f.write(payload["source"])
+        output = os.path.join(folder, "out." + payload["output"])
+        command = [*payload["command"], "-o", output, source]
+        done = subprocess.run(command, capture_output=True, text=True, cwd=folder)
+        log = (done.stdout + done.stderr).replace(folder + os.sep, "")
+        if done.returncode != 0:
+            raise _fail(payload, log, "nvcc" if payload["kind"] == "nvcc" else "the C++ compiler")
+        with open(output, "rb") as f:
+            binary = f.read()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {payload["output"]: binary, "log": log.encode()}, {"arch": payload.get("arch")}
