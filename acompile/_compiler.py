@@ -21,8 +21,9 @@ import anyio
 import anyio.abc
 
 from acompile._backends import load_parent
-from acompile._cache import Cache, default_cache_dir
+from acompile._cache import Cache, Entry, default_cache_dir
 from acompile._cache import _entry as entry_format
+from acompile._cache._shared import SharedTier, open_cache, signing_key_from
 from acompile._errors import AcompileError, PoolClosedError
 from acompile._pool import BACKGROUND, URGENT, Job, JobCancelled, WorkerPool
 from acompile._sizing import default_workers, parse_size
@@ -79,6 +80,13 @@ class CompilePool:
             theirs to set with ``anyio.fail_after``.
         fork_workers: fork workers from a preloaded template process (fast start and wake-up);
             ``False`` starts each worker as a fresh interpreter.
+        shared_cache: a tier a fleet shares, after memory and disk: an aiocache cache (its
+            serializer is set to pass bytes through) or a URL, ``"redis://host:6379/0"``.
+            A local hit never touches it; its faults are misses, never errors.
+        signing_key: sign what this pool publishes to the shared tier (HMAC-SHA256) and refuse
+            what does not verify; default ``$ACOMPILE_SIGNING_KEY``; None to trust the tier.
+        fleet_wait: how long a pool waits for another replica that is compiling the same kernel
+            (it holds the key's lease in the shared tier) before compiling it itself.
 
     Entering starts the workers in the background and returns at once; ``wait_ready()`` waits
     for their preload. Leaving stops every worker, whatever happens in the body. A pool is
@@ -99,6 +107,9 @@ class CompilePool:
         memory_limit: int | str | None = None,
         max_compile_seconds: float | None = None,
         fork_workers: bool = True,
+        shared_cache: Any = None,
+        signing_key: str | bytes | None = None,
+        fleet_wait: float = 60.0,
     ) -> None:
         if workers is not None and (not isinstance(workers, int) or workers < 1):
             raise ValueError(f"workers must be a positive integer or None, got {workers!r}")
@@ -124,6 +135,15 @@ class CompilePool:
             raise ValueError(f"max_compile_seconds must be positive or None, got {max_compile_seconds!r}")
         self._max_compile_seconds = max_compile_seconds
         self._fork_workers = fork_workers
+        self._shared = (
+            SharedTier(open_cache(shared_cache), signing_key_from(signing_key))
+            if shared_cache is not None
+            else None
+        )
+        self._fleet_wait = fleet_wait
+        self._lease_ttl = max(30.0, (max_compile_seconds or 0) + 5)
+        self._pending_publish = 0
+        self._published = anyio.Event()
         self._state = "new"
         self._flights: dict[str, _Flight] = {}
         self._counts: Counter[str] = Counter()
@@ -186,6 +206,11 @@ class CompilePool:
     ) -> None:
         self._state = "closed"
         assert self._tg is not None
+        if self._pending_publish:
+            # Entries on their way to the shared tier: give them a moment to arrive.
+            with anyio.move_on_after(2, shield=True):
+                while self._pending_publish:
+                    await self._published.wait()
         # Whatever the body did, compiles in progress are abandoned and workers stopped now.
         self._tg.cancel_scope.cancel()
         try:
@@ -195,6 +220,9 @@ class CompilePool:
         finally:
             for flight in list(self._flights.values()):
                 flight.finish(error=PoolClosedError("the pool shut down while compiling"))
+            if self._shared is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._shared.close()
             await self._remove_workdir()
 
     async def _remove_workdir(self) -> None:
@@ -411,18 +439,12 @@ class CompilePool:
     async def _fly(self, flight: _Flight, backend: Any, request: Any) -> None:
         try:
             with flight.scope:
-                entry = await self._cache.read(request.key)
-                if entry is not None:
-                    self._counts["hits_disk"] += 1
-                    tier = "disk"
-                else:
+                entry, tier = await self._lookup(request.key)
+                if entry is None:
                     self._counts["misses"] += 1
-                    payload = await backend.payload(request)
-                    data = await self._run(backend.WORKER_MODULE, payload, request.name, flight=flight)
-                    entry = entry_format.decode(data, request.key, verify=False)
-                    await self._cache.write(request.key, data)
-                    self._counts["compiled"] += 1
-                    tier = "compile"
+                    entry, tier = await self._compile_shared_flight(flight, backend, request)
+                else:
+                    self._counts[f"hits_{tier}"] += 1
                 kernel = await backend.load(request, entry, self._cache.root)
                 self._cache.memory.set(request.key, kernel)
                 flight.tier = tier
@@ -442,6 +464,92 @@ class CompilePool:
                 del self._flights[flight.key]
             # Cancelled by its last waiter (not by shutdown): nobody is left to tell.
             flight.finish(error=JobCancelled(request.name))
+
+    async def _lookup(self, key: str) -> tuple[Entry | None, str]:
+        """Disk, then the shared tier (a shared hit is written to disk)."""
+        entry = await self._cache.read(key)
+        if entry is not None or self._shared is None:
+            return entry, "disk"
+        return await self._read_shared(key), "shared"
+
+    async def _read_shared(self, key: str) -> Entry | None:
+        assert self._shared is not None
+        data = await self._shared.get(key)
+        if data is None:
+            return None
+        try:
+            entry = await anyio.to_thread.run_sync(entry_format.decode, data, key)
+        except entry_format.CorruptEntry as exc:
+            level = logging.DEBUG if self._counts["shared_corrupt"] else logging.WARNING
+            self._counts["shared_corrupt"] += 1
+            logger.log(level, "shared cache entry %s… is damaged (%s); compiling it again", key[:16], exc)
+            return None
+        await self._cache.write(key, data)
+        return entry
+
+    async def _compile_shared_flight(self, flight: _Flight, backend: Any, request: Any) -> tuple[Entry, str]:
+        """Compile, unless another replica of the fleet already is: then wait for its entry."""
+        lease = None
+        if self._shared is not None:
+            lease = await self._shared.take_lease(request.key, ttl=self._lease_ttl)
+            if lease is False:
+                self._counts["fleet_waits"] += 1
+                entry = await self._await_fleet(request.key)
+                if entry is not None:
+                    return entry, "shared"
+                lease = await self._shared.take_lease(request.key, ttl=self._lease_ttl)
+        try:
+            payload = await backend.payload(request)
+            data = await self._run(backend.WORKER_MODULE, payload, request.name, flight=flight)
+            entry = entry_format.decode(data, request.key, verify=False)
+            await self._cache.write(request.key, data)
+            self._counts["compiled"] += 1
+        except BaseException:
+            if lease:
+                self._publish_later(request.key, None)
+            raise
+        if self._shared is not None:
+            self._publish_later(request.key, data)
+        return entry, "compile"
+
+    async def _await_fleet(self, key: str) -> Entry | None:
+        """Another replica holds the lease: poll for its entry, up to fleet_wait, or until the
+        lease is gone without an entry (it failed, or died and the lease expired)."""
+        assert self._shared is not None
+        deadline = time.monotonic() + self._fleet_wait
+        delay = 0.05
+        while time.monotonic() < deadline:
+            await anyio.sleep(delay)
+            delay = min(delay * 1.5, 0.5)
+            entry = await self._read_shared(key)
+            if entry is not None:
+                return entry
+            if not await self._shared.lease_held(key):
+                return await self._read_shared(key)
+        logger.warning(
+            "waited %.0f s for another replica to compile %s…; compiling it here", self._fleet_wait, key[:16]
+        )
+        return None
+
+    def _publish_later(self, key: str, data: bytes | None) -> None:
+        """Publish to the shared tier in the background, within the pool's lifetime (leaving the
+        pool waits a moment for these), and release this replica's lease."""
+        assert self._tg is not None and self._shared is not None
+        shared = self._shared
+        self._pending_publish += 1
+
+        async def publish() -> None:
+            try:
+                if data is not None:
+                    await shared.set(key, data)
+                await shared.release_lease(key)
+            finally:
+                self._pending_publish -= 1
+                if self._pending_publish == 0:
+                    self._published.set()
+                    self._published = anyio.Event()
+
+        self._tg.start_soon(publish)
 
     async def _run(
         self,
@@ -513,7 +621,8 @@ class CompilePool:
         """A snapshot of the pool, as plain data (cheap; nothing is measured on the call).
 
         ``workers``: size, alive, busy, awake (False while quiesced), started, forked (from the
-        template), restarts by cause (crash, killed, memory, timeout, abandoned, shutdown),
+        template), restarts by cause (crash, killed, memory, timeout, abandoned, stopped: by
+        ``quiesce()`` or shutdown),
         resident memory per worker in MiB (measured every few seconds) and its mean.
         ``jobs``: queued, running, done, failed, cancelled, retried. ``cache``: entries and hits
         by tier. ``compile_seconds``: p50, p90, p99, max of recent jobs; ``slowest``: the ten
@@ -549,6 +658,12 @@ class CompilePool:
                 "memory_entries": len(self._cache.memory),
                 "hits_memory": self._counts["hits_memory"],
                 "hits_disk": self._counts["hits_disk"],
+                "hits_shared": self._counts["hits_shared"],
+                "shared_corrupt": self._counts["shared_corrupt"],
+                "shared_rejected": self._shared.counts["rejected"] if self._shared else 0,
+                "shared_errors": self._shared.counts["errors"] if self._shared else 0,
+                "shared_writes": self._shared.counts["writes"] if self._shared else 0,
+                "fleet_waits": self._counts["fleet_waits"],
                 "misses": self._counts["misses"],
                 "disk_corrupt": self._cache.counts["disk_corrupt"],
                 "disk_writes": self._cache.counts["disk_writes"],

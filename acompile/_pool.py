@@ -126,11 +126,12 @@ class _JobQueue:
             self._lanes[job.lane].appendleft(job)
         else:
             self._lanes[job.lane].append(job)
-        # Wake every idle slot: a woken slot that is cancelled before it pops must not strand
-        # the job, and there are only ever as many waiters as workers.
-        for event in self._waiters:
-            event.set()
-        self._waiters.clear()
+        self._wake_one()
+
+    def _wake_one(self) -> None:
+        # One idle slot per job: waking them all costs every one of them a loop iteration.
+        if self._waiters:
+            self._waiters.pop(0).set()
 
     def promote(self, job: Job) -> None:
         """Move a queued background job to the urgent lane (its old place is skipped later)."""
@@ -153,7 +154,14 @@ class _JobQueue:
                 return job
             event = anyio.Event()
             self._waiters.append(event)
-            await event.wait()
+            try:
+                await event.wait()
+            except BaseException:
+                if event in self._waiters:
+                    self._waiters.remove(event)
+                elif len(self):
+                    self._wake_one()  # chosen for a job, but leaving: pass the turn on
+                raise
 
     def fail_all(self, error: BaseException) -> None:
         while (job := self.pop()) is not None:
@@ -616,7 +624,7 @@ class WorkerPool:
             failures = 0
             self._start_error = None
             self._ready[slot].set()
-            cause = "shutdown"
+            cause = "stopped"  # by quiesce() or shutdown, unless _serve says otherwise
             try:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._watch, worker)
@@ -627,7 +635,7 @@ class WorkerPool:
                 self.stats.worker_rss.pop(worker.pid, None)
                 code = await _stop(worker)
                 logger.debug("worker pid %d stopped (%s, %s)", worker.pid, cause, _describe_exit(code))
-            self.stats.restart(cause)
+                self.stats.restart(cause)
 
     async def _start_worker(self, slot: int) -> _SpawnedWorker | _ForkedWorker:
         stderr_path = os.path.join(self.workdir, f"worker-{slot}.stderr")

@@ -2,7 +2,14 @@
 
 acompile warmup MANIFEST [--workers N] [--target T] [--cache-dir DIR]
 acompile cache stats [--cache-dir DIR]
+acompile cache export FILE [--manifest M] [--target T] [--cache-dir DIR]
+acompile cache import FILE [--cache-dir DIR]
+acompile cache prune [--max-size 10GiB] [--max-age 30d] [--dry-run] [--cache-dir DIR]
+acompile cache explain KEY [--against KEY2] [--cache-dir DIR]
 acompile bench [...]        (see acompile bench --help)
+
+Exit status: 0 done; 1 some work failed (a kernel did not compile, an entry was damaged, rejected
+or missing); 2 bad usage (a bad argument, manifest or bundle file).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from typing import Any, TextIO
 import anyio
 
 from acompile._cache import DiskTier, default_cache_dir
-from acompile._cache._entry import CorruptEntry, peek_header
+from acompile._cache._bundle import read_header
 from acompile._errors import AcompileError
 
 
@@ -46,17 +53,56 @@ def main(argv: list[str] | None = None) -> int:
         "--json", dest="json_path", type=Path, default=None, help="also write the results as JSON"
     )
 
-    cache = sub.add_parser("cache", help="look at the cache")
+    cache = sub.add_parser("cache", help="look at, move and bound the cache")
     cache_sub = cache.add_subparsers(dest="cache_command", required=True)
+    dir_help = "default: $ACOMPILE_CACHE_DIR or ~/.cache/acompile"
     stats = cache_sub.add_parser("stats", help="what the disk cache holds")
-    stats.add_argument("--cache-dir", type=Path, default=None)
+    stats.add_argument("--cache-dir", type=Path, default=None, help=dir_help)
+
+    export = cache_sub.add_parser("export", help="write the cache's entries into one bundle file")
+    export.add_argument("file", type=Path, help="the bundle to write (a .tar.gz)")
+    export.add_argument(
+        "--manifest", type=Path, default=None, help="only the entries of this warm-up manifest's kernels"
+    )
+    export.add_argument(
+        "--target", default=None, help="with --manifest: target for kernels whose entry names none"
+    )
+    export.add_argument("--cache-dir", type=Path, default=None, help=dir_help)
+
+    imp = cache_sub.add_parser("import", help="load a bundle into the cache, verifying every entry")
+    imp.add_argument("file", type=Path)
+    imp.add_argument("--cache-dir", type=Path, default=None, help=dir_help)
+
+    prune = cache_sub.add_parser(
+        "prune", help="remove entries by age, then the oldest until the cache fits a size"
+    )
+    prune.add_argument("--max-size", default=None, help="e.g. 10GiB, 500MB")
+    prune.add_argument(
+        "--max-age", default=None, help="time since an entry was written: 30d, 12h, 90m, 3600s"
+    )
+    prune.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
+    prune.add_argument("--cache-dir", type=Path, default=None, help=dir_help)
+
+    explain = cache_sub.add_parser("explain", help="what an entry's key was computed from")
+    explain.add_argument("key")
+    explain.add_argument("--against", default=None, help="another key: show only the factors that differ")
+    explain.add_argument("--cache-dir", type=Path, default=None, help=dir_help)
 
     sub.add_parser("bench", help="compile a kernel corpus against the baselines (see: acompile bench --help)")
 
     args = parser.parse_args(argv)
     if args.command == "warmup":
         return _warmup(args)
-    return _cache_stats(args.cache_dir or default_cache_dir())
+    root = args.cache_dir or default_cache_dir()
+    if args.cache_command == "export":
+        return _cache_export(args, root)
+    if args.cache_command == "import":
+        return _cache_import(args, root)
+    if args.cache_command == "prune":
+        return _cache_prune(args, root)
+    if args.cache_command == "explain":
+        return _cache_explain(args, root)
+    return _cache_stats(root)
 
 
 # --- warmup ---------------------------------------------------------------------------------------
@@ -195,11 +241,9 @@ def _cache_stats(root: Path) -> int:
     names: Counter[str] = Counter()
     damaged = 0
     for path in disk.iter_paths():
-        try:
-            with open(path, "rb") as f:
-                head = f.read(64 * 1024)
-            header = peek_header(head)
-        except (OSError, CorruptEntry):
+        # The whole header, however long (an entry's recorded key parts may hold its source).
+        header = read_header(path)
+        if header is None:
             damaged += 1
             continue
         backend = str(header.get("backend", "?"))
@@ -219,6 +263,198 @@ def _cache_stats(root: Path) -> int:
         for name, count in names.most_common(10):
             print(f"  {count:4d}  {name}")
     return 0
+
+
+# --- cache export / import / prune / explain -----------------------------------------------------
+
+
+def _cache_export(args: argparse.Namespace, root: Path) -> int:
+    from acompile._cache._bundle import export_bundle
+
+    keys: list[str] | None = None
+    if args.manifest is not None:
+        try:
+            keys = _manifest_keys(args.manifest, args.target, root)
+        except AcompileError as exc:
+            print(f"acompile cache export: {exc}", file=sys.stderr)
+            return 2
+    try:
+        report = anyio.run(export_bundle, root, args.file, keys)
+    except (AcompileError, OSError) as exc:
+        print(f"acompile cache export: {exc}", file=sys.stderr)
+        return 1
+    print(report.summary())
+    for key, reason in report.rejected:
+        print(f"  left out {key}: {reason}", file=sys.stderr)
+    if report.missing:
+        print(
+            f"acompile cache export: {len(report.missing)} of the manifest's kernels are not in {root}: "
+            "run `acompile warmup` on the manifest first",
+            file=sys.stderr,
+        )
+        for key in report.missing:
+            print(f"  missing {key}", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
+def _manifest_keys(manifest: Path, target: str | None, root: Path) -> list[str]:
+    """The keys the manifest's kernels have here (as `acompile warmup` computes them)."""
+    from acompile._backends._triton import prepare
+    from acompile._manifest import load_manifest
+    from acompile._targets import parse_target
+
+    specs = load_manifest(manifest)
+    if target is None and any(s.target is None for s in specs):
+        raise AcompileError(
+            'some kernels name no target: add targets = ["cuda:90"] to the manifest or pass --target cuda:90'
+        )
+    default = parse_target(target) if target is not None else None
+
+    async def keys() -> list[str]:
+        return [(await prepare(spec, default, root / "toolchain")).key for spec in specs]
+
+    return anyio.run(keys)
+
+
+def _cache_import(args: argparse.Namespace, root: Path) -> int:
+    from acompile._cache._bundle import import_bundle
+
+    try:
+        report = anyio.run(import_bundle, root, args.file)
+    except AcompileError as exc:
+        print(f"acompile cache import: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"acompile cache import: cannot write to {root}: {exc}", file=sys.stderr)
+        return 1
+    print(report.summary() + f" into {root}")
+    for name, reason in report.rejected:
+        print(f"  rejected {name}: {reason}", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
+def _cache_prune(args: argparse.Namespace, root: Path) -> int:
+    from acompile._cache._bundle import parse_age, prune
+    from acompile._sizing import parse_size
+
+    if args.max_size is None and args.max_age is None:
+        print(
+            "acompile cache prune: say --max-size (e.g. 10GiB), --max-age (e.g. 30d) or both", file=sys.stderr
+        )
+        return 2
+    try:
+        max_bytes = parse_size(args.max_size) if args.max_size is not None else None
+        max_age = parse_age(args.max_age) if args.max_age is not None else None
+    except ValueError as exc:
+        print(f"acompile cache prune: {exc}", file=sys.stderr)
+        return 2
+    report = anyio.run(lambda: prune(root, max_bytes=max_bytes, max_age_s=max_age, dry_run=args.dry_run))
+    print(f"cache folder: {root}")
+    print(report.summary())
+    for error in report.errors:
+        print(f"  {error}", file=sys.stderr)
+    return 1 if report.errors else 0
+
+
+def _cache_explain(args: argparse.Namespace, root: Path) -> int:
+    from acompile._cache._bundle import describe_factor, explain, explain_key, explain_miss
+
+    keys = [args.key.strip().lower()] + ([args.against.strip().lower()] if args.against else [])
+    for key in keys:
+        if not _is_key(key):
+            print(
+                f"acompile cache explain: {key!r} is not a cache key (64 hexadecimal digits)", file=sys.stderr
+            )
+            return 2
+
+    async def run() -> tuple[list[dict[str, Any]], list[tuple[str, list[tuple[str, object, object]]]]]:
+        infos = [await explain_key(root, key) for key in keys]
+        parts = infos[0]["key_parts"]
+        nearest = await explain_miss(root, parts, limit=3) if parts and len(infos) == 1 else []
+        return infos, nearest
+
+    try:
+        infos, nearest = anyio.run(run)
+    except AcompileError as exc:
+        print(f"acompile cache explain: {exc}", file=sys.stderr)
+        return 1
+    out = sys.stdout
+    if len(infos) == 2:
+        a, b = infos
+        if a["key_parts"] is None or b["key_parts"] is None:
+            for info in infos:
+                if info["key_parts"] is None:
+                    print(f"acompile cache explain: {info['key']}: {info['note']}", file=sys.stderr)
+            return 1
+        diffs = explain(a["key_parts"], b["key_parts"])
+        print(f"{a['key']}  ({a['backend']} {a['name']})", file=out)
+        print(f"{b['key']}  ({b['backend']} {b['name']})", file=out)
+        if not diffs:
+            print("the recorded key parts are the same", file=out)
+        else:
+            print(f"{len(diffs)} factor{'s' if len(diffs) != 1 else ''} differ:", file=out)
+            _print_diffs(diffs, out, describe_factor)
+        for info in infos:
+            if info["note"]:
+                print(f"note: {info['key'][:16]}…: {info['note']}", file=out)
+        return 0
+    info = infos[0]
+    written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["written"]))
+    print(f"key      {info['key']}", file=out)
+    print(f"backend  {info['backend']}", file=out)
+    print(f"kernel   {info['name']}", file=out)
+    print(f"size     {_human(info['bytes'])}", file=out)
+    print(f"written  {written}", file=out)
+    if info["key_parts"] is None:
+        print(f"note: {info['note']}", file=out)
+        return 0
+    print("key parts:", file=out)
+    parts = info["key_parts"]
+    width = max(len(describe_factor(name)) for name in parts)
+    for name in _factor_order(parts):
+        print(f"  {describe_factor(name).ljust(width)}  {_show(parts[name])}", file=out)
+    if info["note"]:
+        print(f"note: {info['note']}", file=out)
+    if nearest:
+        print(f"\nother entries of {info['name']} here, nearest first:", file=out)
+        for key, diffs in nearest:
+            print(f"  {key}: {len(diffs)} factor{'s' if len(diffs) != 1 else ''} differ", file=out)
+            _print_diffs(diffs, out, describe_factor, indent="    ")
+    return 0
+
+
+def _is_key(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
+def _factor_order(parts: dict[str, Any]) -> list[str]:
+    from acompile._cache._bundle import FACTORS
+
+    return [n for n in FACTORS if n in parts] + sorted(set(parts) - set(FACTORS))
+
+
+def _print_diffs(
+    diffs: list[tuple[str, object, object]], out: TextIO, describe: Any, indent: str = "  "
+) -> None:
+    for name, a, b in diffs:
+        print(f"{indent}{describe(name)}:", file=out)
+        print(f"{indent}  - {_show(a)}", file=out)
+        print(f"{indent}  + {_show(b)}", file=out)
+
+
+def _show(value: object, limit: int = 300) -> str:
+    """A value on one line: tables as k=v, long text cut."""
+    if isinstance(value, dict):
+        text = ", ".join(f"{k}={_show(v, limit)}" for k, v in value.items()) or "(none)"
+    elif isinstance(value, str):
+        text = value
+    else:
+        try:
+            text = json.dumps(value, separators=(",", ":"))
+        except (TypeError, ValueError):
+            text = str(value)
+    text = text.replace("\n", "\\n")
+    return text if len(text) <= limit else text[: limit - 1] + f"… ({len(text)} characters)"
 
 
 def _human(n: float) -> str:

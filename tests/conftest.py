@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -88,3 +89,62 @@ def run_python(code: str, timeout: float = 180) -> subprocess.CompletedProcess[s
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=subprocess_env()
     )
+
+
+class RedisServer:
+    """A real redis-server on loopback, owned by the test that uses it."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.url = f"redis://127.0.0.1:{port}/0"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        assert binary is not None
+        self.process = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        import redis
+
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+        client.close()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+            self.process = None
+
+    def client(self) -> object:
+        import redis
+
+        return redis.Redis(port=self.port)
+
+
+@pytest.fixture
+def redis_server() -> object:
+    if shutil.which("redis-server") is None:
+        if os.environ.get("ACOMPILE_REQUIRE_REDIS"):
+            pytest.fail("redis-server is required here (ACOMPILE_REQUIRE_REDIS is set) but not installed")
+        pytest.skip("redis-server is not installed (CI installs it)")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = RedisServer(port)
+    server.start()
+    yield server
+    server.stop()

@@ -205,6 +205,7 @@ async def prepare(spec: CudaSpec | CppSpec, default_target: Target | None, memo_
         "options": options,
         "name_expressions": expressions,
         "command": command,
+        "key_parts": key_parts,
     }
     return NativeRequest(key, name, backend, output, payload, key_parts)
 

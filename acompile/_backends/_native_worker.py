@@ -37,6 +37,7 @@ def compile(payload: dict[str, Any]) -> bytes:
         blobs, meta = _nvrtc(payload)
     else:
         blobs, meta = _tool(payload)
+    meta["key_parts"] = payload.get("key_parts", {})
     return Entry(
         key=payload["key"], backend=payload["backend"], name=payload["name"], blobs=blobs, meta=meta
     ).encode()

@@ -178,6 +178,8 @@ async def prepare(spec: TritonSpec, default_target: Target | None, memo_dir: Pat
         "options": options,
         "target": str(target),
         "env": env,
+        # Stored with the entry, so that a miss that should have been a hit can be explained.
+        "key_parts": key_parts,
     }
     return TritonRequest(key, fn.__name__, target, fn, signature, constants, attrs, payload, key_parts)
 

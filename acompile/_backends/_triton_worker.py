@@ -104,7 +104,7 @@ def compile(payload: dict[str, Any]) -> bytes:
             blobs[filename.rsplit(".", 1)[-1]] = Path(path).read_bytes()
     finally:
         _remove_group(compiled.metadata_group)
-    meta = {"hash": compiled.hash, "triton": triton.__version__}
+    meta = {"hash": compiled.hash, "triton": triton.__version__, "key_parts": payload.get("key_parts", {})}
     return Entry(key=payload["key"], backend="triton", name=payload["name"], blobs=blobs, meta=meta).encode()
 
 

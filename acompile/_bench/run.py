@@ -1,7 +1,12 @@
 """The compile benchmark: acompile against the usual ways of compiling a corpus of Triton kernels.
 
     python -m acompile._bench.run [--workers N] [--target cuda:90] [--json PATH]
-                                  [--only ROW[,ROW]] [--limit K]
+                                  [--only ROW[,ROW]] [--limit K] [--lifecycle]
+
+A plain run runs every row below, then the lifecycle section (``acompile._bench.lifecycle``: no-op
+job round trip and throughput, quiesce / wake-up / shutdown, memory per idle worker), written
+into the same JSON under ``"lifecycle"``. ``--lifecycle`` (or ``--only lifecycle``) runs that
+section alone; ``--lifecycle --only ROW`` runs it and ROW.
 
 Every row compiles the same spec list (``corpus()``, or its first ``--limit K`` entries) for the
 same target, cold. Each row runs in its own fresh Python process (``python -c`` entry of this
@@ -771,7 +776,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--json", default="bench-results/bench.json", help="where to write the results (default: %(default)s)"
     )
-    parser.add_argument("--only", default=None, help=f"comma-separated rows to run, of: {', '.join(ROWS)}")
+    parser.add_argument(
+        "--only", default=None, help=f"comma-separated rows to run, of: {', '.join((*ROWS, 'lifecycle'))}"
+    )
     parser.add_argument("--limit", type=int, default=None, help="use only the first K specs of the corpus")
     parser.add_argument(
         "--row-timeout",
@@ -780,17 +787,25 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds before a row is killed (default: %(default)s)",
     )
     parser.add_argument("--keep", action="store_true", help="keep the rows' cache folders and logs")
+    parser.add_argument(
+        "--lifecycle",
+        action="store_true",
+        help="run the lifecycle section (round trip, quiesce/wake-up/shutdown, memory); alone, "
+        "only it (a plain run includes it after the compile rows)",
+    )
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
     if args.limit is not None and args.limit < 1:
         parser.error("--limit must be at least 1")
-    selected = list(ROWS)
+    selected = [] if args.lifecycle else list(ROWS)
+    lifecycle = True
     if args.only:
         wanted = [w.strip() for w in args.only.split(",") if w.strip()]
-        unknown = [w for w in wanted if w not in ROWS]
+        unknown = [w for w in wanted if w not in ROWS and w != "lifecycle"]
         if unknown:
-            parser.error(f"unknown rows {unknown}; rows are: {', '.join(ROWS)}")
+            parser.error(f"unknown rows {unknown}; rows are: {', '.join((*ROWS, 'lifecycle'))}")
+        lifecycle = args.lifecycle or "lifecycle" in wanted
         # A warm-start row needs the row that fills its cache: run that one too.
         wanted += [_NEEDS[w] for w in wanted if w in _NEEDS]
         selected = [r for r in ROWS if r in wanted]
@@ -802,7 +817,9 @@ def main(argv: list[str] | None = None) -> int:
     machine["idle_lag"] = _idle_lag()
     root = Path(tempfile.mkdtemp(prefix="acompile-bench-"))
     results: dict[str, dict[str, Any]] = {}
+    lifecycle_section: dict[str, Any] | None = None
     n_specs = None
+    text = ""
     try:
         for name in selected:
             warm_cache = None
@@ -825,7 +842,20 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-        text = _report(results, machine, args, n_specs or 0)
+        if selected:
+            text = _report(results, machine, args, n_specs or 0)
+        if lifecycle:
+            from acompile._bench import lifecycle as lifecycle_bench
+
+            lifecycle_section = lifecycle_bench.run(
+                root / "lifecycle",
+                workers=args.workers,
+                target=args.target,
+                timeout=args.row_timeout,
+                log=sys.stderr,
+            )
+            lifecycle_text = lifecycle_bench.report(lifecycle_section, machine)
+            text = f"{text}\n\n{lifecycle_text}" if text else lifecycle_text
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -839,14 +869,20 @@ def main(argv: list[str] | None = None) -> int:
             "target": args.target,
             "limit": args.limit,
             "rows": selected,
+            "lifecycle": lifecycle,
             "specs": n_specs,
         },
         "rows": results,
+        "lifecycle": lifecycle_section,
         "report": text,
     }
     path.write_text(json.dumps(document, indent=2, default=str))
     print(f"\nresults written to {path}")
     failed = [name for name, r in results.items() if "crashed" in r or r.get("failed") or r.get("assertion")]
+    if lifecycle_section is not None:
+        from acompile._bench.lifecycle import failed as lifecycle_failed
+
+        failed += lifecycle_failed(lifecycle_section)
     return 1 if failed else 0
 
 

@@ -1,0 +1,191 @@
+"""The shared tier against a real redis-server on loopback (started per test)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from conftest import TARGET, RedisServer, subprocess_env
+from kernels_for_tests import ADD_SIG, add_kernel
+
+import acompile
+from acompile._cache._entry import decode
+
+pytestmark = pytest.mark.anyio
+KEY = "a-signing-key-for-the-tests"
+
+
+def pool(cache_dir: Path, redis: RedisServer, **kw: Any) -> acompile.CompilePool:
+    return acompile.CompilePool(1, target=TARGET, cache_dir=cache_dir, shared_cache=redis.url, **kw)
+
+
+def spec(block: int = 64) -> acompile.TritonSpec:
+    return acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": block})
+
+
+def redis_value(redis: RedisServer, key: str) -> bytes | None:
+    return redis.client().get(f"acompile{key}") or redis.client().get(f"acompile:{key}")  # type: ignore[attr-defined, no-any-return]
+
+
+async def test_a_fresh_replica_takes_the_fleets_entry_and_keeps_it_on_disk(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    async with pool(tmp_path / "a", redis_server, signing_key=KEY) as p:
+        first, tier = await p.compile_with_tier(spec())
+    assert tier == "compile"
+    async with pool(tmp_path / "b", redis_server, signing_key=KEY, prestart=False) as p:
+        again, tier = await p.compile_with_tier(spec())
+        stats = p.stats()
+    assert tier == "shared" and again.key == first.key and again.asm["ptx"] == first.asm["ptx"]
+    assert stats["workers"]["started"] == 0 and stats["cache"]["hits_shared"] == 1
+    # The shared hit was written to the local disk: the next process finds it there.
+    redis_server.stop()
+    async with pool(tmp_path / "b", redis_server, signing_key=KEY, prestart=False) as p:
+        _, tier = await p.compile_with_tier(spec())
+        assert tier == "disk" and p.stats()["cache"]["shared_errors"] == 0  # a local hit: no network
+
+
+async def test_unsigned_and_forged_entries_are_refused(
+    tmp_path: Path, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with pool(tmp_path / "unsigned", redis_server) as p:  # no signing key: publishes unsigned
+        await p.compile(spec())
+    async with pool(tmp_path / "strict", redis_server, signing_key=KEY) as p:
+        _, tier = await p.compile_with_tier(spec())
+        assert tier == "compile" and p.stats()["cache"]["shared_rejected"] == 1
+    assert any("not signed" in r.message for r in caplog.records)
+    async with pool(
+        tmp_path / "other-key", redis_server, signing_key="another-key-of-16-bytes", prestart=False
+    ) as p:
+        await p.compile(spec(128))
+    async with pool(tmp_path / "strict2", redis_server, signing_key=KEY) as p:
+        _, tier = await p.compile_with_tier(spec(128))
+        assert tier == "compile" and p.stats()["cache"]["shared_rejected"] == 1
+
+
+async def test_a_damaged_shared_entry_is_a_miss_and_is_replaced(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    async with pool(tmp_path / "a", redis_server) as p:
+        good = await p.compile(spec())
+    client: Any = redis_server.client()
+    [name] = [k for k in client.keys("*") if good.key.encode() in k and b"lease" not in k]
+    for damage in (client.get(name)[:-10], b"garbage", client.get(name)[:50] + b"X" + client.get(name)[51:]):
+        client.set(name, damage)
+        async with pool(tmp_path / f"fresh{len(damage)}", redis_server) as p:
+            _, tier = await p.compile_with_tier(spec())
+            assert tier == "compile" and p.stats()["cache"]["shared_corrupt"] == 1
+        # ...and the fresh compile was published over the damaged one.
+        decode(client.get(name), good.key)
+
+
+async def test_redis_down_then_back(
+    tmp_path: Path, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "acompile")
+    redis_server.stop()
+    async with pool(tmp_path / "a", redis_server) as p:
+        t0 = time.perf_counter()
+        _, tier = await p.compile_with_tier(spec(64))
+        assert tier == "compile" and time.perf_counter() - t0 < 10
+        await p.compile(spec(128))  # the tier is skipped while down: no second timeout
+        warnings = [r for r in caplog.records if "shared cache unavailable" in r.message]
+        assert len(warnings) == 1
+        redis_server.start()
+        await anyio.sleep(1.2)  # past the first back-off
+        await p.compile(spec(256))
+        with anyio.fail_after(5):
+            while p.stats()["cache"]["shared_writes"] < 1:  # noqa: ASYNC110 - the write-behind has no event
+                await anyio.sleep(0.05)
+    assert any("reachable again" in r.message for r in caplog.records)
+    async with pool(tmp_path / "b", redis_server, prestart=False) as p:
+        _, tier = await p.compile_with_tier(spec(256))
+        assert tier == "shared"
+
+
+async def test_fleet_single_flight_one_replica_compiles(tmp_path: Path, redis_server: RedisServer) -> None:
+    client: Any = redis_server.client()
+    async with pool(tmp_path / "a", redis_server) as a, pool(tmp_path / "b", redis_server) as b:
+        await a.wait_ready()
+        await b.wait_ready()
+        results: dict[str, tuple[Any, str]] = {}
+        async with anyio.create_task_group() as tg:
+
+            async def ask(name: str, p: acompile.CompilePool) -> None:
+                results[name] = await p.compile_with_tier(spec(4096))
+
+            tg.start_soon(ask, "a", a)
+            with anyio.fail_after(10):
+                while not any(b"lease" in k for k in client.keys("*")):  # noqa: ASYNC110 - watching Redis
+                    await anyio.sleep(0.005)
+            tg.start_soon(ask, "b", b)
+        assert results["a"][1] == "compile" and results["b"][1] == "shared"
+        assert results["a"][0].key == results["b"][0].key
+        assert b.stats()["compiled"] == 0 and b.stats()["cache"]["fleet_waits"] == 1
+
+
+async def test_a_lease_left_by_a_dead_replica_does_not_block_forever(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    async with pool(tmp_path / "probe", redis_server, prestart=False) as p:
+        from acompile._backends import _triton
+
+        key = (await _triton.prepare(spec(512), p.target, tmp_path / "memo")).key
+    client: Any = redis_server.client()
+    client.set(f"acompile:lease:{key}", b"a-replica-that-died", px=600_000)  # held, never released
+    async with pool(tmp_path / "a", redis_server, fleet_wait=0.5) as p:
+        t0 = time.perf_counter()
+        _, tier = await p.compile_with_tier(spec(512))
+        waited = time.perf_counter() - t0
+    assert tier == "compile" and 0.4 < waited < 10
+
+
+def test_four_processes_race_on_one_key(tmp_path: Path, redis_server: RedisServer) -> None:
+    script = textwrap.dedent(
+        f"""
+        import json, anyio, acompile
+        from kernels_for_tests import add_kernel, ADD_SIG
+
+        async def main():
+            async with acompile.CompilePool(1, target="cuda:90", cache_dir={str(tmp_path / "shared-disk")!r},
+                                            shared_cache={redis_server.url!r}, signing_key={KEY!r}) as p:
+                k, tier = await p.compile_with_tier(acompile.TritonSpec(add_kernel, ADD_SIG, {{"BLOCK": 2048}}))
+                print(json.dumps([k.key, tier, k.asm["ptx"][-200:]]))
+
+        anyio.run(main)
+        """
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=subprocess_env(),
+        )
+        for _ in range(4)
+    ]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    results = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
+    assert len({r[0] for r in results}) == 1 and len({r[2] for r in results}) == 1
+    assert sum(r[1] == "compile" for r in results) >= 1
+    key = results[0][0]
+    decode((tmp_path / "shared-disk" / "v1" / key[:2] / key).read_bytes(), key)
+
+
+async def test_a_bad_shared_cache_argument_is_refused_up_front(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="redis://"):
+        acompile.CompilePool(1, target=TARGET, cache_dir=tmp_path, shared_cache="ftp://example")
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        acompile.CompilePool(
+            1, target=TARGET, cache_dir=tmp_path, shared_cache="redis://127.0.0.1:1/0", signing_key="short"
+        )
