@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -11,7 +12,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -25,6 +26,7 @@ from acompile._cache import Cache, Entry, default_cache_dir
 from acompile._cache import _entry as entry_format
 from acompile._cache._shared import SharedTier, open_cache, signing_key_from
 from acompile._errors import AcompileError, PoolClosedError
+from acompile._observe import Recorder, Tracer
 from acompile._pool import BACKGROUND, URGENT, Job, JobCancelled, WorkerPool
 from acompile._sizing import default_workers, parse_size
 from acompile._targets import Target, local_target, parse_target
@@ -87,6 +89,10 @@ class CompilePool:
             what does not verify; default ``$ACOMPILE_SIGNING_KEY``; None to trust the tier.
         fleet_wait: how long a pool waits for another replica that is compiling the same kernel
             (it holds the key's lease in the shared tier) before compiling it itself.
+        record: append every Triton kernel request the pool serves to this warm-up manifest
+            (once per distinct request, across runs); ``acompile warmup PATH`` replays it.
+        trace: write a Chrome/Perfetto trace of the pool's work to this file when the pool
+            closes (see also ``trace()``).
 
     Entering starts the workers in the background and returns at once; ``wait_ready()`` waits
     for their preload. Leaving stops every worker, whatever happens in the body. A pool is
@@ -110,6 +116,8 @@ class CompilePool:
         shared_cache: Any = None,
         signing_key: str | bytes | None = None,
         fleet_wait: float = 60.0,
+        record: str | os.PathLike[str] | None = None,
+        trace: str | os.PathLike[str] | None = None,
     ) -> None:
         if workers is not None and (not isinstance(workers, int) or workers < 1):
             raise ValueError(f"workers must be a positive integer or None, got {workers!r}")
@@ -142,6 +150,9 @@ class CompilePool:
         )
         self._fleet_wait = fleet_wait
         self._lease_ttl = max(30.0, (max_compile_seconds or 0) + 5)
+        self._recorder = Recorder(Path(record)) if record is not None else None
+        self._trace_path = Path(trace) if trace is not None else None
+        self._tracer: Tracer | None = Tracer() if trace is not None else None
         self._pending_publish = 0
         self._published = anyio.Event()
         self._state = "new"
@@ -223,6 +234,9 @@ class CompilePool:
             if self._shared is not None:
                 with anyio.CancelScope(shield=True):
                     await self._shared.close()
+            if self._tracer is not None and self._trace_path is not None:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(self._tracer.write, self._trace_path)
             await self._remove_workdir()
 
     async def _remove_workdir(self) -> None:
@@ -284,6 +298,20 @@ class CompilePool:
         self._check_running()
         assert self._workers is not None
         self._workers.quiesce()
+
+    @contextlib.asynccontextmanager
+    async def trace(self, path: str | os.PathLike[str]) -> AsyncIterator[None]:
+        """Trace the pool's work while the block runs, and write it to ``path`` (Chrome trace
+        JSON; open it in ui.perfetto.dev): one span per request (tier, kernel, key, constexprs,
+        options), its queue wait, its compile on the worker's track, its load."""
+        previous, self._tracer = self._tracer, Tracer()
+        tracer = self._tracer
+        try:
+            yield
+        finally:
+            self._tracer = previous
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(tracer.write, Path(path))
 
     async def wakeup(self) -> None:
         """Start the workers again after ``quiesce()`` and wait until they are ready."""
@@ -403,9 +431,14 @@ class CompilePool:
         self._check_running()
         backend = load_parent(_backend_of(spec))
         request = await backend.prepare(spec, self._target, self._memo_dir)
+        if self._recorder is not None and _backend_of(spec) == "triton":
+            self._record(request, spec)
         kernel = self._cache.memory.get(request.key)
         if kernel is not None:
             self._counts["hits_memory"] += 1
+            if self._tracer is not None:
+                now = time.perf_counter()
+                self._tracer.request(request, "memory", now, now, None, (now, now))
             return kernel, "memory"
         flight = self._flights.get(request.key)
         if flight is None:
@@ -436,16 +469,29 @@ class CompilePool:
             raise copy.copy(flight.error)
         return flight.result, flight.tier
 
+    def _record(self, request: Any, spec: Any) -> None:
+        recorder = self._recorder
+        assert recorder is not None and self._tg is not None
+        if recorder._seen is not None and request.key in recorder._seen:
+            return
+        self._tg.start_soon(anyio.to_thread.run_sync, recorder.add, request, spec)
+
     async def _fly(self, flight: _Flight, backend: Any, request: Any) -> None:
         try:
             with flight.scope:
+                start = time.perf_counter()
                 entry, tier = await self._lookup(request.key)
                 if entry is None:
                     self._counts["misses"] += 1
                     entry, tier = await self._compile_shared_flight(flight, backend, request)
                 else:
                     self._counts[f"hits_{tier}"] += 1
+                loading = time.perf_counter()
                 kernel = await backend.load(request, entry, self._cache.root)
+                if self._tracer is not None:
+                    done = time.perf_counter()
+                    job = flight.job if tier == "compile" else None
+                    self._tracer.request(request, tier, start, done, job, (loading, done))
                 self._cache.memory.set(request.key, kernel)
                 flight.tier = tier
                 flight.finish(kernel)
@@ -577,6 +623,22 @@ class CompilePool:
         finally:
             if not job.done.is_set():
                 job.abandon()
+
+    async def _get_record(self, key: str) -> Entry | None:
+        """A small record (not a kernel) from the cache tiers: disk, then shared. Autotuning
+        choices and similar decisions are stored this way, so that other processes and other
+        replicas reuse them."""
+        self._check_running()
+        entry, _ = await self._lookup(key)
+        return entry
+
+    async def _put_record(self, key: str, name: str, blobs: dict[str, bytes], meta: dict[str, Any]) -> None:
+        """Store a small record under key: on disk now, in the shared tier in the background."""
+        self._check_running()
+        data = entry_format.Entry(key=key, backend="record", name=name, blobs=blobs, meta=meta).encode()
+        await self._cache.write(key, data)
+        if self._shared is not None:
+            self._publish_later(key, data)
 
     async def gather(
         self, *specs: Any, return_exceptions: bool = False, background: bool = False

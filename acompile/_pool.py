@@ -83,6 +83,9 @@ class Job:
     seconds: float = 0.0
     external_kills: int = 0
     abandoned: bool = False
+    queued_at: float = field(default_factory=time.perf_counter)
+    started_at: float = 0.0
+    ended_at: float = 0.0
     _scope: anyio.CancelScope | None = None
 
     def finish(self, result: Any = None, error: BaseException | None = None) -> None:
@@ -740,7 +743,12 @@ class WorkerPool:
         address = os.path.join(self.workdir, "workers.sock")
         listener = await anyio.create_unix_listener(address)
         command, env = self._command("--template")
-        process = await self._open(command, env, stderr_path)
+        try:
+            process = await self._open(command, env, stderr_path)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await listener.aclose()
+            raise
         template = _Template(process, address)
         try:
             await self._config_ready.wait()
@@ -751,7 +759,8 @@ class WorkerPool:
             )
             reply = await template.receive()
         except BaseException as exc:
-            await listener.aclose()
+            with anyio.CancelScope(shield=True):
+                await listener.aclose()
             await _stop_template(template)
             if isinstance(exc, (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError)):
                 tail = await anyio.to_thread.run_sync(_stderr_tail, stderr_path)
@@ -760,12 +769,14 @@ class WorkerPool:
                 ) from exc
             raise
         if reply[0] != "ready":
-            await listener.aclose()
+            with anyio.CancelScope(shield=True):
+                await listener.aclose()
             await _stop_template(template)
             raise WorkerStartError(f"template preload failed: {reply[1]}")
         threads = reply[1].get("threads", 1)
         if threads != 1:
-            await listener.aclose()
+            with anyio.CancelScope(shield=True):
+                await listener.aclose()
             await _stop_template(template)
             raise WorkerStartError(
                 f"the template has {threads} threads after its preload; forking it is unsafe"
@@ -809,6 +820,7 @@ class WorkerPool:
                 continue
             job.state = "running"
             job.worker_pid = worker.pid
+            job.started_at = time.perf_counter()
             self.busy += 1
             self.last_activity = time.monotonic()
             reply = None
@@ -834,6 +846,7 @@ class WorkerPool:
                 raise
             finally:
                 self.busy -= 1
+                job.ended_at = time.perf_counter()
                 job._scope = None
                 job.seconds = time.perf_counter() - t0
                 self.last_activity = time.monotonic()

@@ -1,0 +1,67 @@
+"""Warm-up from production (record, then replay) and traces of the pool's work."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+from conftest import TARGET, subprocess_env
+from kernels_for_tests import ADD_SIG, add_kernel, scale_add_kernel
+
+import acompile
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_record_then_warmup_replays_what_was_served(tmp_path: Path) -> None:
+    manifest = tmp_path / "served.toml"
+    async with acompile.CompilePool(2, target=TARGET, cache_dir=tmp_path / "prod", record=manifest) as p:
+        await p.gather(
+            acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 256}),
+            acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 256}),  # the same: recorded once
+            acompile.TritonSpec(scale_add_kernel, ADD_SIG, {"BLOCK": 128}, num_warps=8),
+        )
+    async with acompile.CompilePool(1, target=TARGET, cache_dir=tmp_path / "prod", record=manifest) as p:
+        await p.compile(acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 256}))  # a later run: not again
+    text = manifest.read_text()
+    assert text.count("[[kernel]]") == 2, text
+    assert "kernels_for_tests:scale_add_kernel" in text and "num_warps = 8" in text
+    # The next deploy, on a machine without a GPU and with an empty cache: replay it.
+    command = [
+        sys.executable,
+        "-m",
+        "acompile.cli",
+        "warmup",
+        str(manifest),
+        "--cache-dir",
+        str(tmp_path / "next"),
+    ]
+    out = await anyio.run_process(command, check=False, env=subprocess_env())
+    stdout, stderr = out.stdout.decode(), out.stderr.decode()
+    assert out.returncode == 0, stderr
+    assert "2 kernels: 2 compiled, 0 cached, 0 failed" in stdout
+
+
+async def test_a_trace_holds_a_span_per_request_and_opens_as_chrome_json(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    path = tmp_path / "trace.json"
+    async with acompile.CompilePool(2, target=TARGET, cache_dir=cache_dir) as p:
+        async with p.trace(path):
+            await p.compile(acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 64}))
+            await p.compile(acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 64}))
+        await p.compile(acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 32}))  # after: not traced
+    doc = json.loads(await anyio.Path(path).read_text())
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    requests = [e for e in spans if e["name"].startswith("add_kernel (")]
+    assert [e["args"]["tier"] for e in requests] == ["compile", "memory"]
+    assert requests[0]["args"]["constexprs"] == {"BLOCK": 64} and len(requests[0]["args"]["key"]) == 64
+    compiles = [e for e in spans if e["name"] == "add_kernel" and "worker_pid" in e["args"]]
+    assert len(compiles) == 1 and compiles[0]["dur"] > 0
+    assert any(e["name"] == "queue wait" for e in spans) and any(e["name"] == "load" for e in spans)
+    tracks = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M"}
+    assert "requests" in tracks and any(t.startswith("worker pid") for t in tracks)
+    assert not any(e["args"].get("constexprs") == {"BLOCK": 32} for e in spans)
