@@ -283,6 +283,8 @@ def _cache_export(args: argparse.Namespace, root: Path) -> int:
     except (AcompileError, OSError) as exc:
         print(f"acompile cache export: {exc}", file=sys.stderr)
         return 1
+    print(f"cache folder: {root}")
+    print(f"bundle: {args.file}")
     print(report.summary())
     for key, reason in report.rejected:
         print(f"  left out {key}: {reason}", file=sys.stderr)
@@ -327,7 +329,9 @@ def _cache_import(args: argparse.Namespace, root: Path) -> int:
     except OSError as exc:
         print(f"acompile cache import: cannot write to {root}: {exc}", file=sys.stderr)
         return 1
-    print(report.summary() + f" into {root}")
+    print(f"cache folder: {root}")
+    print(f"bundle: {args.file}")
+    print(report.summary())
     for name, reason in report.rejected:
         print(f"  rejected {name}: {reason}", file=sys.stderr)
     return 0 if report.ok else 1
@@ -387,12 +391,12 @@ def _cache_explain(args: argparse.Namespace, root: Path) -> int:
                     print(f"acompile cache explain: {info['key']}: {info['note']}", file=sys.stderr)
             return 1
         diffs = explain(a["key_parts"], b["key_parts"])
-        print(f"{a['key']}  ({a['backend']} {a['name']})", file=out)
-        print(f"{b['key']}  ({b['backend']} {b['name']})", file=out)
+        print(f"- {a['key']}  ({a['backend']} {a['name']})", file=out)
+        print(f"+ {b['key']}  ({b['backend']} {b['name']})", file=out)
         if not diffs:
             print("the recorded key parts are the same", file=out)
         else:
-            print(f"{len(diffs)} factor{'s' if len(diffs) != 1 else ''} differ:", file=out)
+            print(f"{_factors(len(diffs))}:", file=out)
             _print_diffs(diffs, out, describe_factor)
         for info in infos:
             if info["note"]:
@@ -418,9 +422,13 @@ def _cache_explain(args: argparse.Namespace, root: Path) -> int:
     if nearest:
         print(f"\nother entries of {info['name']} here, nearest first:", file=out)
         for key, diffs in nearest:
-            print(f"  {key}: {len(diffs)} factor{'s' if len(diffs) != 1 else ''} differ", file=out)
+            print(f"  {key}: {_factors(len(diffs))}", file=out)
             _print_diffs(diffs, out, describe_factor, indent="    ")
     return 0
+
+
+def _factors(n: int) -> str:
+    return "1 factor differs" if n == 1 else f"{n} factors differ"
 
 
 def _is_key(text: str) -> bool:

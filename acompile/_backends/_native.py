@@ -229,7 +229,7 @@ async def load(request: NativeRequest, entry: Entry, cache_root: Path) -> Any:
 def _publish(path: Path, data: bytes) -> None:
     """Write the file once, whole: readers (and dlopen) never see a partial one."""
     try:
-        if path.stat().st_size == len(data):
+        if path.stat().st_size == len(data) and path.read_bytes() == data:
             return
     except FileNotFoundError:
         pass

@@ -1,7 +1,8 @@
 """The cache tiers and keys.
 
 ``Cache`` puts the tiers in order (memory, then disk) and turns every fault of a tier into a
-miss: a corrupt, truncated or foreign entry is counted, logged once, removed and compiled again.
+miss: a corrupt, truncated or foreign entry is counted, logged once and compiled again (the
+fresh entry replaces it).
 """
 
 from __future__ import annotations
@@ -54,11 +55,9 @@ class Cache:
             else:
                 entry = await anyio.to_thread.run_sync(_entry.decode, data, key)
         except CorruptEntry as exc:
+            # Not deleted: another process may be publishing a good copy right now, and the
+            # fresh compile replaces this one atomically anyway.
             self._fault(key, str(exc))
-            try:
-                await self.disk.delete(key)
-            except OSError:
-                pass
             return None
         return entry
 

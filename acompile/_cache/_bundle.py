@@ -89,17 +89,13 @@ class BundleReport:
 
     def summary(self) -> str:
         if self.operation == "export":
-            text = (
-                f"exported {_count(self.entries, 'entry', 'entries')} ({_human(self.bytes)}) to {self.path}"
-            )
+            text = f"exported {_count(self.entries, 'entry', 'entries')} ({_human(self.bytes)})"
             if self.rejected:
                 text += f"; {_count(len(self.rejected), 'damaged entry', 'damaged entries')} left out"
             if self.missing:
                 text += f"; {_count(len(self.missing), 'key')} not in the cache"
             return text
-        parts = [
-            f"imported {_count(self.entries, 'entry', 'entries')} ({_human(self.bytes)}) from {self.path}"
-        ]
+        parts = [f"imported {_count(self.entries, 'entry', 'entries')} ({_human(self.bytes)})"]
         if self.repaired:
             parts.append(f"{self.repaired} of them replacing damaged ones")
         if self.present:
@@ -202,7 +198,11 @@ async def export_bundle(root: Path, path: Path, keys: Iterable[str] | None = Non
 def _export(disk: DiskTier, path: Path, keys: list[str] | None, report: BundleReport) -> BundleReport:
     candidates: list[tuple[str, Path]] = []
     if keys is None:
-        candidates = [(p.name, p) for p in disk.iter_paths()]
+        for entry_path in disk.iter_paths():
+            if _KEY_RE.match(entry_path.name):
+                candidates.append((entry_path.name, entry_path))
+            else:
+                report.rejected.append((str(entry_path), "not a cache entry (its name is not a key)"))
     else:
         for key in keys:
             if not _KEY_RE.match(key):
@@ -462,8 +462,9 @@ async def import_bundle(root: Path, path: Path) -> BundleReport:
                 continue
             await _store(disk, member.key, member.data, report)
         count = reader.info.get("count")
-        if report.error is None and isinstance(count, int) and count != entry_members:
-            report.error = f"the bundle says it holds {count} entries, but {entry_members} were found"
+        if report.error is None and isinstance(count, int) and entry_members < count:
+            # Members are missing (more than it says is tampering, and those are rejected above).
+            report.error = f"the bundle says it holds {count} entries, but only {entry_members} are there"
     finally:
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(reader.close)
@@ -475,24 +476,32 @@ async def _store(disk: DiskTier, key: str, data: bytes, report: BundleReport) ->
         local = await disk.get(key)
     except OSError:
         local = None
-    if local == data:
-        report.present += 1
-        return
-    repaired = False
     if local is not None:
-        try:
-            await anyio.to_thread.run_sync(decode, local, key)
-        except CorruptEntry:
-            repaired = True
-        else:
+        state = await anyio.to_thread.run_sync(_compare, local, data, key)
+        if state == "same":
+            report.present += 1
+            return
+        if state == "intact":
             # Both intact, for the same key: compilers are not always byte-for-byte
             # deterministic. The folder's own entry may be in use; leave it.
             report.kept += 1
             return
+        report.repaired += 1
     await disk.set(key, data)
     report.entries += 1
     report.bytes += len(data)
-    report.repaired += repaired
+
+
+def _compare(local: bytes, data: bytes, key: str) -> str:
+    """How the folder's entry compares with the bundle's: "same", "intact" (other bytes) or
+    "damaged" (blocking: entries can be large)."""
+    if local == data:
+        return "same"
+    try:
+        decode(local, key)
+    except CorruptEntry:
+        return "damaged"
+    return "intact"
 
 
 # --- prune ---------------------------------------------------------------------------------------
@@ -663,27 +672,28 @@ class _Absent:
 
 ABSENT: Any = _Absent()
 
-# The factors of a key, in the order a reader wants them, with what each stands for. Triton's key
-# parts and the native backends' overlap; any other factor is reported under its own name.
+# The factors of a key, in the order a reader wants them, with what each stands for where the name
+# does not say it. Triton's key parts and the native backends' overlap; any other factor is
+# reported under its own name.
 FACTORS: dict[str, str] = {
-    "kernel": "kernel source (Triton's hash of the function and every JIT function it calls)",
-    "source": "source",
+    "kernel": "source",  # Triton's hash of the function's source and of every JIT function it calls
+    "source": "",
     "name": "kernel name",
-    "signature": "signature",
-    "constexprs": "constexprs",
-    "attrs": "attributes",
-    "options": "options",
-    "name_expressions": "name expressions",
-    "include_dirs": "include folders",
-    "target": "target",
-    "arch": "architecture",
-    "output": "output",
+    "signature": "",
+    "constexprs": "",
+    "attrs": "",
+    "options": "",
+    "name_expressions": "",
+    "include_dirs": "",
+    "target": "",
+    "arch": "",
+    "output": "",
     "kind": "compiler",
     "toolchain": "compiler versions",
     "compiler": "compiler version",
-    "env": "environment variables",
-    "acompile": "acompile version",
-    "backend": "backend",
+    "env": "environment",
+    "acompile": "version",
+    "backend": "",
     "format": "key format",
 }
 # Factors whose values are tables: a difference is reported entry by entry ("toolchain.ptxas").
@@ -716,10 +726,10 @@ def explain(parts_a: dict[str, Any], parts_b: dict[str, Any]) -> list[tuple[str,
 
 
 def describe_factor(name: str) -> str:
-    """A reader's name for an item of ``explain``: ``"toolchain.ptxas"`` -> ``"compiler versions: ptxas"``."""
-    head, _, sub = name.partition(".")
-    label = FACTORS.get(head, head)
-    return f"{label}: {sub}" if sub else label
+    """A reader's name for an item of ``explain``: ``"kernel"`` -> ``"kernel (source)"``,
+    ``"toolchain.ptxas"`` -> ``"toolchain.ptxas (compiler versions)"``."""
+    label = FACTORS.get(name.partition(".")[0], "")
+    return f"{name} ({label})" if label else name
 
 
 def _as_json(parts: dict[str, Any]) -> dict[str, Any]:
