@@ -25,17 +25,21 @@ from acompile._errors import CppCompileError as CppCompileError
 from acompile._errors import CUDACompileError as CUDACompileError
 from acompile._errors import DeviceUnavailableError as DeviceUnavailableError
 from acompile._errors import InvalidSpecError as InvalidSpecError
+from acompile._errors import KernelNotReadyError as KernelNotReadyError
 from acompile._errors import PoolClosedError as PoolClosedError
 from acompile._errors import PoolError as PoolError
 from acompile._errors import UnknownTargetError as UnknownTargetError
 from acompile._errors import WorkerCrashedError as WorkerCrashedError
 from acompile._errors import WorkerStartError as WorkerStartError
+from acompile._progressive import BackgroundKernel as BackgroundKernel
+from acompile._progressive import ProgressiveKernel as ProgressiveKernel
 from acompile._targets import Target as Target
 from acompile._version import __version__ as __version__
 
 __all__ = (
     "AcompileError",
     "BackendUnavailableError",
+    "BackgroundKernel",
     "CUDACompileError",
     "CompileError",
     "CompilePool",
@@ -47,9 +51,11 @@ __all__ = (
     "CudaSpec",
     "DeviceUnavailableError",
     "InvalidSpecError",
+    "KernelNotReadyError",
     "ObjectFile",
     "PoolClosedError",
     "PoolError",
+    "ProgressiveKernel",
     "SharedLibrary",
     "Target",
     "TritonKernel",

@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -21,6 +21,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from acompile import _progressive
 from acompile._backends import load_parent
 from acompile._cache import Cache, Entry, default_cache_dir
 from acompile._cache import _entry as entry_format
@@ -28,6 +29,7 @@ from acompile._cache._shared import SharedTier, open_cache, signing_key_from
 from acompile._errors import AcompileError, PoolClosedError
 from acompile._observe import Recorder, Tracer
 from acompile._pool import BACKGROUND, URGENT, Job, JobCancelled, WorkerPool
+from acompile._progressive import BackgroundKernel, ProgressiveKernel
 from acompile._sizing import default_workers, parse_size
 from acompile._targets import Target, local_target, parse_target
 
@@ -218,8 +220,9 @@ class CompilePool:
         self._state = "closed"
         assert self._tg is not None
         if self._pending_publish:
-            # Entries on their way to the shared tier: give them a moment to arrive.
-            with anyio.move_on_after(2, shield=True):
+            # Entries on their way to the shared tier: let them arrive (a warm-up job that ends
+            # normally wants all of them there; a failing or cancelled body, a moment).
+            with anyio.move_on_after(30 if exc is None else 2, shield=True):
                 while self._pending_publish:
                     await self._published.wait()
         # Whatever the body did, compiles in progress are abandoned and workers stopped now.
@@ -440,6 +443,7 @@ class CompilePool:
                 now = time.perf_counter()
                 self._tracer.request(request, "memory", now, now, None, (now, now))
             return kernel, "memory"
+        self._check_running()  # again: the pool may have closed while the request was prepared
         flight = self._flights.get(request.key)
         if flight is None:
             flight = _Flight(request.key, background=background)
@@ -640,6 +644,26 @@ class CompilePool:
         if self._shared is not None:
             self._publish_later(key, data)
 
+    def progressive(self, fast_spec: Any, best_spec: Any) -> ProgressiveKernel:
+        """Serve a kernel at once and make it better while it is in use.
+
+        Returns a ``ProgressiveKernel`` immediately: its ``kernel`` is the fast spec's as soon as
+        that compiles (urgent lane), then, atomically, the best spec's when that lands (the
+        warm-up lane: a server starts on quick configs and swaps in tuned ones). Launch it with
+        ``handle[grid](*args)``; ``await handle.ready()`` / ``await handle.best()`` wait;
+        ``handle.stats()`` counts launches per stage. Nothing it starts outlives the pool.
+        """
+        return _progressive.progressive(self, fast_spec, best_spec)
+
+    def background(self, spec: Any, fallback: Callable[..., Any]) -> BackgroundKernel:
+        """Compile in the background and run ``fallback`` (eager code) until the kernel lands.
+
+        Returns a ``BackgroundKernel`` immediately; ``bk[grid](*args)`` calls ``fallback(*args)``
+        until the compiled kernel is ready, then the kernel. It never blocks the caller; a failed
+        compile keeps the fallback (``bk.error`` says why).
+        """
+        return _progressive.background(self, spec, fallback)
+
     async def gather(
         self, *specs: Any, return_exceptions: bool = False, background: bool = False
     ) -> list[Any]:
@@ -691,7 +715,6 @@ class CompilePool:
         slowest compiles as [name, seconds].
         """
         workers = self._workers
-        assert workers is not None or self._state == "new"
         w = workers.stats if workers else None
         rss = {pid: round(size / 2**20, 1) for pid, size in w.worker_rss.items()} if w else {}
         return {

@@ -13,6 +13,7 @@ Every error acompile raises on purpose derives from ``AcompileError``::
     ├── PoolError                                       the pool cannot take work
     │   ├── PoolClosedError                             used outside ``async with``, or after it
     │   └── WorkerStartError                            a worker failed to start or preload
+    ├── KernelNotReadyError       (also a RuntimeError) a progressive kernel launched too early
     ├── BackendUnavailableError   (also an ImportError) a backend's package is not installed
     └── DeviceUnavailableError                          loading or launching with no usable GPU
 
@@ -160,6 +161,15 @@ class PoolClosedError(PoolError):
 
 class WorkerStartError(PoolError):
     """A worker process failed to start or to finish its preload (the message says why)."""
+
+
+class KernelNotReadyError(AcompileError, RuntimeError):
+    """A ``ProgressiveKernel`` was launched before any of its kernels existed.
+
+    Raised by ``handle[grid](...)`` while both compiles are pending (``await handle.ready()``
+    first), or once both have failed (the message names their errors, also on ``fast_error``
+    and ``best_error``).
+    """
 
 
 class BackendUnavailableError(AcompileError, ImportError):

@@ -52,6 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     warm.add_argument(
         "--json", dest="json_path", type=Path, default=None, help="also write the results as JSON"
     )
+    warm.add_argument(
+        "--shared-cache",
+        default=os.environ.get("ACOMPILE_SHARED_CACHE"),
+        help="also fill a shared tier, e.g. redis://host:6379/0 (default: $ACOMPILE_SHARED_CACHE); "
+        "entries are signed with $ACOMPILE_SIGNING_KEY when it is set",
+    )
 
     cache = sub.add_parser("cache", help="look at, move and bound the cache")
     cache_sub = cache.add_subparsers(dest="cache_command", required=True)
@@ -125,6 +131,9 @@ def _warmup(args: argparse.Namespace) -> int:
         return 2
     try:
         return anyio.run(_warmup_async, specs, args)
+    except ValueError as exc:  # the pool's own arguments: a bad --shared-cache URL, say
+        print(f"acompile warmup: {exc}", file=sys.stderr)
+        return 2
     except AcompileError as exc:
         print(f"acompile warmup: {exc}", file=sys.stderr)
         return 1
@@ -140,7 +149,11 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
     progress = _Progress(len(specs), sys.stderr)
     t0 = time.perf_counter()
     async with CompilePool(
-        args.workers, target=args.target or specs[0].target, cache_dir=args.cache_dir, prestart=False
+        args.workers,
+        target=args.target or specs[0].target,
+        cache_dir=args.cache_dir,
+        prestart=False,
+        shared_cache=args.shared_cache,
     ) as pool:
 
         async def one(spec: Any) -> None:

@@ -10,6 +10,9 @@ import acompile
 
 EXPECTED = {
     "AcompileError",
+    "BackgroundKernel",
+    "KernelNotReadyError",
+    "ProgressiveKernel",
     "CUDACompileError",
     "CppCompileError",
     "CppSpec",
