@@ -142,7 +142,7 @@ async def test_a_damaged_disk_entry_is_a_miss_and_is_replaced(
     assert decode(path.read_bytes(), good.key).blobs["cubin"] == good.cubin  # overwritten whole
 
 
-async def test_keys_are_portable_across_cache_folders_and_working_directories(
+async def test_keys_are_portable_across_cache_folders_users_and_working_directories(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spec = acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 64})
@@ -151,6 +151,9 @@ async def test_keys_are_portable_across_cache_folders_and_working_directories(
         where = tmp_path / f"cwd{i}"
         where.mkdir()
         monkeypatch.chdir(where)
+        # Another user, another home: nothing of either may enter the key.
+        monkeypatch.setenv("HOME", str(tmp_path / f"home{i}"))
+        monkeypatch.setenv("USER", f"user{i}")
         async with acompile.CompilePool(
             1, target=TARGET, cache_dir=tmp_path / f"cache{i}", prestart=False
         ) as p:
