@@ -8,6 +8,9 @@ Importing acompile imports neither Triton nor cuda-python: backends load on firs
 
 from __future__ import annotations
 
+from acompile._autotune import Trial as Trial
+from acompile._autotune import TunedKernel as TunedKernel
+from acompile._autotune import TuneResult as TuneResult
 from acompile._backends._native import CppSpec as CppSpec
 from acompile._backends._native import CudaFunction as CudaFunction
 from acompile._backends._native import CudaModule as CudaModule
@@ -31,6 +34,7 @@ from acompile._errors import PoolError as PoolError
 from acompile._errors import UnknownTargetError as UnknownTargetError
 from acompile._errors import WorkerCrashedError as WorkerCrashedError
 from acompile._errors import WorkerStartError as WorkerStartError
+from acompile._manifest import load_manifest as load_manifest
 from acompile._progressive import BackgroundKernel as BackgroundKernel
 from acompile._progressive import ProgressiveKernel as ProgressiveKernel
 from acompile._targets import Target as Target
@@ -58,10 +62,14 @@ __all__ = (
     "ProgressiveKernel",
     "SharedLibrary",
     "Target",
+    "Trial",
     "TritonKernel",
     "TritonSpec",
+    "TuneResult",
+    "TunedKernel",
     "UnknownTargetError",
     "WorkerCrashedError",
     "WorkerStartError",
     "__version__",
+    "load_manifest",
 )

@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -21,11 +21,12 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from acompile import _progressive
+from acompile import _autotune, _progressive
+from acompile._autotune import TunedKernel
 from acompile._backends import load_parent
 from acompile._cache import Cache, Entry, default_cache_dir
 from acompile._cache import _entry as entry_format
-from acompile._cache._shared import SharedTier, open_cache, signing_key_from
+from acompile._cache._shared import SharedTier, check_target, open_cache, signing_key_from
 from acompile._errors import AcompileError, PoolClosedError
 from acompile._observe import Recorder, Tracer
 from acompile._pool import BACKGROUND, URGENT, Job, JobCancelled, WorkerPool
@@ -145,11 +146,11 @@ class CompilePool:
             raise ValueError(f"max_compile_seconds must be positive or None, got {max_compile_seconds!r}")
         self._max_compile_seconds = max_compile_seconds
         self._fork_workers = fork_workers
-        self._shared = (
-            SharedTier(open_cache(shared_cache), signing_key_from(signing_key))
-            if shared_cache is not None
-            else None
-        )
+        if shared_cache is not None:
+            check_target(shared_cache)
+        self._shared_target = shared_cache
+        self._signing_key = signing_key_from(signing_key) if shared_cache is not None else None
+        self._shared: SharedTier | None = None
         self._fleet_wait = fleet_wait
         self._lease_ttl = max(30.0, (max_compile_seconds or 0) + 5)
         self._recorder = Recorder(Path(record)) if record is not None else None
@@ -174,6 +175,10 @@ class CompilePool:
             if self._target is None:
                 self._target = await anyio.to_thread.run_sync(local_target)
             await self._cache.open()
+            if self._shared_target is not None:
+                # The client's import (aiocache, redis) takes tens of ms: not on the loop.
+                cache = await anyio.to_thread.run_sync(open_cache, self._shared_target)
+                self._shared = SharedTier(cache, self._signing_key)
             for name in self._preload:
                 # Imports (in a thread) and one-time costs now, not in the first request.
                 backend = await anyio.to_thread.run_sync(load_parent, _PARENT_MODULES[name])
@@ -434,11 +439,10 @@ class CompilePool:
         self._check_running()
         backend = load_parent(_backend_of(spec))
         request = await backend.prepare(spec, self._target, self._memo_dir)
-        if self._recorder is not None and _backend_of(spec) == "triton":
-            self._record(request, spec)
         kernel = self._cache.memory.get(request.key)
         if kernel is not None:
             self._counts["hits_memory"] += 1
+            self._record(request, spec)
             if self._tracer is not None:
                 now = time.perf_counter()
                 self._tracer.request(request, "memory", now, now, None, (now, now))
@@ -471,11 +475,16 @@ class CompilePool:
             # Each caller raises its own copy: one exception object raised in several tasks
             # would collect all their tracebacks.
             raise copy.copy(flight.error)
+        self._record(request, spec)
         return flight.result, flight.tier
 
     def _record(self, request: Any, spec: Any) -> None:
+        """Add a request this pool served (successfully) to the warm-up record, in the
+        background: a failed request would only fail again at every replay."""
         recorder = self._recorder
-        assert recorder is not None and self._tg is not None
+        if recorder is None or self._state != "running" or _backend_of(spec) != "triton":
+            return
+        assert self._tg is not None
         if recorder._seen is not None and request.key in recorder._seen:
             return
         self._tg.start_soon(anyio.to_thread.run_sync, recorder.add, request, spec)
@@ -534,7 +543,8 @@ class CompilePool:
             self._counts["shared_corrupt"] += 1
             logger.log(level, "shared cache entry %s… is damaged (%s); compiling it again", key[:16], exc)
             return None
-        await self._cache.write(key, data)
+        # Kept on disk for the next process, in the background: the caller has what it needs.
+        self._later(self._cache.write, key, data)
         return entry
 
     async def _compile_shared_flight(self, flight: _Flight, backend: Any, request: Any) -> tuple[Entry, str]:
@@ -582,24 +592,33 @@ class CompilePool:
         return None
 
     def _publish_later(self, key: str, data: bytes | None) -> None:
-        """Publish to the shared tier in the background, within the pool's lifetime (leaving the
-        pool waits a moment for these), and release this replica's lease."""
-        assert self._tg is not None and self._shared is not None
+        """Publish to the shared tier in the background and release this replica's lease."""
         shared = self._shared
-        self._pending_publish += 1
+        assert shared is not None
 
         async def publish() -> None:
+            if data is not None:
+                await shared.set(key, data)
+            await shared.release_lease(key)
+
+        self._later(publish)
+
+    def _later(self, work: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Write-behind work (publishing, keeping a shared hit on disk): a task of the pool, so
+        nothing outlives it, and leaving the pool waits for these before stopping anything."""
+        assert self._tg is not None
+
+        async def run() -> None:
             try:
-                if data is not None:
-                    await shared.set(key, data)
-                await shared.release_lease(key)
+                await work(*args)
             finally:
                 self._pending_publish -= 1
                 if self._pending_publish == 0:
                     self._published.set()
                     self._published = anyio.Event()
 
-        self._tg.start_soon(publish)
+        self._pending_publish += 1
+        self._tg.start_soon(run)
 
     async def _run(
         self,
@@ -643,6 +662,23 @@ class CompilePool:
         await self._cache.write(key, data)
         if self._shared is not None:
             self._publish_later(key, data)
+
+    async def autotune(self, fn: Any, configs: Any = None, **options: Any) -> TunedKernel:
+        """Pick the fastest of several configs of a Triton kernel, once per fleet.
+
+        ``await pool.autotune(fn, configs, *, signature, constexprs=None, args, grid, key=None,
+        pin=None, warmup=10, repeats=50, reset=None, retune=False, target=None)``: every config
+        (``triton.Config`` or ``{"constexprs": ..., "num_warps": ..., "num_stages": ...}``) is
+        compiled at once across the pool, then each is benchmarked on the GPU with CUDA events
+        (warm-up, repeats, median) on ``args``; the winner comes back as a ``TunedKernel`` (a
+        ``TritonKernel`` whose ``tuning`` says what was measured and skipped). The choice is stored
+        under the tuning key (the configs' kernel keys and ``key``, e.g. the problem shape), so the
+        next process, or another replica through the shared tier, skips tuning. ``pin`` (a dict,
+        or a JSON file, from the key to a config) forces a choice without benchmarking. Configs
+        that fail to compile or to run are skipped and reported. Compiling needs no GPU;
+        benchmarking does (``DeviceUnavailableError`` says how to pin instead).
+        """
+        return await _autotune.autotune(self, fn, configs, **options)
 
     def progressive(self, fast_spec: Any, best_spec: Any) -> ProgressiveKernel:
         """Serve a kernel at once and make it better while it is in use.

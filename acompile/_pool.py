@@ -288,6 +288,14 @@ async def _stop(worker: _SpawnedWorker | _ForkedWorker) -> int | None:
     return worker.returncode
 
 
+async def _close(stream: anyio.abc.AsyncResource) -> None:
+    with anyio.CancelScope(shield=True):
+        try:
+            await stream.aclose()
+        except OSError:
+            pass
+
+
 def _stderr_tail(path: str) -> str:
     try:
         with open(path, "rb") as f:
@@ -392,11 +400,15 @@ class _Template:
                 worker.set_exited(-signal.SIGKILL)
 
     async def serve_connections(self, listener: anyio.abc.SocketListener) -> None:
-        async with listener:
+        try:
             async with anyio.create_task_group() as tg:
                 while True:
                     stream = await listener.accept()
                     tg.start_soon(self._introduce, stream)
+        finally:
+            # Shielded: closing must happen even as the pool's cancellation arrives.
+            with anyio.CancelScope(shield=True):
+                await listener.aclose()
 
     async def _introduce(self, stream: anyio.abc.SocketStream) -> None:
         try:
@@ -404,16 +416,16 @@ class _Template:
                 reader = BufferedByteReceiveStream(stream)
                 header = await reader.receive_exactly(_protocol.HEADER_SIZE)
                 hello = _protocol.decode(await reader.receive_exactly(_protocol.decode_length(header)))
-        except Exception:
-            await stream.aclose()
-            return
+        except BaseException:
+            await _close(stream)
+            raise
         if not (isinstance(hello, tuple) and hello[:1] == ("hello",) and hello[3] == self.token):
-            await stream.aclose()  # not one of ours
+            await _close(stream)  # not one of ours
             return
         _, slot, _pid, _ = hello
         waiting = self.connections.get(slot)
         if waiting is None:
-            await stream.aclose()
+            await _close(stream)  # its fork was given up (quiesce, shutdown)
             return
         # The reader goes along: what it buffered past the hello is the worker's next message.
         waiting[1].append((reader, stream))
@@ -424,6 +436,7 @@ class _Template:
         connected: tuple[anyio.Event, list[_Connection]] = (anyio.Event(), [])
         self.forked[slot] = forked
         self.connections[slot] = connected
+        returned = False
         try:
             config = dict(config, address=self.address, token=self.token)
             await self._stdin.send(_protocol.encode(("fork", slot, config)))
@@ -436,12 +449,17 @@ class _Template:
                         raise WorkerStartError(f"a forked worker {_describe_exit(code)} before it connected")
                     with anyio.move_on_after(0.05):
                         await connected[0].wait()
+            returned = True
             return pid, connected[1][0]
         except TimeoutError:
             raise WorkerStartError("a forked worker did not connect within 30 s") from None
         finally:
             self.forked.pop(slot, None)
             self.connections.pop(slot, None)
+            if connected[1] and not returned:
+                # Connected after this fork was given up: nobody will use the stream.
+                for _, stream in connected[1]:
+                    await _close(stream)
 
 
 # --- the pool ---------------------------------------------------------------------------------
@@ -712,7 +730,15 @@ class WorkerPool:
                     env=env,
                 )
                 _lower_priority(process.pid, self.config.get("nice", 0))
-                await anyio.lowlevel.checkpoint()
+                try:
+                    await anyio.lowlevel.checkpoint()
+                except BaseException:
+                    # Cancelled right after the start: nobody else knows this process yet.
+                    with anyio.CancelScope(shield=True):
+                        process.kill()
+                        await process.wait()
+                        await process.aclose()
+                    raise
         finally:
             os.close(stderr_fd)
         return process

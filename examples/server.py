@@ -5,19 +5,31 @@
     python examples/server.py --host 0.0.0.0 --port 8000
 
 Routes:
-    GET  /health    answers at once, whatever is compiling: the warm-up's state and
-                    ``pool.stats()``.
+    GET  /health    answers at once, whatever is compiling: the warm-up's and the replay's
+                    state, the progressive matmul's stage and stats, and ``pool.stats()``.
     POST /compile   ``{"kernel": "add_kernel", "constexprs": {"BLOCK": 512}, "num_warps": 4}``
                     compiles (or takes from the cache) and answers ``{"name", "key", "tier",
                     "cubin_bytes", "seconds"}``; a wrong request is a 400, a kernel Triton
                     rejects a 422, each with the message that says why.
+    GET  /matmul    which matmul the server launches now: ``{"stage": "fast" | "best", "config",
+                    "key", ...}`` (a 503 while neither version has compiled yet).
+    POST /quiesce   stops the compile workers (what a server calls before CUDA-graph capture)
+                    and answers the pool's awake state; the next request that misses the cache
+                    wakes them (``pool.stats()["workers"]["awake"]`` is true again).
 
-The server starts accepting requests as soon as the pool is entered. The kernels it knows are
-compiled in the background meanwhile (``background=True``), so a request that someone waits on
-never queues behind the warm-up.
+The server starts accepting requests as soon as the pool is entered. Meanwhile, in the
+background lane (``background=True``, so a request that someone waits on never queues behind
+them), it compiles the kernels it knows and replays the record of the previous run: every Triton
+request this server serves is appended to a warm-up manifest (``CompilePool(record=...)``), and
+the next start loads that file and compiles (or loads from disk) what production used. The
+matmul is progressive: a small-tile version compiles first and is served at once, and the tuned
+version is swapped in when it lands.
 
 Environment: ``ACOMPILE_TARGET`` (default ``cuda:90``; compiling needs no GPU),
-``ACOMPILE_CACHE_DIR`` (the pool's disk cache), ``ACOMPILE_HOST`` and ``ACOMPILE_PORT`` (for
+``ACOMPILE_WORKERS`` (compile processes; default one per usable CPU), ``ACOMPILE_CACHE_DIR``
+(the pool's disk cache), ``ACOMPILE_RECORD`` (the record of served kernels; default
+``served.toml`` in the cache folder), ``ACOMPILE_IDLE_TIMEOUT`` (quiesce the workers after this
+many idle seconds; default never), ``ACOMPILE_HOST`` and ``ACOMPILE_PORT`` (for
 ``python examples/server.py``).
 """
 
@@ -41,6 +53,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 import acompile
+from acompile import load_manifest
 
 # The kernels live next to this file. Import them as the top-level module `kernels` however the
 # server is started (`uvicorn examples.server:app`, `--app-dir examples`, or as a script); the
@@ -101,6 +114,11 @@ WARMUP: list[tuple[str, dict[str, int], int, int]] = [
     ("matmul_kernel", {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, 4, 3),
 ]
 
+# The matmul is served progressively: small tiles that compile fast (in the urgent lane, at
+# start-up), then tiles tuned for an H100 swapped in when they land (in the background lane).
+MATMUL_FAST: tuple[dict[str, int], int, int] = ({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32}, 4, 2)
+MATMUL_BEST: tuple[dict[str, int], int, int] = ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, 8, 3)
+
 _REQUEST_FIELDS = {"kernel", "constexprs", "num_warps", "num_stages"}
 
 
@@ -119,6 +137,40 @@ class _Warmup:
 
     def report(self) -> dict[str, Any]:
         return {"total": self.total, "errors": self.errors, "seconds": self.seconds}
+
+
+class _Replay:
+    """What /health reports of the replay of the last run's record: "none" (no record yet),
+    "running", then "done" or "failed"."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.state = "running"
+        self.total = 0
+        self.errors: list[str] = []
+        self.seconds: float | None = None
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "path": str(self.path),
+            "total": self.total,
+            "errors": self.errors,
+            "seconds": self.seconds,
+        }
+
+
+def default_record_path() -> Path:
+    """``$ACOMPILE_RECORD``, else ``served.toml`` in the pool's default cache folder (the same
+    folder ``CompilePool`` picks: a deploy that keeps its cache keeps its record with it)."""
+    explicit = os.environ.get("ACOMPILE_RECORD")
+    if explicit:
+        return Path(explicit).expanduser()
+    cache_dir = os.environ.get("ACOMPILE_CACHE_DIR")
+    if cache_dir:
+        return Path(cache_dir).expanduser() / "served.toml"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "acompile" / "served.toml"
 
 
 def _spec(kernel: Any, constexprs: Any, num_warps: Any, num_stages: Any) -> acompile.TritonSpec:
@@ -148,26 +200,137 @@ async def _warm_up(pool: acompile.CompilePool, warmup: _Warmup) -> None:
     logger.info("warm-up %s: %d kernels in %.2f s", warmup.state, len(WARMUP), warmup.seconds)
 
 
-def create_app(target: str | None = None, workers: int | None = None) -> Starlette:
+async def _replay(pool: acompile.CompilePool, replay: _Replay) -> None:
+    """Compile (or load from disk) every kernel the previous run served, in the background lane."""
+    if not await anyio.Path(replay.path).exists():
+        replay.state = "none"  # the first run with this record: nothing to replay
+        return
+    t0 = time.perf_counter()
+    try:
+        # Reading the manifest imports the kernels' modules: blocking, so in a thread.
+        specs = await anyio.to_thread.run_sync(load_manifest, replay.path)
+    except acompile.InvalidSpecError as exc:
+        # A record naming a kernel that no longer exists, say: the message names the entry.
+        replay.errors.append(str(exc))
+    else:
+        replay.total = len(specs)
+        results = await pool.gather(*specs, return_exceptions=True, background=True)
+        for spec, result in zip(specs, results, strict=True):
+            if isinstance(result, Exception):
+                replay.errors.append(f"{spec.fn.__name__} {spec.constexprs}: {result}")
+    replay.seconds = round(time.perf_counter() - t0, 3)
+    replay.state = "failed" if replay.errors else "done"
+    logger.info(
+        "replay of %s %s: %d kernels in %.2f s", replay.path, replay.state, replay.total, replay.seconds
+    )
+    for error in replay.errors:
+        logger.warning("replay: %s", error.splitlines()[0])
+
+
+def _matmul_spec(config: tuple[dict[str, int], int, int]) -> acompile.TritonSpec:
+    constexprs, num_warps, num_stages = config
+    return _spec("matmul_kernel", constexprs, num_warps, num_stages)
+
+
+def create_app(
+    target: str | None = None,
+    workers: int | None = None,
+    *,
+    record: str | os.PathLike[str] | None = None,
+    idle_timeout: float | None = None,
+) -> Starlette:
     """The server as a Starlette app, compiling for ``target`` (default ``$ACOMPILE_TARGET``
-    or ``cuda:90``) with ``workers`` compile processes (default: one per usable CPU)."""
+    or ``cuda:90``) with ``workers`` compile processes (default ``$ACOMPILE_WORKERS``, else one
+    per usable CPU), recording
+    what it serves to ``record`` (default ``default_record_path()``) and quiescing its workers
+    after ``idle_timeout`` seconds without work (default ``$ACOMPILE_IDLE_TIMEOUT``, else never).
+    """
     target = target or os.environ.get("ACOMPILE_TARGET", "cuda:90")
+    if workers is None and os.environ.get("ACOMPILE_WORKERS"):
+        workers = int(os.environ["ACOMPILE_WORKERS"])
+    record_path = Path(record) if record is not None else default_record_path()
+    if idle_timeout is None and os.environ.get("ACOMPILE_IDLE_TIMEOUT"):
+        idle_timeout = float(os.environ["ACOMPILE_IDLE_TIMEOUT"])
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         warmup = _Warmup()
-        async with acompile.CompilePool(workers, target=target) as pool, anyio.create_task_group() as tg:
-            # Not awaited here: the server takes requests while the warm-up runs.
+        replay = _Replay(record_path)
+        async with (
+            acompile.CompilePool(
+                workers, target=target, record=record_path, idle_timeout=idle_timeout
+            ) as pool,
+            anyio.create_task_group() as tg,
+        ):
+            # First, so that the fast matmul is the first urgent job and the best one the first
+            # in the background lane. Its compiles run in the pool's task group.
+            matmul = pool.progressive(_matmul_spec(MATMUL_FAST), _matmul_spec(MATMUL_BEST))
+            # Not awaited here: the server takes requests while these run.
             tg.start_soon(_warm_up, pool, warmup)
-            yield {"pool": pool, "warmup": warmup}
-            # Shutting down: a warm-up still running is dropped; leaving the pool stops workers.
+            tg.start_soon(_replay, pool, replay)
+            yield {"pool": pool, "warmup": warmup, "replay": replay, "matmul": matmul}
+            # Shutting down: warm-up and replay still running are dropped; leaving the pool
+            # stops the workers and cancels the matmul's compiles if they are still pending.
             tg.cancel_scope.cancel()
 
     async def health(request: Request) -> JSONResponse:
         pool: acompile.CompilePool = request.state.pool
         warmup: _Warmup = request.state.warmup
+        replay: _Replay = request.state.replay
+        matmul: acompile.ProgressiveKernel = request.state.matmul
         return JSONResponse(
-            {"status": "ok", "warmup": warmup.state, "warmup_detail": warmup.report(), "pool": pool.stats()}
+            {
+                "status": "ok",
+                "warmup": warmup.state,
+                "warmup_detail": warmup.report(),
+                "replay": replay.report(),
+                "matmul": matmul.stats(),
+                "pool": pool.stats(),
+            }
+        )
+
+    async def matmul_served(request: Request) -> JSONResponse:
+        matmul: acompile.ProgressiveKernel = request.state.matmul
+        # No await between these two reads: the swap, made on this thread, cannot fall between.
+        stage, kernel = matmul.stage, matmul.kernel
+        if kernel is None:
+            return _error(503, f"no matmul kernel yet ({stage}): {matmul.stats()}")
+        # A request handler would launch it the same way: matmul[grid](a, b, c, M, N, K, ...),
+        # which takes whichever kernel is current at that call.
+        constexprs, num_warps, num_stages = MATMUL_BEST if stage == "best" else MATMUL_FAST
+        return JSONResponse(
+            {
+                "stage": stage,
+                "config": {**constexprs, "num_warps": num_warps, "num_stages": num_stages},
+                "key": kernel.key,
+                # From the binary itself, not from the config above.
+                "num_warps": kernel.metadata.num_warps,
+                "num_stages": kernel.metadata.num_stages,
+                "stats": matmul.stats(),
+            }
+        )
+
+    async def quiesce(request: Request) -> JSONResponse:
+        pool: acompile.CompilePool = request.state.pool
+        t0 = time.perf_counter()
+        await pool.quiesce()
+        # quiesce() returns at once and the workers stop within milliseconds: answer once they
+        # have, so that a caller about to capture CUDA graphs knows the machine is quiet. Work
+        # still queued (a warm-up) wakes the pool again by itself: the answer then says so.
+        with anyio.move_on_after(5):
+            while True:
+                workers = pool.stats()["workers"]
+                if workers["alive"] == 0 or workers["awake"]:
+                    break
+                await anyio.sleep(0.005)
+        stats = pool.stats()
+        return JSONResponse(
+            {
+                "awake": stats["workers"]["awake"],
+                "alive": stats["workers"]["alive"],
+                "queued": stats["jobs"]["queued"],
+                "seconds": round(time.perf_counter() - t0, 6),
+            }
         )
 
     async def compile_kernel(request: Request) -> JSONResponse:
@@ -202,7 +365,12 @@ def create_app(target: str | None = None, workers: int | None = None) -> Starlet
         )
 
     return Starlette(
-        routes=[Route("/health", health), Route("/compile", compile_kernel, methods=["POST"])],
+        routes=[
+            Route("/health", health),
+            Route("/compile", compile_kernel, methods=["POST"]),
+            Route("/matmul", matmul_served),
+            Route("/quiesce", quiesce, methods=["POST"]),
+        ],
         lifespan=lifespan,
     )
 
@@ -240,10 +408,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=int(os.environ.get("ACOMPILE_PORT", "8000")))
     parser.add_argument("--target", default=None, help="default: $ACOMPILE_TARGET or cuda:90")
     parser.add_argument("--workers", type=int, default=None, help="compile processes (default: one per CPU)")
+    parser.add_argument(
+        "--record",
+        default=None,
+        help="record of served kernels (default: $ACOMPILE_RECORD or served.toml in the cache)",
+    )
+    parser.add_argument(
+        "--idle-timeout", type=float, default=None, help="quiesce workers after this many idle seconds"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
-    default = args.target is None and args.workers is None
-    server_app = app if default else create_app(args.target, args.workers)
+    default = all(v is None for v in (args.target, args.workers, args.record, args.idle_timeout))
+    server_app = (
+        app
+        if default
+        else create_app(args.target, args.workers, record=args.record, idle_timeout=args.idle_timeout)
+    )
     uvicorn.run(server_app, host=args.host, port=args.port)
 
 

@@ -2,12 +2,15 @@
 
 Each test starts its own server with its own cache folder, on the event loop the test runs on
 (asyncio or uvloop, from the ``anyio_backend`` fixture), and checks what a user of the server
-would: answers, their timing, error messages, and the process table after shutdown.
+would: answers, their timing, error messages, the record it leaves for the next deploy, and the
+process table after shutdown.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import signal
 import socket
 import subprocess
@@ -24,6 +27,11 @@ import httpx
 import psutil
 import pytest
 from conftest import ROOT, TARGET, subprocess_env
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 pytestmark = pytest.mark.anyio
 
@@ -45,6 +53,10 @@ STORM: list[dict[str, Any]] = [
 
 # /health must answer in this time whatever is compiling: generous, for a busy 2-core machine.
 HEALTH_BOUND_S = 1.0
+
+# The server's progressive matmul (examples/server.py: MATMUL_FAST, MATMUL_BEST), as /matmul says.
+MATMUL_FAST = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
+MATMUL_BEST = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 8, "num_stages": 3}
 
 
 @dataclass
@@ -74,10 +86,10 @@ def server_loop(anyio_backend: Any) -> str:
 
 
 @contextlib.asynccontextmanager
-async def serve(cache_dir: Path, loop: str) -> AsyncIterator[Server]:
+async def serve(cache_dir: Path, loop: str, **env_vars: str) -> AsyncIterator[Server]:
     """Start the example under uvicorn, wait for its first /health answer, stop it afterwards."""
     port = _free_port()
-    env = subprocess_env(ACOMPILE_CACHE_DIR=str(cache_dir), ACOMPILE_TARGET=TARGET)
+    env = subprocess_env(ACOMPILE_CACHE_DIR=str(cache_dir), ACOMPILE_TARGET=TARGET, **env_vars)
     command = [
         sys.executable,
         "-m",
@@ -157,6 +169,37 @@ async def post_compile(client: httpx.AsyncClient, body: Any) -> httpx.Response:
     return await client.post("/compile", json=body)
 
 
+async def wait_until_settled(client: httpx.AsyncClient, deadline: float = 60) -> dict[str, Any]:
+    """Poll /health until the start-up work is over: warm-up and replay finished, and the
+    progressive matmul at its last stage. Returns that answer."""
+    with anyio.fail_after(deadline):
+        while True:
+            health: dict[str, Any] = (await client.get("/health")).json()
+            if (
+                health["warmup"] != "running"
+                and health["replay"]["state"] != "running"
+                and health["matmul"]["stage"] in ("best", "failed")
+            ):
+                return health
+            await anyio.sleep(0.05)
+
+
+def restarts(health: dict[str, Any]) -> dict[str, int]:
+    """Workers replaced, by cause, less the one the progressive matmul may cause: if the tuned
+    kernel lands before the fast one (rare: the fast compile is smaller and starts first), the
+    fast compile is stopped, and the worker running it is replaced ("abandoned")."""
+    counts: dict[str, int] = dict(health["pool"]["workers"]["restarts"])
+    matmul = health["matmul"]
+    if matmul["stage"] == "best" and matmul["fast_tier"] is None and counts.get("abandoned") == 1:
+        del counts["abandoned"]
+    return counts
+
+
+def recorded_keys(record: Path) -> list[str]:
+    """The cache keys a record holds, in order (a comment line above each entry)."""
+    return re.findall(r"^# key: ([0-9a-f]{64})$", record.read_text(), re.MULTILINE)
+
+
 @pytest.mark.timeout(180)
 async def test_health_answers_at_once_while_warmup_and_compiles_run(tmp_path: Path, server_loop: str) -> None:
     async with serve(tmp_path / "cache", server_loop) as server:
@@ -195,13 +238,9 @@ async def test_health_answers_at_once_while_warmup_and_compiles_run(tmp_path: Pa
                 storm_seconds = time.perf_counter() - t0
                 storm_over.set()
 
-            # Once the storm is over, the warm-up finishes too: wait for it, still answering.
-            with anyio.fail_after(60):
-                while True:
-                    health = (await client.get("/health")).json()
-                    if health["warmup"] != "running":
-                        break
-                    await anyio.sleep(0.05)
+            # Once the storm is over, the warm-up (and the tuned matmul) finish too: wait for
+            # them, still answering.
+            health = await wait_until_settled(client)
 
     failed = {i: r.text for i, r in results.items() if r.status_code != 200}
     assert not failed, f"{failed}\n{server.log}"
@@ -220,9 +259,15 @@ async def test_health_answers_at_once_while_warmup_and_compiles_run(tmp_path: Pa
     # The answers came while compiles were running, not only before or after them.
     assert any(a["pool"]["jobs"]["running"] > 0 for a in answers), summary
     assert health["warmup"] == "done", health
+    assert health["replay"]["state"] == "none", health  # a fresh cache folder: no record yet
     stats = health["pool"]
-    assert stats["compiled"] == len(STORM) + health["warmup_detail"]["total"], stats
-    assert stats["failed"] == 0 and stats["workers"]["restarts"] == {}, stats
+    # The progressive matmul compiled its two versions (the fast one only if the tuned one had
+    # not landed first: then the fast compile is stopped).
+    matmul = health["matmul"]
+    progressive = [matmul["fast_tier"], matmul["best_tier"]].count("compile")
+    assert matmul["best_tier"] == "compile", matmul
+    assert stats["compiled"] == len(STORM) + health["warmup_detail"]["total"] + progressive, stats
+    assert stats["failed"] == 0 and restarts(health) == {}, stats
 
 
 @pytest.mark.timeout(180)
@@ -256,8 +301,13 @@ async def test_compile_answers_with_the_kernel_and_where_it_came_from(
     assert (two["key"], two["cubin_bytes"]) == (one["key"], one["cubin_bytes"])
     assert two["seconds"] < one["seconds"], (one, two)
 
-    # A new server process on the same cache folder finds it on disk.
-    async with serve(cache_dir, server_loop) as server, client_of(server) as client:
+    # A new server process on the same cache folder finds it on disk. (With its own record: the
+    # replay of the shared one would have loaded it into memory first, see the replay test.)
+    fresh_record = str(tmp_path / "second-run.toml")
+    async with (
+        serve(cache_dir, server_loop, ACOMPILE_RECORD=fresh_record) as server,
+        client_of(server) as client,
+    ):
         third = await post_compile(client, body)
         assert third.status_code == 200, third.text
     assert third.json()["tier"] == "disk", third.json()
@@ -305,7 +355,7 @@ async def test_bad_requests_get_400_and_kernels_triton_rejects_get_422(
         assert good.status_code == 200, good.text
         health = (await client.get("/health")).json()
     assert health["status"] == "ok"
-    assert health["pool"]["failed"] == 1 and health["pool"]["workers"]["restarts"] == {}, health
+    assert health["pool"]["failed"] == 1 and restarts(health) == {}, health
 
 
 @pytest.mark.timeout(180)
@@ -344,6 +394,187 @@ async def test_signal_stops_the_server_and_its_workers(
     alive = [p for p in alive if _status(p) != psutil.STATUS_ZOMBIE]
     assert not alive, f"left running after shutdown (warm-up was {warmup_when_signalled}): {alive}"
     print(f"{signum.name} during warm-up {warmup_when_signalled!r}: exit {code} in {seconds:.2f} s")
+
+
+@pytest.mark.timeout(180)
+async def test_served_kernels_are_recorded_and_replayed_by_the_next_start(
+    tmp_path: Path, server_loop: str
+) -> None:
+    cache_dir = tmp_path / "cache"
+    record = cache_dir / "served.toml"  # the default: next to the cache
+    on_demand = [STORM[0], STORM[5]]
+    async with serve(cache_dir, server_loop) as server, client_of(server) as client:
+        assert server.first_health["replay"]["state"] == "none", server.first_health
+        first = [await post_compile(client, body) for body in on_demand]
+        assert all(r.status_code == 200 for r in first), [r.text for r in first]
+        health = await wait_until_settled(client)
+    assert health["warmup"] == "done" and health["matmul"]["stage"] == "best", health
+
+    # Everything served was recorded once: the warm-up, both matmul versions, the requests.
+    keys = recorded_keys(record)
+    served = health["warmup_detail"]["total"] + 2 + len(on_demand)
+    assert len(keys) == len(set(keys)) == served, record.read_text()
+    assert {r.json()["key"] for r in first} <= set(keys)
+    entries = tomllib.loads(record.read_text())["kernel"]
+    assert {e["kernel"] for e in entries} == {
+        "kernels:add_kernel",
+        "kernels:bias_gelu_kernel",
+        "kernels:softmax_kernel",
+        "kernels:matmul_kernel",
+    }, entries
+    assert all(e["targets"] == [TARGET] for e in entries), entries
+    recorded = record.read_bytes()
+    # Requested, recorded, but never compiled: a fast matmul stopped because the tuned one
+    # landed first (rare, see restarts()). The next start compiles it.
+    never_compiled = 0 if health["matmul"]["fast_tier"] else 1
+
+    # The next deploy replays the record in the background: what production used is loaded
+    # (here from the disk cache) before anyone asks for it.
+    async with serve(cache_dir, server_loop) as server, client_of(server) as client:
+        health = await wait_until_settled(client)
+        again = [await post_compile(client, body) for body in on_demand]
+    replay = health["replay"]
+    assert replay["state"] == "done", health
+    assert (replay["total"], replay["errors"], replay["path"]) == (served, [], str(record)), replay
+    assert [r.json()["tier"] for r in again] == ["memory"] * len(on_demand), [r.text for r in again]
+    assert [r.json()["key"] for r in again] == [r.json()["key"] for r in first]
+    stats = health["pool"]
+    assert stats["cache"]["misses"] == never_compiled and stats["compiled"] <= never_compiled, stats
+    assert stats["cache"]["hits_disk"] == served - never_compiled, stats
+    assert record.read_bytes() == recorded  # nothing new was served: the record is as it was
+    print(f"replay of {served} kernels in {replay['seconds']} s")
+
+    if server_loop == "asyncio":  # once is enough: the command does not depend on the loop
+        # The build box: `acompile warmup` replays the same record into another cache, without a
+        # GPU. The record names kernels by module (`kernels`), so that module must import there.
+        env = subprocess_env(PYTHONPATH=os.pathsep.join([str(ROOT / "examples"), str(ROOT)]))
+        command = [
+            sys.executable,
+            "-m",
+            "acompile.cli",
+            "warmup",
+            str(record),
+            "--cache-dir",
+            str(tmp_path / "box"),
+        ]
+        out = await anyio.run_process(command, env=env, check=False)
+        text = out.stdout.decode() + out.stderr.decode()
+        assert out.returncode == 0, text
+        assert f"{served} kernels: {served} compiled, 0 cached, 0 failed" in text, text
+
+
+@pytest.mark.timeout(180)
+async def test_progressive_matmul_is_served_fast_then_best(tmp_path: Path, server_loop: str) -> None:
+    stages: list[str] = []
+    served: dict[str, dict[str, Any]] = {}
+    # One worker: the fast compile (urgent lane) then certainly runs before the tuned one
+    # (background lane). With two, both run at once and the fast one usually, not always, wins.
+    async with (
+        serve(tmp_path / "cache", server_loop, ACOMPILE_WORKERS="1") as server,
+        client_of(server) as client,
+    ):
+        with anyio.fail_after(60):
+            while True:
+                health = (await client.get("/health")).json()
+                stage = health["matmul"]["stage"]
+                if not stages or stages[-1] != stage:
+                    stages.append(stage)
+                    answer = await client.get("/matmul")
+                    if stage == "pending":
+                        assert answer.status_code == 503, answer.text
+                    elif answer.json()["stage"] == stage:  # it may have moved on meanwhile
+                        served[stage] = answer.json()
+                if stage in ("best", "failed"):
+                    break
+                await anyio.sleep(0.02)
+        final = (await client.get("/matmul")).json()
+
+    # Observed in order (polling may miss a short stage, never reorder them).
+    assert stages == [s for s in ("pending", "fast", "best") if s in stages], stages
+    assert stages[-1] == "best", (stages, health)
+    assert final["stage"] == "best" and final["config"] == MATMUL_BEST, final
+    # What the binary itself says, not only which config the server thinks it launches.
+    assert (final["num_warps"], final["num_stages"]) == (8, 3), final
+    if "fast" in served:
+        assert served["fast"]["config"] == MATMUL_FAST, served
+        assert (served["fast"]["num_warps"], served["fast"]["num_stages"]) == (4, 2), served
+        assert served["fast"]["key"] != final["key"], served
+    stats = final["stats"]
+    # The fast kernel was there first (it compiled in the urgent lane), the tuned one later; the
+    # server answered meanwhile (this test polled it throughout).
+    assert stats["fast_tier"] == stats["best_tier"] == "compile", stats
+    assert stats["fast_seconds"] < stats["best_seconds"], stats
+    assert stats["fast_error"] is None and stats["best_error"] is None, stats
+    print(
+        f"matmul stages seen {stages}: fast at {stats['fast_seconds']:.2f} s, best at {stats['best_seconds']:.2f} s"
+    )
+
+
+@pytest.mark.timeout(180)
+async def test_quiesce_stops_the_workers_and_a_miss_wakes_them(tmp_path: Path, server_loop: str) -> None:
+    async with serve(tmp_path / "cache", server_loop) as server, client_of(server) as client:
+        settled = await wait_until_settled(client)
+        size = settled["pool"]["workers"]["size"]
+        children = psutil.Process(server.process.pid).children(recursive=True)
+
+        # What a server calls before CUDA-graph capture: it answers once the workers are gone.
+        quiet = await client.post("/quiesce")
+        assert quiet.status_code == 200, quiet.text
+        assert quiet.json() | {"seconds": 0} == {"awake": False, "alive": 0, "queued": 0, "seconds": 0}
+        workers = [
+            p
+            for p in children
+            if "--template" not in _cmdline(p) and "acompile._worker" in " ".join(_cmdline(p))
+        ]
+        _, alive = psutil.wait_procs(workers, timeout=3)
+        assert not [p for p in alive if _status(p) != psutil.STATUS_ZOMBIE], alive
+
+        # It stays quiet, and a request the cache answers does not wake it.
+        await anyio.sleep(0.3)
+        hit = await post_compile(client, {"kernel": "add_kernel", "constexprs": {"BLOCK": 1024}})
+        assert hit.status_code == 200 and hit.json()["tier"] == "memory", hit.text
+        health = (await client.get("/health")).json()
+        assert (health["pool"]["workers"]["awake"], health["pool"]["workers"]["alive"]) == (False, 0), health
+
+        # A miss wakes it, and is compiled.
+        t0 = time.perf_counter()
+        miss = await post_compile(client, STORM[1])
+        miss_seconds = time.perf_counter() - t0
+        assert miss.status_code == 200 and miss.json()["tier"] == "compile", miss.text
+        health = (await client.get("/health")).json()
+        assert health["pool"]["workers"]["awake"] is True, health
+        with anyio.fail_after(10):
+            while health["pool"]["workers"]["alive"] != size:
+                await anyio.sleep(0.02)
+                health = (await client.get("/health")).json()
+    stats = health["pool"]
+    assert restarts(health) == {"stopped": size}, stats
+    assert stats["failed"] == 0 and health["matmul"]["stage"] == "best", health
+    print(
+        f"quiesce answered in {quiet.json()['seconds'] * 1000:.1f} ms; a miss woke the pool and compiled in {miss_seconds:.2f} s"
+    )
+
+
+@pytest.mark.timeout(180)
+async def test_idle_timeout_quiesces_the_pool_until_the_next_miss(tmp_path: Path, server_loop: str) -> None:
+    async with (
+        serve(tmp_path / "cache", server_loop, ACOMPILE_IDLE_TIMEOUT="0.5") as server,
+        client_of(server) as client,
+    ):
+        await wait_until_settled(client)
+        # No work for half a second: the pool quiesces by itself.
+        with anyio.fail_after(10):
+            while True:
+                health = (await client.get("/health")).json()
+                if not health["pool"]["workers"]["awake"]:
+                    break
+                await anyio.sleep(0.05)
+        assert health["pool"]["jobs"]["queued"] == 0, health
+        miss = await post_compile(client, STORM[2])
+        assert miss.status_code == 200 and miss.json()["tier"] == "compile", miss.text
+        health = (await client.get("/health")).json()
+    assert health["pool"]["workers"]["awake"] is True, health
+    assert health["pool"]["failed"] == 0, health
 
 
 def _cmdline(process: psutil.Process) -> list[str]:

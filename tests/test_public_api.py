@@ -10,6 +10,9 @@ import acompile
 
 EXPECTED = {
     "AcompileError",
+    "Trial",
+    "TuneResult",
+    "TunedKernel",
     "BackgroundKernel",
     "KernelNotReadyError",
     "ProgressiveKernel",
@@ -36,6 +39,7 @@ EXPECTED = {
     "WorkerCrashedError",
     "WorkerStartError",
     "__version__",
+    "load_manifest",
 }
 
 

@@ -42,6 +42,10 @@ _ENV_IGNORED = frozenset(
         "TRITON_CACHE_MANAGER",
         "TRITON_REMOTE_CACHE_BACKEND",
         "TRITON_REMOTE_CACHE_URL",
+        "TRITON_REDIS_HOST",
+        "TRITON_REDIS_PORT",
+        "TRITON_REDIS_KEY_FORMAT",
+        "TRITON_CACHE_AUTOTUNING",
         "TRITON_PRINT_AUTOTUNING",
         "TRITON_ALWAYS_COMPILE",
         "TRITON_STORE_BINARY_ONLY",
@@ -521,11 +525,12 @@ class TritonKernel:
             raise
 
     def __getitem__(self, grid: Any) -> Callable[..., None]:
+        """``kernel[grid](*args)``: grid is 1 to 3 ints, or, as for Triton's JIT, a callable
+        given every argument by name (runtime arguments and constexprs) that returns them."""
         self.load()
-        grid3 = _grid3(grid, self._constants)
-        launch = self.compiled[grid3]
         order, constants = self._order, self._constants
         runtime = [n for n in order if n not in constants]
+        fixed = None if callable(grid) else self.compiled[_grid3(grid)]
 
         def run(*args: Any, stream: Any = None) -> None:
             if len(args) != len(runtime):
@@ -535,14 +540,15 @@ class TritonKernel:
                 )
             values = iter(args)
             full = [constants[n] if n in constants else next(values) for n in order]
+            launch = fixed
+            if launch is None:
+                launch = self.compiled[_grid3(grid(dict(zip(order, full, strict=True))))]
             launch(*full, stream=stream)
 
         return run
 
 
-def _grid3(grid: Any, constants: Mapping[str, Any]) -> tuple[int, int, int]:
-    if callable(grid):
-        grid = grid(dict(constants))
+def _grid3(grid: Any) -> tuple[int, int, int]:
     if isinstance(grid, int):
         grid = (grid,)
     if not isinstance(grid, Sequence) or not 1 <= len(grid) <= 3:

@@ -1,12 +1,18 @@
 """The compile benchmark: acompile against the usual ways of compiling a corpus of Triton kernels.
 
     python -m acompile._bench.run [--workers N] [--target cuda:90] [--json PATH]
-                                  [--only ROW[,ROW]] [--limit K] [--lifecycle]
+                                  [--only ROW[,ROW]] [--limit K] [--lifecycle] [--tiers]
 
 A plain run runs every row below, then the lifecycle section (``acompile._bench.lifecycle``: no-op
 job round trip and throughput, quiesce / wake-up / shutdown, memory per idle worker), written
 into the same JSON under ``"lifecycle"``. ``--lifecycle`` (or ``--only lifecycle``) runs that
 section alone; ``--lifecycle --only ROW`` runs it and ROW.
+
+``--tiers`` (or ``--only tiers``) runs the cache-tier section (``acompile._bench.tiers``: hit
+latency by tier, memory / disk / Redis, and warm start of the corpus from each tier, against
+Triton's file cache and its Redis remote cache; it starts a private ``redis-server``), written
+into the JSON under ``"tiers"``. A plain run does not include it. Alone, ``--tiers`` runs only
+that section; with ``--only`` or ``--lifecycle`` it runs those too.
 
 Every row compiles the same spec list (``corpus()``, or its first ``--limit K`` entries) for the
 same target, cold. Each row runs in its own fresh Python process (``python -c`` entry of this
@@ -777,7 +783,9 @@ def main(argv: list[str] | None = None) -> int:
         "--json", default="bench-results/bench.json", help="where to write the results (default: %(default)s)"
     )
     parser.add_argument(
-        "--only", default=None, help=f"comma-separated rows to run, of: {', '.join((*ROWS, 'lifecycle'))}"
+        "--only",
+        default=None,
+        help=f"comma-separated rows to run, of: {', '.join((*ROWS, 'lifecycle', 'tiers'))}",
     )
     parser.add_argument("--limit", type=int, default=None, help="use only the first K specs of the corpus")
     parser.add_argument(
@@ -793,19 +801,32 @@ def main(argv: list[str] | None = None) -> int:
         help="run the lifecycle section (round trip, quiesce/wake-up/shutdown, memory); alone, "
         "only it (a plain run includes it after the compile rows)",
     )
+    parser.add_argument(
+        "--tiers",
+        action="store_true",
+        help="run the cache-tier section (hit latency by tier, warm start from memory, disk and "
+        "Redis against Triton's file and Redis caches; starts a private redis-server); alone, only it",
+    )
+    parser.add_argument(
+        "--redis-server",
+        default=None,
+        help="the redis-server executable of --tiers (default: redis-server on PATH)",
+    )
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
     if args.limit is not None and args.limit < 1:
         parser.error("--limit must be at least 1")
-    selected = [] if args.lifecycle else list(ROWS)
-    lifecycle = True
+    selected = [] if args.lifecycle or args.tiers else list(ROWS)
+    lifecycle = not args.tiers or args.lifecycle
+    tiers = args.tiers
     if args.only:
         wanted = [w.strip() for w in args.only.split(",") if w.strip()]
-        unknown = [w for w in wanted if w not in ROWS and w != "lifecycle"]
+        unknown = [w for w in wanted if w not in ROWS and w not in ("lifecycle", "tiers")]
         if unknown:
-            parser.error(f"unknown rows {unknown}; rows are: {', '.join((*ROWS, 'lifecycle'))}")
+            parser.error(f"unknown rows {unknown}; rows are: {', '.join((*ROWS, 'lifecycle', 'tiers'))}")
         lifecycle = args.lifecycle or "lifecycle" in wanted
+        tiers = args.tiers or "tiers" in wanted
         # A warm-start row needs the row that fills its cache: run that one too.
         wanted += [_NEEDS[w] for w in wanted if w in _NEEDS]
         selected = [r for r in ROWS if r in wanted]
@@ -818,6 +839,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="acompile-bench-"))
     results: dict[str, dict[str, Any]] = {}
     lifecycle_section: dict[str, Any] | None = None
+    tiers_section: dict[str, Any] | None = None
     n_specs = None
     text = ""
     try:
@@ -856,6 +878,20 @@ def main(argv: list[str] | None = None) -> int:
             )
             lifecycle_text = lifecycle_bench.report(lifecycle_section, machine)
             text = f"{text}\n\n{lifecycle_text}" if text else lifecycle_text
+        if tiers:
+            from acompile._bench import tiers as tiers_bench
+
+            tiers_section = tiers_bench.run(
+                root / "tiers",
+                workers=args.workers,
+                target=args.target,
+                limit=args.limit,
+                timeout=args.row_timeout,
+                redis_server=args.redis_server,
+                log=sys.stderr,
+            )
+            tiers_text = tiers_bench.report(tiers_section, machine)
+            text = f"{text}\n\n{tiers_text}" if text else tiers_text
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -870,10 +906,12 @@ def main(argv: list[str] | None = None) -> int:
             "limit": args.limit,
             "rows": selected,
             "lifecycle": lifecycle,
+            "tiers": tiers,
             "specs": n_specs,
         },
         "rows": results,
         "lifecycle": lifecycle_section,
+        "tiers": tiers_section,
         "report": text,
     }
     path.write_text(json.dumps(document, indent=2, default=str))
@@ -883,6 +921,10 @@ def main(argv: list[str] | None = None) -> int:
         from acompile._bench.lifecycle import failed as lifecycle_failed
 
         failed += lifecycle_failed(lifecycle_section)
+    if tiers_section is not None:
+        from acompile._bench.tiers import failed as tiers_failed
+
+        failed += tiers_failed(tiers_section)
     return 1 if failed else 0
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import aiofiles
 import aiofiles.os
+import anyio
 
 LAYOUT = "v1"
 
@@ -50,26 +51,36 @@ class DiskTier:
             pass  # a shared folder made by someone else: we read and write what we may
 
     async def get(self, key: str) -> bytes | None:
+        # Shielded, like set(): a read cancelled between open and close would leak the file.
+        with anyio.CancelScope(shield=True):
+            data = await self._read(key)
+        return data
+
+    async def _read(self, key: str) -> bytes | None:
         try:
             async with aiofiles.open(self.path(key), "rb") as f:
-                return await f.read()
+                data: bytes = await f.read()
+                return data
         except (FileNotFoundError, NotADirectoryError):
             return None
 
     async def set(self, key: str, data: bytes) -> None:
-        final = self.path(key)
-        await aiofiles.os.makedirs(final.parent, mode=0o700, exist_ok=True)
-        tmp = final.with_name(f".{key[:16]}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        try:
-            async with aiofiles.open(tmp, "wb") as f:
-                await f.write(data)
-            await aiofiles.os.replace(tmp, final)
-        except BaseException:
+        # Shielded: a write is short, and one cut in half by a cancellation would leave its
+        # temporary file (and handle) behind.
+        with anyio.CancelScope(shield=True):
+            final = self.path(key)
+            await aiofiles.os.makedirs(final.parent, mode=0o700, exist_ok=True)
+            tmp = final.with_name(f".{key[:16]}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
             try:
-                await aiofiles.os.remove(tmp)
-            except OSError:
-                pass
-            raise
+                async with aiofiles.open(tmp, "wb") as f:
+                    await f.write(data)
+                await aiofiles.os.replace(tmp, final)
+            except BaseException:
+                try:
+                    await aiofiles.os.remove(tmp)
+                except OSError:
+                    pass
+                raise
 
     async def delete(self, key: str) -> None:
         try:

@@ -65,6 +65,17 @@ def _bytes_serializer() -> Any:
     return BytesSerializer()
 
 
+def check_target(target: Any) -> None:
+    """Refuse a shared-cache argument that cannot work, without importing any client."""
+    if isinstance(target, str):
+        if urlparse(target).scheme not in ("redis", "rediss", "memcached"):
+            raise ValueError(
+                f"unknown shared cache URL {target!r}: use redis://host:port/db or memcached://host:port"
+            )
+    elif not all(hasattr(target, m) for m in ("get", "set", "add", "delete", "close")):
+        raise ValueError(f"shared_cache must be an aiocache cache or a URL, got {type(target).__name__}")
+
+
 def open_cache(target: Any) -> Any:
     """An aiocache cache from an instance (its serializer is set to pass bytes through) or a URL:
     ``redis://host:6379/0``, ``rediss://...``, ``memcached://host:11211``."""
