@@ -172,3 +172,23 @@ async def test_saxpy_through_an_nvcc_shared_library(cache_dir: Path) -> None:
     lib.saxpy_host.argtypes = [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     assert lib.saxpy_host(0.5, x.data_ptr(), y.data_ptr(), n) == 0
     torch.testing.assert_close(y, expected)
+
+
+@pytest.mark.gpu
+async def test_pytorch_profiler_sees_pool_kernels_by_name(cache_dir: Path) -> None:
+    torch = torch_cuda()
+    from torch.profiler import ProfilerActivity, profile
+
+    n = 1 << 16
+    x = torch.randn(n, device="cuda")
+    y = torch.randn(n, device="cuda")
+    out = torch.empty_like(x)
+    async with acompile.CompilePool(1, cache_dir=cache_dir) as pool:
+        k = await pool.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 1024})
+    k[(n // 1024,)](x, y, out, n)  # load outside the profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        k[(n // 1024,)](x, y, out, n)
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events()}
+    assert any("add_kernel" in name for name in names), sorted(names)[:40]
