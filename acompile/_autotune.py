@@ -862,6 +862,10 @@ def _flush_buffer(device: tuple[int, str]) -> Any:
     return torch.empty(_FLUSH_BYTES, dtype=torch.int8, device=f"cuda:{device[0]}")
 
 
+_WARMUP_BUDGET_MS = 25.0
+_TIMED_BUDGET_MS = 100.0
+
+
 def _benchmark(
     kernel: TritonKernel,
     grid: tuple[int, ...],
@@ -873,7 +877,13 @@ def _benchmark(
     flush: Any,
 ) -> float:
     """Median milliseconds of one launch: warm-up launches, then each timed launch between two
-    CUDA events, the L2 flushed (outside the events) before each."""
+    CUDA events, the L2 flushed (outside the events) before each.
+
+    Slow configs get fewer launches: as Triton's ``do_bench`` does, the warm-up and the timed
+    launches are each held to a time budget (25 ms and 100 ms, estimated from a first timed
+    launch), with at least 5 timed launches; otherwise the worst configs of a tuning space would
+    take most of its time.
+    """
     import torch
 
     with _bench_lock, torch.cuda.device(device[0]):
@@ -882,6 +892,14 @@ def _benchmark(
             reset()
         launch(*args)
         torch.cuda.synchronize()  # a launch that fails does so here, before any timing
+        probe_start, probe_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        probe_start.record()
+        launch(*args)
+        probe_end.record()
+        torch.cuda.synchronize()
+        estimate = max(probe_start.elapsed_time(probe_end), 1e-3)
+        warmup = max(1, min(warmup, int(_WARMUP_BUDGET_MS / estimate)))
+        repeats = max(5, min(repeats, int(_TIMED_BUDGET_MS / estimate)))
         for _ in range(warmup):
             if reset is not None:
                 reset()

@@ -48,6 +48,18 @@ FAKE_ARGS = (object(), object(), object(), N)
 FAKE_MS = {64: 0.9, 128: 0.5, 256: 0.2, 512: 0.4, 1024: 0.7}
 
 
+@pytest.fixture(autouse=True)
+def no_gpu_unless_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests not marked `gpu` see no GPU, here or on a GPU machine (where their fake arguments
+    could not run); FakeGPU, where a test makes one, replaces this."""
+    if request.node.get_closest_marker("gpu") is None and "gpu_info" not in request.node.name:
+
+        def no_gpu(wanted: Any, hint: str) -> Any:
+            raise acompile.DeviceUnavailableError(f"no usable GPU here (the test hides it); {hint}")
+
+        monkeypatch.setattr(_autotune, "_gpu_info", no_gpu)
+
+
 class FakeGPU:
     """Replaces the GPU parts of the tuner: every benchmark is recorded, and timed per BLOCK."""
 
@@ -537,7 +549,7 @@ class FakeTorch:
 
 
 def test_benchmark_warms_up_then_times_each_launch_between_events(monkeypatch: pytest.MonkeyPatch) -> None:
-    torch = FakeTorch([100, 100, 100, 5, 1, 3, 2, 4])  # check launch, two warm-ups, five timed
+    torch = FakeTorch([100, 1, 100, 100, 5, 1, 3, 2, 4])  # check, probe, two warm-ups, five timed
     monkeypatch.setitem(sys.modules, "torch", torch.module)
     flush = types.SimpleNamespace(zero_=lambda: torch.log.append("flush"))
     ms = _autotune._benchmark(
@@ -551,6 +563,7 @@ def test_benchmark_warms_up_then_times_each_launch_between_events(monkeypatch: p
         "reset",
         "launch",
         "sync",
+        *["record", "launch", "record", "sync"],  # the probe that sizes the budgets
         "reset",
         "launch",
         "reset",
@@ -558,6 +571,15 @@ def test_benchmark_warms_up_then_times_each_launch_between_events(monkeypatch: p
         *timed * 5,
         "sync",
     ]
+
+
+def test_slow_configs_get_fewer_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A 50 ms launch: one warm-up (budget 25 ms) and the minimum of five timed launches, not 60.
+    torch = FakeTorch([50, 50, 50, 50, 50, 50, 50, 50])
+    monkeypatch.setitem(sys.modules, "torch", torch.module)
+    flush = types.SimpleNamespace(zero_=lambda: None)
+    assert _autotune._benchmark(torch.kernel(), (1,), (), 10, 50, None, (0, "x"), flush) == 50.0
+    assert torch.log.count("launch") == 1 + 1 + 1 + 5
 
 
 def test_gpu_info_and_its_errors(monkeypatch: pytest.MonkeyPatch) -> None:
