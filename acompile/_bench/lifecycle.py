@@ -721,11 +721,7 @@ def _run_group(
     timeout: float,
     acompile_cache: Path | None,
 ) -> dict[str, Any]:
-    import contextlib
-    import json
-    import resource
-    import signal
-    import subprocess
+    from acompile._bench.run import run_child
 
     group_dir = root / group
     group_dir.mkdir(parents=True)
@@ -738,42 +734,12 @@ def _run_group(
     env["TRITON_CACHE_DIR"] = str(triton_cache)
     env["ACOMPILE_CACHE_DIR"] = str(acompile_cache)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
-    out = group_dir / "result.json"
+    out = group_dir / "result.json"  # run_child reads it
     cmd = [
         sys.executable, "-c", _CHILD_ENTRY, "--group", group, "--out", str(out), "--workers", str(workers),
         "--target", target, "--jobs", str(jobs), "--sequential", str(sequential),
     ]  # fmt: skip
-    log = group_dir / "log.txt"
-    load_before = os.getloadavg()[0]
-    usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    with open(log, "wb") as log_file:
-        t0 = time.perf_counter()
-        # A session of its own, so a group that hangs can be stopped with everything it started.
-        child = subprocess.Popen(
-            cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            code: int | None = child.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
-            code = None
-        process_s = time.perf_counter() - t0
-    usage1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    tail = log.read_text(errors="replace")[-3000:]
-    result: dict[str, Any]
-    if code is None:
-        result = {"crashed": f"timed out after {timeout} s", "log_tail": tail}
-    elif not out.exists():
-        result = {"crashed": f"group process exited {code} without a result", "log_tail": tail}
-    else:
-        result = json.loads(out.read_text())
-        if tail.strip():
-            result["log_tail"] = tail
-    result["process_s"] = process_s
-    result["cpu_s"] = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
-    result["loadavg_before"] = load_before
+    result = run_child(cmd, env, group_dir, timeout, "group")
     result["acompile_cache_dir"] = str(acompile_cache)
     return result
 

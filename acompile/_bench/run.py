@@ -592,6 +592,49 @@ def _idle_lag(seconds: float = 0.5) -> dict[str, Any]:
     return anyio.run(measure)
 
 
+def run_child(cmd: list[str], env: dict[str, str], folder: Path, timeout: float, what: str) -> dict[str, Any]:
+    """Run one measurement in a fresh process and return what it wrote to ``folder/result.json``
+    (or why it wrote nothing), with its wall time, the CPU seconds of it and every process it
+    started and reaped (its workers), the load average before it, and when it was spawned.
+
+    The process gets a session of its own, so one that hangs is stopped with everything it
+    started; its output goes to ``folder/log.txt``, whose tail is kept with the result.
+    """
+    out, log = folder / "result.json", folder / "log.txt"
+    load_before = os.getloadavg()[0]
+    usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with open(log, "wb") as log_file:
+        spawned_at = time.time()
+        t0 = time.perf_counter()
+        child = subprocess.Popen(
+            cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            code: int | None = child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            code = None
+        process_s = time.perf_counter() - t0
+    usage1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    tail = log.read_text(errors="replace")[-3000:]
+    result: dict[str, Any]
+    if code is None:
+        result = {"crashed": f"timed out after {timeout} s", "log_tail": tail}
+    elif not out.exists():
+        result = {"crashed": f"{what} process exited {code} without a result", "log_tail": tail}
+    else:
+        result = json.loads(out.read_text())
+        if tail.strip():
+            result["log_tail"] = tail
+    result["process_s"] = process_s
+    result["cpu_s"] = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
+    result["loadavg_before"] = load_before
+    result["spawned_at"] = spawned_at
+    return result
+
+
 def _run_row(name: str, args: argparse.Namespace, root: Path, warm_cache: str | None) -> dict[str, Any]:
     row_dir = root / name
     row_dir.mkdir()
@@ -626,44 +669,11 @@ def _run_row(name: str, args: argparse.Namespace, root: Path, warm_cache: str | 
     if name == "warm_acompile":
         assert warm_cache is not None
         cmd += ["--warm-cache", warm_cache]
-    log = row_dir / "log.txt"
-    load_before = os.getloadavg()[0]
-    usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    with open(log, "wb") as log_file:
-        t_spawn = time.time()
-        t0 = time.perf_counter()
-        # A session of its own, so a row that hangs can be stopped with everything it started.
-        child = subprocess.Popen(
-            cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            code = child.wait(timeout=args.row_timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
-            code = None
-        process_s = time.perf_counter() - t0
-    usage1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    tail = log.read_text(errors="replace")[-3000:]
-    result: dict[str, Any]
-    if code is None:
-        result = {"crashed": f"timed out after {args.row_timeout} s", "log_tail": tail}
-    elif not out.exists():
-        result = {"crashed": f"row process exited {code} without a result", "log_tail": tail}
-    else:
-        result = json.loads(out.read_text())
-        if tail.strip():
-            result["log_tail"] = tail
-    result["process_s"] = process_s
-    # CPU seconds of the row's process and every process it started and reaped (workers), and
-    # the 1-minute load average before it: a busy machine shows here, not only in the wall time.
-    result["cpu_s"] = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
-    result["loadavg_before"] = load_before
+    result = run_child(cmd, env, row_dir, args.row_timeout, "row")
     if "stamps" in result:
         # Interpreter start (just before the spawn) -> every kernel ready, on the wall clock.
-        result["process_to_ready_s"] = result["stamps"]["ready"] - t_spawn
-        result["process_to_imported_s"] = result["stamps"]["imported"] - t_spawn
+        result["process_to_ready_s"] = result["stamps"]["ready"] - result["spawned_at"]
+        result["process_to_imported_s"] = result["stamps"]["imported"] - result["spawned_at"]
     result["triton_cache_dir"] = str(triton_cache)
     result["acompile_cache_dir"] = str(acompile_cache)
     return result

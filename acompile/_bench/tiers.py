@@ -560,7 +560,7 @@ def _run_step(
     disk: Path,
     triton_cache: Path,
 ) -> dict[str, Any]:
-    import resource
+    from acompile._bench.run import run_child
 
     folder.mkdir(parents=True)
     empty_dir = folder / "acompile-empty"
@@ -579,7 +579,7 @@ def _run_step(
         env["TRITON_REMOTE_CACHE_BACKEND"] = "acompile._bench.tiers:TritonRedisBackend"
         env["TRITON_REDIS_HOST"] = "127.0.0.1"
         env["TRITON_REDIS_PORT"] = str(server.port)
-    out = folder / "result.json"
+    out = folder / "result.json"  # run_child reads it
     cmd = [
         sys.executable, "-c", _CHILD_ENTRY, "--step", step, "--out", str(out), "--workers", str(workers),
         "--target", target, "--disk", str(disk), "--empty-dir", str(empty_dir), "--redis", server.url,
@@ -587,44 +587,12 @@ def _run_step(
     ]  # fmt: skip
     if limit:
         cmd += ["--limit", str(limit)]
-    log = folder / "log.txt"
-    load_before = os.getloadavg()[0]
     server.reset_stats()
-    usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    with open(log, "wb") as log_file:
-        t_spawn = time.time()
-        t0 = time.perf_counter()
-        # A session of its own, so a step that hangs can be stopped with everything it started.
-        child = subprocess.Popen(
-            cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            code: int | None = child.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
-            code = None
-        process_s = time.perf_counter() - t0
-    usage1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    redis_stats = server.step_stats()
-    tail = log.read_text(errors="replace")[-3000:]
-    result: dict[str, Any]
-    if code is None:
-        result = {"crashed": f"timed out after {timeout} s", "log_tail": tail}
-    elif not out.exists():
-        result = {"crashed": f"step process exited {code} without a result", "log_tail": tail}
-    else:
-        result = json.loads(out.read_text())
-        if tail.strip():
-            result["log_tail"] = tail
-    result["redis"] = redis_stats
-    result["process_s"] = process_s
-    result["cpu_s"] = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
-    result["loadavg_before"] = load_before
+    result = run_child(cmd, env, folder, timeout, "step")
+    result["redis"] = server.step_stats()
     if "stamps" in result:
-        result["process_to_ready_s"] = result["stamps"]["ready"] - t_spawn
-        result["process_to_imported_s"] = result["stamps"]["imported"] - t_spawn
+        result["process_to_ready_s"] = result["stamps"]["ready"] - result["spawned_at"]
+        result["process_to_imported_s"] = result["stamps"]["imported"] - result["spawned_at"]
     result["triton_cache_dir"] = env["TRITON_CACHE_DIR"]
     result["acompile_empty_dir"] = str(empty_dir)
     return result
