@@ -111,3 +111,24 @@ def test_warmup_explains_a_bad_manifest(tmp_path: Path) -> None:
 def test_cache_stats_on_an_empty_folder(tmp_path: Path) -> None:
     out = acompile_cmd("cache", "stats", "--cache-dir", str(tmp_path / "nothing"))
     assert out.returncode == 0 and "entries: 0" in out.stdout
+
+
+def test_bench_runs_its_rows_side_by_side_and_writes_json(tmp_path: Path) -> None:
+    report = tmp_path / "bench.json"
+    out = acompile_cmd(
+        "bench",
+        "--limit",
+        "2",
+        "--workers",
+        "1",
+        "--only",
+        "sequential,acompile_cold,warm_acompile",
+        "--json",
+        str(report),
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert (
+        "sequential" in out.stdout and "acompile_cold" in out.stdout and "warm start, acompile" in out.stdout
+    )
+    rows = json.loads(report.read_text())["rows"]
+    assert {"sequential", "acompile_cold", "warm_acompile"} <= set(rows)
