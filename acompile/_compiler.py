@@ -156,8 +156,8 @@ class CompilePool:
         self._recorder = Recorder(Path(record)) if record is not None else None
         self._trace_path = Path(trace) if trace is not None else None
         self._tracer: Tracer | None = Tracer() if trace is not None else None
-        self._pending_publish = 0
-        self._published = anyio.Event()
+        self._pending_writes = 0
+        self._writes_done = anyio.Event()
         self._state = "new"
         self._flights: dict[str, _Flight] = {}
         self._counts: Counter[str] = Counter()
@@ -224,12 +224,12 @@ class CompilePool:
     ) -> None:
         self._state = "closed"
         assert self._tg is not None
-        if self._pending_publish:
-            # Entries on their way to the shared tier: let them arrive (a warm-up job that ends
+        if self._pending_writes:
+            # Entries on their way to the shared tier or the disk: let them arrive (a warm-up job that ends
             # normally wants all of them there; a failing or cancelled body, a moment).
             with anyio.move_on_after(30 if exc is None else 2, shield=True):
-                while self._pending_publish:
-                    await self._published.wait()
+                while self._pending_writes:
+                    await self._writes_done.wait()
         # Whatever the body did, compiles in progress are abandoned and workers stopped now.
         self._tg.cancel_scope.cancel()
         try:
@@ -612,12 +612,12 @@ class CompilePool:
             try:
                 await work(*args)
             finally:
-                self._pending_publish -= 1
-                if self._pending_publish == 0:
-                    self._published.set()
-                    self._published = anyio.Event()
+                self._pending_writes -= 1
+                if self._pending_writes == 0:
+                    self._writes_done.set()
+                    self._writes_done = anyio.Event()
 
-        self._pending_publish += 1
+        self._pending_writes += 1
         self._tg.start_soon(run)
 
     async def _run(

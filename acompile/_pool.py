@@ -30,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -172,24 +172,6 @@ class _JobQueue:
 
 
 # --- workers ----------------------------------------------------------------------------------
-
-
-class _Worker(Protocol):
-    pid: int
-    stderr_path: str
-    exited: anyio.Event
-    stop_cause: str | None  # why the pool stopped it, when it did
-
-    @property
-    def returncode(self) -> int | None: ...
-
-    async def send_bytes(self, data: bytes) -> None: ...
-
-    async def receive(self) -> Any: ...
-
-    async def wait_exit(self) -> None: ...
-
-    def signal_kill(self) -> None: ...
 
 
 class _WorkerBase:
