@@ -16,6 +16,8 @@ import anyio
 import pytest
 from conftest import gpu_available, run_python
 from kernels_for_tests import ADD_SIG, add_kernel, scale_add_kernel
+from test_native import KERNELS as SAXPY_KERNELS
+from test_native import SAXPY_SO as SAXPY_HOST
 
 import acompile
 
@@ -110,31 +112,6 @@ async def test_a_pool_without_a_target_on_a_machine_without_a_gpu_says_what_to_d
     with pytest.raises(acompile.DeviceUnavailableError, match="target='cuda:90'"):
         async with acompile.CompilePool(1, cache_dir=cache_dir):
             pass
-
-
-SAXPY_KERNELS = r"""
-extern "C" __global__ void saxpy(float a, const float* x, float* y, int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = a * x[i] + y[i];
-}
-
-template <typename T> __global__ void scale(T* x, T a, int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) x[i] *= a;
-}
-"""
-
-SAXPY_HOST = r"""
-extern "C" __global__ void saxpy(float a, const float* x, float* y, int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = a * x[i] + y[i];
-}
-
-extern "C" int saxpy_host(float a, const float* x, float* y, int n) {
-    saxpy<<<(n + 255) / 256, 256>>>(a, x, y, n);
-    return (int)cudaDeviceSynchronize();
-}
-"""
 
 
 @pytest.mark.gpu
