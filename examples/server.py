@@ -143,9 +143,10 @@ class _Replay:
     """What /health reports of the replay of the last run's record: "none" (no record yet),
     "running", then "done" or "failed"."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, exists: bool) -> None:
         self.path = path
-        self.state = "running"
+        # Known before the server answers its first request: "none" must never read "running".
+        self.state = "running" if exists else "none"
         self.total = 0
         self.errors: list[str] = []
         self.seconds: float | None = None
@@ -202,8 +203,7 @@ async def _warm_up(pool: acompile.CompilePool, warmup: _Warmup) -> None:
 
 async def _replay(pool: acompile.CompilePool, replay: _Replay) -> None:
     """Compile (or load from disk) every kernel the previous run served, in the background lane."""
-    if not await anyio.Path(replay.path).exists():
-        replay.state = "none"  # the first run with this record: nothing to replay
+    if replay.state == "none":  # the first run with this record: nothing to replay
         return
     t0 = time.perf_counter()
     try:
@@ -255,7 +255,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         warmup = _Warmup()
-        replay = _Replay(record_path)
+        replay = _Replay(record_path, await anyio.Path(record_path).exists())
         async with (
             acompile.CompilePool(
                 workers, target=target, record=record_path, idle_timeout=idle_timeout
