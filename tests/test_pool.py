@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import anyio
 import psutil
@@ -16,6 +17,13 @@ from acompile._pool import JobCancelled
 
 pytestmark = pytest.mark.anyio
 FAKE = "fake_backend"
+
+
+async def until(predicate: Any, seconds: float = 10) -> None:
+    """Wait for a state of the pool (its counters have no events to wait on)."""
+    with anyio.fail_after(seconds):
+        while not predicate():  # noqa: ASYNC110
+            await anyio.sleep(0.005)
 
 
 def pool(cache_dir: Path, workers: int = 2, **kw: object) -> acompile.CompilePool:
@@ -163,7 +171,7 @@ async def test_cancelling_a_queued_job_drops_it_without_touching_workers(cache_d
         await p.wait_ready()
         async with anyio.create_task_group() as tg:
             tg.start_soon(p._run, FAKE, {"name": "busy", "action": "sleep", "seconds": 0.8}, "busy")
-            await anyio.sleep(0.1)
+            await until(lambda: p.stats()["jobs"]["running"] == 1)
             with anyio.move_on_after(0.2):
                 await p._run(FAKE, {"name": "never", "action": "crash"}, "never")  # would crash if it ran
         assert p.stats()["workers"]["restarts"] == {}
@@ -183,10 +191,10 @@ async def test_background_work_waits_behind_urgent_work(cache_dir: Path) -> None
                 order.append(name)
 
             tg.start_soon(p._run, FAKE, {"name": "first", "action": "sleep", "seconds": 0.3}, "first")
-            await anyio.sleep(0.1)
+            await until(lambda: p.stats()["jobs"]["running"] == 1)
             for i in range(3):
                 tg.start_soon(run, f"warmup{i}", True)
-            await anyio.sleep(0.05)
+            await until(lambda: p.stats()["jobs"]["queued"] == 3)
             tg.start_soon(run, "urgent", False)
     assert order[0] == "urgent" and sorted(order[1:]) == ["warmup0", "warmup1", "warmup2"]
 
@@ -206,7 +214,7 @@ async def test_leaving_the_pool_stops_every_worker_even_mid_compile(cache_dir: P
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(stuck)
-            await anyio.sleep(0.3)
+            await until(lambda: p.stats()["jobs"]["running"] == 1)
             tg.cancel_scope.cancel()
         t0 = anyio.current_time()
     assert anyio.current_time() - t0 < 2
