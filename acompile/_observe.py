@@ -72,7 +72,13 @@ class Tracer:
         }
         self.span(f"{request.name} ({tier})", "requests", start, end, args)
         if job is not None and job.started_at:
-            self.span("queue wait", "requests", job.queued_at, job.started_at, {"kernel": request.name})
+            self.span(
+                "queue wait",
+                "requests",
+                job.queued_at,
+                job.started_at,
+                {"kernel": request.name, "key": request.key},
+            )
             worker = f"worker pid {job.worker_pid}"
             self.span(
                 request.name,

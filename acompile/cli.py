@@ -1,6 +1,8 @@
 """The ``acompile`` command.
 
-acompile warmup MANIFEST [--workers N] [--target T] [--cache-dir DIR]
+acompile --version
+acompile warmup MANIFEST [--workers N] [--target T] [--cache-dir DIR] [--json FILE]
+                         [--shared-cache URL] [--require-shared | --no-require-shared]
 acompile cache stats [--cache-dir DIR]
 acompile cache export FILE [--manifest M] [--target T] [--cache-dir DIR]
 acompile cache import FILE [--cache-dir DIR]
@@ -8,40 +10,133 @@ acompile cache prune [--max-size 10GiB] [--max-age 30d] [--dry-run] [--cache-dir
 acompile cache explain KEY [--against KEY2] [--cache-dir DIR]
 acompile bench [...]        (see acompile bench --help)
 
+``python -m acompile`` is the same command.
+
 Exit status: 0 done; 1 some work failed (a kernel did not compile, an entry was damaged, rejected
-or missing); 2 bad usage (a bad argument, manifest or bundle file).
+or missing, a shared tier that warm-up was asked to fill did not get every kernel); 2 bad usage (a
+bad argument, manifest or bundle file, a cache folder that does not exist); 141 the reader of the
+output went away (``acompile ... | head``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import sys
+import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
+from urllib.parse import urlparse
 
 import anyio
 
 from acompile._cache import DiskTier, default_cache_dir
 from acompile._cache._bundle import read_header
 from acompile._errors import AcompileError
+from acompile._version import __version__
+
+WARMUP_EPILOG = """\
+columns: wait is the time a kernel queued for a free worker, compile the time a worker spent on it
+(both empty for a kernel the cache answered).
+
+with --shared-cache, the kernels are also published to the shared tier, and the summary says how
+many were found there, published, refused (entries that failed their signature check) and how
+many operations failed. A kernel that was already in the local cache is looked up in the shared
+tier and published there if absent. Unless --no-require-shared is given, warm-up exits 1 when
+fewer kernels are in the shared tier at the end (found or published) than compiled successfully:
+the tier was unreachable, refused writes, or dropped them.
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """Run the command; returns its exit status."""
+    try:
+        with _whole_log_lines():
+            return _main(sys.argv[1:] if argv is None else argv)
+    except BrokenPipeError:
+        # The reader went away (`acompile ... | head -1`). Whatever is left to print goes nowhere,
+        # including what Python flushes at exit, which would otherwise print a second error.
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        return 141  # as a command killed by SIGPIPE reports it in a shell
+
+
+@contextlib.contextmanager
+def _whole_log_lines() -> Iterator[None]:
+    """The ``acompile`` logger's records as whole lines on stderr, each after any progress bar
+    line in progress (which would otherwise cut it, or be cut by it, mid-line)."""
+    logger = logging.getLogger("acompile")
+    if logger.handlers:  # configured by whoever called us: theirs to format
+        yield
+        return
+    handler = _LineHandler()
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
+class _LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+        self.setFormatter(logging.Formatter("acompile: %(levelname)s: %(message)s"))
+        self.setLevel(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        _Progress.end_line()
+        super().emit(record)
+
+
+@contextlib.contextmanager
+def _bench_named(prog: str) -> Iterator[None]:
+    """Name the benchmark's parser ``prog`` in its usage, help and errors.
+
+    The benchmark module names its parser for ``python -m``; under this command, what the user
+    reads must be the command they typed. Only the first parser built is renamed (the benchmark's
+    own), and argparse is restored at once.
+    """
+    original = argparse.ArgumentParser.__init__
+
+    def init(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        argparse.ArgumentParser.__init__ = original  # type: ignore[method-assign]
+        kwargs["prog"] = prog
+        original(self, *args, **kwargs)
+
+    argparse.ArgumentParser.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.__init__ = original  # type: ignore[method-assign]
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["bench"]:
         # The benchmark parses its own options (acompile bench --help).
         from acompile._bench.run import main as bench_main
 
-        return bench_main(argv[1:])
+        with _bench_named("acompile bench"):
+            return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="acompile", description="Compile GPU kernels ahead of time.")
+    parser.add_argument("--version", action="version", version=f"acompile {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    warm = sub.add_parser("warmup", help="compile every kernel of a manifest into the cache")
-    warm.add_argument("manifest", type=Path)
+    warm = sub.add_parser(
+        "warmup",
+        help="compile every kernel of a manifest into the cache",
+        description="Compile every kernel of a warm-up manifest into the cache "
+        "(the manifest's format: docs/manifest.md).",
+        epilog=WARMUP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    warm.add_argument("manifest", type=Path, help="a TOML file of [[kernel]] entries")
     warm.add_argument("--workers", type=int, default=None, help="worker processes (default: usable CPUs)")
     warm.add_argument(
         "--target", default=None, help="target for kernels whose entry names none, e.g. cuda:90"
@@ -57,6 +152,13 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("ACOMPILE_SHARED_CACHE"),
         help="also fill a shared tier, e.g. redis://host:6379/0 (default: $ACOMPILE_SHARED_CACHE); "
         "entries are signed with $ACOMPILE_SIGNING_KEY when it is set",
+    )
+    warm.add_argument(
+        "--require-shared",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --shared-cache: exit 1 unless every kernel that compiled is in the shared tier "
+        "at the end (default: required)",
     )
 
     cache = sub.add_parser("cache", help="look at, move and bound the cache")
@@ -100,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "warmup":
         return _warmup(args)
     root = args.cache_dir or default_cache_dir()
+    if args.cache_command != "import" and not root.is_dir():
+        # An empty report would read as "nothing cached" where the folder is mistyped.
+        where = "--cache-dir" if args.cache_dir else "the default cache folder ($ACOMPILE_CACHE_DIR)"
+        problem = "is not a folder" if root.exists() else "does not exist"
+        print(f"acompile cache {args.cache_command}: {root} {problem}; check {where}", file=sys.stderr)
+        return 2 if args.cache_dir else 1
     if args.cache_command == "export":
         return _cache_export(args, root)
     if args.cache_command == "import":
@@ -117,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
 def _warmup(args: argparse.Namespace) -> int:
     from acompile._manifest import load_manifest
 
+    if args.shared_cache is not None and (problem := _shared_url_problem(args.shared_cache)):
+        print(f"acompile warmup: --shared-cache {args.shared_cache!r}: {problem}", file=sys.stderr)
+        return 2
     try:
         specs = load_manifest(args.manifest)
     except AcompileError as exc:
@@ -131,15 +242,38 @@ def _warmup(args: argparse.Namespace) -> int:
         return 2
     try:
         return anyio.run(_warmup_async, specs, args)
-    except ValueError as exc:  # the pool's own arguments: a bad --shared-cache URL, say
+    except ValueError as exc:  # the pool's own arguments: a bad signing key, say
         print(f"acompile warmup: {exc}", file=sys.stderr)
         return 2
     except AcompileError as exc:
         print(f"acompile warmup: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("\nacompile warmup: interrupted", file=sys.stderr)
+        _Progress.end_line()
+        print("acompile warmup: interrupted", file=sys.stderr)
         return 130
+
+
+_SHARED_URL_FORMS = (
+    "redis://HOST:PORT/DB (e.g. redis://cache.internal:6379/0), rediss://... or memcached://HOST:PORT"
+)
+
+
+def _shared_url_problem(url: str) -> str | None:
+    """What is wrong with a shared-cache URL, before any client is imported; None if nothing."""
+    parsed = urlparse(url)
+    if parsed.scheme not in ("redis", "rediss", "memcached"):
+        return f"not a shared cache URL; use {_SHARED_URL_FORMS}"
+    try:
+        parsed.port  # noqa: B018 (parsing it is the check)
+    except ValueError:
+        return f"the port is not a number; use {_SHARED_URL_FORMS}"
+    if not parsed.hostname:
+        return f"no host (a URL starts scheme://HOST); use {_SHARED_URL_FORMS}"
+    db = parsed.path.lstrip("/")
+    if parsed.scheme != "memcached" and db and not db.isdigit():
+        return f"the database after the host must be a number, got {db!r}; use {_SHARED_URL_FORMS}"
+    return None
 
 
 async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
@@ -148,47 +282,140 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     progress = _Progress(len(specs), sys.stderr)
     t0 = time.perf_counter()
-    async with CompilePool(
-        args.workers,
-        target=args.target or specs[0].target,
-        cache_dir=args.cache_dir,
-        prestart=False,
-        shared_cache=args.shared_cache,
-    ) as pool:
+    shared: dict[str, int] = {}
+    with tempfile.TemporaryDirectory(prefix="acompile-warmup-") as scratch:
+        trace_path = Path(scratch) / "trace.json"
+        async with CompilePool(
+            args.workers,
+            target=args.target or specs[0].target,
+            cache_dir=args.cache_dir,
+            prestart=False,
+            shared_cache=args.shared_cache,
+        ) as pool:
+            # The pool's trace says, per kernel, how long it queued and how long a worker took.
+            async with pool.trace(trace_path):
 
-        async def one(spec: Any) -> None:
-            start = time.perf_counter()
-            row = {
-                "kernel": spec.fn.__name__,
-                "target": str(spec.target or args.target),
-                "constexprs": dict(spec.constexprs or {}),
-                "num_warps": spec.num_warps,
-                "num_stages": spec.num_stages,
-            }
-            try:
-                kernel, tier = await pool.compile_with_tier(spec, background=True)
-            except AcompileError as exc:
-                row.update(result="failed", error=str(exc))
-            else:
-                row.update(result="cached" if tier in ("memory", "disk") else "compiled", key=kernel.key)
-            row["seconds"] = time.perf_counter() - start
-            rows.append(row)
-            progress.advance(row["result"])
+                async def one(spec: Any) -> None:
+                    start = time.perf_counter()
+                    row = {
+                        "kernel": spec.fn.__name__,
+                        "target": str(spec.target or args.target),
+                        "constexprs": dict(spec.constexprs or {}),
+                        "num_warps": spec.num_warps,
+                        "num_stages": spec.num_stages,
+                    }
+                    try:
+                        kernel, tier = await pool.compile_with_tier(spec, background=True)
+                    except AcompileError as exc:
+                        row.update(result="failed", error=str(exc))
+                    else:
+                        cached = tier in ("memory", "disk", "shared")
+                        row.update(result="cached" if cached else "compiled", tier=tier, key=kernel.key)
+                    row["seconds"] = time.perf_counter() - start
+                    rows.append(row)
+                    progress.advance(row["result"])
 
-        async with anyio.create_task_group() as tg:
-            for spec in specs:
-                tg.start_soon(one, spec)
+                async with anyio.create_task_group() as tg:
+                    for spec in specs:
+                        tg.start_soon(one, spec)
+            if args.shared_cache is not None:
+                shared["confirmed"] = await _confirm_local_hits(pool, rows)
+        _add_job_times(rows, trace_path)
     elapsed = time.perf_counter() - t0
     progress.close()
     _print_summary(rows, elapsed, pool.cache_dir, sys.stdout)
+    ok = not any(r["result"] == "failed" for r in rows)
+    if args.shared_cache is not None:
+        # Read after the pool has closed: leaving it waits for the publications in flight.
+        cache = pool.stats()["cache"]
+        keys = {r["key"] for r in rows if r["result"] != "failed"}
+        shared.update(
+            kernels=len(keys),
+            found=len({r["key"] for r in rows if r.get("tier") == "shared"}) + shared["confirmed"],
+            published=cache["shared_writes"],
+            refused=cache["shared_rejected"],
+            errors=cache["shared_errors"],
+        )
+        missing = shared["kernels"] - shared["found"] - shared["published"]
+        shared["missing"] = max(0, missing)
+        _print_shared_summary(shared, args.shared_cache, sys.stdout)
+        if shared["missing"] and args.require_shared:
+            print(
+                f"acompile warmup: {shared['missing']} of {shared['kernels']} kernels did not reach the "
+                f"shared tier {args.shared_cache} ({shared['errors']} failed operations, "
+                f"{shared['refused']} refused entries); is it reachable and writable? "
+                "(--no-require-shared: fill the local cache only, exit 0)",
+                file=sys.stderr,
+            )
+            ok = False
     if args.json_path:
         args.json_path.parent.mkdir(parents=True, exist_ok=True)
-        args.json_path.write_text(json.dumps({"seconds": elapsed, "kernels": rows}, indent=2, default=str))
-    return 1 if any(r["result"] == "failed" for r in rows) else 0
+        document: dict[str, Any] = {"seconds": elapsed, "kernels": rows}
+        if shared:
+            document["shared"] = shared
+        args.json_path.write_text(json.dumps(document, indent=2, default=str))
+    return 0 if ok else 1
+
+
+async def _confirm_local_hits(pool: Any, rows: list[dict[str, Any]]) -> int:
+    """Make sure the kernels the local cache answered are in the shared tier too: look each up
+    there, and publish it from the disk where it is absent. Returns how many were found there.
+
+    A local hit never touches the shared tier, so without this a warm-up on a machine with a warm
+    disk would fill nothing. Publications count in the pool's ``shared_writes``.
+    """
+    tier = pool._shared  # the pool's shared tier: its counts are the ones the summary reports
+    if tier is None:
+        return 0
+    from_pool = {r["key"] for r in rows if r.get("tier") in ("compile", "shared")}
+    local = sorted({r["key"] for r in rows if r.get("tier") in ("memory", "disk")} - from_pool)
+    disk = DiskTier(pool.cache_dir)
+    found = 0
+
+    async def one(key: str) -> None:
+        nonlocal found
+        if await tier.get(key) is not None:
+            found += 1
+            return
+        data = await disk.get(key)
+        if data is not None:
+            await tier.set(key, data)
+
+    async with anyio.create_task_group() as tg:
+        for key in local:
+            tg.start_soon(one, key)
+    return found
+
+
+def _add_job_times(rows: list[dict[str, Any]], trace_path: Path) -> None:
+    """``wait_seconds`` (queued for a worker) and ``compile_seconds`` (on the worker) per row
+    that a worker compiled, from the pool's trace; None for the others."""
+    waits: dict[str, float] = {}
+    compiles: dict[str, float] = {}
+    try:
+        events = json.loads(trace_path.read_text())["traceEvents"]
+    except (OSError, ValueError, KeyError):
+        events = []
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
+    for event in events:
+        key = event.get("args", {}).get("key")
+        if event.get("ph") != "X" or key is None:
+            continue
+        if event["name"] == "queue wait":
+            waits[key] = event["dur"] / 1e6
+        elif tracks.get(event["tid"], "").startswith("worker"):
+            compiles[key] = event["dur"] / 1e6
+    for row in rows:
+        compiled = row["result"] == "compiled"
+        row["wait_seconds"] = waits.get(row.get("key", "")) if compiled else None
+        row["compile_seconds"] = compiles.get(row.get("key", "")) if compiled else None
 
 
 class _Progress:
     """A one-line progress bar on a terminal; a line per tenth of the work elsewhere (CI logs)."""
+
+    # The bar being drawn on the terminal, if any: a log line must first end it (see main()).
+    _open: _Progress | None = None
 
     def __init__(self, total: int, out: TextIO) -> None:
         self.total, self.out = total, out
@@ -209,24 +436,41 @@ class _Progress:
         )
         if self.tty:
             self.out.write("\r" + line)
+            _Progress._open = self
         elif (decile := 10 * done // max(1, self.total)) != self._last_decile:
             self._last_decile = decile
             self.out.write(line + "\n")
         self.out.flush()
 
+    @classmethod
+    def end_line(cls) -> None:
+        """End the bar's line, so that what is written next starts a line of its own (the bar
+        starts a new line at its next step)."""
+        bar, cls._open = cls._open, None
+        if bar is not None:
+            bar.out.write("\n")
+            bar.out.flush()
+
     def close(self) -> None:
-        if self.tty:
-            self.out.write("\n")
-            self.out.flush()
+        if _Progress._open is self:
+            _Progress.end_line()
 
 
 def _print_summary(rows: list[dict[str, Any]], elapsed: float, cache_dir: Path, out: TextIO) -> None:
     rows = sorted(rows, key=lambda r: (r["kernel"], r["target"], json.dumps(r["constexprs"], sort_keys=True)))
-    table = [("kernel", "target", "constexprs", "warps", "result", "seconds")]
+    table = [("kernel", "target", "constexprs", "warps", "result", "wait s", "compile s")]
     for r in rows:
         consts = ",".join(f"{k}={v}" for k, v in r["constexprs"].items())
         table.append(
-            (r["kernel"], r["target"], consts, str(r["num_warps"]), r["result"], f"{r['seconds']:.2f}")
+            (
+                r["kernel"],
+                r["target"],
+                consts,
+                str(r["num_warps"]),
+                r["result"] if r["result"] != "cached" else f"cached ({r['tier']})",
+                _seconds(r.get("wait_seconds")),
+                _seconds(r.get("compile_seconds")),
+            )
         )
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     for i, row in enumerate(table):
@@ -239,9 +483,24 @@ def _print_summary(rows: list[dict[str, Any]], elapsed: float, cache_dir: Path, 
         f"{counts['failed']} failed in {elapsed:.2f} s  (cache: {cache_dir})",
         file=out,
     )
+    print("wait s: queued for a free worker; compile s: on the worker", file=out)
     for r in rows:
         if r["result"] == "failed":
             print(f"\nFAILED {r['kernel']} {r['target']} {r['constexprs']}:\n{r['error']}", file=out)
+
+
+def _print_shared_summary(shared: dict[str, int], url: str, out: TextIO) -> None:
+    there = shared["kernels"] - shared["missing"]
+    print(
+        f"shared tier {url}: {there} of {shared['kernels']} kernels there ({shared['found']} found, "
+        f"{shared['published']} published); {shared['refused']} refused, "
+        f"{shared['errors']} failed operations",
+        file=out,
+    )
+
+
+def _seconds(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
 
 
 # --- cache stats ----------------------------------------------------------------------------------

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import pty
 import subprocess
 import sys
 import textwrap
@@ -43,9 +45,18 @@ def test_warmup_compiles_the_example_manifest_then_finds_it_cached(tmp_path: Pat
     assert "14/14" in first.stderr  # the progress bar, on stderr
     rows = json.loads(report.read_text())["kernels"]
     assert len(rows) == 14 and all(len(r["key"]) == 64 for r in rows)
-    second = acompile_cmd("warmup", str(ROOT / "examples" / "manifest.toml"), "--cache-dir", str(cache))
+    # Queue wait and compile time apart, for each kernel a worker compiled.
+    header = first.stdout.splitlines()[0].split()
+    assert header[-4:] == ["wait", "s", "compile", "s"], first.stdout
+    assert all(r["wait_seconds"] >= 0 and r["compile_seconds"] > 0 for r in rows), rows
+    second = acompile_cmd(
+        "warmup", str(ROOT / "examples" / "manifest.toml"), "--cache-dir", str(cache), "--json", str(report)
+    )
     assert second.returncode == 0, second.stderr
     assert "14 kernels: 0 compiled, 14 cached, 0 failed" in second.stdout
+    assert "cached (disk)" in second.stdout
+    rows = json.loads(report.read_text())["kernels"]
+    assert all(r["wait_seconds"] is None and r["compile_seconds"] is None for r in rows)
     stats = acompile_cmd("cache", "stats", "--cache-dir", str(cache))
     assert stats.returncode == 0
     assert "entries: 14" in stats.stdout and "triton: 14 entries" in stats.stdout
@@ -108,8 +119,116 @@ def test_warmup_explains_a_bad_manifest(tmp_path: Path) -> None:
     assert missing.returncode == 2 and "no manifest at" in missing.stderr
 
 
+def test_warmup_log_lines_start_on_their_own_line_under_the_progress_bar(tmp_path: Path) -> None:
+    (tmp_path / "kernels_bad2.py").write_text(
+        "import triton, triton.language as tl\n\n"
+        "@triton.jit\ndef good(x_ptr, BLOCK: tl.constexpr):\n    tl.store(x_ptr + tl.arange(0, BLOCK), 1.0)\n\n"
+        "@triton.jit\ndef bad(x_ptr, BLOCK: tl.constexpr):\n    tl.store(x_ptr + tl.arange(0, BLOCK), nothing)\n"
+    )
+    defaults = (
+        '[defaults]\ntargets = ["cuda:90"]\nsignature = { x_ptr = "*fp32" }\nconstexprs = { BLOCK = 64 }\n'
+    )
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(defaults + '[[kernel]]\nkernel = "kernels_bad2.py:good"\n')
+    cached = acompile_cmd("warmup", str(manifest), "--cache-dir", str(tmp_path / "c"))
+    assert cached.returncode == 0, cached.stderr
+    # Now the good kernel is a disk hit, which draws the bar long before the bad one has failed
+    # on a worker (that needs a worker to start first).
+    manifest.write_text(manifest.read_text() + '[[kernel]]\nkernel = "kernels_bad2.py:bad"\n')
+    # stderr on a terminal: the progress bar redraws its line there, and a log record must not
+    # land in the middle of it.
+    controller, terminal = pty.openpty()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "acompile", "warmup", str(manifest), "--cache-dir", str(tmp_path / "c")],
+            stdout=subprocess.PIPE,
+            stderr=terminal,
+            text=True,
+            timeout=300,
+            env=subprocess_env(),
+        )
+        os.close(terminal)
+        terminal = -1
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(controller, 65536)
+            except OSError:  # EIO: the terminal's other end is closed and drained
+                break
+            if not chunk:
+                break
+            seen += chunk
+    finally:
+        os.close(controller)
+        if terminal != -1:
+            os.close(terminal)
+    assert proc.returncode == 1
+    err = seen.decode().replace("\r\n", "\n")
+    assert "1/2" in err.split("acompile: WARNING")[0], repr(err)
+    warning = err.index("acompile: WARNING: compile of bad failed")
+    assert err[warning - 1] == "\n", repr(err)
+    assert err[warning:].split("\n", 1)[1].startswith("\r["), repr(err)  # the bar goes on below it
+
+
+def test_version_and_python_m_acompile() -> None:
+    import acompile
+
+    out = subprocess.run(
+        [sys.executable, "-m", "acompile", "--version"], capture_output=True, text=True, env=subprocess_env()
+    )
+    assert out.returncode == 0 and out.stdout.strip() == f"acompile {acompile.__version__}"
+    usage = subprocess.run(
+        [sys.executable, "-m", "acompile"], capture_output=True, text=True, env=subprocess_env()
+    )
+    assert usage.returncode == 2 and "usage: acompile" in usage.stderr
+
+
+def test_a_reader_that_goes_away_is_not_an_error_with_a_traceback(tmp_path: Path) -> None:
+    (tmp_path / "cache").mkdir()
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # as `| head -1` does once it has its line
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "acompile", "cache", "stats", "--cache-dir", str(tmp_path / "cache")],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            env=subprocess_env(),
+        )
+    finally:
+        os.close(write_end)
+    assert out.returncode == 141, out.stderr
+    assert out.stderr == ""
+
+
+def test_bench_help_names_the_command() -> None:
+    out = acompile_cmd("bench", "--help")
+    assert out.returncode == 0
+    assert out.stdout.startswith("usage: acompile bench"), out.stdout
+    assert "_bench" not in out.stdout
+    bad = acompile_cmd("bench", "--no-such-option")
+    assert bad.returncode == 2 and "acompile bench: error:" in bad.stderr
+
+
+def test_a_bad_shared_cache_url_says_what_a_good_one_looks_like() -> None:
+    for url in ("redis:/bad", "redis://host:6379/zero", "redis://host:port/0", "http://host"):
+        out = acompile_cmd("warmup", str(ROOT / "examples" / "manifest.toml"), "--shared-cache", url)
+        assert out.returncode == 2, (url, out.stderr)
+        assert "redis://HOST:PORT/DB" in out.stderr and url in out.stderr, out.stderr
+        assert "invalid literal" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_cache_commands_refuse_a_folder_that_does_not_exist(tmp_path: Path) -> None:
+    for command in (["stats"], ["prune", "--max-age", "1d"], ["export", str(tmp_path / "b.tar.gz")]):
+        out = acompile_cmd("cache", *command, "--cache-dir", str(tmp_path / "typo"))
+        assert out.returncode == 2, (command, out.stdout)
+        assert f"{tmp_path / 'typo'} does not exist" in out.stderr
+
+
 def test_cache_stats_on_an_empty_folder(tmp_path: Path) -> None:
-    out = acompile_cmd("cache", "stats", "--cache-dir", str(tmp_path / "nothing"))
+    (tmp_path / "empty").mkdir()
+    out = acompile_cmd("cache", "stats", "--cache-dir", str(tmp_path / "empty"))
     assert out.returncode == 0 and "entries: 0" in out.stdout
 
 

@@ -1,0 +1,102 @@
+"""`acompile warmup --shared-cache`: it says what reached the shared tier, and fails when the
+tier it was asked to fill did not get every kernel."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT, RedisServer, subprocess_env
+
+KERNELS = """
+import triton, triton.language as tl
+
+@triton.jit
+def fill_one(x_ptr, BLOCK: tl.constexpr):
+    tl.store(x_ptr + tl.arange(0, BLOCK), 1.0)
+"""
+
+MANIFEST = """
+[[kernel]]
+kernel = "kernels_shared_cli.py:fill_one"
+signature = { x_ptr = "*fp32" }
+constexprs = [{ BLOCK = 64 }, { BLOCK = 128 }]
+targets = ["cuda:90"]
+"""
+
+
+def warmup(
+    manifest: Path, cache: Path, *args: str
+) -> tuple[subprocess.CompletedProcess[str], dict[str, int]]:
+    report = cache.parent / f"{cache.name}.json"
+    command = ["warmup", str(manifest), "--cache-dir", str(cache), "--workers", "1", "--json", str(report)]
+    out = subprocess.run(
+        [sys.executable, "-m", "acompile", *command, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=subprocess_env(ACOMPILE_SIGNING_KEY="a-test-key-of-enough-bytes"),
+    )
+    shared = json.loads(report.read_text()).get("shared", {}) if report.exists() else {}
+    return out, shared
+
+
+def make_manifest(tmp_path: Path) -> Path:
+    (tmp_path / "kernels_shared_cli.py").write_text(KERNELS)
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(MANIFEST)
+    return manifest
+
+
+def test_warmup_reports_what_it_published_found_and_confirmed(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    manifest = make_manifest(tmp_path)
+    url = redis_server.url
+
+    first, shared = warmup(manifest, tmp_path / "a", "--shared-cache", url)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert (shared["kernels"], shared["published"], shared["found"], shared["missing"]) == (2, 2, 0, 0)
+    assert f"shared tier {url}: 2 of 2 kernels there (0 found, 2 published)" in first.stdout
+
+    # Another machine, an empty disk: both come from the shared tier.
+    other, shared = warmup(manifest, tmp_path / "b", "--shared-cache", url)
+    assert other.returncode == 0, other.stdout + other.stderr
+    assert (shared["found"], shared["published"]) == (2, 0), shared
+    assert "cached (shared)" in other.stdout
+
+    # The first machine again: its disk answers, and the shared tier is checked all the same.
+    again, shared = warmup(manifest, tmp_path / "a", "--shared-cache", url)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert (shared["found"], shared["published"]) == (2, 0), shared
+
+    # The tier lost everything (a restart): the warm disk publishes it again.
+    client = redis_server.client()
+    client.flushall()  # type: ignore[attr-defined]
+    refill, shared = warmup(manifest, tmp_path / "a", "--shared-cache", url)
+    assert refill.returncode == 0, refill.stdout + refill.stderr
+    assert (shared["found"], shared["published"], shared["missing"]) == (0, 2, 0), shared
+    assert client.dbsize() >= 2  # type: ignore[attr-defined]
+
+
+def test_warmup_fails_when_the_shared_tier_is_unreachable(tmp_path: Path) -> None:
+    manifest = make_manifest(tmp_path)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"redis://127.0.0.1:{port}/0"
+
+    out, shared = warmup(manifest, tmp_path / "c", "--shared-cache", url)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "2 kernels: 2 compiled, 0 cached, 0 failed" in out.stdout  # the local cache is filled
+    assert shared["missing"] == 2 and shared["published"] == 0, shared
+    assert f"2 of 2 kernels did not reach the shared tier {url}" in out.stderr
+    assert "Traceback" not in out.stderr
+
+    lenient, shared = warmup(manifest, tmp_path / "c", "--shared-cache", url, "--no-require-shared")
+    assert lenient.returncode == 0, lenient.stdout + lenient.stderr
+    assert shared["missing"] == 2
