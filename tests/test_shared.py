@@ -31,10 +31,6 @@ def spec(block: int = 64) -> acompile.TritonSpec:
     return acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": block})
 
 
-def redis_value(redis: RedisServer, key: str) -> bytes | None:
-    return redis.client().get(f"acompile{key}") or redis.client().get(f"acompile:{key}")  # type: ignore[attr-defined, no-any-return]
-
-
 async def test_a_fresh_replica_takes_the_fleets_entry_and_keeps_it_on_disk(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -53,22 +49,35 @@ async def test_a_fresh_replica_takes_the_fleets_entry_and_keeps_it_on_disk(
         assert tier == "disk" and p.stats()["cache"]["shared_errors"] == 0  # a local hit: no network
 
 
-async def test_unsigned_and_forged_entries_are_refused(
+async def test_replicas_without_the_key_neither_feed_nor_spoil_the_fleet(
     tmp_path: Path, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    async with pool(tmp_path / "unsigned", redis_server) as p:  # no signing key: publishes unsigned
+    async with pool(tmp_path / "unsigned", redis_server) as p:  # no signing key: its own namespace
         await p.compile(spec())
+        assert p.stats()["cache"]["shared_namespace"] == "unsigned"
     async with pool(tmp_path / "strict", redis_server, signing_key=KEY) as p:
-        _, tier = await p.compile_with_tier(spec())
-        assert tier == "compile" and p.stats()["cache"]["shared_rejected"] == 1
-    assert any("not signed" in r.message for r in caplog.records)
+        _, tier = await p.compile_with_tier(spec())  # the unsigned entry is not even looked at
+        assert tier == "compile" and p.stats()["cache"]["shared_rejected"] == 0
+        namespace = p.stats()["cache"]["shared_namespace"]
+    # A replica with the wrong key publishes the same kernel: the fleet's entry stays as it was.
+    client: Any = redis_server.client()
+    [fleet_name] = [k for k in client.keys(f"acompile:{namespace}:*") if b"lease" not in k]
+    fleet_value = client.get(fleet_name)
     async with pool(
         tmp_path / "other-key", redis_server, signing_key="another-key-of-16-bytes", prestart=False
     ) as p:
-        await p.compile(spec(128))
-    async with pool(tmp_path / "strict2", redis_server, signing_key=KEY) as p:
-        _, tier = await p.compile_with_tier(spec(128))
+        _, tier = await p.compile_with_tier(spec())
+        assert tier == "compile"
+    assert client.get(fleet_name) == fleet_value
+    async with pool(tmp_path / "strict2", redis_server, signing_key=KEY, prestart=False) as p:
+        _, tier = await p.compile_with_tier(spec())
+        assert tier == "shared" and p.stats()["cache"]["shared_rejected"] == 0
+    # Planted in the fleet's namespace without the key: refused, counted, compiled again.
+    client.set(fleet_name, fleet_value[:6] + bytes(32) + fleet_value[38:])
+    async with pool(tmp_path / "strict3", redis_server, signing_key=KEY) as p:
+        _, tier = await p.compile_with_tier(spec())
         assert tier == "compile" and p.stats()["cache"]["shared_rejected"] == 1
+    assert any("does not verify" in r.message for r in caplog.records)
 
 
 async def test_a_damaged_shared_entry_is_a_miss_and_is_replaced(
@@ -98,13 +107,18 @@ async def test_redis_down_then_back(
         assert tier == "compile" and time.perf_counter() - t0 < 10
         await p.compile(spec(128))  # the tier is skipped while down: no second timeout
         warnings = [r for r in caplog.records if "shared cache unavailable" in r.message]
-        assert len(warnings) == 1
+        assert len(warnings) == 1 and p.stats()["cache"]["shared_available"] is False
         redis_server.start()
-        await anyio.sleep(1.2)  # past the first back-off
+        assert p._shared is not None
+        with anyio.fail_after(10):  # past the back-off, the next operation finds it again
+            while not p._shared.available:
+                await p._shared.get("0" * 64)
+                await anyio.sleep(0.05)
         await p.compile(spec(256))
         with anyio.fail_after(5):
             while p.stats()["cache"]["shared_writes"] < 1:  # noqa: ASYNC110 - the write-behind has no event
                 await anyio.sleep(0.05)
+        assert p.stats()["cache"]["shared_available"] is True
     assert any("reachable again" in r.message for r in caplog.records)
     async with pool(tmp_path / "b", redis_server, prestart=False) as p:
         _, tier = await p.compile_with_tier(spec(256))
@@ -140,12 +154,37 @@ async def test_a_lease_left_by_a_dead_replica_does_not_block_forever(
 
         key = (await _triton.prepare(spec(512), p.target, tmp_path / "memo")).key
     client: Any = redis_server.client()
-    client.set(f"acompile:lease:{key}", b"a-replica-that-died", px=600_000)  # held, never released
     async with pool(tmp_path / "a", redis_server, fleet_wait=0.5) as p:
+        assert p._shared is not None
+        lease = p._shared.lease_value(key, "a-replica-that-died", time.time() + 600)
+        client.set(f"acompile:lease:unsigned:{key}", lease, px=600_000)  # held, never released
         t0 = time.perf_counter()
         _, tier = await p.compile_with_tier(spec(512))
         waited = time.perf_counter() - t0
+        assert p.stats()["cache"]["fleet_waits"] == 1
     assert tier == "compile" and 0.4 < waited < 10
+
+
+@pytest.mark.parametrize("signing_key", [KEY, None], ids=["signed", "unsigned"])
+async def test_a_planted_lease_makes_nobody_wait(
+    tmp_path: Path, redis_server: RedisServer, signing_key: str | None
+) -> None:
+    async with pool(tmp_path / "probe", redis_server, prestart=False, signing_key=signing_key) as p:
+        from acompile._backends import _triton
+
+        key = (await _triton.prepare(spec(1024), p.target, tmp_path / "memo")).key
+        namespace = p.stats()["cache"]["shared_namespace"]
+    client: Any = redis_server.client()
+    client.set(f"acompile:lease:{namespace}:{key}", b"planted, no TTL")
+    async with pool(tmp_path / "a", redis_server, fleet_wait=600, signing_key=signing_key) as p:
+        with anyio.fail_after(120):  # a guard only: honouring the lease would wait 600 s
+            _, tier = await p.compile_with_tier(spec(1024))
+        stats = p.stats()["cache"]
+    assert tier == "compile" and stats["fleet_waits"] == 0 and stats["shared_ignored_leases"] >= 1
+    assert client.get(f"acompile:lease:{namespace}:{key}") == b"planted, no TTL"  # not ours to remove
+    async with pool(tmp_path / "b", redis_server, prestart=False, signing_key=signing_key) as p:
+        _, tier = await p.compile_with_tier(spec(1024))
+    assert tier == "shared"
 
 
 def test_four_processes_race_on_one_key(tmp_path: Path, redis_server: RedisServer) -> None:

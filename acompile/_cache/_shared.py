@@ -1,18 +1,30 @@
 """The shared tier: an aiocache cache (Redis, Memcached) that a fleet of processes shares.
 
-Values are the entries' own bytes, optionally signed: with a signing key, a value is
-``b"ACSIG1" + HMAC-SHA256(key, cache key + entry) + entry`` and a value whose signature does not
-verify is refused (and counted), so only holders of the key can publish what others will load.
-Nothing read from the tier is ever unpickled.
+**Namespaces.** Entries live under ``<namespace>:<cache key>``, where the namespace is the signing
+key's id (``k`` and 16 hex digits of a hash of the key; ``unsigned`` without a key). Replicas
+with different keys (a misconfigured one, say) each keep their own entries: one can neither
+overwrite nor delete another's, and nothing is recompiled because of it.
 
-The tier never fails a compile. Every operation has a short deadline; an error or a timeout
-counts as a miss, logs one warning per outage, and takes the tier out of use for a growing
-back-off (1 s, then doubling to 30 s) so that a dead Redis costs requests nothing; after the
-back-off the next operation tries again, and the client reconnects by itself.
+**Signatures.** With a signing key, a value is ``b"ACSIG2" + HMAC-SHA256(key, name + entry) +
+entry`` (``name``: the namespaced key, so a value cannot be moved to another key), and a value
+whose signature does not verify is refused (and counted): only holders of the key can publish
+what others will load. Nothing read from the tier is ever unpickled.
 
-Fleet-wide single flight uses leases: ``SET lease:<key> <owner> NX PX <ttl>``. The replica
-that takes the lease compiles and publishes; the others poll for the entry, and compile
-themselves if it does not come in time (a replica that died mid-compile lets its lease expire).
+**Faults are misses.** The tier never fails a compile. At most ``max_in_flight`` operations run
+at once (the client's connection pool size: a burst queues instead of exhausting the pool), and
+an operation waits at most ``queue_wait`` for its turn. Every operation has a short deadline; an
+error or a timeout counts as a miss and, the first time, declares an outage: one warning, and
+the tier is skipped for a back-off (0.25 s, doubling to 30 s each time a probe fails). Back-off is
+per outage, not per failed operation: operations that were already under way when it began
+fail without extending it. Past the back-off one operation probes the server (the others still
+skip); any success turns the tier back on at once.
+
+**Fleet-wide single flight** uses leases: ``SET lease:<namespace>:<key> <lease> NX EX <ttl>``.
+A lease holds its owner and its expiry (wall clock), signed like entries; a reader honours only
+a lease that verifies and has not expired (and expires within ``_LEASE_HORIZON``), so a planted
+key (no TTL, garbage, another key's) never makes a replica wait. The replica that takes the lease
+compiles and publishes; the others poll for the entry, and compile themselves if it does not
+come in time or the lease goes away (a replica that died mid-compile lets its lease expire).
 """
 
 from __future__ import annotations
@@ -31,9 +43,17 @@ import anyio
 
 logger = logging.getLogger("acompile")
 
-_SIGNED = b"ACSIG1"
+_SIGNED = b"ACSIG2"
+_LEASE = b"ACLEASE2"
 _DIGEST = 32
+_BACKOFF_FIRST = 0.25
 _BACKOFF_MAX = 30.0
+# A lease claiming to last longer than this is not honoured (no compile takes a day; a planted
+# lease must not stall a kernel for longer than a reader's fleet_wait anyway).
+_LEASE_HORIZON = 24 * 3600.0
+# Operations at once where the client does not say (Redis URLs default to this many connections).
+DEFAULT_MAX_IN_FLIGHT = 16
+UNSIGNED_NAMESPACE = "unsigned"
 
 
 def signing_key_from(value: str | bytes | None) -> bytes | None:
@@ -46,6 +66,14 @@ def signing_key_from(value: str | bytes | None) -> bytes | None:
     if len(key) < 16:
         raise ValueError("a signing key must be at least 16 bytes")
     return key
+
+
+def key_id(signing_key: bytes | None) -> str:
+    """The namespace of a signing key's entries: ``k`` and 16 hex digits of a hash of the key
+    (which says nothing of the key), or ``unsigned``."""
+    if signing_key is None:
+        return UNSIGNED_NAMESPACE
+    return "k" + hashlib.sha256(b"acompile signing key id\0" + signing_key).hexdigest()[:16]
 
 
 def _bytes_serializer() -> Any:
@@ -72,22 +100,28 @@ def check_target(target: Any) -> None:
             raise ValueError(
                 f"unknown shared cache URL {target!r}: use redis://host:port/db or memcached://host:port"
             )
+        _url_max_connections(target)
     elif not all(hasattr(target, m) for m in ("get", "set", "add", "delete", "close")):
         raise ValueError(f"shared_cache must be an aiocache cache or a URL, got {type(target).__name__}")
 
 
 def open_cache(target: Any) -> Any:
     """An aiocache cache from an instance (its serializer is set to pass bytes through) or a URL:
-    ``redis://host:6379/0``, ``rediss://...``, ``memcached://host:11211``."""
+    ``redis://host:6379/0``, ``rediss://...``, ``memcached://host:11211``. A URL may say
+    ``?max_connections=N`` (default 16): the most connections, and operations at once, this
+    process opens to the server."""
     if not isinstance(target, str):
         if not all(hasattr(target, m) for m in ("get", "set", "add", "delete", "close")):
             raise ValueError(f"shared_cache must be an aiocache cache or a URL, got {type(target).__name__}")
         target.serializer = _bytes_serializer()
         return target
     url = urlparse(target)
+    namespace = parse_qs(url.query).get("namespace", ["acompile"])[0]
+    size = _url_max_connections(target)
     try:
         if url.scheme in ("redis", "rediss"):
             from aiocache import RedisCache
+            from redis.asyncio import BlockingConnectionPool
 
             db = int((url.path or "/0").lstrip("/") or 0)
             return RedisCache(
@@ -97,7 +131,12 @@ def open_cache(target: Any) -> Any:
                 db=db,
                 password=url.password,
                 ssl=url.scheme == "rediss",
-                namespace=parse_qs(url.query).get("namespace", ["acompile"])[0],
+                namespace=namespace,
+                pool_max_size=size,
+                # Waits for a free connection instead of raising "Too many connections" (the
+                # tier's own limit keeps it from waiting at all; this is the second guard).
+                connection_pool_class=BlockingConnectionPool,
+                connection_pool_kwargs={"timeout": 5},
             )
         if url.scheme == "memcached":
             from aiocache import MemcachedCache
@@ -106,7 +145,8 @@ def open_cache(target: Any) -> Any:
                 serializer=_bytes_serializer(),
                 endpoint=url.hostname or "127.0.0.1",
                 port=url.port or 11211,
-                namespace=parse_qs(url.query).get("namespace", ["acompile"])[0],
+                namespace=namespace,
+                pool_size=size,
             )
     except ImportError as exc:
         raise ValueError(f"the shared cache {target!r} needs its client: {exc}") from exc
@@ -115,71 +155,172 @@ def open_cache(target: Any) -> Any:
     )
 
 
+def _url_max_connections(url: str) -> int:
+    value = parse_qs(urlparse(url).query).get("max_connections", [str(DEFAULT_MAX_IN_FLIGHT)])[0]
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise ValueError(f"max_connections in the shared cache URL must be a positive integer, got {value!r}")
+    return size
+
+
+def _pool_size(cache: Any) -> int:
+    """How many operations the cache's client can run at once: its connection pool's size."""
+    pool = getattr(getattr(cache, "client", None), "connection_pool", None)
+    size = getattr(pool, "max_connections", None) or getattr(cache, "pool_size", None)
+    return size if isinstance(size, int) and size > 0 else DEFAULT_MAX_IN_FLIGHT
+
+
 class SharedTier:
+    """Bytes in, bytes out, over an aiocache cache; faults are misses (see the module's docstring).
+
+    ``counts``: ``writes`` (values published), ``write_failures`` (publications that did not
+    make it: a fault, the tier off or full), ``rejected`` (values refused: not signed, or a
+    signature that does not verify), ``errors`` (operations that failed or timed out),
+    ``skipped`` (operations not tried: the tier was off, or no turn came within ``queue_wait``),
+    ``ignored_leases`` (leases not honoured: unsigned, forged, garbage or expired).
+    """
+
     name = "shared"
 
-    def __init__(self, cache: Any, signing_key: bytes | None, *, timeout: float = 0.5) -> None:
+    def __init__(
+        self,
+        cache: Any,
+        signing_key: bytes | None,
+        *,
+        timeout: float = 0.5,
+        max_in_flight: int | None = None,
+        queue_wait: float = 5.0,
+    ) -> None:
         self.cache = cache
         self.signing_key = signing_key
+        self.namespace = key_id(signing_key)
         self.timeout = timeout
+        self.queue_wait = queue_wait
+        self.max_in_flight = max_in_flight or _pool_size(cache)
         self.counts: Counter[str] = Counter()
-        self._down_until = 0.0
-        self._backoff = 1.0
-        self._down = False
         self.owner = secrets.token_hex(8)
+        self._turns = anyio.Semaphore(self.max_in_flight)
+        self._down = False
+        self._down_until = 0.0
+        self._backoff = _BACKOFF_FIRST
+        self._probing = False
+        # When the tier last went off or came back (monotonic): an operation that began before
+        # it is part of what was already known, and its failure changes nothing.
+        self._changed_at = 0.0
+
+    @property
+    def available(self) -> bool:
+        """False during an outage (until an operation succeeds again)."""
+        return not self._down
+
+    @property
+    def backoff(self) -> float:
+        """The back-off of the current (or next) outage, in seconds."""
+        return self._backoff
 
     # -- bytes in, bytes out, faults as misses -------------------------------------------------
 
+    def _skip(self) -> bool:
+        if not self._down:
+            return False
+        # Past the back-off, one operation probes the server; the others keep skipping.
+        return time.monotonic() < self._down_until or self._probing
+
     async def _call(self, what: str, operation: Any, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
         """(ok, result): never raises for the tier's own faults."""
-        now = time.monotonic()
-        if now < self._down_until:
-            self.counts["skipped_while_down"] += 1
+        if self._skip():
+            self.counts["skipped"] += 1
+            return False, None
+        # A burst queues here rather than in (or past) the client's connection pool. The wait is
+        # not the server's fault: it neither counts against the operation's deadline nor turns
+        # the tier off.
+        with anyio.move_on_after(self.queue_wait) as queued:
+            await self._turns.acquire()
+        if queued.cancelled_caught:
+            self.counts["skipped"] += 1
+            level = logging.DEBUG if self.counts["full"] else logging.WARNING
+            self.counts["full"] += 1
+            logger.log(level, "shared cache busy: no turn within %.1f s (%s skipped)", self.queue_wait, what)
             return False, None
         try:
-            with anyio.fail_after(self.timeout):
-                result = await operation(*args, **kwargs)
-        except anyio.get_cancelled_exc_class():
-            raise
-        except ValueError as exc:
-            if what == "lease" and "already exists" in str(exc):  # aiocache's add(): key taken
-                return True, False
-            self._fault(what, exc)
-            return False, None
-        except Exception as exc:
-            self._fault(what, exc)
-            return False, None
+            if self._skip():  # it went off while this one queued
+                self.counts["skipped"] += 1
+                return False, None
+            probe = self._down
+            self._probing = self._probing or probe
+            started = time.monotonic()
+            try:
+                with anyio.fail_after(self.timeout):
+                    result = await operation(*args, **kwargs)
+            except anyio.get_cancelled_exc_class():
+                raise
+            except ValueError as exc:
+                if what == "lease" and "already exists" in str(exc):  # aiocache's add(): key taken
+                    self._up()
+                    return True, False
+                self._fault(what, exc, started)
+                return False, None
+            except Exception as exc:
+                self._fault(what, exc, started)
+                return False, None
+            finally:
+                if probe:
+                    self._probing = False
+            self._up()
+            return True, result
+        finally:
+            self._turns.release()
+
+    def _up(self) -> None:
         if self._down:
             self._down = False
+            self._down_until = 0.0
+            self._backoff = _BACKOFF_FIRST
+            self._changed_at = time.monotonic()
             logger.warning("shared cache is reachable again")
-        self._backoff = 1.0
-        return True, result
 
-    def _fault(self, what: str, exc: BaseException) -> None:
+    def _fault(self, what: str, exc: BaseException, started: float) -> None:
         self.counts["errors"] += 1
-        self._down_until = time.monotonic() + self._backoff
-        self._backoff = min(self._backoff * 2, _BACKOFF_MAX)
-        level = logging.DEBUG if self._down else logging.WARNING
-        self._down = True
         reason = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+        if started < self._changed_at:
+            # Under way when the outage began (or ended): already accounted for.
+            logger.debug("shared cache: %s failed (%s)", what, reason)
+            return
+        now = time.monotonic()
+        if self._down:  # the probe failed: the server is still away
+            self._backoff = min(self._backoff * 2, _BACKOFF_MAX)
+            level = logging.DEBUG
+        else:
+            self._down = True
+            self._backoff = _BACKOFF_FIRST
+            level = logging.WARNING
+        self._down_until = now + self._backoff
+        self._changed_at = now
         logger.log(level, "shared cache unavailable (%s %s); going on with the local tiers", what, reason)
 
+    def _name(self, key: str) -> str:
+        return f"{self.namespace}:{key}"
+
     async def get(self, key: str) -> bytes | None:
-        ok, value = await self._call("get", self.cache.get, key)
+        name = self._name(key)
+        ok, value = await self._call("get", self.cache.get, name)
         if not ok or value is None:
             return None
         if isinstance(value, str):
             value = value.encode("latin-1")
-        return self._unwrap(key, bytes(value))
+        return self._unwrap(name, bytes(value))
 
     async def set(self, key: str, data: bytes) -> bool:
-        ok, _ = await self._call("set", self.cache.set, key, self._wrap(key, data))
-        if ok:
-            self.counts["writes"] += 1
+        name = self._name(key)
+        ok, _ = await self._call("set", self.cache.set, name, self._wrap(name, data))
+        self.counts["writes" if ok else "write_failures"] += 1
         return ok
 
     async def delete(self, key: str) -> None:
-        await self._call("delete", self.cache.delete, key)
+        await self._call("delete", self.cache.delete, self._name(key))
 
     async def close(self) -> None:
         client = getattr(self.cache, "client", None)
@@ -197,54 +338,97 @@ class SharedTier:
 
     # -- signatures -----------------------------------------------------------------------------
 
-    def _mac(self, key: str, data: bytes) -> bytes:
+    def _mac(self, kind: bytes, name: str, data: bytes) -> bytes:
         assert self.signing_key is not None
-        return hmac.new(self.signing_key, key.encode() + b"\0" + data, hashlib.sha256).digest()
+        return hmac.new(
+            self.signing_key, kind + b"\0" + name.encode() + b"\0" + data, hashlib.sha256
+        ).digest()
 
-    def _wrap(self, key: str, data: bytes) -> bytes:
+    def _wrap(self, name: str, data: bytes) -> bytes:
         if self.signing_key is None:
             return data
-        return _SIGNED + self._mac(key, data) + data
+        return _SIGNED + self._mac(b"entry", name, data) + data
 
-    def _unwrap(self, key: str, value: bytes) -> bytes | None:
-        signed = value.startswith(_SIGNED)
+    def _unwrap(self, name: str, value: bytes) -> bytes | None:
         if self.signing_key is None:
-            # No key here: nothing to verify against; the entry's own checksum still applies.
-            return value[len(_SIGNED) + _DIGEST :] if signed else value
-        if not signed:
-            self._refuse(key, "is not signed")
+            # No key, the unsigned namespace: the entry's own checksum still applies.
+            return value
+        if not value.startswith(_SIGNED):
+            self._refuse(name, "is not signed")
             return None
         mac, data = value[len(_SIGNED) : len(_SIGNED) + _DIGEST], value[len(_SIGNED) + _DIGEST :]
-        if not hmac.compare_digest(mac, self._mac(key, data)):
-            self._refuse(key, "has a signature that does not verify")
+        if not hmac.compare_digest(mac, self._mac(b"entry", name, data)):
+            self._refuse(name, "has a signature that does not verify")
             return None
         return data
 
-    def _refuse(self, key: str, why: str) -> None:
+    def _refuse(self, name: str, why: str) -> None:
         level = logging.DEBUG if self.counts["rejected"] else logging.WARNING
         self.counts["rejected"] += 1
-        logger.log(level, "shared cache entry %s… %s with this signing key; refused", key[:16], why)
+        logger.log(level, "shared cache entry %s… %s with this signing key; refused", name[:24], why)
 
     # -- fleet-wide single flight ----------------------------------------------------------------
 
+    def _lease_name(self, key: str) -> str:
+        return f"lease:{self.namespace}:{key}"
+
+    def lease_value(self, key: str, owner: str, expires: float) -> bytes:
+        """A lease for ``key`` held by ``owner`` until ``expires`` (seconds since the epoch)."""
+        body = f"{owner} {expires:.3f}".encode()
+        mac = self._mac(b"lease", self._lease_name(key), body) if self.signing_key is not None else b""
+        return _LEASE + mac + body
+
+    def _lease_holder(self, key: str, value: Any) -> str | None:
+        """The owner of a lease value that is ours to honour (it verifies and has not expired)."""
+        if value is None:
+            return None
+        raw = value.encode("latin-1") if isinstance(value, str) else bytes(value)
+        body = raw[len(_LEASE) :]
+        ok = raw.startswith(_LEASE)
+        if ok and self.signing_key is not None:
+            mac, body = body[:_DIGEST], body[_DIGEST:]
+            ok = hmac.compare_digest(mac, self._mac(b"lease", self._lease_name(key), body))
+        try:
+            owner, expires_text = body.decode("ascii").split(" ")
+            expires = float(expires_text)
+        except (UnicodeDecodeError, ValueError):
+            ok = False
+        else:
+            now = time.time()
+            ok = ok and now < expires < now + _LEASE_HORIZON
+        if not ok:
+            level = logging.DEBUG if self.counts["ignored_leases"] else logging.WARNING
+            self.counts["ignored_leases"] += 1
+            logger.log(
+                level,
+                "shared cache lease for %s… is unsigned, forged, damaged or expired; not waiting on it",
+                key[:16],
+            )
+            return None
+        return owner
+
     async def take_lease(self, key: str, ttl: float) -> bool | None:
-        """True: ours to compile; False: another replica compiles it; None: tier unavailable."""
+        """True: ours to compile; False: another replica compiles it; None: no single flight
+        (the tier is unavailable, or the lease found there is not one to honour)."""
+        value = self.lease_value(key, self.owner, time.time() + ttl)
         ok, added = await self._call(
-            "lease", self.cache.add, f"lease:{key}", self.owner.encode(), ttl=max(1, int(ttl))
+            "lease", self.cache.add, self._lease_name(key), value, ttl=max(1, int(ttl))
         )
         if not ok:
             return None
-        return bool(added)
+        if added:
+            return True
+        ok, holder = await self._call("lease", self.cache.get, self._lease_name(key))
+        if not ok:
+            return None
+        return False if self._lease_holder(key, holder) is not None else None
 
     async def release_lease(self, key: str) -> None:
-        ok, holder = await self._call("lease", self.cache.get, f"lease:{key}")
-        if (
-            ok
-            and holder is not None
-            and bytes(holder if isinstance(holder, bytes) else holder.encode()) == self.owner.encode()
-        ):
-            await self._call("lease", self.cache.delete, f"lease:{key}")
+        ok, holder = await self._call("lease", self.cache.get, self._lease_name(key))
+        if ok and holder is not None and self._lease_holder(key, holder) == self.owner:
+            await self._call("lease", self.cache.delete, self._lease_name(key))
 
     async def lease_held(self, key: str) -> bool:
-        ok, holder = await self._call("lease", self.cache.exists, f"lease:{key}")
-        return bool(ok and holder)
+        """Whether another replica holds a lease on ``key`` that is to be honoured."""
+        ok, holder = await self._call("lease", self.cache.get, self._lease_name(key))
+        return bool(ok and self._lease_holder(key, holder) is not None)
