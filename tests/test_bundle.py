@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -36,6 +37,13 @@ from acompile._errors import AcompileError
 pytestmark = pytest.mark.anyio
 
 DAY = 86400.0
+KEY = b"a-signing-key-for-the-tests"
+OTHER_KEY = b"another-signing-key-of-16-bytes"
+
+
+@pytest.fixture(autouse=True)
+def no_signing_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ACOMPILE_SIGNING_KEY", raising=False)
 
 
 def parts_for(i: int, **changes: Any) -> dict[str, Any]:
@@ -208,6 +216,110 @@ async def test_members_outside_the_bundle_or_not_entries_are_refused(
     monkeypatch.setattr(bundle, "MAX_MEMBER_BYTES", 100)
     big = await import_bundle(tmp_path / "other", path)
     assert "over the" in dict(big.rejected)[f"entries/{key}"] and big.entries == 0
+
+
+async def test_a_member_whose_name_ends_in_a_newline_is_refused_and_the_rest_imported(
+    tmp_path: Path,
+) -> None:
+    (key, _), (other, other_data) = make_entry(parts_for(0)), make_entry(parts_for(1))
+    # An intact entry for the name's "key" (newline included), so only the name can refuse it.
+    data = Entry(key=f"{key}\n", backend="triton", name="add_kernel", blobs={"cubin": b"x"}, meta={}).encode()
+    path = tmp_path / "b.tgz"
+    write_bundle(path, [(f"entries/{key}\n", data), (f"entries/{other}", other_data)])
+    report = await import_bundle(tmp_path / "cache", path)
+    assert report.entries == 1 and on_disk(tmp_path / "cache") == {other: other_data}
+    reason = dict(report.rejected)[f"entries/{key}\n"]
+    assert "not an entry" in reason and "\\n" in reason  # the name is shown escaped
+
+
+def read_members(path: Path) -> tuple[dict[str, Any], list[tuple[str, bytes]]]:
+    with tarfile.open(path, "r:gz") as tar:
+        members = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers()]  # type: ignore[union-attr]
+    return json.loads(members[0][1]), members[1:]
+
+
+def forge(data: bytes, key: str) -> bytes:
+    """The entry with its cubin replaced and its checksum recomputed: intact, but not what was
+    exported."""
+    from acompile._cache._entry import decode
+
+    entry = decode(data, key)
+    entry.blobs["cubin"] = b"\x7fELF evil code" + bytes(100)
+    return entry.encode()
+
+
+async def test_a_signed_bundle_is_verified_and_a_forged_entry_refused(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    entries = await fill(cache_dir, 4)
+    path = tmp_path / "seed.tgz"
+    report = await export_bundle(cache_dir, path, signing_key=KEY)
+    assert report.ok and report.signature == "signed" and "signed" in report.summary()
+    info, members = read_members(path)
+    assert info["signature"]["algorithm"] == "hmac-sha256" and KEY.decode() not in json.dumps(info)
+    assert sorted(info["digests"]) == sorted(entries)
+    report = await import_bundle(tmp_path / "replica", path, signing_key=KEY)
+    assert report.ok and report.entries == 4 and report.signature == "verified"
+    assert on_disk(tmp_path / "replica") == entries
+
+    # An entry swapped for a forged one (intact, its checksum recomputed): refused, the rest imported.
+    victim = members[1][0]
+    key = victim.removeprefix("entries/")
+    forged = [(n, forge(d, key) if n == victim else d) for n, d in members]
+    write_bundle(path, forged, manifest=info)
+    report = await import_bundle(tmp_path / "replica2", path, signing_key=KEY)
+    assert report.entries == 3 and key not in on_disk(tmp_path / "replica2")
+    assert "signed digest" in dict(report.rejected)[victim]
+    # ...and with the description's digest changed to match, the signature no longer verifies:
+    # nothing at all is imported.
+    info["digests"][key] = hashlib.sha256(dict(forged)[victim]).hexdigest()
+    write_bundle(path, forged, manifest=info)
+    with pytest.raises(AcompileError, match="signature does not verify"):
+        await import_bundle(tmp_path / "replica3", path, signing_key=KEY)
+    assert not on_disk(tmp_path / "replica3")
+    # A member the signed description does not list is refused.
+    extra_key, extra = make_entry(parts_for(99))
+    await export_bundle(cache_dir, path, signing_key=KEY)
+    info, members = read_members(path)
+    write_bundle(path, [*members, (f"entries/{extra_key}", extra)], manifest=info)
+    report = await import_bundle(tmp_path / "replica4", path, signing_key=KEY)
+    assert report.entries == 4 and "not listed" in dict(report.rejected)[f"entries/{extra_key}"]
+
+
+async def test_an_unsigned_bundle_imports_only_when_allowed(
+    cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    entries = await fill(cache_dir, 2)
+    path = tmp_path / "seed.tgz"
+    report = await export_bundle(cache_dir, path)  # no key anywhere: unsigned
+    assert report.signature == "unsigned" and "signature" not in read_members(path)[0]
+    with pytest.raises(AcompileError, match=r"not signed.*allow_unsigned"):
+        await import_bundle(tmp_path / "replica", path, signing_key=KEY)
+    monkeypatch.setenv("ACOMPILE_SIGNING_KEY", KEY.decode())  # the key as the shared tier takes it
+    with pytest.raises(AcompileError, match="not signed"):
+        await import_bundle(tmp_path / "replica", path)
+    assert not on_disk(tmp_path / "replica")
+    report = await import_bundle(tmp_path / "replica", path, allow_unsigned=True)
+    assert report.ok and report.signature == "unsigned (allowed)" and on_disk(tmp_path / "replica") == entries
+    assert any("not signed" in r.message and r.levelname == "WARNING" for r in caplog.records)
+    assert "NOT authenticated" in report.summary()
+    # Exports now sign with the environment's key.
+    assert (await export_bundle(cache_dir, path)).signature == "signed"
+    assert (await import_bundle(tmp_path / "replica2", path)).signature == "verified"
+
+
+async def test_a_bundle_signed_with_another_key_is_refused_even_when_unsigned_ones_are_allowed(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    await fill(cache_dir, 2)
+    path = tmp_path / "seed.tgz"
+    await export_bundle(cache_dir, path, signing_key=OTHER_KEY)
+    with pytest.raises(AcompileError, match="another signing key"):
+        await import_bundle(tmp_path / "replica", path, signing_key=KEY, allow_unsigned=True)
+    assert not on_disk(tmp_path / "replica")
+    # Without a key here there is nothing to verify with: imported, and said so.
+    report = await import_bundle(tmp_path / "replica", path)
+    assert report.entries == 2 and report.signature == "not verified (no signing key)"
 
 
 async def test_a_file_that_is_not_a_bundle_is_a_clear_error(tmp_path: Path) -> None:

@@ -1,17 +1,25 @@
 """Cache bundles, pruning and key explanations: the operations on a whole cache folder.
 
-- ``export_bundle(root, path, keys=None)``: the folder's entries (or the ones named) in one
-  gzip'd tar archive, for seeding another machine or replica.
-- ``import_bundle(root, path)``: load a bundle into a folder, verifying every entry.
+- ``export_bundle(root, path, keys=None, *, signing_key=None)``: the folder's entries (or the
+  ones named) in one gzip'd tar archive, for seeding another machine or replica; signed where a
+  signing key is configured.
+- ``import_bundle(root, path, *, signing_key=None, allow_unsigned=False)``: load a bundle into a
+  folder, verifying its signature (where a signing key is configured) and every entry.
 - ``prune(root, max_bytes=..., max_age_s=...)``: bound a folder by size and age.
 - ``explain(parts_a, parts_b)``, ``explain_key(root, key)``, ``explain_miss(root, parts)``: which
   factors of a key differ, from the key parts an entry records in its header.
 
 A bundle is a tar archive (gzip) holding ``acompile-bundle.json`` first (the bundle's format,
-acompile's version, when it was made, how many entries it holds), then one member per entry,
-``entries/<key>``, holding the entry's bytes exactly as the disk tier stores them. Nothing in a
-bundle is trusted: an importer takes only members whose name is a key and whose bytes are a whole,
-intact entry for that key (``_entry.decode``), and writes them through the disk tier (atomic).
+acompile's version, when it was made, how many entries it holds, the SHA-256 of each entry and,
+when signed, ``signature``: an HMAC-SHA256 with the signing key over all of that), then one member
+per entry, ``entries/<key>``, holding the entry's bytes exactly as the disk tier stores them. The
+description comes first and lists every entry's digest, so an importer verifies the signature
+before it writes anything, and each entry as it streams past.
+
+Nothing in a bundle is trusted: an importer takes only members whose name is a key and whose
+bytes are a whole, intact entry for that key (``_entry.decode``), listed with that digest where
+the description lists digests, and writes them through the disk tier (atomic). The signing key is
+the shared tier's (the argument, else ``$ACOMPILE_SIGNING_KEY``).
 
 Every blocking step (reading and writing files, hashing, compressing) runs in a worker thread,
 never on the event loop; long ones check for cancellation between entries.
@@ -20,8 +28,11 @@ never on the event loop; long ones check for cancellation between entries.
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import io
 import json
+import logging
 import os
 import re
 import secrets
@@ -41,6 +52,7 @@ import anyio.to_thread
 from acompile._cache._disk import DiskTier
 from acompile._cache._entry import _PREFIX, CorruptEntry, decode, peek_header
 from acompile._cache._keys import make_key
+from acompile._cache._shared import key_id, signing_key_from
 from acompile._errors import AcompileError
 from acompile._version import __version__
 
@@ -49,8 +61,13 @@ MANIFEST_NAME = "acompile-bundle.json"
 ENTRY_PREFIX = "entries/"
 # No entry comes near this: a bigger member is refused unread (a bundle is untrusted input).
 MAX_MEMBER_BYTES = 1 << 30
-_MAX_MANIFEST_BYTES = 1 << 20
-_KEY_RE = re.compile(r"^[0-9a-f]{64}$")
+# The description lists every entry's digest (~135 bytes each): room for ~500,000 entries.
+_MAX_MANIFEST_BYTES = 64 << 20
+# \Z, not $: "$" also matches before a final newline, and "<key>\n" is not a key.
+_KEY_RE = re.compile(r"\A[0-9a-f]{64}\Z")
+_SIGNATURE_ALGORITHM = "hmac-sha256"
+
+logger = logging.getLogger("acompile")
 # Temporary files (names starting with ".") older than this are left over from a writer that died.
 STALE_TEMP_S = 3600.0
 
@@ -69,6 +86,9 @@ class BundleReport:
     ``rejected``: ``(name, reason)`` for each entry left out: damaged, unsafe or unexpected.
     ``missing``: (export) keys asked for that the folder does not hold.
     ``error``: (import) the archive itself is damaged part-way; what came before it was imported.
+    ``signature``: (export) "signed" or "unsigned"; (import) "verified", "unsigned (allowed)",
+    "unsigned" or "not verified (no signing key)" (no key configured here: nothing to check
+    against).
     """
 
     operation: str
@@ -82,6 +102,7 @@ class BundleReport:
     missing: list[str] = field(default_factory=list)
     error: str | None = None
     bundle_info: dict[str, Any] = field(default_factory=dict)
+    signature: str = "unsigned"
 
     @property
     def ok(self) -> bool:
@@ -94,7 +115,7 @@ class BundleReport:
                 text += f"; {_count(len(self.rejected), 'damaged entry', 'damaged entries')} left out"
             if self.missing:
                 text += f"; {_count(len(self.missing), 'key')} not in the cache"
-            return text
+            return text + f"; {self.signature}"
         parts = [f"imported {_count(self.entries, 'entry', 'entries')} ({_human(self.bytes)})"]
         if self.repaired:
             parts.append(f"{self.repaired} of them replacing damaged ones")
@@ -107,6 +128,10 @@ class BundleReport:
         text = ", ".join(parts)
         if self.error:
             text += f"; the archive is damaged: {self.error}"
+        if self.signature == "verified":
+            text += "; signature verified"
+        else:
+            text += f"; NOT authenticated ({self.signature})"
         return text
 
 
@@ -175,27 +200,39 @@ def _human(n: float) -> str:
 
 
 class _Changed(Exception):
-    """An entry changed between the two passes of an export."""
+    """An entry changed between the two passes of an export: gone or damaged (``reason``), or
+    rewritten, intact, with other bytes (``digest``: its new one)."""
 
-    def __init__(self, key: str, reason: str | None) -> None:
-        self.key, self.reason = key, reason
+    def __init__(self, key: str, reason: str | None, digest: str | None = None) -> None:
+        self.key, self.reason, self.digest = key, reason, digest
 
 
-async def export_bundle(root: Path, path: Path, keys: Iterable[str] | None = None) -> BundleReport:
+async def export_bundle(
+    root: Path,
+    path: Path,
+    keys: Iterable[str] | None = None,
+    *,
+    signing_key: str | bytes | None = None,
+) -> BundleReport:
     """Write the entries of the cache folder ``root`` (all, or those of ``keys``) into a bundle.
 
     Each entry is verified before it goes in; damaged ones are left out and listed in
-    ``rejected``, keys the folder does not hold in ``missing``. The bundle is written to a
-    temporary file beside ``path`` and renamed over it: ``path`` is never a partial bundle.
-    Raises ``OSError`` where ``path`` cannot be written.
+    ``rejected``, keys the folder does not hold in ``missing``. With a signing key (the argument,
+    else ``$ACOMPILE_SIGNING_KEY``: the shared tier's key) the bundle is signed (HMAC-SHA256 over
+    its description, which lists every entry's SHA-256). The bundle is written to a temporary
+    file beside ``path`` and renamed over it: ``path`` is never a partial bundle. Raises
+    ``OSError`` where ``path`` cannot be written, ``ValueError`` for a key under 16 bytes.
     """
+    key = signing_key_from(signing_key)
     disk = DiskTier(root)
-    report = BundleReport("export", Path(path))
+    report = BundleReport("export", Path(path), signature="signed" if key is not None else "unsigned")
     wanted = None if keys is None else list(dict.fromkeys(keys))
-    return await anyio.to_thread.run_sync(_export, disk, Path(path), wanted, report)
+    return await anyio.to_thread.run_sync(_export, disk, Path(path), wanted, report, key)
 
 
-def _export(disk: DiskTier, path: Path, keys: list[str] | None, report: BundleReport) -> BundleReport:
+def _export(
+    disk: DiskTier, path: Path, keys: list[str] | None, report: BundleReport, signing_key: bytes | None
+) -> BundleReport:
     candidates: list[tuple[str, Path]] = []
     if keys is None:
         for entry_path in disk.iter_paths():
@@ -209,26 +246,31 @@ def _export(disk: DiskTier, path: Path, keys: list[str] | None, report: BundleRe
                 report.rejected.append((key, "not a cache key (64 hexadecimal digits)"))
                 continue
             candidates.append((key, disk.path(key)))
-    # Pass 1: verify, so that the bundle's description (written first) holds its true count.
-    good: list[tuple[str, Path]] = []
+    # Pass 1: verify, so that the bundle's description (written first) holds its true count and
+    # every entry's digest.
+    good: dict[str, tuple[Path, str]] = {}
     for key, entry_path in candidates:
         anyio.from_thread.check_cancelled()
-        reason = _check_file(entry_path, key)
-        if reason is None:
-            good.append((key, entry_path))
+        reason, digest = _check_file(entry_path, key)
+        if digest is not None:
+            good[key] = (entry_path, digest)
         elif reason == "absent":
             if keys is not None:
                 report.missing.append(key)
         else:
-            report.rejected.append((key, reason))
-    # Pass 2: write. An entry removed or damaged in between (another process pruning, say) is
-    # left out and the bundle written again, rather than one whose count is wrong.
+            report.rejected.append((key, reason or "damaged"))
+    # Pass 2: write. An entry removed, damaged or rewritten in between (another process pruning
+    # or compiling, say) is left out or takes its new digest, and the bundle is written again,
+    # rather than one whose description is wrong.
     for _ in range(5):
         try:
-            report.entries, report.bytes = _write_bundle(path, good)
+            report.entries, report.bytes = _write_bundle(path, good, signing_key)
             return report
         except _Changed as changed:
-            good = [(k, p) for k, p in good if k != changed.key]
+            if changed.digest is not None:
+                good[changed.key] = (good[changed.key][0], changed.digest)
+                continue
+            del good[changed.key]
             if changed.reason is None:
                 if keys is not None:
                     report.missing.append(changed.key)
@@ -237,22 +279,35 @@ def _export(disk: DiskTier, path: Path, keys: list[str] | None, report: BundleRe
     raise AcompileError(f"cannot export {disk.root}: its entries kept changing while the bundle was written")
 
 
-def _check_file(path: Path, key: str) -> str | None:
-    """None for an intact entry, "absent", or why it is damaged."""
+def _check_file(path: Path, key: str) -> tuple[str | None, str | None]:
+    """(None, its SHA-256) for an intact entry, else ("absent", None) or (why it is damaged, None)."""
     try:
         data = path.read_bytes()
     except (FileNotFoundError, NotADirectoryError):
-        return "absent"
+        return "absent", None
     except OSError as exc:
-        return f"cannot read: {exc}"
+        return f"cannot read: {exc}", None
     try:
         decode(data, key)
     except CorruptEntry as exc:
-        return str(exc)
-    return None
+        return str(exc), None
+    return None, hashlib.sha256(data).hexdigest()
 
 
-def _write_bundle(path: Path, entries: list[tuple[str, Path]]) -> tuple[int, int]:
+def _canonical(description: dict[str, Any]) -> bytes:
+    """What a bundle's signature covers: its description without the signature, as canonical JSON."""
+    unsigned = {k: v for k, v in description.items() if k != "signature"}
+    return b"acompile bundle\0" + json.dumps(unsigned, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _sign(description: dict[str, Any], signing_key: bytes) -> dict[str, str]:
+    mac = hmac.new(signing_key, _canonical(description), hashlib.sha256).hexdigest()
+    return {"algorithm": _SIGNATURE_ALGORITHM, "key_id": key_id(signing_key), "mac": mac}
+
+
+def _write_bundle(
+    path: Path, entries: dict[str, tuple[Path, str]], signing_key: bytes | None
+) -> tuple[int, int]:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     created = time.time()
@@ -260,14 +315,17 @@ def _write_bundle(path: Path, entries: list[tuple[str, Path]]) -> tuple[int, int
     try:
         with open(tmp, "wb") as raw:
             with tarfile.open(fileobj=raw, mode="w:gz", compresslevel=6) as tar:
-                description = {
+                description: dict[str, Any] = {
                     "format": BUNDLE_FORMAT,
                     "acompile": __version__,
                     "created": datetime.datetime.fromtimestamp(created, datetime.timezone.utc).isoformat(),
                     "count": len(entries),
+                    "digests": {key: digest for key, (_, digest) in entries.items()},
                 }
-                _add_member(tar, MANIFEST_NAME, json.dumps(description, indent=2).encode(), created)
-                for key, entry_path in entries:
+                if signing_key is not None:
+                    description["signature"] = _sign(description, signing_key)
+                _add_member(tar, MANIFEST_NAME, json.dumps(description, indent=1).encode(), created)
+                for key, (entry_path, digest) in entries.items():
                     anyio.from_thread.check_cancelled()
                     try:
                         data = entry_path.read_bytes()
@@ -280,6 +338,9 @@ def _write_bundle(path: Path, entries: list[tuple[str, Path]]) -> tuple[int, int
                         decode(data, key)
                     except CorruptEntry as exc:
                         raise _Changed(key, str(exc)) from None
+                    now = hashlib.sha256(data).hexdigest()
+                    if now != digest:
+                        raise _Changed(key, None, now)
                     _add_member(tar, ENTRY_PREFIX + key, data, mtime)
                     total += len(data)
             # The archive is whole (gzip trailer included) once tarfile has closed it.
@@ -325,6 +386,10 @@ class _BundleReader:
         self._tar: tarfile.TarFile | None = None
         self.info: dict[str, Any] = {}
         self.members_seen = 0
+        # Each entry's SHA-256 as the description lists it (None for bundles that list none),
+        # and whether a verified signature covers the list.
+        self.digests: dict[str, str] | None = None
+        self.signed = False
 
     def open(self) -> None:
         try:
@@ -355,6 +420,11 @@ class _BundleReader:
             info = json.loads(self._read(first))
             if not isinstance(info, dict) or not isinstance(info.get("format"), int):
                 raise ValueError("no format number")
+            digests = info.get("digests")
+            if digests is not None and not (
+                isinstance(digests, dict) and all(isinstance(v, str) for v in digests.values())
+            ):
+                raise ValueError("its digests are not a table of key to SHA-256")
         except (ValueError, tarfile.TarError, EOFError, OSError, zlib.error) as exc:
             self.close()
             raise AcompileError(f"{self.path}: unreadable {MANIFEST_NAME} ({exc})") from None
@@ -389,9 +459,18 @@ class _BundleReader:
             if reason is not None:
                 return _Member(name, reason=reason)
             key = name[len(ENTRY_PREFIX) :]
+            signed = "signed " if self.signed else ""
+            if self.digests is not None and key not in self.digests:
+                return _Member(name, reason=f"refused: not listed in the bundle's {signed}description")
             data = self._read(member)
         except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
             raise _ArchiveDamaged(f"after {self.members_seen} members: {exc}") from None
+        if self.digests is not None and not hmac.compare_digest(
+            hashlib.sha256(data).hexdigest(), self.digests[key]
+        ):
+            return _Member(
+                name, key=key, reason=f"refused: its SHA-256 is not the {signed}digest the bundle lists"
+            )
         try:
             decode(data, key)
         except CorruptEntry as exc:
@@ -419,7 +498,9 @@ def _unsafe(member: tarfile.TarInfo) -> str | None:
     if name == MANIFEST_NAME:
         return "refused: a second bundle description"
     if not name.startswith(ENTRY_PREFIX) or not _KEY_RE.match(name[len(ENTRY_PREFIX) :]):
-        return "refused: not an entry (expected entries/<64 hex digits>)"
+        # A name with a newline or another control character is shown escaped.
+        shown = "" if name.isprintable() else f", got {name!r}"
+        return f"refused: not an entry (expected entries/<64 hex digits>{shown})"
     if not member.isreg():
         return "refused: not a regular file (links and devices are never imported)"
     if member.size > MAX_MEMBER_BYTES:
@@ -427,23 +508,38 @@ def _unsafe(member: tarfile.TarInfo) -> str | None:
     return None
 
 
-async def import_bundle(root: Path, path: Path) -> BundleReport:
-    """Load a bundle into the cache folder ``root``, verifying every entry.
+async def import_bundle(
+    root: Path,
+    path: Path,
+    *,
+    signing_key: str | bytes | None = None,
+    allow_unsigned: bool = False,
+) -> BundleReport:
+    """Load a bundle into the cache folder ``root``, verifying its signature and every entry.
+
+    With a signing key (the argument, else ``$ACOMPILE_SIGNING_KEY``: the shared tier's key), the
+    bundle's signature must verify before anything is written: a bundle signed with another key,
+    or whose signature does not verify, is refused whole; an unsigned one is refused unless
+    ``allow_unsigned`` (then imported with a warning). Without a key there is nothing to verify
+    against: the bundle is imported, and ``report.signature`` says it was not authenticated.
 
     Good entries are written through the disk tier (atomic publish); an entry the folder already
     holds intact is left as it is (``present``, or ``kept`` where its bytes differ); a damaged one
-    in the folder is replaced (``repaired``). Members that are not intact entries, or whose names
-    are not ``entries/<key>``, are ``rejected`` with the reason.
+    in the folder is replaced (``repaired``). Members that are not intact entries, whose names
+    are not ``entries/<key>``, or (where the description lists digests) that are not listed
+    with their SHA-256, are ``rejected`` with the reason.
 
-    Raises ``AcompileError`` when ``path`` is absent or not an acompile bundle (nothing is
-    imported then). An archive damaged part-way sets ``error``; the entries before the damage
-    are imported.
+    Raises ``AcompileError`` when ``path`` is absent, not an acompile bundle, or refused by the
+    signature check (nothing is imported then); ``ValueError`` for a key under 16 bytes. An
+    archive damaged part-way sets ``error``; the entries before the damage are imported.
     """
+    key = signing_key_from(signing_key)
     disk = DiskTier(root)
     report = BundleReport("import", Path(path))
     reader = _BundleReader(Path(path))
     await anyio.to_thread.run_sync(reader.open)
     try:
+        report.signature = _check_signature(reader, key, allow_unsigned)
         report.bundle_info = dict(reader.info)
         await anyio.to_thread.run_sync(disk.prepare)
         entry_members = 0
@@ -460,8 +556,11 @@ async def import_bundle(root: Path, path: Path) -> BundleReport:
             if member.data is None or member.key is None:
                 report.rejected.append((member.name, member.reason or "rejected"))
                 continue
-            await _store(disk, member.key, member.data, report)
-        count = reader.info.get("count")
+            try:
+                await _store(disk, member.key, member.data, report)
+            except ValueError as exc:  # the disk tier refused the key: one member, not the import
+                report.rejected.append((member.name, f"refused: {exc}"))
+        count = len(reader.digests) if reader.digests is not None else reader.info.get("count")
         if report.error is None and isinstance(count, int) and entry_members < count:
             # Members are missing (more than it says is tampering, and those are rejected above).
             report.error = f"the bundle says it holds {count} entries, but only {entry_members} are there"
@@ -469,6 +568,42 @@ async def import_bundle(root: Path, path: Path) -> BundleReport:
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(reader.close)
     return report
+
+
+def _check_signature(reader: _BundleReader, signing_key: bytes | None, allow_unsigned: bool) -> str:
+    """What the import may trust, as ``BundleReport.signature``; raises ``AcompileError`` for a
+    bundle to refuse."""
+    info, path = reader.info, reader.path
+    signature = info.get("signature")
+    digests = info.get("digests")
+    reader.digests = dict(digests) if isinstance(digests, dict) else None
+    if signing_key is None:
+        status = "unsigned" if signature is None else "not verified (no signing key)"
+        logger.warning("importing %s without verifying it: no signing key is configured", path)
+        return status
+    if signature is None:
+        if not allow_unsigned:
+            raise AcompileError(
+                f"{path} is not signed, and a signing key is configured: refused (export it with "
+                "the same signing key, or import it with allow_unsigned=True if you trust it)"
+            )
+        logger.warning("importing %s, which is not signed (allowed): its entries are not authenticated", path)
+        return "unsigned (allowed)"
+    if not isinstance(signature, dict) or signature.get("algorithm") != _SIGNATURE_ALGORITHM:
+        raise AcompileError(f"{path}: its signature is not one this acompile reads ({_SIGNATURE_ALGORITHM})")
+    if signature.get("key_id") != key_id(signing_key):
+        raise AcompileError(
+            f"{path} is signed with another signing key (key id {signature.get('key_id')!r}; this "
+            f"key's id is {key_id(signing_key)!r}): refused"
+        )
+    mac = signature.get("mac")
+    expected = hmac.new(signing_key, _canonical(info), hashlib.sha256).hexdigest()
+    if not isinstance(mac, str) or not hmac.compare_digest(mac, expected):
+        raise AcompileError(f"{path}: the bundle's signature does not verify (it was altered): refused")
+    if reader.digests is None:
+        raise AcompileError(f"{path}: a signed bundle that lists no digests: refused")
+    reader.signed = True
+    return "verified"
 
 
 async def _store(disk: DiskTier, key: str, data: bytes, report: BundleReport) -> None:
