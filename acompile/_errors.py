@@ -23,6 +23,22 @@ caller that cancels, or whose ``anyio.fail_after`` deadline expires, sees its ow
 
 from __future__ import annotations
 
+from typing import Any
+
+# What one error carries of each text (message, log, stderr tail, traceback): compilers have been
+# seen to print tens of megabytes, and an error travels through pipes, logs and pickles. The whole
+# compiler log goes to a file the error names (``log_path``) where it was cut.
+TEXT_LIMIT = 64 * 1024
+
+
+def bounded(text: str, limit: int = TEXT_LIMIT) -> str:
+    """text, or its head and tail with a marker between them if it is longer than limit."""
+    if len(text) <= limit:
+        return text
+    keep = max(0, limit - 100) // 2
+    cut = len(text) - 2 * keep
+    return f"{text[:keep]}\n[... {cut} characters cut ...]\n{text[len(text) - keep :]}"
+
 
 class AcompileError(Exception):
     """Base class of every error acompile raises on purpose."""
@@ -50,7 +66,14 @@ class CompileError(AcompileError):
         log: the compiler's own message.
         stderr_tail: the last part of what the worker's compilers wrote to fd 2 during the job.
         worker_traceback: the traceback of the failure inside the worker, as text.
+        log_path: where the whole log was written when ``log`` had to be cut, else None.
+
+    The message and each text attribute are cut to ``TEXT_LIMIT`` characters (the head and the
+    tail, with a marker between them), however they are set.
     """
+
+    _BOUNDED = frozenset({"log", "stderr_tail", "worker_traceback"})
+    log_path: str | None = None
 
     def __init__(
         self,
@@ -62,12 +85,17 @@ class CompileError(AcompileError):
         stderr_tail: str = "",
         worker_traceback: str = "",
     ) -> None:
-        super().__init__(message)
+        super().__init__(bounded(message))
         self.kernel = kernel
         self.backend = backend
         self.log = log
         self.stderr_tail = stderr_tail
         self.worker_traceback = worker_traceback
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._BOUNDED and isinstance(value, str):
+            value = bounded(value)
+        super().__setattr__(name, value)
 
     def __str__(self) -> str:
         text = super().__str__()
@@ -82,8 +110,9 @@ class CompileError(AcompileError):
 
 def _rebuild_compile_error(cls: type[CompileError], message: str, state: dict[str, object]) -> CompileError:
     err = cls.__new__(cls)
-    Exception.__init__(err, message)
-    err.__dict__.update(state)
+    Exception.__init__(err, bounded(message))
+    for name, value in state.items():
+        setattr(err, name, value)
     return err
 
 

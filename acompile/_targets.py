@@ -31,6 +31,11 @@ class Target:
         return GPUTarget(self.backend, self.arch, self.warp_size)
 
 
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
 def parse_target(value: object) -> Target:
     """Read a target from ``"cuda:90"``, ``"cuda:sm_80"``, ``"hip:gfx942"``, a ``Target`` or a
     Triton ``GPUTarget``. Raises ``UnknownTargetError`` with the accepted forms."""
@@ -40,23 +45,23 @@ def parse_target(value: object) -> Target:
         return parse_target(f"{value.backend}:{value.arch}")
     if not isinstance(value, str):
         raise UnknownTargetError(
-            f"target must be a string such as 'cuda:90', got {type(value).__name__} {value!r}"
+            f"target must be a string such as 'cuda:90', got {type(value).__name__} {_show(value)}"
         )
     m = _TARGET_RE.match(value.strip().lower())
     if m is None:
         raise UnknownTargetError(
-            f"unknown target {value!r}: write '<backend>:<arch>', such as 'cuda:90' (H100), "
+            f"unknown target {_show(value)}: write '<backend>:<arch>', such as 'cuda:90' (H100), "
             "'cuda:80' (A100) or 'hip:gfx942'"
         )
     backend, arch = m["backend"], m["arch"]
     if backend == "cuda":
         digits = arch.removeprefix("sm_").removesuffix("a")
-        if not digits.isdigit() or int(digits) not in CUDA_ARCHS:
+        if not digits.isascii() or not digits.isdigit() or int(digits) not in CUDA_ARCHS:
             known = ", ".join(f"cuda:{a}" for a in sorted(CUDA_ARCHS))
-            raise UnknownTargetError(f"unknown CUDA architecture in {value!r}; known: {known}")
+            raise UnknownTargetError(f"unknown CUDA architecture in {_show(value)}; known: {known}")
         return Target("cuda", int(digits), 32)
     if not arch.startswith("gfx"):
-        raise UnknownTargetError(f"unknown HIP architecture in {value!r}; write e.g. 'hip:gfx942'")
+        raise UnknownTargetError(f"unknown HIP architecture in {_show(value)}; write e.g. 'hip:gfx942'")
     return Target("hip", arch, 64)
 
 

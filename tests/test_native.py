@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import ctypes
 import json
+import pickle
 import shutil
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import anyio
 import pytest
-from conftest import gpu_available, run_python
+from conftest import gpu_available, run_python, subprocess_env
 
 import acompile
 
@@ -163,3 +167,150 @@ def test_scalars_must_carry_their_c_type() -> None:
     assert isinstance(_kernel_arg(0, ctypes.c_float(2.0)), ctypes.c_float)
     with pytest.raises(TypeError, match=r"ctypes.c_int32\(n\)"):
         _kernel_arg(1, 42)
+
+
+# gcc prints each #error with its source line: ~4 MB of log in a fraction of a second.
+FLOOD = "\n".join(f"#error flood {i} " + "x" * 2000 for i in range(1000)) + "\n"
+
+
+def _bounded_error(err: acompile.CompileError) -> None:
+    from acompile._errors import TEXT_LIMIT
+
+    for text in (err.args[0], err.log, err.stderr_tail, err.worker_traceback):
+        assert len(text) <= TEXT_LIMIT
+    assert len(str(err)) <= 2 * TEXT_LIMIT + 100
+    assert len(pickle.dumps(err)) < 5 * TEXT_LIMIT
+
+
+async def test_a_flood_of_compiler_errors_is_cut_and_the_whole_log_saved(cache_dir: Path) -> None:
+    async with pool(cache_dir) as p:
+        with pytest.raises(acompile.CppCompileError) as info:
+            await p.cpp(FLOOD, name="flood")
+        err = info.value
+        assert err.kernel == "flood" and err.backend == "cpp" and err.line == 1
+        _bounded_error(err)
+        assert "characters cut" in err.log and "flood 0 " in err.log and "flood 999 " in err.log
+        assert err.log_path is not None and err.log_path in str(err)
+        saved = Path(err.log_path)
+        assert saved.parent == cache_dir / "logs"
+        whole = await anyio.Path(saved).read_text()
+        assert len(whole) > 2_000_000 and whole.count("flood") >= 2000
+        # The pool goes on.
+        assert (await p.cpp(CPP)).path.exists()
+
+
+def test_every_text_of_a_compile_error_is_bounded_however_it_is_set() -> None:
+    big = "a" * 10_000_000 + "THE END"
+    err = acompile.CUDACompileError(big, kernel="k", backend="cuda", log=big, stderr_tail=big)
+    err.worker_traceback = big
+    _bounded_error(err)
+    assert err.log.endswith("THE END") and err.log.startswith("aaa") and "characters cut" in err.log
+    again = pickle.loads(pickle.dumps(err))
+    assert type(again) is acompile.CUDACompileError and again.log == err.log and again.kernel == "k"
+
+
+def _in_mount_namespace(setup: str, script: str) -> subprocess.CompletedProcess[str]:
+    """Run Python in a private mount namespace after shell commands (mounts) that only it sees."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) to give a test its own mounts")
+    probe = subprocess.run(
+        ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m acompile-probe /mnt"],
+        capture_output=True,
+        text=True,
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a private mount namespace here: {probe.stderr.strip()}")
+    env = subprocess_env()
+    for name in ("CUDA_HOME", "CUDA_PATH"):
+        env.pop(name, None)
+    return subprocess.run(
+        ["unshare", "-m", "sh", "-c", f'{setup} && exec "$0" -c "$1"', sys.executable, script],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+
+
+def test_a_full_disk_is_a_compile_error_and_leaves_no_file(tmp_path: Path) -> None:
+    full, roomy = tmp_path / "full", tmp_path / "roomy"
+    full.mkdir()
+    roomy.mkdir()
+    script = textwrap.dedent(
+        f"""
+        import errno, json, os, tempfile, anyio, acompile
+        from pathlib import Path
+
+        FULL, ROOMY = Path({str(full)!r}), Path({str(roomy)!r})
+        (FULL / "cache").mkdir()
+        (FULL / "tmp").mkdir()
+
+        def fill():  # the tmpfs, to its last byte
+            with open(FULL / "filler", "ab", buffering=0) as f:
+                for chunk in (b"x" * 4096, b"x"):
+                    try:
+                        while True:
+                            f.write(chunk)
+                    except OSError as exc:
+                        assert exc.errno == errno.ENOSPC
+
+        async def attempt(cache_dir):
+            async with acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir, preload=()) as p:
+                try:
+                    await p.cpp({CPP!r}, name="dot")
+                except acompile.AcompileError as exc:
+                    return [type(exc).__name__, str(exc), exc.kernel]
+                return ["ok"]
+
+        async def main():
+            # The library cannot be published into the cache folder.
+            fill()
+            print(json.dumps(await attempt(FULL / "cache")))
+            # The compiler's own work folder is on the full disk.
+            os.environ["TMPDIR"] = tempfile.tempdir = str(FULL / "tmp")
+            fill()
+            print(json.dumps(await attempt(ROOMY / "cache")))
+            left = sorted(str(p.relative_to(FULL)) for p in FULL.rglob("*") if p.is_file())
+            print(json.dumps(left))
+
+        anyio.run(main)
+        """
+    )
+    mount = f"mount -t tmpfs -o size=512k acompile-full {full}"
+    out = _in_mount_namespace(mount, script)
+    assert out.returncode == 0, out.stderr[-3000:]
+    publish, work, left = (json.loads(line) for line in out.stdout.splitlines()[-3:])
+    assert publish[0] == "CppCompileError" and "the disk is full" in publish[1] and publish[2] == "dot"
+    assert work[0] == "CppCompileError" and "the disk is full" in work[1] and work[2] == "dot"
+    assert left == ["filler"], work  # no temporary file anywhere on that disk
+
+
+def test_cuda_without_the_nvrtc_library_says_what_to_install() -> None:
+    import nvidia
+
+    libs = [Path(p) / "cu13" / "lib" for p in nvidia.__path__] + [
+        Path(p) / "cuda_nvrtc" / "lib" for p in nvidia.__path__
+    ]
+    hide = " && ".join(f"mount -t tmpfs -o size=1m acompile-hide {d}" for d in libs if (d / "").is_dir())
+    if not hide:
+        pytest.skip("NVRTC does not come from a wheel here")
+    script = textwrap.dedent(
+        f"""
+        import anyio, acompile
+
+        async def main():
+            async with acompile.CompilePool(1, target="cuda:90", prestart=False, preload=()) as p:
+                try:
+                    await p.cuda({KERNELS!r})
+                except acompile.AcompileError as exc:
+                    print(type(exc).__name__, isinstance(exc, ImportError), p.stats()["workers"]["started"])
+                    print(exc)
+
+        anyio.run(main)
+        """
+    )
+    out = _in_mount_namespace(hide, script)
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, message = out.stdout.split("\n", 1)
+    assert first == "BackendUnavailableError True 0"
+    assert 'pip install "acompile[cuda]"' in message and "NVRTC" in message

@@ -14,6 +14,7 @@ library must be a file to be loaded, and a file that others may be loading is ne
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import re
 import secrets
@@ -28,13 +29,21 @@ import anyio
 
 from acompile._cache._entry import Entry
 from acompile._cache._keys import make_key
-from acompile._errors import DeviceUnavailableError, InvalidSpecError
+from acompile._errors import (
+    BackendUnavailableError,
+    CppCompileError,
+    CUDACompileError,
+    DeviceUnavailableError,
+    InvalidSpecError,
+    bounded,
+)
 from acompile._targets import Target, parse_target
 from acompile._version import __version__
 
 WORKER_MODULE = "acompile._backends._native_worker"
 _CUDA_OUTPUTS = ("cubin", "ptx", "so", "o")
 _GLOBAL_NAME = re.compile(r"__global__\s+(?:[\w:<>,\s*&]+?\s+)?(\w+)\s*\(")
+NVRTC_HINT = 'pip install "acompile[cuda]"'
 
 
 @dataclass(frozen=True)
@@ -84,23 +93,32 @@ def _tool_version(kind: str) -> str:
     """The compiler's own idea of its version, once per process (blocking: from a thread)."""
     if kind not in _tools:
         if kind == "nvrtc":
-            try:
-                from cuda.bindings import nvrtc
-
-                _, major, minor = nvrtc.nvrtcVersion()
-                _tools[kind] = f"nvrtc {major}.{minor}"
-            except ImportError as exc:
-                raise InvalidSpecError(
-                    'compiling CUDA to cubin or PTX needs NVRTC: pip install "cuda-python[all]"'
-                ) from exc
+            _tools[kind] = _nvrtc_version()
         else:
             command = _nvcc() if kind == "nvcc" else _cxx()
             try:
-                out = subprocess.run([command[0], "--version"], capture_output=True, text=True, timeout=30)
-            except OSError as exc:
+                out = subprocess.run([command[0], "--version"], capture_output=True, timeout=30)
+            except (OSError, subprocess.SubprocessError) as exc:
                 raise InvalidSpecError(f"cannot run {command[0]!r}: {exc}") from exc
-            _tools[kind] = (out.stdout or out.stderr).strip().splitlines()[-1 if kind == "nvcc" else 0]
+            text = (out.stdout or out.stderr).decode("utf-8", "replace").strip().splitlines() or ["?"]
+            _tools[kind] = text[-1 if kind == "nvcc" else 0]
     return _tools[kind]
+
+
+def _nvrtc_version() -> str:
+    """NVRTC's version, which also proves its library can be found and loaded here."""
+    try:
+        from cuda.bindings import nvrtc
+
+        _, major, minor = nvrtc.nvrtcVersion()
+    except Exception as exc:
+        # cuda-python missing (ImportError), or present without the NVRTC library: cuda.pathfinder
+        # raises its DynamicLibNotFoundError (a RuntimeError) when it finds no libnvrtc.so.
+        raise BackendUnavailableError(
+            f"compiling CUDA to cubin or PTX needs NVRTC, which cannot be loaded here "
+            f"({type(exc).__name__}: {bounded(str(exc), 500)}): {NVRTC_HINT}"
+        ) from exc
+    return f"nvrtc {major}.{minor}"
 
 
 def _nvcc() -> list[str]:
@@ -121,44 +139,68 @@ def _cxx() -> list[str]:
     return [compiler]
 
 
+def _show(value: Any) -> str:
+    """A value's repr for a message, short however large the value is."""
+    return bounded(repr(value), 200)
+
+
+def _check_text(what: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise InvalidSpecError(f"{what} must be a string, got {type(value).__name__} {_show(value)}")
+    if "\0" in value:
+        # C strings end at NUL: the compiler would silently see only what comes before it.
+        raise InvalidSpecError(f"{what} contains a NUL character (\\0) at offset {value.index(chr(0))}")
+    return value
+
+
 def _arch(value: str | int | None, default: Target | None) -> str:
     if value is None:
         if default is None or default.backend != "cuda":
             raise InvalidSpecError("no architecture: pass arch='sm_90' (or give the pool a cuda target)")
         return str(default.arch)
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise InvalidSpecError(
+            f"arch must be a string such as 'sm_90' or an int such as 90, got {_show(value)}"
+        )
     text = str(value).lower().removeprefix("cuda:").removeprefix("sm_").removeprefix("compute_")
     suffix = "a" if text.endswith("a") else ""
     digits = text.removesuffix("a")
-    if not digits.isdigit():
-        raise InvalidSpecError(f"unknown architecture {value!r}: write e.g. 'sm_90', 90 or 'sm_90a'")
+    if not digits.isascii() or not digits.isdigit():
+        raise InvalidSpecError(f"unknown architecture {_show(value)}: write e.g. 'sm_90', 90 or 'sm_90a'")
     parse_target(f"cuda:{digits}")  # the same list of known architectures as targets
     return digits + suffix
 
 
 def _name(spec: CudaSpec | CppSpec, source: str) -> str:
     if spec.name is not None:
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", spec.name):
-            raise InvalidSpecError(f"name must be an identifier, got {spec.name!r}")
-        return spec.name
+        name = _check_text("name", spec.name)
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise InvalidSpecError(f"name must be an identifier, got {_show(name)}")
+        return name
     found = _GLOBAL_NAME.search(source)
     return found.group(1) if found else ("cuda_module" if isinstance(spec, CudaSpec) else "cpp_library")
 
 
 def _strings(what: str, values: Sequence[str]) -> list[str]:
-    if isinstance(values, str) or not all(isinstance(v, str) for v in values):
-        raise InvalidSpecError(f"{what} must be a list of strings, got {values!r}")
-    return list(values)
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
+        raise InvalidSpecError(f"{what} must be a list of strings, got {_show(values)}")
+    return [_check_text(f"{what}[{i}]", v) for i, v in enumerate(values)]
 
 
 async def prepare(spec: CudaSpec | CppSpec, default_target: Target | None, memo_dir: Path) -> NativeRequest:
-    if not isinstance(spec.source, str) or not spec.source.strip():
+    """Check a spec and compute its key; raises ``InvalidSpecError`` with what to change, or
+    ``BackendUnavailableError`` when the compiler it needs is not installed."""
+    source = _check_text("source", spec.source)
+    if not source.strip():
         raise InvalidSpecError("source must be a non-empty string of C++/CUDA source")
     options = _strings("options", spec.options)
-    name = _name(spec, spec.source)
+    name = _name(spec, source)
     if isinstance(spec, CudaSpec):
         backend = "cuda"
-        if spec.output not in _CUDA_OUTPUTS:
-            raise InvalidSpecError(f"output must be one of {', '.join(_CUDA_OUTPUTS)}, got {spec.output!r}")
+        if not isinstance(spec.output, str) or spec.output not in _CUDA_OUTPUTS:
+            raise InvalidSpecError(
+                f"output must be one of {', '.join(_CUDA_OUTPUTS)}, got {_show(spec.output)}"
+            )
         output = spec.output
         arch = _arch(spec.arch, default_target)
         expressions = _strings("name_expressions", spec.name_expressions)
@@ -186,7 +228,7 @@ async def prepare(spec: CudaSpec | CppSpec, default_target: Target | None, memo_
         "compiler": version,
         "kind": kind,
         "name": name,
-        "source": spec.source,
+        "source": source,
         "output": output,
         "arch": arch,
         "options": options,
@@ -199,13 +241,15 @@ async def prepare(spec: CudaSpec | CppSpec, default_target: Target | None, memo_
         "backend": backend,
         "kind": kind,
         "name": name,
-        "source": spec.source,
+        "source": source,
         "output": output,
         "arch": arch,
         "options": options,
         "name_expressions": expressions,
         "command": command,
         "key_parts": key_parts,
+        # Where a worker writes a compiler log too long for an error (see _logs).
+        "log_dir": str(memo_dir.parent / "logs"),
     }
     return NativeRequest(key, name, backend, output, payload, key_parts)
 
@@ -219,15 +263,29 @@ async def load(request: NativeRequest, entry: Entry, cache_root: Path) -> Any:
     if output in ("cubin", "ptx"):
         return CudaModule(request, entry)
     path = cache_root / "lib" / f"{request.key}.{output}"
-    await anyio.to_thread.run_sync(_publish, path, entry.blobs[output])
-    if output == "o":
-        return ObjectFile(request.name, request.key, path)
-    library = await anyio.to_thread.run_sync(ctypes.CDLL, str(path))
+    try:
+        await anyio.to_thread.run_sync(_publish, path, entry.blobs[output])
+        if output == "o":
+            return ObjectFile(request.name, request.key, path)
+        library = await anyio.to_thread.run_sync(ctypes.CDLL, str(path))
+    except OSError as exc:
+        # A library is loaded from a file, and an object file is for linking: neither can stay
+        # in memory only. The compile succeeded; the file it needs cannot be written (or loaded).
+        cls = CppCompileError if request.backend == "cpp" else CUDACompileError
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            message = (
+                f"the disk is full: cannot write {request.name!r} to {path}; "
+                "free space there or give the pool another cache_dir"
+            )
+        else:
+            message = f"cannot write or load {request.name!r} at {path}: {type(exc).__name__}: {exc}"
+        raise cls(message, kernel=request.name, backend=request.backend, log=str(exc)) from exc
     return SharedLibrary(request.name, request.key, path, library)
 
 
 def _publish(path: Path, data: bytes) -> None:
-    """Write the file once, whole: readers (and dlopen) never see a partial one."""
+    """Write the file once, whole: readers (and dlopen) never see a partial one, and a failed
+    write (a full disk) leaves nothing behind."""
     try:
         if path.stat().st_size == len(data) and path.read_bytes() == data:
             return
@@ -235,8 +293,12 @@ def _publish(path: Path, data: bytes) -> None:
         pass
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class SharedLibrary:

@@ -6,6 +6,7 @@ Each compile returns cache-entry bytes; a rejected source raises ``CUDACompileEr
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -13,8 +14,9 @@ import subprocess
 import tempfile
 from typing import Any
 
+from acompile._backends._logs import save_if_long
 from acompile._cache._entry import Entry
-from acompile._errors import CppCompileError, CUDACompileError
+from acompile._errors import CppCompileError, CUDACompileError, bounded
 
 _scratch = ""
 
@@ -43,22 +45,43 @@ def compile(payload: dict[str, Any]) -> bytes:
     ).encode()
 
 
+_DISK_FULL = "No space left on device"
+
+
+def _error_class(payload: dict[str, Any]) -> type[CppCompileError | CUDACompileError]:
+    return CppCompileError if payload["backend"] == "cpp" else CUDACompileError
+
+
 def _fail(payload: dict[str, Any], log: str, what: str) -> Exception:
-    cls = CppCompileError if payload["backend"] == "cpp" else CUDACompileError
     match = _ERROR_LINE.search(log)
     line = int(match.group(1) or match.group(2)) if match else None
     source_lines = payload["source"].splitlines()
     source_line = source_lines[line - 1].strip() if line and 0 < line <= len(source_lines) else ""
     where = f" at line {line}: {source_line}" if line else ""
     first = next((ln.strip() for ln in log.splitlines() if "error" in ln), log.strip()[:500])
-    err = cls(
-        f"{what} rejected {payload['name']!r}{where}\n{first}",
+    full = ""
+    if _DISK_FULL in log:
+        full = "the disk is full: "
+    path, saved = save_if_long(log, payload.get("log_dir"), payload["name"], payload["key"])
+    err = _error_class(payload)(
+        f"{full}{what} rejected {payload['name']!r}{where}\n{first[:2000]}" + (f"\n{saved}" if saved else ""),
         kernel=payload["name"],
         backend=payload["backend"],
         log=log,
     )
-    err.line, err.source_line = line, source_line
+    err.line, err.source_line, err.log_path = line, source_line, path
     return err
+
+
+def _disk_error(payload: dict[str, Any], exc: OSError, doing: str) -> Exception:
+    """A compile that cannot write its files: a compile error that says why, not a bare OSError."""
+    why = "the disk is full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else f"{type(exc).__name__}: {exc}"
+    return _error_class(payload)(
+        f"cannot compile {payload['name']!r}: {why} ({doing} in {_scratch})",
+        kernel=payload["name"],
+        backend=payload["backend"],
+        log=str(exc),
+    )
 
 
 def _nvrtc(payload: dict[str, Any]) -> tuple[dict[str, bytes], dict[str, Any]]:
@@ -103,25 +126,35 @@ def _nvrtc(payload: dict[str, Any]) -> tuple[dict[str, bytes], dict[str, Any]]:
         }
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-    return {payload["output"]: binary, "log": log.encode()}, {"lowered": lowered, "arch": arch}
+    # Warnings travel with the result; a flood of them is cut as an error's log is.
+    return {payload["output"]: binary, "log": bounded(log).encode()}, {"lowered": lowered, "arch": arch}
 
 
 def _tool(payload: dict[str, Any]) -> tuple[dict[str, bytes], dict[str, Any]]:
-    os.makedirs(_scratch, exist_ok=True)
-    folder = tempfile.mkdtemp(dir=_scratch)
+    doing = "making a work folder"
+    folder = None
     try:
+        os.makedirs(_scratch, exist_ok=True)
+        folder = tempfile.mkdtemp(dir=_scratch)
         suffix = ".cu" if payload["kind"] == "nvcc" else ".cpp"
         source = os.path.join(folder, payload["name"] + suffix)
-        with open(source, "w") as f:
+        doing = "writing the source"
+        with open(source, "w", encoding="utf-8") as f:
             f.write(payload["source"])
         output = os.path.join(folder, "out." + payload["output"])
         command = [*payload["command"], "-o", output, source]
-        done = subprocess.run(command, capture_output=True, text=True, cwd=folder)
-        log = (done.stdout + done.stderr).replace(folder + os.sep, "")
+        doing = f"running {command[0]}"
+        # Bytes, decoded leniently: a compiler may quote the source's bytes in any encoding.
+        done = subprocess.run(command, capture_output=True, cwd=folder)
+        log = (done.stdout + done.stderr).decode("utf-8", "replace").replace(folder + os.sep, "")
         if done.returncode != 0:
             raise _fail(payload, log, "nvcc" if payload["kind"] == "nvcc" else "the C++ compiler")
+        doing = "reading the compiler's output"
         with open(output, "rb") as f:
             binary = f.read()
+    except OSError as exc:
+        raise _disk_error(payload, exc, doing) from None
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    return {payload["output"]: binary, "log": log.encode()}, {"arch": payload.get("arch")}
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+    return {payload["output"]: binary, "log": bounded(log).encode()}, {"arch": payload.get("arch")}
