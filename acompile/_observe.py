@@ -3,6 +3,8 @@
 - ``Tracer`` collects Chrome trace events (the JSON that ui.perfetto.dev and chrome://tracing
   open): one span per request on the requesting side, with its queue wait, its compile on the
   worker's own track and its load, and the tier that answered, as arguments.
+- ``Stats`` (with ``WorkerStats``, ``JobStats``, ``CacheStats``) is the shape of
+  ``CompilePool.stats()``, for type checkers.
 - ``Recorder`` appends every kernel request the pool served to a warm-up manifest (TOML, the
   format ``acompile warmup`` reads), once per distinct request, across runs: replaying it on the
   next deploy compiles what production used.
@@ -17,11 +19,72 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 logger = logging.getLogger("acompile")
 
 _ORIGIN = time.perf_counter()
+
+
+class WorkerStats(TypedDict):
+    """``stats()["workers"]``: the worker processes."""
+
+    size: int
+    alive: int
+    busy: int
+    awake: bool
+    started: int
+    forked: int
+    restarts: dict[str, int]
+    rss_mib: dict[int, float]
+    mean_rss_mib: float | None
+
+
+class JobStats(TypedDict):
+    """``stats()["jobs"]``: compile jobs given to workers."""
+
+    queued: int
+    running: int
+    done: int
+    failed: int
+    cancelled: int
+    retried: int
+
+
+class CacheStats(TypedDict):
+    """``stats()["cache"]``: hits by tier, and what the disk and shared tiers did."""
+
+    memory_entries: int
+    hits_memory: int
+    hits_disk: int
+    hits_shared: int
+    shared_corrupt: int
+    shared_rejected: int
+    shared_errors: int
+    shared_writes: int
+    shared_write_failures: int
+    shared_skipped: int
+    shared_ignored_leases: int
+    shared_available: bool | None
+    shared_namespace: str | None
+    fleet_waits: int
+    misses: int
+    disk_corrupt: int
+    disk_writes: int
+
+
+class Stats(TypedDict):
+    """What ``CompilePool.stats()`` returns (see its docstring for each field)."""
+
+    state: str
+    target: str | None
+    workers: WorkerStats
+    jobs: JobStats
+    cache: CacheStats
+    compiled: int
+    failed: int
+    compile_seconds: dict[str, float]
+    slowest: list[list[str | float]]
 
 
 def _us(t: float) -> float:
@@ -215,4 +278,4 @@ def _manifest_entry(request: Any, spec: Any) -> str | None:
     return "".join(lines)
 
 
-__all__ = ["Recorder", "Tracer"]
+__all__ = ["CacheStats", "JobStats", "Recorder", "Stats", "Tracer", "WorkerStats"]
