@@ -5,7 +5,7 @@ acompile warmup MANIFEST [--workers N] [--target T] [--cache-dir DIR] [--json FI
                          [--shared-cache URL] [--require-shared | --no-require-shared]
 acompile cache stats [--cache-dir DIR]
 acompile cache export FILE [--manifest M] [--target T] [--cache-dir DIR]
-acompile cache import FILE [--cache-dir DIR]
+acompile cache import FILE [--allow-unsigned] [--cache-dir DIR]
 acompile cache prune [--max-size 10GiB] [--max-age 30d] [--dry-run] [--cache-dir DIR]
 acompile cache explain KEY [--against KEY2] [--cache-dir DIR]
 acompile bench [...]        (see acompile bench --help)
@@ -180,6 +180,12 @@ def _main(argv: list[str]) -> int:
     imp = cache_sub.add_parser("import", help="load a bundle into the cache, verifying every entry")
     imp.add_argument("file", type=Path)
     imp.add_argument("--cache-dir", type=Path, default=None, help=dir_help)
+    imp.add_argument(
+        "--allow-unsigned",
+        action="store_true",
+        help="with $ACOMPILE_SIGNING_KEY set, also import a bundle that carries no signature "
+        "(every entry is still verified); a bundle signed with another key is refused all the same",
+    )
 
     prune = cache_sub.add_parser(
         "prune", help="remove entries by age, then the oldest until the cache fits a size"
@@ -594,9 +600,11 @@ def _cache_import(args: argparse.Namespace, root: Path) -> int:
     from acompile._cache._bundle import import_bundle
 
     try:
-        report = anyio.run(import_bundle, root, args.file)
-    except AcompileError as exc:
-        print(f"acompile cache import: {exc}", file=sys.stderr)
+        report = anyio.run(lambda: import_bundle(root, args.file, allow_unsigned=args.allow_unsigned))
+    except (AcompileError, ValueError) as exc:  # ValueError: a signing key under 16 bytes
+        # The API's switch, as this command spells it.
+        message = str(exc).replace("allow_unsigned=True", "--allow-unsigned")
+        print(f"acompile cache import: {message}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"acompile cache import: cannot write to {root}: {exc}", file=sys.stderr)

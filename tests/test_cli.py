@@ -251,3 +251,33 @@ def test_bench_runs_its_rows_side_by_side_and_writes_json(tmp_path: Path) -> Non
     )
     rows = json.loads(report.read_text())["rows"]
     assert {"sequential", "acompile_cold", "warm_acompile"} <= set(rows)
+
+
+def test_cache_import_refuses_an_unsigned_bundle_unless_allowed(tmp_path: Path) -> None:
+    (tmp_path / "cache").mkdir()
+    bundle = str(tmp_path / "b.tar.gz")
+    env = {k: v for k, v in subprocess_env().items() if k != "ACOMPILE_SIGNING_KEY"}
+    run = {"capture_output": True, "text": True, "timeout": 120}
+    exported = subprocess.run(
+        [sys.executable, "-m", "acompile", "cache", "export", bundle, "--cache-dir", str(tmp_path / "cache")],
+        env=env,
+        **run,  # type: ignore[call-overload]
+    )
+    assert exported.returncode == 0 and "unsigned" in exported.stdout, exported.stderr
+    env["ACOMPILE_SIGNING_KEY"] = "a-test-key-of-enough-bytes"
+    command = [
+        sys.executable,
+        "-m",
+        "acompile",
+        "cache",
+        "import",
+        bundle,
+        "--cache-dir",
+        str(tmp_path / "r"),
+    ]
+    refused = subprocess.run(command, env=env, **run)  # type: ignore[call-overload]
+    assert refused.returncode == 2
+    assert "not signed" in refused.stderr and "--allow-unsigned" in refused.stderr, refused.stderr
+    allowed = subprocess.run([*command, "--allow-unsigned"], env=env, **run)  # type: ignore[call-overload]
+    assert allowed.returncode == 0, allowed.stderr
+    assert "NOT authenticated" in allowed.stdout
