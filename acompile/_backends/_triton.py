@@ -11,8 +11,12 @@ import functools
 import hashlib
 import json
 import os
+import pickle
+import subprocess
+import sys
+import tempfile
 import weakref
-from collections import namedtuple
+from collections import OrderedDict, namedtuple
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +27,7 @@ import anyio
 from acompile._backends import _triton_source, _triton_toolchain
 from acompile._cache._entry import Entry
 from acompile._cache._keys import make_key
-from acompile._errors import DeviceUnavailableError, InvalidSpecError
+from acompile._errors import DeviceUnavailableError, InvalidSpecError, bounded
 from acompile._targets import Target, parse_target
 from acompile._version import __version__
 
@@ -151,7 +155,7 @@ async def prepare(spec: TritonSpec, default_target: Target | None, memo_dir: Pat
     target = _resolve_target(spec.target, default_target)
     fn, kernel_ref = await _resolve_kernel(spec)
     signature, constants = _full_signature(fn, spec.signature, spec.constexprs or {})
-    attrs = _normalize_attrs(fn, spec.attrs)
+    attrs = _normalize_attrs(fn, spec.attrs, signature)
     if target.backend not in _option_names_memo:
         await anyio.to_thread.run_sync(_option_names, target.backend)  # imports the backend
     options = _check_options(target, spec)
@@ -196,9 +200,6 @@ def _resolve_target(value: Any, default: Target | None) -> Target:
     return default
 
 
-_source_kernels: dict[str, dict[str, Any]] = {}
-
-
 def _has_cache_key(fn: Any) -> bool:
     key = getattr(fn, "hash", None)  # where JITFunction keeps its computed cache_key
     return isinstance(key, str) and not key.startswith("recursion:")
@@ -219,6 +220,10 @@ async def _resolve_kernel(spec: TritonSpec) -> tuple[Any, dict[str, Any] | None]
     from triton.runtime.jit import JITFunction
 
     fn = spec.fn
+    if spec.kernel_name is not None and (
+        not isinstance(spec.kernel_name, str) or not spec.kernel_name.isidentifier()
+    ):
+        raise InvalidSpecError(f"kernel_name must be a Python identifier, got {_show(spec.kernel_name)}")
     if isinstance(fn, str):
         return await _kernel_from_text(fn, spec.kernel_name)
     if isinstance(fn, JITFunction):
@@ -296,41 +301,176 @@ def _describe(fn: Any) -> dict[str, Any]:
     return ref
 
 
+class SourceKernel:
+    """What the pool's process knows of a kernel defined in a source string.
+
+    The string itself runs in a short-lived process (``_triton_probe``), never here; this holds
+    what came back: the name, Triton's cache key, the parameters. It stands in for the JIT
+    function wherever this process needs one (keying, checking, Triton's launcher). Workers run
+    the string themselves to compile it.
+    """
+
+    launch_metadata = None
+
+    def __init__(self, info: dict[str, Any], digest: str) -> None:
+        self.__name__ = self.__qualname__ = info["name"]
+        self.__module__ = f"acompile_source_{digest[:16]}"
+        self.cache_key: str = info["cache_key"]
+        self.arg_names: list[str] = list(info["arg_names"])
+        self.params = [_SourceParam(*p) for p in info["params"]]
+
+    def __repr__(self) -> str:
+        return f"<SourceKernel {self.__name__} from {self.__module__}>"
+
+
+@dataclass(frozen=True)
+class _SourceParam:
+    name: str
+    is_constexpr: bool
+    has_default: bool
+    default: Any
+
+
+# Source string and kernel name -> (found JIT functions, kernel), for the most recent ones: a
+# cache hit of a source-string kernel costs a hash of the text, not a process. Bounded, as a
+# server may be sent any number of distinct sources.
+SOURCE_MEMO_SIZE = 256
+_source_memo: OrderedDict[tuple[str, str | None], tuple[list[str], SourceKernel | None]] = OrderedDict()
+# The longest a source string's top-level code may run (importing torch on a busy machine takes
+# seconds); a caller's own deadline usually comes first.
+SOURCE_RUN_SECONDS = 300.0
+# Source strings run at most this many at once, each in its own process.
+_probe_limiter = anyio.CapacityLimiter(max(2, os.cpu_count() or 2))
+
+
 async def _kernel_from_text(text: str, kernel_name: str | None) -> tuple[Any, dict[str, Any]]:
-    digest = hashlib.sha256(text.encode()).hexdigest()
+    if "\0" in text:
+        raise InvalidSpecError("the kernel source contains a NUL character (\\0)")
+    digest = await _digest(text)
     filename = f"<acompile-source-{digest[:16]}>"
-    namespace = _source_kernels.get(digest)
-    if namespace is None:
-
-        def run() -> dict[str, Any]:
-            ns = _triton_source.run_source_text(text, filename)
-            _source_kernels[digest] = ns
-            return ns
-
-        try:
-            # Off the loop: the text's own imports (triton.language, ...) may take a while.
-            namespace = await _once(("source", digest), lambda: _source_kernels.get(digest), run)
-        except SyntaxError as exc:
-            raise InvalidSpecError(f"the kernel source does not parse: {exc}") from exc
-        except Exception as exc:
-            raise InvalidSpecError(f"running the kernel source failed: {type(exc).__name__}: {exc}") from exc
-    from triton.runtime.jit import JITFunction
-
-    found = sorted(k for k, v in namespace.items() if isinstance(v, JITFunction))
-    if kernel_name is None:
-        if len(found) != 1:
+    memo = (digest, kernel_name)
+    known = _source_memo.get(memo)
+    if known is None:
+        known = await _once_async(
+            ("source", memo), lambda: _source_memo.get(memo), _probe, text, filename, memo
+        )
+    else:
+        _source_memo.move_to_end(memo)
+    found, fn = known
+    if fn is None:
+        if kernel_name is None:
             raise InvalidSpecError(
                 f"the source defines JIT functions {found}: say which with kernel_name="
                 if found
                 else "the source defines no @triton.jit function"
             )
-        kernel_name = found[0]
-    fn = namespace.get(kernel_name)
-    if not isinstance(fn, JITFunction):
         raise InvalidSpecError(
             f"the source has no @triton.jit function named {kernel_name!r}; it defines {found or 'none'}"
         )
-    return fn, {"kind": "text", "text": text, "filename": filename, "name": kernel_name}
+    return fn, {"kind": "text", "text": text, "filename": filename, "name": fn.__name__}
+
+
+async def _digest(text: str) -> str:
+    if len(text) < 1 << 20:
+        return hashlib.sha256(text.encode()).hexdigest()
+    return await anyio.to_thread.run_sync(lambda: hashlib.sha256(text.encode()).hexdigest())
+
+
+_in_flight: dict[Any, anyio.Event] = {}
+
+
+async def _once_async(key: Any, done: Callable[[], Any], work: Callable[..., Any], *args: Any) -> Any:
+    """await work(*args) once for all the tasks that ask for key at the same time; the others
+    wait and read the result with done(). If the one doing it is cancelled, another takes over."""
+    while (pending := _in_flight.get(key)) is not None:
+        await pending.wait()
+        result = done()
+        if result is not None:
+            return result
+    event = _in_flight[key] = anyio.Event()
+    try:
+        return await work(*args)
+    finally:
+        del _in_flight[key]
+        event.set()
+
+
+async def _probe(
+    text: str, filename: str, memo: tuple[str, str | None]
+) -> tuple[list[str], SourceKernel | None]:
+    """Run the text in a fresh process (see ``_triton_probe``) and remember what it reports."""
+    request = pickle.dumps(
+        {"text": text, "filename": filename, "kernel_name": memo[1], "sys_path": list(sys.path)}
+    )
+    env = dict(os.environ, ACOMPILE_PARENT_PID=str(os.getpid()))
+    async with _probe_limiter:
+        stderr = await anyio.to_thread.run_sync(tempfile.TemporaryFile)
+        try:
+            answer, code = await _run_probe(request, env, stderr)
+            if answer is None:
+                tail = await anyio.to_thread.run_sync(_tail, stderr)
+                raise InvalidSpecError(
+                    f"running the kernel source failed: its process ended with status {code}"
+                    + (f"\n{tail}" if tail.strip() else "")
+                )
+        finally:
+            stderr.close()
+    if not answer["ok"]:
+        if answer["kind"] == "syntax":
+            raise InvalidSpecError(f"the kernel source does not parse: {answer['message']}")
+        raise InvalidSpecError(
+            f"running the kernel source failed: {answer['message']}\n{answer.get('traceback', '')}".rstrip()
+        )
+    kernel = answer["kernel"]
+    result = (answer["found"], SourceKernel(kernel, memo[0]) if kernel is not None else None)
+    _source_memo[memo] = result
+    while len(_source_memo) > SOURCE_MEMO_SIZE:
+        _source_memo.popitem(last=False)
+    return result
+
+
+async def _run_probe(
+    request: bytes, env: dict[str, str], stderr: Any
+) -> tuple[dict[str, Any] | None, int | None]:
+    process = await anyio.open_process(
+        [sys.executable, "-m", "acompile._backends._triton_probe"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        env=env,
+    )
+    try:
+        with anyio.fail_after(SOURCE_RUN_SECONDS):
+            assert process.stdin is not None and process.stdout is not None
+            await process.stdin.send(request)
+            await process.stdin.aclose()
+            chunks = []
+            async for chunk in process.stdout:
+                chunks.append(chunk)
+            code = await process.wait()
+    except TimeoutError:
+        raise InvalidSpecError(
+            f"the kernel source's top-level code ran longer than {SOURCE_RUN_SECONDS:.0f} s"
+        ) from None
+    finally:
+        if process.returncode is None:
+            # Cancelled (the caller's deadline) or timed out: the text's process goes now.
+            with anyio.CancelScope(shield=True):
+                process.kill()
+                await process.wait()
+        with anyio.CancelScope(shield=True):
+            await process.aclose()
+    data = b"".join(chunks)
+    if code != 0 or not data:
+        return None, code
+    return pickle.loads(data), code
+
+
+def _tail(f: Any, limit: int = 8192) -> str:
+    f.seek(0, os.SEEK_END)
+    size = f.tell()
+    f.seek(max(0, size - limit))
+    return str(f.read().decode("utf-8", "replace"))
 
 
 _valid_types: set[str] = set()
@@ -351,6 +491,10 @@ def _full_signature(
 
     params = {p.name: p for p in fn.params}
     for name in [*signature, *constexprs]:
+        if not isinstance(name, str):
+            raise InvalidSpecError(
+                f"signature and constexprs are keyed by parameter names (strings), got {_show(name)}"
+            )
         if name not in params:
             raise InvalidSpecError(
                 f"{fn.__name__} has no parameter {name!r}; its parameters are {list(params)}"
@@ -369,15 +513,15 @@ def _full_signature(
             constants[name] = constexprs[name]
         elif name in signature and signature[name] != "constexpr":
             ty = signature[name]
-            if not isinstance(ty, str):
-                raise InvalidSpecError(f"type of {name!r} must be a string such as '*fp32', got {ty!r}")
+            if not isinstance(ty, str) or "\0" in ty:
+                raise InvalidSpecError(f"type of {name!r} must be a string such as '*fp32', got {_show(ty)}")
             try:
                 if ty not in _valid_types:
                     str_to_ty(ty, None)
                     _valid_types.add(ty)
             except (KeyError, IndexError, ValueError, TypeError):
                 raise InvalidSpecError(
-                    f"unknown Triton type {ty!r} for {name!r}: use e.g. '*fp32' or '*fp16' "
+                    f"unknown Triton type {_show(ty)} for {name!r}: use e.g. '*fp32' or '*fp16' "
                     "(pointers), 'i32', 'i64', 'u32', 'fp32', 'bf16', 'i1'"
                 ) from None
             full[name] = ty
@@ -396,26 +540,70 @@ def _full_signature(
     return full, constants
 
 
-def _normalize_attrs(fn: Any, attrs: Mapping[Any, Any] | None) -> dict[tuple[int, ...], list[list[Any]]]:
+def _normalize_attrs(
+    fn: Any, attrs: Mapping[Any, Any] | None, signature: Mapping[str, str]
+) -> dict[tuple[int, ...], list[list[Any]]]:
     """Triton keys attributes by parameter path ((0,) for the first); accept names too. Triton
-    silently ignores attributes keyed by name, so they are translated here."""
-    if not attrs:
+    silently ignores attributes keyed by name, so they are translated here. Each value is a list
+    of [name, value] pairs, such as ``[["tt.divisibility", 16]]``."""
+    if attrs is None:
         return {}
+    if not isinstance(attrs, Mapping):
+        raise InvalidSpecError(f"attrs must map parameter names or indices to attributes, got {_show(attrs)}")
     names = list(fn.arg_names)
     result: dict[tuple[int, ...], list[list[Any]]] = {}
     for k, v in attrs.items():
         if isinstance(k, str):
             if k not in names:
-                raise InvalidSpecError(f"attrs names {k!r}, which is not a parameter of {fn.__name__}")
+                raise InvalidSpecError(
+                    f"attrs names {_show(k)}, which is not a parameter of {fn.__name__}; "
+                    f"its parameters are {names}"
+                )
             path: tuple[int, ...] = (names.index(k),)
-        elif isinstance(k, int):
+        elif isinstance(k, int) and not isinstance(k, bool):
             path = (k,)
-        elif isinstance(k, tuple) and all(isinstance(i, int) for i in k):
+        elif isinstance(k, tuple) and k and all(isinstance(i, int) and not isinstance(i, bool) for i in k):
             path = k
         else:
-            raise InvalidSpecError(f"attrs keys are parameter names or index tuples, got {k!r}")
-        result[path] = [list(a) for a in v]
+            raise InvalidSpecError(f"attrs keys are parameter names or index tuples, got {_show(k)}")
+        if not 0 <= path[0] < len(names) or any(i < 0 for i in path):
+            raise InvalidSpecError(
+                f"attrs index {_show(k)} is out of range: {fn.__name__} has {len(names)} parameters "
+                f"(0 to {len(names) - 1})"
+            )
+        if signature.get(names[path[0]]) == "constexpr":
+            raise InvalidSpecError(
+                f"attrs[{_show(k)}]: {names[path[0]]!r} is a constexpr; "
+                "attributes apply to runtime parameters"
+            )
+        result[path] = _attr_pairs(k, v)
     return result
+
+
+def _attr_pairs(k: Any, v: Any) -> list[list[Any]]:
+    wrong = InvalidSpecError(
+        f"attrs[{_show(k)}] must be a list of [name, value] pairs such as "
+        f"[['tt.divisibility', 16]], got {_show(v)}"
+    )
+    if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
+        raise wrong
+    pairs = []
+    for pair in v:
+        if (
+            isinstance(pair, (str, bytes))
+            or not isinstance(pair, (list, tuple))
+            or len(pair) != 2
+            or not isinstance(pair[0], str)
+            or "\0" in pair[0]
+        ):
+            raise wrong
+        value = pair[1]
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise InvalidSpecError(
+                f"attrs[{_show(k)}]: the value of {pair[0]!r} must be an int or a string, got {_show(value)}"
+            )
+        pairs.append([pair[0], value])
+    return pairs
 
 
 _option_names_memo: dict[str, frozenset[str]] = {}
@@ -433,23 +621,37 @@ def _option_names(backend: str) -> frozenset[str]:
 
 
 def _check_options(target: Target, spec: TritonSpec) -> dict[str, Any]:
+    if not isinstance(spec.options, Mapping) or not all(isinstance(k, str) for k in spec.options):
+        raise InvalidSpecError(f"options must map option names to values, got {_show(spec.options)}")
     options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages, **spec.options}
     known = _option_names(target.backend)
     unknown = sorted(set(options) - known)
     if unknown:
-        raise InvalidSpecError(f"unknown Triton option(s) {unknown} for {target}; known: {sorted(known)}")
+        raise InvalidSpecError(
+            f"unknown Triton option(s) {_show(unknown)} for {target}; known: {sorted(known)}"
+        )
     warps = options["num_warps"]
-    if not isinstance(warps, int) or warps < 1 or warps & (warps - 1):
-        raise InvalidSpecError(f"num_warps must be a power of two (1, 2, 4, 8, 16, 32), got {warps!r}")
+    # bool is an int to Python, and True would be a cache key of its own for num_warps=1.
+    if not isinstance(warps, int) or isinstance(warps, bool) or warps not in (1, 2, 4, 8, 16, 32):
+        raise InvalidSpecError(
+            f"num_warps must be a power of two from 1 to 32 (1, 2, 4, 8, 16, 32), got {_show(warps)}"
+        )
     stages = options["num_stages"]
-    if not isinstance(stages, int) or stages < 1:
-        raise InvalidSpecError(f"num_stages must be a positive integer, got {stages!r}")
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+        raise InvalidSpecError(f"num_stages must be a positive integer, got {_show(stages)}")
     for name, value in options.items():
         try:
-            json.dumps(value)
-        except TypeError:
-            raise InvalidSpecError(f"option {name}={value!r} is not a plain value") from None
+            text = json.dumps(value)
+        except (TypeError, ValueError):
+            raise InvalidSpecError(f"option {name}={_show(value)} is not a plain value") from None
+        if "\\u0000" in text:
+            raise InvalidSpecError(f"option {name} contains a NUL character (\\0)")
     return dict(sorted(options.items()))
+
+
+def _show(value: Any) -> str:
+    """A value's repr for a message, short however large the value is."""
+    return bounded(repr(value), 200)
 
 
 def _canonical(name: str, value: Any) -> Any:

@@ -23,6 +23,7 @@ import runpy
 import sys
 import textwrap
 import types
+from collections import OrderedDict
 from typing import Any
 
 _FUTURE_FLAGS = 0
@@ -156,7 +157,19 @@ class _Describer:
 
 # --- the worker's half --------------------------------------------------------------------------
 
-_materialized: dict[str, Any] = {}
+# The kernels this worker has built, most recent last. Bounded: a long-lived worker may be sent
+# any number of distinct source strings; a kernel dropped here is built again if asked for.
+MATERIALIZED_SIZE = 256
+_materialized: OrderedDict[str, Any] = OrderedDict()
+
+
+def _remember(memo: str, fn: Any) -> None:
+    _materialized[memo] = fn
+    while len(_materialized) > MATERIALIZED_SIZE:
+        old, _ = _materialized.popitem(last=False)
+        if old.startswith("<acompile-source-"):
+            # Registered by run_source_text for this text only (and again if it comes back).
+            linecache.cache.pop(old.rsplit(":", 1)[0], None)
 
 
 def materialize(ref: dict[str, Any]) -> Any:
@@ -172,7 +185,9 @@ def materialize(ref: dict[str, Any]) -> Any:
         if fn.cache_key != ref["cache_key"]:
             # The rebuilt kernel is not the one the parent keyed: import the real one instead.
             fn = _import(ref["fallback"])
-        _materialized[memo] = fn
+        _remember(memo, fn)
+    else:
+        _materialized.move_to_end(memo)
     return fn
 
 
@@ -198,11 +213,13 @@ def _import(ref: dict[str, Any]) -> Any:
 
 
 def _from_text(ref: dict[str, Any]) -> Any:
-    memo = ref["filename"]
+    memo = ref["filename"] + ":" + ref["name"]
     fn = _materialized.get(memo)
     if fn is None:
         fn = run_source_text(ref["text"], ref["filename"])[ref["name"]]
-        _materialized[memo] = fn
+        _remember(memo, fn)
+    else:
+        _materialized.move_to_end(memo)
     return fn
 
 

@@ -1,0 +1,120 @@
+"""Wrong arguments are refused before any worker starts, each with a message naming the argument."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import TARGET
+from kernels_for_tests import ADD_SIG, add_kernel
+from test_native import CPP, KERNELS
+
+import acompile
+
+pytestmark = pytest.mark.anyio
+
+OK = {"signature": ADD_SIG, "constexprs": {"BLOCK": 64}}
+
+TRITON_CASES: list[tuple[dict[str, Any], str]] = [
+    ({"num_warps": 64}, r"num_warps must be a power of two from 1 to 32.*got 64"),
+    ({"num_warps": 2**20}, r"num_warps must be a power of two from 1 to 32"),
+    ({"num_warps": True}, r"num_warps must be .*got True"),
+    ({"num_warps": 0}, r"num_warps must be"),
+    ({"num_warps": 4.0}, r"num_warps must be"),
+    ({"num_warps": "4"}, r"num_warps must be"),
+    ({"num_stages": True}, r"num_stages must be a positive integer, got True"),
+    ({"num_stages": 0}, r"num_stages must be a positive integer"),
+    ({"num_stages": "3"}, r"num_stages must be a positive integer"),
+    ({"attrs": {5: [["tt.divisibility", 16]]}}, r"attrs index 5 is out of range: add_kernel has 5 param"),
+    ({"attrs": {4: [["tt.divisibility", 16]]}}, r"'BLOCK' is a constexpr; attributes apply to runtime"),
+    ({"attrs": {(9, 0): [["tt.divisibility", 16]]}}, r"attrs index \(9, 0\) is out of range"),
+    ({"attrs": {-1: [["tt.divisibility", 16]]}}, r"attrs index -1 is out of range"),
+    ({"attrs": {True: [["tt.divisibility", 16]]}}, r"attrs keys are parameter names or index tuples"),
+    ({"attrs": {"y": [["tt.divisibility", 16]]}}, r"attrs names 'y', which is not a parameter"),
+    ({"attrs": {"x_ptr": 16}}, r"attrs\['x_ptr'\] must be a list of \[name, value\] pairs"),
+    (
+        {"attrs": {"x_ptr": [["tt.divisibility"]]}},
+        r"attrs\['x_ptr'\] must be a list of \[name, value\] pairs",
+    ),
+    ({"attrs": {"x_ptr": [["tt.divisibility", 1.5]]}}, r"the value of 'tt.divisibility' must be an int"),
+    ({"attrs": [("x_ptr", 16)]}, r"attrs must map parameter names or indices"),
+    ({"signature": [("x_ptr", "*fp32")]}, r"signature must map parameter names"),
+    ({"signature": {**ADD_SIG, 0: "i32"}}, r"keyed by parameter names \(strings\), got 0"),
+    ({"signature": {**ADD_SIG, "n": "i3\0" + "2"}}, r"type of 'n' must be a string such as '\*fp32'"),
+    ({"signature": {**ADD_SIG, "n": 32}}, r"type of 'n' must be a string"),
+    ({"constexprs": [("BLOCK", 64)]}, r"constexprs must map names to values"),
+    ({"kernel_name": 5}, r"kernel_name must be a Python identifier, got 5"),
+    ({"kernel_name": "add\0kernel"}, r"kernel_name must be a Python identifier"),
+    ({"target": 90}, r"target must be a string such as 'cuda:90', got int"),
+    ({"target": "cuda:9\0" + "0"}, r"unknown target"),
+    ({"enable_fp_fusion": "\0"}, r"option enable_fp_fusion contains a NUL character"),
+    ({"num_wraps": 4}, r"unknown Triton option\(s\) \['num_wraps'\]"),
+]
+
+
+def pool(cache_dir: Path) -> acompile.CompilePool:
+    return acompile.CompilePool(1, target=TARGET, cache_dir=cache_dir, prestart=False, preload=())
+
+
+async def test_triton_arguments_are_checked_before_any_worker(cache_dir: Path) -> None:
+    async with pool(cache_dir) as p:
+        for change, message in TRITON_CASES:
+            with pytest.raises(acompile.InvalidSpecError, match=message):
+                await p.triton(add_kernel, **{**OK, **change})
+        with pytest.raises(acompile.InvalidSpecError, match=r"contains a NUL character"):
+            await p.triton("import triton\0", kernel_name="k", signature={})
+        assert p.stats()["workers"]["started"] == 0
+
+
+async def test_num_warps_true_is_not_a_cache_key_of_its_own(cache_dir: Path) -> None:
+    async with pool(cache_dir) as p:
+        with pytest.raises(acompile.InvalidSpecError):
+            await p.triton(add_kernel, **OK, num_warps=True)
+        from acompile._backends import _triton
+
+        for warps in (1, 2, 4, 8, 16, 32):
+            spec = acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 64}, num_warps=warps)
+            request = await _triton.prepare(spec, p.target, p.cache_dir / "toolchain")
+            assert request.key_parts["options"]["num_warps"] == warps
+        assert p.stats()["workers"]["started"] == 0
+
+
+NATIVE_CASES: list[tuple[str, dict[str, Any], str]] = [
+    ("cuda", {"source": KERNELS + "\0// rest"}, r"source contains a NUL character \(\\0\) at offset"),
+    ("cuda", {"source": b"__global__ void k() {}"}, r"source must be a string, got bytes"),
+    ("cuda", {"source": None}, r"source must be a string, got NoneType"),
+    ("cuda", {"options": ["-DX=1\0-DY=2"]}, r"options\[0\] contains a NUL character"),
+    ("cuda", {"options": [3]}, r"options\[0\] must be a string, got int"),
+    ("cuda", {"options": 3}, r"options must be a list of strings, got 3"),
+    ("cuda", {"name_expressions": ["scale<float>\0"]}, r"name_expressions\[0\] contains a NUL character"),
+    ("cuda", {"name": "sax\0py"}, r"name contains a NUL character"),
+    ("cuda", {"name": 5}, r"name must be a string, got int"),
+    ("cuda", {"arch": True}, r"arch must be a string such as 'sm_90' or an int"),
+    ("cuda", {"arch": 9.0}, r"arch must be a string"),
+    ("cuda", {"arch": "sm_\N{FULLWIDTH DIGIT NINE}0"}, r"unknown architecture"),
+    ("cuda", {"output": ["cubin"]}, r"output must be one of cubin, ptx, so, o"),
+    ("cpp", {"include_dirs": ["/usr/include\0"]}, r"include_dirs\[0\] contains a NUL character"),
+    ("cpp", {"include_dirs": "/usr/include"}, r"include_dirs must be a list of strings"),
+    ("cpp", {"options": ("-O2", None)}, r"options\[1\] must be a string, got NoneType"),
+]
+
+
+async def test_native_arguments_are_checked_before_any_worker(cache_dir: Path) -> None:
+    async with pool(cache_dir) as p:
+        for backend, change, message in NATIVE_CASES:
+            kwargs = {"source": KERNELS if backend == "cuda" else CPP, **change}
+            source = kwargs.pop("source")
+            with pytest.raises(acompile.InvalidSpecError, match=message):
+                await getattr(p, backend)(source, **kwargs)
+        assert p.stats()["workers"]["started"] == 0
+
+
+async def test_long_wrong_values_make_short_messages(cache_dir: Path) -> None:
+    async with pool(cache_dir) as p:
+        with pytest.raises(acompile.InvalidSpecError) as info:
+            await p.cuda(KERNELS, options=["-O3", 7] + ["x" * 1000] * 10_000)
+        assert len(str(info.value)) < 400
+        with pytest.raises(acompile.InvalidSpecError) as info:
+            await p.triton(add_kernel, **OK, num_warps=[4] * 1_000_000)
+        assert len(str(info.value)) < 400

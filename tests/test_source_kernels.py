@@ -1,0 +1,179 @@
+"""Kernels given as Python source strings: their top-level code runs in a process of its own, so a
+deadline stops it and nothing else waits behind it; what the pool keeps of them is bounded."""
+
+from __future__ import annotations
+
+import linecache
+import os
+import time
+import warnings
+from pathlib import Path
+
+import anyio
+import psutil
+import pytest
+import triton
+from conftest import TARGET
+from kernels_for_tests import ADD_SIG, add_kernel
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import acompile
+from acompile._backends import _triton, _triton_source
+
+pytestmark = pytest.mark.anyio
+
+KERNEL = """
+import os, sys
+import triton
+import triton.language as tl
+
+SCALE = tl.constexpr(3.0)
+{top}
+
+@triton.jit
+def scaled(x_ptr, n, BLOCK: tl.constexpr = 128):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=m) * SCALE + {n}, mask=m)
+"""
+
+
+def source(n: int = 0, top: str = "") -> str:
+    return KERNEL.format(n=n, top=top)
+
+
+def pool(cache_dir: Path, workers: int = 1, **kw: object) -> acompile.CompilePool:
+    return acompile.CompilePool(workers, target=TARGET, cache_dir=cache_dir, **kw)  # type: ignore[arg-type]
+
+
+def _helpers() -> list[psutil.Process]:
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "_triton_probe" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
+                found.append(child)
+        except psutil.Error:
+            pass
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_helper_left_behind() -> object:
+    yield
+    assert not _helpers(), "a source string's process outlived its request"
+
+
+async def test_the_same_ptx_as_triton_and_the_text_never_runs_here(cache_dir: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "ran-in.txt"
+    text = source(top=f"with open({str(marker)!r}, 'a') as f: f.write(f'{{os.getpid()}}\\n')")
+    async with pool(cache_dir) as p:
+        k = await p.triton(text, signature={"x_ptr": "*fp32", "n": "i32"})
+        again, tier = await p.compile_with_tier(acompile.TritonSpec(text, {"x_ptr": "*fp32", "n": "i32"}))
+    assert again is k and tier == "memory"
+    ran_in = (await anyio.Path(marker).read_text()).split()
+    assert str(os.getpid()) not in ran_in  # neither the request nor the cache hit ran it here
+    assert len(ran_in) == 2  # once to key it (its own process), once in the worker that compiled it
+
+    # Triton's own compile of the same text, run here, under the same file name.
+    digest = __import__("hashlib").sha256(text.encode()).hexdigest()
+    filename = f"<acompile-source-{digest[:16]}>"
+    fn = _triton_source.run_source_text(text, filename)["scaled"]
+    linecache.cache.pop(filename)
+    os.environ["TRITON_CACHE_DIR"] = str(tmp_path / "triton-ref")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref = triton.compile(
+                ASTSource(fn, {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 128}),
+                target=GPUTarget("cuda", 90, 32),
+                options={"num_warps": 4, "num_stages": 3},
+            )
+    finally:
+        del os.environ["TRITON_CACHE_DIR"]
+    assert k.asm["ptx"] == ref.asm["ptx"] and k.cubin == ref.asm["cubin"]
+    assert k.name == "scaled" and k.metadata.num_warps == 4
+
+
+async def test_a_deadline_stops_a_source_that_sleeps_or_spins(cache_dir: Path) -> None:
+    async with pool(cache_dir, prestart=False) as p:
+        for top in ("import time; time.sleep(20)", "while True: pass"):
+            start = time.monotonic()
+            with pytest.raises(TimeoutError):
+                with anyio.fail_after(3):
+                    await p.triton(source(top=top), signature={"x_ptr": "*fp32", "n": "i32"})
+            assert time.monotonic() - start < 10, top
+            assert not _helpers()
+        # The pool is none the worse: the same kernel without the stall compiles.
+        assert (await p.triton(source(), signature={"x_ptr": "*fp32", "n": "i32"})).cubin
+
+
+async def test_a_stalled_source_does_not_hold_up_other_requests(cache_dir: Path) -> None:
+    stalled_done = False
+    async with pool(cache_dir, workers=2) as p, anyio.create_task_group() as tg:
+        stalled = anyio.CancelScope()
+
+        async def stall() -> None:
+            nonlocal stalled_done
+            with stalled:
+                await p.triton(
+                    source(top="import time; time.sleep(60)"), signature={"x_ptr": "*fp32", "n": "i32"}
+                )
+                stalled_done = True
+
+        tg.start_soon(stall)
+        with anyio.fail_after(50):  # "did not hang": it would take 60 s behind the stalled one
+            # Another source string, and a JIT function, both compiled while it sleeps.
+            other = await p.triton(source(n=7), signature={"x_ptr": "*fp32", "n": "i32"})
+            jit = await p.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 64})
+        assert other.cubin and jit.cubin and not stalled_done
+        stalled.cancel()
+    assert not stalled_done
+
+
+async def test_errors_in_the_source_are_invalid_spec_errors(cache_dir: Path) -> None:
+    sig = {"x_ptr": "*fp32", "n": "i32"}
+    async with pool(cache_dir, prestart=False) as p:
+        with pytest.raises(
+            acompile.InvalidSpecError, match=r"running the kernel source failed: ZeroDivisionError"
+        ):
+            await p.triton(source(top="1 / 0"), signature=sig)
+        with pytest.raises(acompile.InvalidSpecError, match=r"its process ended with status 3\n.*going away"):
+            await p.triton(
+                source(top="sys.stderr.write('going away'); sys.stderr.flush(); os._exit(3)"), signature=sig
+            )
+        with pytest.raises(acompile.InvalidSpecError, match=r"no @triton.jit function named 'other'.*scaled"):
+            await p.triton(source(), kernel_name="other", signature=sig)
+        assert p.stats()["workers"]["started"] == 0
+
+
+async def test_what_the_pool_keeps_of_source_strings_is_bounded(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_triton, "SOURCE_MEMO_SIZE", 3)
+    monkeypatch.setattr(_triton, "_source_memo", type(_triton._source_memo)())
+    big = "# " + "padding " * 12_000  # ~100 KB a source
+    async with pool(cache_dir, prestart=False) as p:
+        for i in range(8):
+            text = source(n=i, top=big)
+            fn, _ = await _triton._kernel_from_text(text, None)
+            assert fn.__name__ == "scaled" and len(_triton._source_memo) <= 3
+        assert p.stats()["workers"]["started"] == 0
+    # Only small facts are kept, never the text or what it defined.
+    assert not any(str(name).startswith("<acompile-source-") for name in linecache.cache)
+
+
+def test_a_worker_keeps_a_bounded_number_of_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_triton_source, "MATERIALIZED_SIZE", 4)
+    monkeypatch.setattr(_triton_source, "_materialized", type(_triton_source._materialized)())
+    names = []
+    for i in range(10):
+        text = source(n=i)
+        name = f"<acompile-source-test{i:011d}>"
+        names.append(name)
+        fn = _triton_source.materialize({"kind": "text", "text": text, "filename": name, "name": "scaled"})
+        assert fn.__name__ == "scaled"
+        assert len(_triton_source._materialized) <= 4
+    assert [n for n in names if n in linecache.cache] == names[-4:]
+    for name in names[-4:]:
+        linecache.cache.pop(name, None)
