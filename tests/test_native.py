@@ -314,3 +314,14 @@ def test_cuda_without_the_nvrtc_library_says_what_to_install() -> None:
     first, message = out.stdout.split("\n", 1)
     assert first == "BackendUnavailableError True 0"
     assert 'pip install "acompile[cuda]"' in message and "NVRTC" in message
+
+
+async def test_a_worker_failure_with_a_huge_message_is_cut(cache_dir: Path) -> None:
+    async with acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir, preload=()) as p:
+        with pytest.raises(acompile.CompileError) as info:
+            await p._run(
+                "fake_backend", {"action": "raise", "message": "m" * 40_000_000, "name": "big"}, "big"
+            )
+    err = info.value
+    assert err.kernel == "big" and "ValueError" in str(err)
+    _bounded_error(err)

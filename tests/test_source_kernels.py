@@ -177,3 +177,19 @@ def test_a_worker_keeps_a_bounded_number_of_kernels(monkeypatch: pytest.MonkeyPa
     assert [n for n in names if n in linecache.cache] == names[-4:]
     for name in names[-4:]:
         linecache.cache.pop(name, None)
+
+
+async def test_a_huge_triton_error_is_cut_and_saved_whole(cache_dir: Path) -> None:
+    text = KERNEL.replace("    offs = ", "    # " + "noise " * 40_000 + "\n    undefined_thing\n    offs = ")
+    text = text.format(n=0, top="")
+    async with pool(cache_dir) as p:
+        with pytest.raises(acompile.CompileError) as info:
+            await p.triton(text, signature={"x_ptr": "*fp32", "n": "i32"})
+    err = info.value
+    assert err.kernel == "scaled" and err.backend == "triton"
+    assert "undefined_thing" in err.log and "characters cut" in err.log
+    for part in (err.args[0], err.log, err.stderr_tail, err.worker_traceback):
+        assert len(part) <= 64 * 1024
+    assert err.log_path is not None and err.log_path in str(err)
+    whole = await anyio.Path(err.log_path).read_text()
+    assert whole.count("noise") == 40_000 and "undefined_thing" in whole

@@ -188,6 +188,8 @@ async def prepare(spec: TritonSpec, default_target: Target | None, memo_dir: Pat
         "env": env,
         # Stored with the entry, so that a miss that should have been a hit can be explained.
         "key_parts": key_parts,
+        # Where a worker writes a compiler message too long for an error (see _logs).
+        "log_dir": str(memo_dir.parent / "logs"),
     }
     return TritonRequest(key, fn.__name__, target, fn, signature, constants, attrs, payload, key_parts)
 

@@ -14,6 +14,7 @@ import triton.language as tl
 from triton import knobs
 from triton.compiler import ASTSource
 
+from acompile._backends._logs import save_if_long
 from acompile._backends._triton_source import materialize
 from acompile._cache._entry import Entry
 from acompile._errors import CompileError
@@ -92,12 +93,16 @@ def compile(payload: dict[str, Any]) -> bytes:
             compiled = triton.compile(src, target=target, options=dict(payload["options"]))
     except Exception as exc:
         message = str(exc).strip() or type(exc).__name__
-        raise CompileError(
-            f"Triton failed to compile {payload['name']!r} for {payload['target']}:\n{message}",
+        path, saved = save_if_long(message, payload.get("log_dir"), payload["name"], payload["key"])
+        err = CompileError(
+            f"Triton failed to compile {payload['name']!r} for {payload['target']}:\n{message}"
+            + (f"\n{saved}" if saved else ""),
             kernel=payload["name"],
             backend="triton",
             log=message,
-        ) from None
+        )
+        err.log_path = path
+        raise err from None
     try:
         blobs = {}
         for filename, path in compiled.metadata_group.items():
