@@ -60,6 +60,13 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # "the compiler crashed": a job whose worker dies of one is retried once on a fresh worker.
 _EXTERNAL = frozenset({-signal.SIGKILL, -signal.SIGTERM, -signal.SIGHUP, -signal.SIGINT, -signal.SIGQUIT})
 _TOP_N = 10
+# Starts that fail for a lasting reason (the preload raised, the worker exited with a status)
+# this many times in a row, or for any reason this many times, with no worker alive: the queued
+# jobs fail with the reason instead of waiting for a worker that will not come.
+_HARD_START_FAILURES = 2
+# A worker stopped by a signal (SIGSTOP) this long is replaced; its job is retried.
+_STOPPED_LIMIT = 5.0
+_START_FAILURES = 12
 
 
 class JobCancelled(AcompileError):
@@ -185,6 +192,7 @@ class _WorkerBase:
         self.stop_cause: str | None = None
         self.idle_scope: anyio.CancelScope | None = None
         self.started = time.monotonic()
+        self.stopped_since: float | None = None
 
     async def send_bytes(self, data: bytes) -> None:
         await self._send.send(data)
@@ -211,10 +219,7 @@ class _SpawnedWorker(_WorkerBase):
 
     def signal_kill(self) -> None:
         if self.process.returncode is None:
-            try:
-                self.process.kill()
-            except ProcessLookupError:
-                pass
+            _kill_group(self.pid)
 
     async def wait_exit(self) -> None:
         await self.process.wait()
@@ -250,10 +255,7 @@ class _ForkedWorker(_WorkerBase):
     def signal_kill(self) -> None:
         # The template reaps its children and tells us; until then the pid is still this one's.
         if not self.exited.is_set():
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_group(self.pid)
 
     async def close(self) -> None:
         with anyio.CancelScope(shield=True):
@@ -266,8 +268,26 @@ async def _stop(worker: _SpawnedWorker | _ForkedWorker) -> int | None:
         worker.signal_kill()
         with anyio.move_on_after(5):
             await worker.wait_exit()
+        # Whatever ended the worker (a kill from outside, a crash), the compilers it started are
+        # still in its process group: they go with it. The group's id cannot be reused by another
+        # process while any of them lives.
+        _kill_group(worker.pid)
         await worker.close()
     return worker.returncode
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL the process group that worker pid leads (it and every compiler it started)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        # Not a group of ours (the pid was never a group leader): the process alone.
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 async def _close(stream: anyio.abc.AsyncResource) -> None:
@@ -310,8 +330,8 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with status {code}"
 
 
-def _rss_all(pids: list[int]) -> list[int | None]:
-    return [_rss(pid) for pid in pids]
+def _sample_all(pids: list[int]) -> list[tuple[int | None, bool]]:
+    return [(_rss(pid), _is_stopped(pid)) for pid in pids]
 
 
 def _rss(pid: int) -> int | None:
@@ -321,6 +341,16 @@ def _rss(pid: int) -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether a process is stopped by a signal (state T in /proc/PID/stat; Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # The name is in parentheses and may hold spaces: the state follows the last ")".
+            return f.read().rpartition(b")")[2].split()[0] == b"T"
+    except (OSError, IndexError):
+        return False
 
 
 # --- the template -----------------------------------------------------------------------------
@@ -376,14 +406,22 @@ class _Template:
         ):
             pass
         finally:
-            # Without the template, its workers die too (parent-death signal): tell their slots.
+            # Without the template, its workers die too (parent-death signal): tell their slots,
+            # and that their jobs are not to blame.
             self.lost.set()
             for worker in self.workers.values():
+                worker.stop_cause = worker.stop_cause or "template"
                 worker.set_exited(-signal.SIGKILL)
 
     async def serve_connections(self, listener: anyio.abc.SocketListener) -> None:
         try:
             async with anyio.create_task_group() as tg:
+
+                async def close_when_lost() -> None:
+                    await self.lost.wait()  # its forks are over: so is their listener
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(close_when_lost)
                 while True:
                     stream = await listener.accept()
                     tg.start_soon(self._introduce, stream)
@@ -398,6 +436,11 @@ class _Template:
                 reader = BufferedByteReceiveStream(stream)
                 header = await reader.receive_exactly(_protocol.HEADER_SIZE)
                 hello = _protocol.decode(await reader.receive_exactly(_protocol.decode_length(header)))
+        except Exception:
+            # A worker killed right after it connected, or a stranger: that connection is lost,
+            # nothing else (the fork that waits for it sees the worker exit).
+            await _close(stream)
+            return
         except BaseException:
             await _close(stream)
             raise
@@ -414,6 +457,13 @@ class _Template:
         waiting[0].set()
 
     async def fork(self, slot: int, config: dict[str, Any]) -> tuple[int, _Connection]:
+        """Fork a worker for slot and wait until it has connected back.
+
+        Raises ``_TransientStartError`` when the template is gone or the worker dies before it
+        connects (both are worth another try), ``WorkerStartError`` when it never connects.
+        """
+        if self.lost.is_set():
+            raise _TransientStartError("the template process is gone")
         forked: tuple[anyio.Event, list[int]] = (anyio.Event(), [])
         connected: tuple[anyio.Event, list[_Connection]] = (anyio.Event(), [])
         self.forked[slot] = forked
@@ -421,14 +471,23 @@ class _Template:
         returned = False
         try:
             config = dict(config, address=self.address, token=self.token)
-            await self._stdin.send(_protocol.encode(("fork", slot, config)))
+            try:
+                await self._stdin.send(_protocol.encode(("fork", slot, config)))
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+                raise _TransientStartError("the template process is gone") from exc
             with anyio.fail_after(30):
-                await forked[0].wait()
+                await _first_of(forked[0], self.lost)
+                if not forked[1]:
+                    raise _TransientStartError("the template process died before it forked a worker")
                 pid = forked[1][0]
                 while not connected[0].is_set():
                     if pid in self.early_exits:
                         code = self.early_exits.pop(pid)
-                        raise WorkerStartError(f"a forked worker {_describe_exit(code)} before it connected")
+                        raise _TransientStartError(
+                            f"a forked worker {_describe_exit(code)} before it connected"
+                        )
+                    if self.lost.is_set():
+                        raise _TransientStartError("the template process died while a worker started")
                     with anyio.move_on_after(0.05):
                         await connected[0].wait()
             returned = True
@@ -442,6 +501,26 @@ class _Template:
                 # Connected after this fork was given up: nobody will use the stream.
                 for _, stream in connected[1]:
                     await _close(stream)
+
+
+async def _first_of(*events: anyio.Event) -> None:
+    """Wait until any of events is set."""
+    if any(event.is_set() for event in events):
+        return
+    async with anyio.create_task_group() as tg:
+
+        async def wait(event: anyio.Event) -> None:
+            await event.wait()
+            tg.cancel_scope.cancel()
+
+        for event in events:
+            tg.start_soon(wait, event)
+
+
+class _TransientStartError(WorkerStartError):
+    """Internal: a start that failed for a reason that may not happen again (the process was
+    killed from outside, the template it forked from died). The slot tries again at once, with
+    back-off; queued jobs wait instead of failing."""
 
 
 # --- the pool ---------------------------------------------------------------------------------
@@ -487,6 +566,7 @@ class WorkerPool:
         *,
         memory_limit: int | None = None,
         max_compile_seconds: float | None = None,
+        preload_timeout: float = 120.0,
         use_template: bool = True,
     ) -> None:
         if size < 1:
@@ -496,6 +576,7 @@ class WorkerPool:
         self.workdir = workdir
         self.memory_limit = memory_limit
         self.max_compile_seconds = max_compile_seconds
+        self.preload_timeout = preload_timeout
         self.use_template = use_template and hasattr(os, "fork") and sys.platform.startswith("linux")
         self.queue = _JobQueue()
         self.stats = PoolStats()
@@ -504,6 +585,7 @@ class WorkerPool:
         self.last_activity = time.monotonic()
         self._ready = [anyio.Event() for _ in range(size)]
         self._start_error: WorkerStartError | None = None
+        self._hard_start_failures = 0  # in a row, pool-wide, for a lasting reason
         self._closed = False
         self._spawn_lock = anyio.Lock()
         self._config_ready = anyio.Event()
@@ -515,6 +597,7 @@ class WorkerPool:
         self._epoch_scope: anyio.CancelScope | None = None
         self._template: _Template | None = None
         self._template_failed = False
+        self._templates_started = 0
         self._template_lock = anyio.Lock()
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -617,14 +700,10 @@ class WorkerPool:
                 worker = await self._start_worker(slot)
             except WorkerStartError as exc:
                 failures += 1
-                self._start_error = exc
-                logger.error("worker %d failed to start: %s", slot, exc)
-                # Nothing can run until a worker starts: fail what waits instead of hanging it.
-                self.queue.fail_all(exc)
-                self._ready[slot].set()
-                await anyio.sleep(min(0.25 * 2**failures, 10.0))
+                await self._start_failed(slot, exc, failures)
                 continue
             failures = 0
+            self._hard_start_failures = 0
             self._start_error = None
             self._ready[slot].set()
             cause = "stopped"  # by quiesce() or shutdown, unless _serve says otherwise
@@ -639,6 +718,33 @@ class WorkerPool:
                 code = await _stop(worker)
                 logger.debug("worker pid %d stopped (%s, %s)", worker.pid, cause, _describe_exit(code))
                 self.stats.restart(cause)
+
+    async def _start_failed(self, slot: int, exc: WorkerStartError, failures: int) -> None:
+        """A start failed: try again, with back-off; fail the queued jobs only when starts keep
+        failing for a reason that will not go away (a preload that raises, a broken install)."""
+        transient = isinstance(exc, _TransientStartError)
+        if not transient:
+            self._hard_start_failures += 1
+        self.stats.restart("start_failed")
+        # Kills from outside may stop: queued jobs wait for them to (their callers' deadlines
+        # bound the wait), with the back-off below keeping the retries cheap.
+        give_up = self._hard_start_failures >= _HARD_START_FAILURES and not self.alive
+        if give_up:
+            error = exc if not transient else WorkerStartError(str(exc))
+            if self._start_error is None:
+                logger.error("workers cannot start: %s", exc)
+            self._start_error = error
+            # Nothing can run until a worker starts: fail what waits instead of hanging it.
+            self.queue.fail_all(error)
+            self._ready[slot].set()
+        else:
+            reason = str(exc).splitlines()[0]
+            logger.warning("worker %d failed to start (%s); starting it again", slot, reason)
+        if transient and failures == 1:
+            await anyio.lowlevel.checkpoint()  # a kill from outside: back to full size at once
+        else:
+            base = 0.05 if transient else 0.25
+            await anyio.sleep(min(base * 2 ** (failures - 1), 2.0 if transient else 10.0))
 
     async def _start_worker(self, slot: int) -> _SpawnedWorker | _ForkedWorker:
         stderr_path = os.path.join(self.workdir, f"worker-{slot}.stderr")
@@ -667,14 +773,20 @@ class WorkerPool:
             if isinstance(worker, _SpawnedWorker):
                 await self._config_ready.wait()  # the worker imports its backends meanwhile
                 await worker.send_bytes(_protocol.encode(dict(self.config, **slot_config)))
-            reply = await worker.receive()
+            with anyio.fail_after(self.preload_timeout):
+                reply = await worker.receive()
         except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError) as exc:
             self.alive.pop(worker.pid, None)
             code = await _stop(worker)
             tail = await anyio.to_thread.run_sync(_stderr_tail, stderr_path)
+            error = _TransientStartError if code in _EXTERNAL else WorkerStartError
+            raise error(f"worker process {_describe_exit(code)} during preload\n{tail}".rstrip()) from exc
+        except TimeoutError:
+            self.alive.pop(worker.pid, None)
+            await _stop(worker)
             raise WorkerStartError(
-                f"worker process {_describe_exit(code)} during preload\n{tail}".rstrip()
-            ) from exc
+                f"a worker did not finish its preload within preload_timeout={self.preload_timeout:g} s"
+            ) from None
         except BaseException:
             self.alive.pop(worker.pid, None)
             await _stop(worker)
@@ -703,21 +815,29 @@ class WorkerPool:
             # time, with the loop's other work in between: sixteen slots starting in the same
             # loop iteration would otherwise stall it for all sixteen.
             async with self._spawn_lock:
-                process = await anyio.open_process(
-                    command,
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=stderr_fd,
-                    cwd=self.config["cwd"],
-                    env=env,
-                )
+                # Shielded: a cancellation that lands inside open_process (a pool left within
+                # milliseconds) would lose the process object with the child already running,
+                # and nobody would reap it. The start takes milliseconds; the check below
+                # handles the cancellation.
+                with anyio.CancelScope(shield=True):
+                    process = await anyio.open_process(
+                        command,
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=stderr_fd,
+                        cwd=self.config["cwd"],
+                        env=env,
+                        # Its own process group: stopping it stops the compilers it started
+                        # (ptxas, nvcc, cc1plus) too, and a terminal's Ctrl-C is ours to handle.
+                        start_new_session=True,
+                    )
                 _lower_priority(process.pid, self.config.get("nice", 0))
                 try:
                     await anyio.lowlevel.checkpoint()
                 except BaseException:
                     # Cancelled right after the start: nobody else knows this process yet.
                     with anyio.CancelScope(shield=True):
-                        process.kill()
+                        _kill_group(process.pid)
                         await process.wait()
                         await process.aclose()
                     raise
@@ -730,6 +850,8 @@ class WorkerPool:
         return _SpawnedWorker(await self._open(command, env, stderr_path), stderr_path)
 
     async def _get_template(self) -> _Template | None:
+        """The template to fork from, started (or started again) if need be; None where
+        workers must start afresh (no template can be had)."""
         async with self._template_lock:
             if self._template is not None and not self._template.lost.is_set():
                 return self._template
@@ -737,6 +859,10 @@ class WorkerPool:
                 return None
             try:
                 self._template = await self._start_template()
+            except _TransientStartError:
+                # Killed from outside while it preloaded: the slot tries again, and so will this.
+                self._template = None
+                raise
             except WorkerStartError as exc:
                 logger.warning(
                     "cannot start a template to fork workers from (%s); starting each worker afresh", exc
@@ -745,10 +871,27 @@ class WorkerPool:
                 self._template = None
             return self._template
 
+    async def _keep_template(self, template: _Template) -> None:
+        """When the template dies while the pool runs, start another in the background: a
+        later wake-up (or a replacement worker) then costs a fork, not a preload."""
+        await template.lost.wait()
+        failures = 0
+        while not self._closed:
+            current = self._template
+            if current is not None and current is not template and not current.lost.is_set():
+                return  # a slot started one already; it has a keeper of its own
+            try:
+                await self._get_template()
+                return
+            except WorkerStartError:
+                failures += 1
+                await anyio.sleep(min(0.05 * 2**failures, 2.0))
+
     async def _start_template(self) -> _Template:
         assert self._tg is not None
         stderr_path = os.path.join(self.workdir, "template.stderr")
-        address = os.path.join(self.workdir, "workers.sock")
+        self._templates_started += 1
+        address = os.path.join(self.workdir, f"workers-{self._templates_started}.sock")
         listener = await anyio.create_unix_listener(address)
         command, env = self._command("--template")
         try:
@@ -765,16 +908,24 @@ class WorkerPool:
                     dict(self.config, triton_cache_dir=os.path.join(self.workdir, "triton-template"))
                 )
             )
-            reply = await template.receive()
+            with anyio.fail_after(self.preload_timeout):
+                reply = await template.receive()
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await listener.aclose()
             await _stop_template(template)
             if isinstance(exc, (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError)):
+                code = template.process.returncode
                 tail = await anyio.to_thread.run_sync(_stderr_tail, stderr_path)
-                raise WorkerStartError(
-                    f"the template process exited during preload\n{tail}".rstrip()
+                error = _TransientStartError if code in _EXTERNAL else WorkerStartError
+                raise error(
+                    f"the template process {_describe_exit(code)} during preload\n{tail}".rstrip()
                 ) from exc
+            if isinstance(exc, TimeoutError):
+                raise WorkerStartError(
+                    "the template did not finish its preload within "
+                    f"preload_timeout={self.preload_timeout:g} s"
+                ) from None
             raise
         if reply[0] != "ready":
             with anyio.CancelScope(shield=True):
@@ -791,6 +942,7 @@ class WorkerPool:
             )
         self._tg.start_soon(template.listen)
         self._tg.start_soon(template.serve_connections, listener)
+        self._tg.start_soon(self._keep_template, template)
         logger.debug("template pid %d ready in %.3f s", template.pid, reply[1].get("preload_s", 0.0))
         return template
 
@@ -889,6 +1041,15 @@ class WorkerPool:
         """The worker died while it ran job: retry or fail the job; returns the restart cause."""
         code = await _stop(worker)
         cause = worker.stop_cause or ("killed" if code in _EXTERNAL else "crash")
+        if cause == "template":
+            # The template it was forked from died, and took it along: not this job's doing,
+            # and not counted against it.
+            self.stats.jobs_retried += 1
+            logger.warning(
+                "worker pid %d went with its template while compiling %s; retrying it", worker.pid, job.name
+            )
+            self.queue.put(job, front=True)
+            return "killed"
         if cause == "killed" and job.external_kills == 0:
             # Not the job's fault: once more, on a fresh worker, ahead of everything else.
             job.external_kills += 1
@@ -905,15 +1066,30 @@ class WorkerPool:
         return cause
 
     async def _watch_memory(self) -> None:
-        """Measure every worker's memory (for stats) and stop any that passes the limit."""
-        interval = 0.2 if self.memory_limit is not None else 2.0
+        """Measure every worker's memory (for stats) and stop any that passes the limit, or
+        that has been stopped by a signal (SIGSTOP, SIGTSTP) for longer than _STOPPED_LIMIT:
+        a stopped worker never answers, and its job is better retried on a fresh one."""
+        interval = 0.2 if self.memory_limit is not None else 1.0
         while True:
             await anyio.sleep(interval)
             workers = list(self.alive.values())
             if not workers:
                 continue
-            sizes = await anyio.to_thread.run_sync(_rss_all, [w.pid for w in workers])
-            for worker, rss in zip(workers, sizes, strict=True):
+            samples = await anyio.to_thread.run_sync(_sample_all, [w.pid for w in workers])
+            now = time.monotonic()
+            for worker, (rss, stopped) in zip(workers, samples, strict=True):
+                if stopped:
+                    worker.stopped_since = worker.stopped_since or now
+                    if now - worker.stopped_since >= _STOPPED_LIMIT and worker.stop_cause is None:
+                        worker.stop_cause = "killed"  # from outside: its job is retried once
+                        logger.warning(
+                            "worker pid %d has been stopped by a signal for %.0f s; replacing it",
+                            worker.pid,
+                            now - worker.stopped_since,
+                        )
+                        worker.signal_kill()
+                else:
+                    worker.stopped_since = None
                 if rss is None:
                     continue
                 self.stats.worker_rss[worker.pid] = rss
@@ -939,10 +1115,7 @@ async def _stop_template(template: _Template) -> None:
         with anyio.move_on_after(2):
             await template.process.wait()
         if template.process.returncode is None:
-            try:
-                template.process.kill()
-            except ProcessLookupError:
-                pass
+            _kill_group(template.pid)
             with anyio.move_on_after(5):
                 await template.process.wait()
         await template.process.aclose()

@@ -14,6 +14,7 @@ then says "ready", so the first real job costs what the hundredth does.
 from __future__ import annotations
 
 import ctypes
+import errno
 import importlib
 import os
 import signal
@@ -24,23 +25,43 @@ from types import ModuleType
 from typing import Any
 
 from acompile import _protocol
-from acompile._errors import CompileError
+from acompile._errors import AcompileError, BackendUnavailableError, CompileError, bounded
 
 STDERR_TAIL = 64 * 1024
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Exit when the pool's process dies, even by SIGKILL (pipe EOF covers idle workers only)."""
+def _die_with_parent(parent_pid: int, *, template: bool = False) -> None:
+    """Go when the process that started us dies, even by SIGKILL (pipe EOF covers idle
+    workers only), and take our compilers along.
+
+    The kernel sends SIGTERM at the parent's death (PR_SET_PDEATHSIG). A worker leads its own
+    process group (the pool starts it so), and its compilers (ptxas, nvcc and its cicc, c++ and
+    its cc1plus) are in that group: the handler SIGKILLs the whole group, the worker with it. A
+    template exits through its clean-up instead, which does the same for every worker it forked.
+    Python runs the handler between bytecodes: a worker inside a long native call (an LLVM pass)
+    goes when that call returns; one waiting on a compiler subprocess goes at once.
+    """
+    signal.signal(signal.SIGTERM, _exit_template if template else _kill_own_group)
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         try:
             libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         except (OSError, AttributeError):
             pass
     # The parent may have died before prctl took effect: then we were re-parented already.
     if parent_pid and os.getppid() != parent_pid:
-        os._exit(1)
+        _kill_own_group()
+
+
+def _kill_own_group(*_: object) -> None:
+    if os.getpgid(0) == os.getpid():
+        os.killpg(0, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _exit_template(*_: object) -> None:
+    raise SystemExit(1)  # through Template.serve's clean-up, which stops every worker
 
 
 def _stderr_tail() -> str:
@@ -188,18 +209,18 @@ class Template:
                     self.children.add(pid)
                     _protocol.write_message(self.worker.fd_out, ("forked", slot, pid))
         finally:
-            # Leave no worker behind, and reap them all: when the pool sees this process exit,
-            # every worker it forked is gone.
+            # Leave no worker behind, nor any compiler one started (each leads its own process
+            # group), and reap them all: when the pool sees this process exit, every worker it
+            # forked is gone.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             for pid in self.children:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                _kill_group(pid)
             for pid in self.children:
                 try:
                     os.waitpid(pid, 0)
                 except ChildProcessError:
                     pass
+                _kill_group(pid, reaped=True)  # what outlived it in its group
 
     def reap(self) -> None:
         while self.children:
@@ -210,6 +231,7 @@ class Template:
             if pid == 0:
                 return
             self.children.discard(pid)
+            _kill_group(pid, reaped=True)  # compilers it left behind (it was killed mid-compile)
             _protocol.write_message(self.worker.fd_out, ("exited", pid, os.waitstatus_to_exitcode(status)))
 
     def become_worker(self, slot: int, config: dict[str, Any]) -> None:
@@ -219,6 +241,9 @@ class Template:
         try:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            # A group of its own before anything else: killing its group must never reach the
+            # template's.
+            os.setsid()
             os.close(self.worker.fd_in)
             os.close(self.worker.fd_out)
             _die_with_parent(int(config["template_pid"]))
@@ -244,7 +269,9 @@ class Template:
             os._exit(code)
 
 
-def _as_compile_error(exc: BaseException, backend: str, payload: Any) -> CompileError:
+def _as_compile_error(exc: BaseException, backend: str, payload: Any) -> AcompileError:
+    """What the pool raises for a job that failed with exc: an ``AcompileError`` that names the
+    kernel, with the job's fd 2 tail and the traceback (each cut to a bounded size)."""
     tb = "".join(traceback.format_exception(exc))
     tail = _stderr_tail()
     if isinstance(exc, CompileError):
@@ -254,8 +281,18 @@ def _as_compile_error(exc: BaseException, backend: str, payload: Any) -> Compile
     name = getattr(payload, "name", None) or (payload.get("name") if isinstance(payload, dict) else None)
     kernel = str(name or "?")
     short = backend.rsplit(".", 1)[-1].lstrip("_")
+    if any(cls.__name__ == "DynamicLibNotFoundError" for cls in type(exc).__mro__):
+        # cuda.pathfinder found no NVRTC library in this worker (the pool's process checks first).
+        return BackendUnavailableError(
+            f"compiling {kernel!r} needs NVRTC, which cannot be loaded here ({bounded(str(exc), 2000)}): "
+            'pip install "acompile[cuda]"'
+        )
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        message = f"{short} failed to compile {kernel!r}: the disk is full ({exc})"
+    else:
+        message = f"{short} failed to compile {kernel!r}: {type(exc).__name__}: {exc}"
     return CompileError(
-        f"{short} failed to compile {kernel!r}: {type(exc).__name__}: {exc}",
+        message,
         kernel=kernel,
         backend=short,
         log=f"{type(exc).__name__}: {exc}",
@@ -272,9 +309,22 @@ def _apply_config(config: dict[str, Any]) -> None:
         os.environ[key] = value
 
 
+def _kill_group(pid: int, *, reaped: bool = False) -> None:
+    """SIGKILL a forked worker and its process group (it may not have made the group yet).
+
+    Once the worker is reaped its pid may belong to another process; its group's id cannot,
+    while any member of the group lives: then only the group is signalled.
+    """
+    for kill in (os.killpg,) if reaped else (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def main() -> None:
     parent_pid = int(os.environ.get("ACOMPILE_PARENT_PID", "0"))
-    _die_with_parent(parent_pid)
+    _die_with_parent(parent_pid, template=sys.argv[1:2] == ["--template"])
     # Keep the protocol on private descriptors before anything can print.
     fd_in = os.dup(0)
     fd_out = os.dup(1)

@@ -1,0 +1,344 @@
+"""A fault costs only the job it hit, and nothing waits forever or outlives its job.
+
+Real worker processes, real signals, real compilers (c++ and its cc1plus, Triton's ptxas); the
+only fake is fake_backend's compiler, where a job must sleep on demand.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+import warnings
+from pathlib import Path
+
+import anyio
+import psutil
+import pytest
+from conftest import subprocess_env
+
+import acompile
+
+pytestmark = pytest.mark.anyio
+FAKE = "fake_backend"
+
+# g++ evaluates this loop at compile time for minutes: a real compiler subprocess (cc1plus, a
+# child of the c++ driver, a grandchild of the worker) that is still running when its job ends.
+SLOW_CPP = """
+constexpr long spin() { long s = 0; for (long i = 0; i < 4000000000L; ++i) s += i % 7; return s; }
+static_assert(spin() > 0, "never false");
+extern "C" int answer() { return 42; }
+"""
+SLOW_OPTIONS = ("-fconstexpr-loop-limit=2147483647", "-fconstexpr-ops-limit=1152921504606846976")
+
+
+def pool(cache_dir: Path, workers: int = 2, **kw: object) -> acompile.CompilePool:
+    return acompile.CompilePool(workers, target="cuda:90", cache_dir=cache_dir, preload=(), **kw)  # type: ignore[arg-type]
+
+
+def pool_processes() -> list[psutil.Process]:
+    """This process's workers and templates (every acompile._worker process under it)."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "acompile._worker" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
+                found.append(child)
+        except psutil.Error:
+            pass
+    return found
+
+
+def is_template(proc: psutil.Process) -> bool:
+    # Forked workers inherit the template's command line: the template is the one we started.
+    return proc.ppid() == os.getpid() and "--template" in proc.cmdline()
+
+
+def compilers_marked(mark: str) -> list[psutil.Process]:
+    """Compiler processes anywhere on the machine (orphans included) whose command line holds mark."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            cmdline = " ".join(proc.info["cmdline"] or ())
+            if mark in cmdline and "acompile._worker" not in cmdline and proc.pid != os.getpid():
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(proc)
+        except psutil.Error:
+            pass
+    return found
+
+
+async def until(predicate: object, seconds: float = 10) -> None:
+    with anyio.fail_after(seconds):
+        # Processes and counters have no events to wait on: poll them.
+        while not predicate():  # type: ignore[operator]  # noqa: ASYNC110
+            await anyio.sleep(0.01)
+
+
+# --- a kill costs only the job it hit -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("fork_workers", [True, False], ids=["forked", "fresh"])
+async def test_a_storm_of_kills_at_every_stage_costs_at_most_the_jobs_killed_twice(
+    cache_dir: Path, fork_workers: bool
+) -> None:
+    """200 jobs on 2 workers while random pool processes (workers, the template, workers still
+    preloading Triton) are SIGKILLed 20 times or more: nearly every job succeeds, none fails for a start
+    that was killed, and the pool is back at full size afterwards."""
+    rng = random.Random(7)
+    kills: list[str] = []
+    outcomes: list[object] = []
+    async with acompile.CompilePool(
+        2, target="cuda:90", cache_dir=cache_dir, preload=("triton",), fork_workers=fork_workers
+    ) as p:
+
+        async def job(i: int) -> None:
+            payload = {"name": f"job{i}", "action": "sleep", "seconds": rng.uniform(0.03, 0.08), "value": i}
+            try:
+                outcomes.append(await p._run(FAKE, payload, f"job{i}"))
+            except acompile.AcompileError as exc:
+                outcomes.append(exc)
+
+        async def killer() -> None:
+            while len(kills) < 24 and len(outcomes) < 200:
+                await anyio.sleep(rng.uniform(0.05, 0.3))
+                victims = pool_processes()
+                if victims:
+                    victim = rng.choice(victims)
+                    try:
+                        kind = "template" if is_template(victim) else "worker"
+                        victim.send_signal(signal.SIGKILL)
+                        kills.append(kind)
+                    except psutil.Error:
+                        pass
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(killer)
+            for i in range(200):
+                tg.start_soon(job, i)
+        failed = [o for o in outcomes if isinstance(o, BaseException)]
+        assert len(kills) >= 20, kills
+        assert len(outcomes) == 200
+        assert len(failed) <= 2, [str(e) for e in failed]
+        for err in failed:
+            # Only a job whose worker was killed under it twice may fail, and it says which.
+            assert isinstance(err, acompile.WorkerCrashedError) and err.kernel.startswith("job"), err
+        await until(lambda: p.stats()["workers"]["alive"] == 2, seconds=20)
+        await p.quiesce()
+        await p.wakeup()
+        await p.wait_ready()
+        assert p.stats()["workers"]["alive"] == 2
+    assert not pool_processes()
+
+
+async def test_a_preload_that_hangs_fails_the_waiting_jobs_after_preload_timeout(cache_dir: Path) -> None:
+    """Every process the pool starts hangs in its preload (stopped by SIGSTOP as soon as it
+    exists, as a preload stuck on a dead filesystem would be): each is stopped at
+    preload_timeout, and after a second try the waiting jobs fail with WorkerStartError instead
+    of waiting forever."""
+    stopped: set[int] = set()
+
+    async def stop_every_pool_process() -> None:
+        while True:
+            for proc in pool_processes():
+                if proc.pid not in stopped:
+                    stopped.add(proc.pid)
+                    proc.send_signal(signal.SIGSTOP)
+            await anyio.sleep(0.005)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stop_every_pool_process)
+        async with acompile.CompilePool(
+            1, target="cuda:90", cache_dir=cache_dir, preload=("triton",), preload_timeout=2
+        ) as p:
+            with anyio.fail_after(60):
+                with pytest.raises(acompile.WorkerStartError, match="preload_timeout=2"):
+                    await p.wait_ready()
+                with pytest.raises(acompile.WorkerStartError, match="preload_timeout=2"):
+                    await p._run(FAKE, {"name": "e", "action": "echo", "value": 1}, "e")
+        tg.cancel_scope.cancel()
+    assert len(stopped) >= 2
+
+
+async def test_a_worker_stopped_by_sigstop_is_replaced_and_its_job_retried(cache_dir: Path) -> None:
+    async with pool(cache_dir, workers=1) as p:
+        await p.wait_ready()
+        async with anyio.create_task_group() as tg:
+            result: list[object] = []
+
+            async def job() -> None:
+                payload = {"name": "paused", "action": "sleep", "seconds": 0.5, "value": "done"}
+                result.append(await p._run(FAKE, payload, "paused"))
+
+            tg.start_soon(job)
+            await until(lambda: p.stats()["workers"]["busy"] == 1)
+            (worker,) = [w for w in pool_processes() if not is_template(w)]
+            worker.send_signal(signal.SIGSTOP)
+        assert result == ["done"]
+        assert p.stats()["jobs"]["retried"] == 1
+
+
+# --- no process outlives its job --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fork_workers", [True, False], ids=["forked", "fresh"])
+async def test_a_compile_past_max_compile_seconds_takes_its_compiler_processes_along(
+    cache_dir: Path, fork_workers: bool
+) -> None:
+    mark = f"-DACOMPILE_MARK_{uuid.uuid4().hex[:10]}"
+    async with pool(cache_dir, workers=1, max_compile_seconds=3, fork_workers=fork_workers) as p:
+        with pytest.raises(acompile.CompileTimeoutError):
+            await p.cpp(SLOW_CPP, options=(*SLOW_OPTIONS, mark))
+        # cc1plus (the c++ driver's child) was running when the worker was stopped: gone too.
+        await until(lambda: not compilers_marked(mark), seconds=5)
+
+
+async def test_a_compile_nobody_waits_for_takes_its_compiler_processes_along(cache_dir: Path) -> None:
+    mark = f"-DACOMPILE_MARK_{uuid.uuid4().hex[:10]}"
+    async with pool(cache_dir, workers=1) as p:
+        async with anyio.create_task_group() as tg:
+
+            async def caller() -> None:
+                with anyio.move_on_after(60):
+                    await p.cpp(SLOW_CPP, options=(*SLOW_OPTIONS, mark))
+
+            tg.start_soon(caller)
+            await until(lambda: bool(compilers_marked(mark)), seconds=30)
+            tg.cancel_scope.cancel()  # the only caller gives up
+        await until(lambda: not compilers_marked(mark), seconds=5)
+        assert p.stats()["jobs"]["cancelled"] == 1
+
+
+@pytest.mark.parametrize("fork_workers", [True, False], ids=["forked", "fresh"])
+def test_compilers_die_with_the_parent_even_when_it_is_sigkilled(tmp_path: Path, fork_workers: bool) -> None:
+    mark = f"-DACOMPILE_MARK_{uuid.uuid4().hex[:10]}"
+    script = tmp_path / "parent.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import anyio, acompile
+            from test_faults import SLOW_CPP, SLOW_OPTIONS
+
+            async def main():
+                async with acompile.CompilePool(1, target="cuda:90", cache_dir={str(tmp_path / "cache")!r},
+                                                preload=(), fork_workers={fork_workers}) as p:
+                    await p.cpp(SLOW_CPP, options=(*SLOW_OPTIONS, {mark!r}))
+
+            if __name__ == "__main__":
+                anyio.run(main)
+            """
+        )
+    )
+    parent = subprocess.Popen([sys.executable, str(script)], env=subprocess_env())
+    try:
+        deadline = time.monotonic() + 60
+        while not compilers_marked(mark):
+            assert parent.poll() is None, "the parent exited before its compile started"
+            assert time.monotonic() < deadline, "the compile never started"
+            time.sleep(0.05)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while compilers_marked(mark) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = compilers_marked(mark)
+        assert not left, [p.cmdline()[:2] for p in left]
+    finally:
+        parent.kill()
+        parent.wait()
+        for proc in compilers_marked(mark):
+            proc.kill()
+
+
+# --- leaving a pool reaps what it started, whenever it leaves ------------------------------------
+
+
+def test_a_pool_left_at_once_fifty_times_reaps_every_child_while_another_thread_holds_the_gil(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    """A pool whose requests all hit the cache is left within milliseconds, often while its
+    template is being spawned; under a busy second thread the timing moves around. Every child
+    must be reaped every time (an unreaped one is a ResourceWarning and a zombie)."""
+    from kernels_for_tests import add_kernel
+
+    spec = {
+        "signature": {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"},
+        "constexprs": {"BLOCK": 128},
+    }
+
+    async def fill() -> None:
+        async with acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir) as p:
+            await p.triton(add_kernel, **spec)  # type: ignore[arg-type]
+
+    anyio.run(fill)
+    stop = threading.Event()
+
+    def hold_the_gil() -> None:
+        x = 0
+        while not stop.is_set():
+            x += 1  # pure Python: holds the GIL for its switch interval at a time
+
+    holder = threading.Thread(target=hold_the_gil)
+    holder.start()
+    try:
+        for i in range(50):
+
+            async def once(linger: float) -> None:
+                async with acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir) as p:
+                    await p.triton(add_kernel, **spec)  # type: ignore[arg-type]
+                    await anyio.sleep(linger)
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", ResourceWarning)
+                linger = random.uniform(0, 0.02) if i % 2 else 0.0
+                anyio.run(once, linger, backend_options={"use_uvloop": i % 3 == 0})
+                gc.collect()
+            children = psutil.Process().children(recursive=True)
+            assert not children, (i, [(c.pid, c.status()) for c in children])
+    finally:
+        stop.set()
+        holder.join()
+
+
+# --- event loops ---------------------------------------------------------------------------------
+
+
+def test_on_trio_entering_the_pool_says_asyncio_is_needed(cache_dir: Path) -> None:
+    pytest.importorskip("trio")
+
+    async def main() -> None:
+        async with acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir, preload=()):
+            pass
+
+    with pytest.raises(acompile.PoolError, match="needs an asyncio event loop"):
+        anyio.run(main, backend="trio")
+
+
+async def test_an_error_shared_through_single_flight_keeps_the_original_as_its_cause(
+    cache_dir: Path,
+) -> None:
+    broken = "#include <nonexistent_header_for_acompile.h>\nint f() { return 0; }\n"
+    async with pool(cache_dir, workers=1) as p:
+        errors: list[BaseException] = []
+
+        async def caller() -> None:
+            try:
+                await p.cpp(broken)
+            except acompile.CompileError as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(caller)
+    assert len(errors) == 3
+    for err in errors:
+        cause = err.__cause__
+        assert isinstance(cause, acompile.CompileError) and cause is not err
+        assert cause.__traceback__ is not None  # where it was raised, in this process
+        assert "nonexistent_header_for_acompile.h" in str(err)
