@@ -19,6 +19,12 @@ from acompile._backends._native import ObjectFile as ObjectFile
 from acompile._backends._native import SharedLibrary as SharedLibrary
 from acompile._backends._triton import TritonKernel as TritonKernel
 from acompile._backends._triton import TritonSpec as TritonSpec
+from acompile._cache._bundle import BundleReport as BundleReport
+from acompile._cache._bundle import PruneReport as PruneReport
+from acompile._cache._bundle import explain_key as explain_key
+from acompile._cache._bundle import export_bundle as export_bundle
+from acompile._cache._bundle import import_bundle as import_bundle
+from acompile._cache._bundle import prune as prune_cache
 from acompile._compiler import CompilePool as CompilePool
 from acompile._errors import AcompileError as AcompileError
 from acompile._errors import BackendUnavailableError as BackendUnavailableError
@@ -44,6 +50,7 @@ __all__ = (
     "AcompileError",
     "BackendUnavailableError",
     "BackgroundKernel",
+    "BundleReport",
     "CUDACompileError",
     "CompileError",
     "CompilePool",
@@ -60,6 +67,7 @@ __all__ = (
     "PoolClosedError",
     "PoolError",
     "ProgressiveKernel",
+    "PruneReport",
     "SharedLibrary",
     "Target",
     "Trial",
@@ -71,5 +79,9 @@ __all__ = (
     "WorkerCrashedError",
     "WorkerStartError",
     "__version__",
+    "explain_key",
+    "export_bundle",
+    "import_bundle",
     "load_manifest",
+    "prune_cache",
 )

@@ -731,8 +731,8 @@ class _Tuning:
             error = _with_message(first, message)
         else:
             error = CompileError(message, kernel=self.name, backend="triton")
-        error.failures = dict(sorted(skipped.items()))  # type: ignore[attr-defined]
-        error.errors = dict(sorted(errors.items()))  # type: ignore[attr-defined]
+        error.failures = dict(sorted(skipped.items()))
+        error.errors = dict(sorted(errors.items()))
         return error
 
     def _grid(self, index: int) -> tuple[int, ...]:

@@ -95,35 +95,12 @@ class _LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
         super().emit(record)
 
 
-@contextlib.contextmanager
-def _bench_named(prog: str) -> Iterator[None]:
-    """Name the benchmark's parser ``prog`` in its usage, help and errors.
-
-    The benchmark module names its parser for ``python -m``; under this command, what the user
-    reads must be the command they typed. Only the first parser built is renamed (the benchmark's
-    own), and argparse is restored at once.
-    """
-    original = argparse.ArgumentParser.__init__
-
-    def init(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
-        argparse.ArgumentParser.__init__ = original  # type: ignore[method-assign]
-        kwargs["prog"] = prog
-        original(self, *args, **kwargs)
-
-    argparse.ArgumentParser.__init__ = init  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        argparse.ArgumentParser.__init__ = original  # type: ignore[method-assign]
-
-
 def _main(argv: list[str]) -> int:
     if argv[:1] == ["bench"]:
         # The benchmark parses its own options (acompile bench --help).
         from acompile._bench.run import main as bench_main
 
-        with _bench_named("acompile bench"):
-            return bench_main(argv[1:])
+        return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="acompile", description="Compile GPU kernels ahead of time.")
     parser.add_argument("--version", action="version", version=f"acompile {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -10,6 +10,12 @@ import acompile
 
 EXPECTED = {
     "AcompileError",
+    "BundleReport",
+    "PruneReport",
+    "explain_key",
+    "export_bundle",
+    "import_bundle",
+    "prune_cache",
     "Trial",
     "TuneResult",
     "TunedKernel",

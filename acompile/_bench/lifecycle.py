@@ -1047,12 +1047,12 @@ def report(section: dict[str, Any], machine: dict[str, Any]) -> str:
             f"{_mem(_get(spawned, 'memory_anyio_after_compile', 'worker_mean'))}; "
             f"bare anyio {_mem(_get(nb, 'memory', 'worker_mean'))}, "
             f"PPE {_mem(_get(npp, 'memory', 'worker_mean'))}",
-            "(anyio: no number in PRODUCT.md)",
+            "(anyio: no reference figure)",
             "",
             "",
         ),
     ]
-    header = ("figure", "acompile", "same run, baselines", "anchor (PRODUCT.md)", "target", "vs target")
+    header = ("figure", "acompile", "same run, baselines", "anchor", "target", "vs target")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(6)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines.append(fmt.format(*header).rstrip())
@@ -1065,7 +1065,7 @@ def report(section: dict[str, Any], machine: dict[str, Any]) -> str:
         "(RSS/PSS/private MiB; PSS shares pages among the processes that map them)."
     )
     lines.append(
-        "Anchors and targets are PRODUCT.md's (16 workers on a 16-core host where it says so); with "
+        "Anchors and targets are the project's (16 workers on a 16-core host where it says so); with "
         f"{n} workers on {machine['usable_cpus']} CPUs the verdicts are indicative."
     )
     lines.append(

@@ -780,7 +780,7 @@ def main(argv: list[str] | None = None) -> int:
     from acompile._sizing import default_workers
 
     parser = argparse.ArgumentParser(
-        prog="python -m acompile._bench.run", description=__doc__.split("\n\n")[0]
+        prog="acompile bench", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument(
         "--workers",
