@@ -38,6 +38,12 @@ def compile(payload: dict[str, Any]) -> Any:
     if action == "sleep":
         time.sleep(payload["seconds"])
         return os.getpid() if payload.get("pid") else payload.get("value", "slept")
+    if action == "hold":
+        # Runs until the test creates the file named by "until": a job whose end the test decides,
+        # for tests that need a job still running while they do something else.
+        while not os.path.exists(payload["until"]):
+            time.sleep(0.005)
+        return os.getpid() if payload.get("pid") else payload.get("value", "held")
     if action == "flood":
         # Megabytes to fd 2, as LLVM with MLIR_ENABLE_DUMP=1 does; then fail, so the tail shows.
         chunk = (b"x" * 1023 + b"\n") * 1024
