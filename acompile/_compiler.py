@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import logging
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import anyio
 import anyio.abc
@@ -27,12 +28,22 @@ from acompile._backends import load_parent
 from acompile._cache import Cache, Entry, default_cache_dir
 from acompile._cache import _entry as entry_format
 from acompile._cache._shared import SharedTier, check_target, open_cache, signing_key_from
-from acompile._errors import AcompileError, PoolClosedError
+from acompile._errors import AcompileError, PoolClosedError, PoolError
 from acompile._observe import Recorder, Tracer
 from acompile._pool import BACKGROUND, URGENT, Job, JobCancelled, WorkerPool
 from acompile._progressive import BackgroundKernel, ProgressiveKernel
 from acompile._sizing import default_workers, parse_size
 from acompile._targets import Target, local_target, parse_target
+
+if TYPE_CHECKING:
+    from acompile._backends._native import CppSpec, CudaModule, CudaSpec, ObjectFile, SharedLibrary
+    from acompile._backends._triton import TritonKernel, TritonSpec
+    from acompile._observe import Stats
+
+    # What a compile returns, by spec: TritonSpec -> TritonKernel, CppSpec -> SharedLibrary,
+    # CudaSpec -> CudaModule, SharedLibrary or ObjectFile (by its output).
+    Spec = TritonSpec | CudaSpec | CppSpec
+    Kernel = TritonKernel | CudaModule | SharedLibrary | ObjectFile
 
 logger = logging.getLogger("acompile")
 
@@ -81,8 +92,12 @@ class CompilePool:
         memory_limit: a worker whose resident memory passes this many bytes (or ``"4GiB"``,
             ``"512MiB"``) is stopped; its job fails with ``WorkerCrashedError`` saying so.
         max_compile_seconds: a job that runs longer fails with ``CompileTimeoutError`` and its
-            worker is stopped (for compilers that never return). Callers' own deadlines are
-            theirs to set with ``anyio.fail_after``.
+            worker is stopped, with every compiler it started (for compilers that never return,
+            and workers stopped by a signal); ``None`` for no limit. Callers' own deadlines
+            are theirs to set with ``anyio.fail_after``.
+        preload_timeout: a worker (or the template workers fork from) that has not finished
+            its preload after this many seconds is stopped and started again; a second such
+            failure in a row fails the waiting jobs with ``WorkerStartError``.
         fork_workers: fork workers from a preloaded template process (fast start and wake-up);
             ``False`` starts each worker as a fresh interpreter.
         shared_cache: a tier a fleet shares, after memory and disk: an aiocache cache (its
@@ -114,7 +129,8 @@ class CompilePool:
         worker_nice: int = 5,
         idle_timeout: float | None = None,
         memory_limit: int | str | None = None,
-        max_compile_seconds: float | None = None,
+        max_compile_seconds: float | None = 600.0,
+        preload_timeout: float = 120.0,
         fork_workers: bool = True,
         shared_cache: Any = None,
         signing_key: str | bytes | None = None,
@@ -145,6 +161,13 @@ class CompilePool:
         if max_compile_seconds is not None and not max_compile_seconds > 0:
             raise ValueError(f"max_compile_seconds must be positive or None, got {max_compile_seconds!r}")
         self._max_compile_seconds = max_compile_seconds
+        if (
+            isinstance(preload_timeout, bool)
+            or not isinstance(preload_timeout, (int, float))
+            or not preload_timeout > 0
+        ):
+            raise ValueError(f"preload_timeout must be a positive number of seconds, got {preload_timeout!r}")
+        self._preload_timeout = float(preload_timeout)
         self._fork_workers = fork_workers
         if shared_cache is not None:
             check_target(shared_cache)
@@ -170,6 +193,15 @@ class CompilePool:
     async def __aenter__(self) -> CompilePool:
         if self._state != "new":
             raise PoolClosedError("a CompilePool is entered once; make a new one")
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            # Workers, pipes and the write-behind are built on asyncio (uvloop included); on
+            # another loop (trio) they would fail later, deep inside, with a less useful message.
+            raise PoolError(
+                "CompilePool needs an asyncio event loop (asyncio or uvloop): run it with "
+                "asyncio.run() or anyio.run(main) (anyio's default backend), not on trio"
+            ) from None
         self._state = "starting"
         try:
             if self._target is None:
@@ -197,6 +229,7 @@ class CompilePool:
                 self._workdir,
                 memory_limit=self._memory_limit,
                 max_compile_seconds=self._max_compile_seconds,
+                preload_timeout=self._preload_timeout,
                 use_template=self._fork_workers,
             )
             # What the workers' preload needs from this process (Triton's key of its binaries,
@@ -248,6 +281,7 @@ class CompilePool:
             await self._remove_workdir()
 
     async def _remove_workdir(self) -> None:
+        await self._cache.close()
         if self._workdir is not None:
             workdir, self._workdir = self._workdir, None
             with anyio.CancelScope(shield=True):
@@ -255,7 +289,8 @@ class CompilePool:
 
     @property
     def _memo_dir(self) -> Path:
-        return self._cache.root / "toolchain"
+        # In the cache folder, unless it did not answer at start (a hung filesystem).
+        return self._cache.memo_dir
 
     async def _worker_config(self) -> dict[str, Any]:
         extra: dict[str, Any] = {}
@@ -339,7 +374,7 @@ class CompilePool:
         target: str | Target | None = None,
         attrs: dict[Any, Any] | None = None,
         **options: Any,
-    ) -> Any:
+    ) -> TritonKernel:
         """Compile a Triton kernel, or take it from the cache; returns a ``TritonKernel``.
 
         Args:
@@ -374,6 +409,54 @@ class CompilePool:
         )
         return await self.compile(spec)
 
+    @overload
+    async def cuda(
+        self,
+        source: str,
+        *,
+        output: Literal["cubin", "ptx"] = "cubin",
+        arch: str | int | None = None,
+        options: Sequence[str] = (),
+        name_expressions: Sequence[str] = (),
+        name: str | None = None,
+    ) -> CudaModule: ...
+
+    @overload
+    async def cuda(
+        self,
+        source: str,
+        *,
+        output: Literal["so"],
+        arch: str | int | None = None,
+        options: Sequence[str] = (),
+        name_expressions: Sequence[str] = (),
+        name: str | None = None,
+    ) -> SharedLibrary: ...
+
+    @overload
+    async def cuda(
+        self,
+        source: str,
+        *,
+        output: Literal["o"],
+        arch: str | int | None = None,
+        options: Sequence[str] = (),
+        name_expressions: Sequence[str] = (),
+        name: str | None = None,
+    ) -> ObjectFile: ...
+
+    @overload
+    async def cuda(
+        self,
+        source: str,
+        *,
+        output: str,
+        arch: str | int | None = None,
+        options: Sequence[str] = (),
+        name_expressions: Sequence[str] = (),
+        name: str | None = None,
+    ) -> CudaModule | SharedLibrary | ObjectFile: ...
+
     async def cuda(
         self,
         source: str,
@@ -383,7 +466,7 @@ class CompilePool:
         options: Sequence[str] = (),
         name_expressions: Sequence[str] = (),
         name: str | None = None,
-    ) -> Any:
+    ) -> CudaModule | SharedLibrary | ObjectFile:
         """Compile CUDA C++ source, or take it from the cache.
 
         Args:
@@ -413,7 +496,7 @@ class CompilePool:
         options: Sequence[str] = (),
         include_dirs: Sequence[str] = (),
         name: str | None = None,
-    ) -> Any:
+    ) -> SharedLibrary:
         """Compile C++ source into a shared library with the system compiler (``$CXX``, else
         ``c++``), or take it from the cache; returns a ``SharedLibrary`` loaded with ctypes.
 
@@ -424,7 +507,21 @@ class CompilePool:
 
         return await self.compile(CppSpec(source, options, include_dirs, name))
 
-    async def compile(self, spec: Any, *, background: bool = False) -> Any:
+    @overload
+    async def compile(self, spec: TritonSpec, *, background: bool = False) -> TritonKernel: ...
+
+    @overload
+    async def compile(self, spec: CppSpec, *, background: bool = False) -> SharedLibrary: ...
+
+    @overload
+    async def compile(
+        self, spec: CudaSpec, *, background: bool = False
+    ) -> CudaModule | SharedLibrary | ObjectFile: ...
+
+    @overload
+    async def compile(self, spec: Spec, *, background: bool = False) -> Kernel: ...
+
+    async def compile(self, spec: Spec, *, background: bool = False) -> Any:
         """Compile one spec (``acompile.TritonSpec``), or take it from the cache.
 
         ``background=True`` queues the work behind requests that someone is waiting on (for
@@ -474,7 +571,8 @@ class CompilePool:
         if flight.error is not None:
             # Each caller raises its own copy: one exception object raised in several tasks
             # would collect all their tracebacks.
-            raise copy.copy(flight.error)
+            # The original, with the traceback of where it happened, is the copy's cause.
+            raise copy.copy(flight.error) from flight.error
         self._record(request, spec)
         return flight.result, flight.tier
 
@@ -511,7 +609,11 @@ class CompilePool:
         except AcompileError as exc:
             if not isinstance(exc, JobCancelled):
                 self._counts["failed"] += 1
-                logger.warning("compile of %s failed: %s", request.name, str(exc).splitlines()[0])
+                # The message without the compiler's stderr tail (the error carries that), and
+                # at most a few lines of it: one request's failure, not a log flood.
+                lines = (exc.args[0] if exc.args else str(exc)).splitlines() or [""]
+                summary = "\n".join(lines[:5]) + ("\n..." if len(lines) > 5 else "")
+                logger.warning("compile of %s failed: %s", request.name, summary)
             flight.finish(error=exc)
         except Exception as exc:
             flight.finish(error=exc)
@@ -700,8 +802,28 @@ class CompilePool:
         """
         return _progressive.background(self, spec, fallback)
 
+    @overload
     async def gather(
-        self, *specs: Any, return_exceptions: bool = False, background: bool = False
+        self, *specs: TritonSpec, return_exceptions: Literal[False] = False, background: bool = False
+    ) -> list[TritonKernel]: ...
+
+    @overload
+    async def gather(
+        self, *specs: TritonSpec, return_exceptions: Literal[True], background: bool = False
+    ) -> list[TritonKernel | AcompileError]: ...
+
+    @overload
+    async def gather(
+        self, *specs: Spec, return_exceptions: Literal[False] = False, background: bool = False
+    ) -> list[Kernel]: ...
+
+    @overload
+    async def gather(
+        self, *specs: Spec, return_exceptions: bool, background: bool = False
+    ) -> list[Kernel | AcompileError]: ...
+
+    async def gather(
+        self, *specs: Spec, return_exceptions: bool = False, background: bool = False
     ) -> list[Any]:
         """Compile many specs at once; results in the order given.
 
@@ -739,7 +861,7 @@ class CompilePool:
     def cache_dir(self) -> Path:
         return self._cache.root
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> Stats:
         """A snapshot of the pool, as plain data (cheap; nothing is measured on the call).
 
         ``workers``: size, alive, busy, awake (False while quiesced), started, forked (from the
@@ -784,6 +906,11 @@ class CompilePool:
                 "shared_rejected": self._shared.counts["rejected"] if self._shared else 0,
                 "shared_errors": self._shared.counts["errors"] if self._shared else 0,
                 "shared_writes": self._shared.counts["writes"] if self._shared else 0,
+                "shared_write_failures": self._shared.counts["write_failures"] if self._shared else 0,
+                "shared_skipped": self._shared.counts["skipped"] if self._shared else 0,
+                "shared_ignored_leases": self._shared.counts["ignored_leases"] if self._shared else 0,
+                "shared_available": self._shared.available if self._shared else None,
+                "shared_namespace": self._shared.namespace if self._shared else None,
                 "fleet_waits": self._counts["fleet_waits"],
                 "misses": self._counts["misses"],
                 "disk_corrupt": self._cache.counts["disk_corrupt"],

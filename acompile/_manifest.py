@@ -125,6 +125,12 @@ def _import_kernel(ref: str, base: Path, where: str) -> Any:
             module = importlib.import_module(target)
     except InvalidSpecError:
         raise
+    except ModuleNotFoundError as exc:
+        hint = (
+            f"; {target!r} is imported by name: put the folder that holds it on PYTHONPATH, or name "
+            'the file ("path/to/file.py:kernel", relative to the manifest)'
+        )
+        raise InvalidSpecError(f"{where}: cannot import {target!r}: {exc}{hint}") from exc
     except Exception as exc:
         raise InvalidSpecError(f"{where}: cannot import {target!r}: {type(exc).__name__}: {exc}") from exc
     try:

@@ -779,9 +779,15 @@ def _report(
 def main(argv: list[str] | None = None) -> int:
     from acompile._sizing import default_workers
 
-    parser = argparse.ArgumentParser(
-        prog="acompile bench", description=__doc__.split("\n\n")[0]
-    )
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--storm" in argv:
+        # The fault storm has options of its own (acompile bench --storm --help).
+        from acompile._bench.storm import main as storm_main
+
+        argv.remove("--storm")
+        return storm_main(argv)
+
+    parser = argparse.ArgumentParser(prog="acompile bench", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--workers",
         type=int,
@@ -816,6 +822,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run the cache-tier section (hit latency by tier, warm start from memory, disk and "
         "Redis against Triton's file and Redis caches; starts a private redis-server); alone, only it",
+    )
+    parser.add_argument(
+        "--storm",
+        action="store_true",
+        help="alone: the fault storm (a compile storm while pool processes are SIGKILLed; "
+        "see acompile bench --storm --help)",
     )
     parser.add_argument(
         "--redis-server",

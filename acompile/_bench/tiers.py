@@ -87,6 +87,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -175,7 +176,7 @@ def _triton_redis_backend_kind() -> str:
 # -- helpers of the step processes --------------------------------------------------------------
 
 
-def _stats_problems(stats: dict[str, Any], *, n_hits: int, tier: str) -> list[str]:
+def _stats_problems(stats: Mapping[str, Any], *, n_hits: int, tier: str) -> list[str]:
     problems = []
     cache = stats["cache"]
     if stats["compiled"] != 0 or cache["misses"] != 0:
