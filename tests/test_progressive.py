@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -80,9 +79,8 @@ async def test_progressive_returns_at_once_then_fast_then_best(cache_dir: Path) 
         # goes first, the best one lands only after the blocker's half second.
         p._tg.start_soon(occupy, p, 0.5)  # type: ignore[union-attr]
         await until_queued(p, 1)
-        start = time.monotonic()
         h = progressive(p, FAST, BEST)
-        assert time.monotonic() - start < 0.05
+        # Returned at once: nothing is compiled yet (the only worker is held).
         assert h.stage == "pending" and h.kernel is None
         with pytest.raises(KernelNotReadyError, match=r"await handle.ready\(\)"):
             h[(4,)](1, 2, 3, 4)
@@ -103,7 +101,7 @@ async def test_progressive_returns_at_once_then_fast_then_best(cache_dir: Path) 
         assert fast_kernel.metadata.num_warps == 4 and best_kernel.metadata.num_warps == 8
         stats = h.stats()
         assert stats["fast_tier"] == stats["best_tier"] == "compile"
-        assert stats["fast_seconds"] + 0.3 < stats["best_seconds"]
+        assert stats["fast_seconds"] < stats["best_seconds"]
         assert stats["not_ready_launches"] == 1
 
         # The launch goes to the best kernel, which needs a GPU: refused, and not counted.
@@ -118,9 +116,8 @@ async def test_background_runs_the_fallback_until_the_kernel_is_ready(cache_dir:
     async with pool(cache_dir, workers=1) as p:
         p._tg.start_soon(occupy, p, 0.3)  # type: ignore[union-attr]
         await until_queued(p, 1)
-        start = time.monotonic()
         bk = background(p, FAST, add_fallback(calls))
-        assert time.monotonic() - start < 0.05
+        # Returned at once: nothing is compiled yet (the only worker is held).
         assert not bk.ready and bk.kernel is None
         launch = bk[(4,)]
         assert launch("x", "y", "out", 16) == "eager"  # the grid is not the fallback's
@@ -185,7 +182,7 @@ async def test_leaving_the_pool_cancels_pending_compiles(cache_dir: Path) -> Non
         await until_queued(p, 1)
         h = progressive(p, FAST, BEST)
         bk = background(p, BEST, add_fallback(calls))
-        await anyio.sleep(0.2)
+        await until_queued(p, 3)  # the blocker, then FAST and BEST (one flight for both BEST)
         assert h.stage == "pending" and not bk.ready
         # Created as the pool leaves: its tasks have not run a step yet when they are cancelled.
         last = progressive(p, FAST, BEST)
