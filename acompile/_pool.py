@@ -375,6 +375,7 @@ class _Template:
         self.workers: dict[int, _ForkedWorker] = {}
         self.early_exits: dict[int, int] = {}
         self.lost = anyio.Event()
+        self.stopped_since: float | None = None
 
     async def receive(self) -> Any:
         header = await self._reader.receive_exactly(_protocol.HEADER_SIZE)
@@ -1040,7 +1041,8 @@ class WorkerPool:
     async def _lost_during(self, job: Job, worker: _SpawnedWorker | _ForkedWorker) -> str:
         """The worker died while it ran job: retry or fail the job; returns the restart cause."""
         code = await _stop(worker)
-        cause = worker.stop_cause or ("killed" if code in _EXTERNAL else "crash")
+        # An exit nobody could report in time (its template stopped) came from outside too.
+        cause = worker.stop_cause or ("killed" if code in _EXTERNAL or code is None else "crash")
         if cause == "template":
             # The template it was forked from died, and took it along: not this job's doing,
             # and not counted against it.
@@ -1073,6 +1075,17 @@ class WorkerPool:
         while True:
             await anyio.sleep(interval)
             workers = list(self.alive.values())
+            template = self._template
+            if template is not None and not template.lost.is_set():
+                # A stopped template forks nothing: replace it as a stopped worker is replaced.
+                stopped = await anyio.to_thread.run_sync(_is_stopped, template.pid)
+                now = time.monotonic()
+                template.stopped_since = (template.stopped_since or now) if stopped else None
+                if template.stopped_since is not None and now - template.stopped_since >= _STOPPED_LIMIT:
+                    logger.warning(
+                        "the template pid %d has been stopped by a signal; replacing it", template.pid
+                    )
+                    _kill_group(template.pid)
             if not workers:
                 continue
             samples = await anyio.to_thread.run_sync(_sample_all, [w.pid for w in workers])

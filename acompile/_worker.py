@@ -61,6 +61,8 @@ def _kill_own_group(*_: object) -> None:
 
 
 def _exit_template(*_: object) -> None:
+    if not Template.serving:
+        _kill_own_group()  # still preloading: no worker to clean up, and a kill reads as one
     raise SystemExit(1)  # through Template.serve's clean-up, which stops every worker
 
 
@@ -171,12 +173,16 @@ class Template:
     introduces itself with ("hello", slot, pid, token) before its ("ready", info).
     """
 
+    serving = False  # set once it takes fork requests (its preload is over)
+
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.children: set[int] = set()
 
     def serve(self) -> None:
         import select
+
+        Template.serving = True
 
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)

@@ -342,3 +342,31 @@ async def test_an_error_shared_through_single_flight_keeps_the_original_as_its_c
         assert isinstance(cause, acompile.CompileError) and cause is not err
         assert cause.__traceback__ is not None  # where it was raised, in this process
         assert "nonexistent_header_for_acompile.h" in str(err)
+
+
+async def test_a_stopped_template_is_replaced_and_the_jobs_of_its_killed_workers_retried(
+    cache_dir: Path,
+) -> None:
+    """The template is stopped (SIGSTOP) and then its workers are killed: the template cannot
+    report their exits nor fork new ones. The pool replaces it, and every job still succeeds."""
+    async with pool(cache_dir, workers=2) as p:
+        await p.wait_ready()
+        outcomes: list[object] = []
+
+        async def job(i: int) -> None:
+            outcomes.append(
+                await p._run(FAKE, {"name": f"j{i}", "action": "sleep", "seconds": 1.0, "value": i}, f"j{i}")
+            )
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(job, i)
+                await until(lambda: p.stats()["workers"]["busy"] == 2)
+                (template,) = [w for w in pool_processes() if is_template(w)]
+                template.send_signal(signal.SIGSTOP)
+                for worker in pool_processes():
+                    if not is_template(worker):
+                        worker.send_signal(signal.SIGKILL)
+        assert sorted(outcomes) == [0, 1, 2, 3]  # type: ignore[type-var]
+        assert not psutil.pid_exists(template.pid) or template.status() == psutil.STATUS_ZOMBIE

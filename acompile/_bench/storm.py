@@ -3,7 +3,8 @@
 ``acompile bench --storm`` (or ``python -m acompile._bench.storm``): real Triton compiles of the
 benchmark corpus (each spec with several ``num_warps``, so every job is a distinct compile) into
 an empty cache folder, on the default pool but for the worker count, while a killer SIGKILLs a
-random process of the pool (a worker, the template, a worker still starting) every 50–300 ms.
+random process of the pool (a worker, the template, a worker still starting) every 50–300 ms,
+every other kill once the pool is back at full size.
 It prints how many jobs succeeded, what failed and why, how long the pool took to return to
 full size after the last kill, then quiesce, wake-up and shutdown times, and any process left.
 """
@@ -63,6 +64,11 @@ async def storm(jobs: int, workers: int, kills: int, target: str, seed: int) -> 
 
             async def killer() -> None:
                 while len(killed) < kills and len(outcomes) < len(specs):
+                    if len(killed) % 2 == 0:
+                        # Every other kill lands on a pool at full size (a worker or the template
+                        # at random); the others at any moment, starting processes included.
+                        while pool.stats()["workers"]["alive"] < workers:  # noqa: ASYNC110
+                            await anyio.sleep(0.005)
                     await anyio.sleep(rng.uniform(0.05, 0.3))
                     victims = _pool_processes()
                     if victims:
