@@ -609,10 +609,13 @@ class CompilePool:
         except AcompileError as exc:
             if not isinstance(exc, JobCancelled):
                 self._counts["failed"] += 1
-                # The message without the compiler's stderr tail (the error carries that), and
-                # at most a few lines of it: one request's failure, not a log flood.
-                lines = (exc.args[0] if exc.args else str(exc)).splitlines() or [""]
-                summary = "\n".join(lines[:5]) + ("\n..." if len(lines) > 5 else "")
+                # One line (a log record per failure, whole), made of the first lines of the
+                # message without the compiler's stderr tail: the error carries all of it.
+                text = exc.args[0] if exc.args else str(exc)
+                lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+                summary = " | ".join(lines[:4])
+                if len(summary) > 300 or len(lines) > 4:
+                    summary = summary[:300] + " ..."
                 logger.warning("compile of %s failed: %s", request.name, summary)
             flight.finish(error=exc)
         except Exception as exc:
