@@ -44,3 +44,12 @@ def broken_kernel(x_ptr, n, BLOCK: tl.constexpr):
 
 
 ADD_SIG = {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"}
+
+
+@triton.jit
+def slow_to_compile_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    # N unrolled loads: with N in the hundreds, a compile takes tens of seconds on 2 cores.
+    acc = tl.zeros((16,), dtype=tl.float32)
+    for i in tl.static_range(N):
+        acc += tl.load(x_ptr + i * 16 + tl.arange(0, 16)) * (i + 1)
+    tl.store(out_ptr + tl.arange(0, 16), acc)

@@ -14,7 +14,7 @@ import anyio.lowlevel
 import pytest
 import triton
 from conftest import TARGET, subprocess_env
-from kernels_for_tests import ADD_SIG, add_kernel, broken_kernel, scale_add_kernel
+from kernels_for_tests import ADD_SIG, add_kernel, broken_kernel, scale_add_kernel, slow_to_compile_kernel
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -258,17 +258,36 @@ async def test_a_cancelled_caller_leaves_the_shared_compile_to_the_others(cache_
 
 
 async def test_when_every_caller_gives_up_the_compile_stops(cache_dir: Path) -> None:
+    """A compile that would run for tens of seconds: once its only caller leaves, its worker (the
+    only way to stop a compiler) is gone within seconds, long before the compile could end."""
+    import psutil
+
+    slow = acompile.TritonSpec(slow_to_compile_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32"}, {"N": 600})
     async with pool(cache_dir, workers=1) as p:
         await p.wait_ready()
-        with anyio.move_on_after(0.02):
-            await p.compile(acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 4096}))
+        # Forked workers are the template's children (the template is ours).
+        me = os.getpid()
+        workers = [c for c in psutil.Process().children(recursive=True) if c.ppid() != me]
+        assert len(workers) == 1
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(p.compile, slow)
+            with anyio.fail_after(30):
+                while p.stats()["jobs"]["running"] == 0:  # noqa: ASYNC110 - no event for it
+                    await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()  # the only caller leaves
         with anyio.fail_after(10):
-            # The worker is stopped in the pool's own task after the caller left: watch its stats.
-            while p.stats()["jobs"]["cancelled"] == 0:  # noqa: ASYNC110
+            # The worker that ran it is gone (the compile was stopped, not left to finish), and
+            # the pool says why.
+            def stopped() -> bool:
+                alive = workers[0].is_running() and workers[0].status() != psutil.STATUS_ZOMBIE
+                return not alive and p.stats()["workers"]["restarts"] == {"abandoned": 1}
+
+            while not stopped():  # noqa: ASYNC110 - processes have no event to wait on
                 await anyio.sleep(0.01)
-        # Nothing was cached, and the next request compiles afresh on a fresh worker.
+        assert p.stats()["jobs"]["cancelled"] == 1
+        # Nothing was cached, and the pool goes on with a fresh worker.
         k = await p.compile(acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 4096}))
-        assert k.cubin and p.stats()["workers"]["restarts"] == {"abandoned": 1}
+        assert k.cubin
 
 
 async def test_environment_that_changes_code_is_in_the_key_and_reaches_the_worker(
