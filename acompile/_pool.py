@@ -18,12 +18,14 @@ next. The template outlives epochs, so waking is a matter of forks.
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -356,7 +358,71 @@ def _is_stopped(pid: int) -> bool:
 # --- the template -----------------------------------------------------------------------------
 
 
-_Connection = tuple[BufferedByteReceiveStream, anyio.abc.SocketStream]
+class _UnixConnection(anyio.abc.ByteStream):
+    """A forked worker's connection, on asyncio's transport-based streams.
+
+    Not anyio's UNIX socket stream: that one waits on a raw socket with a reader callback that
+    sets a future, and a cancellation (a deadline, an abandoned job, the pool leaving) delivered
+    in the same loop iteration as the worker's reply or EOF makes that callback set a cancelled
+    future: asyncio logs an InvalidStateError "in callback". Transports have no such window.
+    """
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        try:
+            data = await self._reader.read(max_bytes)
+        except OSError as exc:
+            raise anyio.BrokenResourceError from exc
+        if not data:
+            raise anyio.EndOfStream
+        return data
+
+    async def send(self, item: bytes) -> None:
+        if self._writer.is_closing():
+            raise anyio.BrokenResourceError
+        try:
+            self._writer.write(item)
+            await self._writer.drain()
+        except OSError as exc:
+            raise anyio.BrokenResourceError from exc
+
+    async def send_eof(self) -> None:
+        self._writer.write_eof()
+
+    async def aclose(self) -> None:
+        self._writer.close()  # its transport closes the socket; nothing to wait for
+        await anyio.lowlevel.checkpoint()
+
+
+class _UnixListener:
+    """The Unix socket forked workers connect back to (accepts through asyncio's sock_accept,
+    which, unlike a raw reader callback, ignores a readiness that arrives after cancellation)."""
+
+    def __init__(self, address: str) -> None:
+        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.socket.bind(address)
+            self.socket.listen(128)
+            self.socket.setblocking(False)
+        except BaseException:
+            self.socket.close()
+            raise
+
+    async def accept(self) -> _UnixConnection:
+        loop = asyncio.get_running_loop()
+        connection, _ = await loop.sock_accept(self.socket)
+        reader, writer = await asyncio.open_unix_connection(sock=connection)
+        return _UnixConnection(reader, writer)
+
+    async def aclose(self) -> None:
+        self.socket.close()
+        await anyio.lowlevel.checkpoint()
+
+
+_Connection = tuple[BufferedByteReceiveStream, _UnixConnection]
 
 
 class _Template:
@@ -414,7 +480,7 @@ class _Template:
                 worker.stop_cause = worker.stop_cause or "template"
                 worker.set_exited(-signal.SIGKILL)
 
-    async def serve_connections(self, listener: anyio.abc.SocketListener) -> None:
+    async def serve_connections(self, listener: _UnixListener) -> None:
         try:
             async with anyio.create_task_group() as tg:
 
@@ -431,7 +497,7 @@ class _Template:
             with anyio.CancelScope(shield=True):
                 await listener.aclose()
 
-    async def _introduce(self, stream: anyio.abc.SocketStream) -> None:
+    async def _introduce(self, stream: _UnixConnection) -> None:
         try:
             with anyio.fail_after(30):
                 reader = BufferedByteReceiveStream(stream)
@@ -893,7 +959,7 @@ class WorkerPool:
         stderr_path = os.path.join(self.workdir, "template.stderr")
         self._templates_started += 1
         address = os.path.join(self.workdir, f"workers-{self._templates_started}.sock")
-        listener = await anyio.create_unix_listener(address)
+        listener = _UnixListener(address)
         command, env = self._command("--template")
         try:
             process = await self._open(command, env, stderr_path)
