@@ -162,7 +162,7 @@ async def test_loading_a_module_without_a_gpu_says_so(cache_dir: Path) -> None:
 
 
 def test_scalars_must_carry_their_c_type() -> None:
-    from acompile._backends._native import _kernel_arg
+    from acompile._backends._driver import _kernel_arg
 
     assert isinstance(_kernel_arg(0, ctypes.c_float(2.0)), ctypes.c_float)
     with pytest.raises(TypeError, match=r"ctypes.c_int32\(n\)"):
@@ -325,3 +325,35 @@ async def test_a_worker_failure_with_a_huge_message_is_cut(cache_dir: Path) -> N
     err = info.value
     assert err.kernel == "big" and "ValueError" in str(err)
     _bounded_error(err)
+
+
+def test_each_backend_is_one_entry_of_the_registry_and_its_specs_name_it() -> None:
+    import importlib
+
+    from acompile._backends import BACKENDS, backend_of, load_parent, worker_module
+
+    for name, backend in BACKENDS.items():
+        for qualname in backend.spec_classes:
+            module, _, cls = qualname.rpartition(".")
+            assert getattr(importlib.import_module(module), cls).backend == name
+        assert worker_module(name) == backend.worker
+    assert [backend_of(s) for s in (acompile.CudaSpec("x"), acompile.CppSpec("x"))] == ["cuda", "cpp"]
+    assert backend_of(acompile.TritonSpec(None, {})) == "triton"
+    assert load_parent("cuda").WORKER_MODULE == load_parent("cpp").WORKER_MODULE == worker_module("cpp")
+
+    class Impostor:  # named like a spec, but not one: the type decides, not the name
+        backend = "cuda"
+
+    Impostor.__name__ = Impostor.__qualname__ = "CudaSpec"
+    for thing in (Impostor(), object(), "cuda"):
+        with pytest.raises(TypeError, match="not a compile spec"):
+            backend_of(thing)
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        load_parent("nope")
+
+
+def test_preloading_unknown_backends_names_the_known_ones(cache_dir: Path) -> None:
+    with pytest.raises(
+        ValueError, match=r"unknown backend\(s\) to preload: \['nope'\]; known: \['cpp', 'cuda', 'triton'\]"
+    ):
+        acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir, preload=("nope",))

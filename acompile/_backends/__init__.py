@@ -1,28 +1,17 @@
-"""Backends, one module each, imported the first time they are used.
+"""Backends, one module a half, imported the first time they are used.
 
-A backend is a worker-side module with ``setup(config)``, ``preload(config)`` and
-``compile(payload) -> bytes`` (a cache entry), and a parent-side half that checks and keys
-requests and loads results.
+``_contract`` says what a backend is (a parent half and a worker half); ``_registry`` lists the
+backends by name and loads their halves. The CUDA C++ backend is ``_cuda`` (keying) with
+``_driver`` (loading and launching on the GPU); the C++ backend is ``_cpp``; what those two
+share is ``_native``, and both compile in ``_native_worker``. Triton is ``_triton`` and
+``_triton_worker``, with helpers of its own.
 """
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
-
-from acompile._errors import BackendUnavailableError
-
-_PACKAGES = {"triton": "triton"}
-
-
-def load_parent(name: str) -> ModuleType:
-    """The parent-side module of a backend, with a clear error if its package is missing."""
-    package = _PACKAGES.get(name)
-    try:
-        if package is not None:
-            importlib.import_module(package)
-        return importlib.import_module(f"acompile._backends._{name}")
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            f"the {name} backend needs the {package!r} package: pip install {package}"
-        ) from exc
+from acompile._backends._registry import BACKENDS as BACKENDS
+from acompile._backends._registry import BackendSpec as BackendSpec
+from acompile._backends._registry import backend_of as backend_of
+from acompile._backends._registry import load_parent as load_parent
+from acompile._backends._registry import load_worker as load_worker
+from acompile._backends._registry import worker_module as worker_module

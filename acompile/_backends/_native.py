@@ -1,11 +1,5 @@
-"""The parent's half of the CUDA C++ and C++ backends: check a request, key it, load its result.
-
-- ``CudaSpec`` with ``output="cubin"`` or ``"ptx"``: NVRTC (cuda-python) in a worker; the result
-  is a ``CudaModule``, loaded through the CUDA driver API on first use.
-- ``CudaSpec`` with ``output="so"`` or ``"o"``: nvcc in a worker; a ``.so`` is loaded with ctypes,
-  a ``.o`` is a file in the cache folder.
-- ``CppSpec``: the system C++ compiler (``$CXX``, else ``c++``) into a shared library, loaded
-  with ctypes.
+"""What the CUDA C++ (``_cuda``) and C++ (``_cpp``) backends share in the parent: the request,
+checking its strings, the compilers' identities, keying, and the results that are files.
 
 Libraries and objects live in ``<cache_dir>/lib/<key>.so`` (``.o``), published atomically: a
 library must be a file to be loaded, and a file that others may be loading is never rewritten.
@@ -27,49 +21,29 @@ from typing import Any
 
 import anyio
 
+from acompile._backends._registry import BACKENDS
 from acompile._cache._entry import Entry
 from acompile._cache._keys import make_key
 from acompile._errors import (
     BackendUnavailableError,
     CppCompileError,
     CUDACompileError,
-    DeviceUnavailableError,
     InvalidSpecError,
     bounded,
 )
-from acompile._targets import Target, parse_target
+from acompile._targets import Target
 from acompile._version import __version__
 
-WORKER_MODULE = "acompile._backends._native_worker"
-_CUDA_OUTPUTS = ("cubin", "ptx", "so", "o")
+# Both backends compile in one worker module: NVRTC, nvcc and the C++ compiler.
+WORKER_MODULE = BACKENDS["cuda"].worker
+NVRTC_HINT = BACKENDS["cuda"].install
 _GLOBAL_NAME = re.compile(r"__global__\s+(?:[\w:<>,\s*&]+?\s+)?(\w+)\s*\(")
-NVRTC_HINT = 'pip install "acompile[cuda]"'
-
-
-@dataclass(frozen=True)
-class CudaSpec:
-    """A CUDA C++ compile request, as ``CompilePool.cuda()`` takes it (see there)."""
-
-    source: str
-    output: str = "cubin"
-    arch: str | int | None = None
-    options: Sequence[str] = ()
-    name_expressions: Sequence[str] = ()
-    name: str | None = None
-
-
-@dataclass(frozen=True)
-class CppSpec:
-    """A C++ compile request, as ``CompilePool.cpp()`` takes it (see there)."""
-
-    source: str
-    options: Sequence[str] = ()
-    include_dirs: Sequence[str] = ()
-    name: str | None = None
 
 
 @dataclass
 class NativeRequest:
+    """A checked CUDA or C++ spec, keyed (see ``_contract.Request``)."""
+
     key: str
     name: str
     backend: str
@@ -79,12 +53,64 @@ class NativeRequest:
 
 
 async def setup(memo_dir: Path, target: Target | None) -> None:
-    pass
+    """Nothing to pay ahead: the compilers' versions are read on first use."""
 
 
 async def worker_config(memo_dir: Path) -> dict[str, Any]:
+    """Nothing: the workers need only what the payload carries."""
     return {}
 
+
+async def payload(request: NativeRequest) -> dict[str, Any]:
+    """The payload, made with the request (it holds the command line the worker runs)."""
+    return request.payload
+
+
+# --- checking a spec's values ---------------------------------------------------------------------
+
+
+def show(value: Any) -> str:
+    """A value's repr for a message, short however large the value is."""
+    return bounded(repr(value), 200)
+
+
+def check_text(what: str, value: Any) -> str:
+    """``value`` as a string a C compiler sees whole; ``InvalidSpecError`` otherwise."""
+    if not isinstance(value, str):
+        raise InvalidSpecError(f"{what} must be a string, got {type(value).__name__} {show(value)}")
+    if "\0" in value:
+        # C strings end at NUL: the compiler would silently see only what comes before it.
+        raise InvalidSpecError(f"{what} contains a NUL character (\\0) at offset {value.index(chr(0))}")
+    return value
+
+
+def check_strings(what: str, values: Sequence[str]) -> list[str]:
+    """A list or tuple of strings (``check_text`` each), as a list."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
+        raise InvalidSpecError(f"{what} must be a list of strings, got {show(values)}")
+    return [check_text(f"{what}[{i}]", v) for i, v in enumerate(values)]
+
+
+def check_source(source: Any) -> str:
+    """The spec's source, non-empty."""
+    text = check_text("source", source)
+    if not text.strip():
+        raise InvalidSpecError("source must be a non-empty string of C++/CUDA source")
+    return text
+
+
+def module_name(name: str | None, source: str, default: str) -> str:
+    """The given name (an identifier), else the first ``__global__`` function's, else ``default``."""
+    if name is not None:
+        name = check_text("name", name)
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise InvalidSpecError(f"name must be an identifier, got {show(name)}")
+        return name
+    found = _GLOBAL_NAME.search(source)
+    return found.group(1) if found else default
+
+
+# --- the compilers ---------------------------------------------------------------------------------
 
 _tools: dict[str, str] = {}
 
@@ -95,7 +121,7 @@ def _tool_version(kind: str) -> str:
         if kind == "nvrtc":
             _tools[kind] = _nvrtc_version()
         else:
-            command = _nvcc() if kind == "nvcc" else _cxx()
+            command = nvcc() if kind == "nvcc" else cxx()
             try:
                 out = subprocess.run([command[0], "--version"], capture_output=True, timeout=30)
             except (OSError, subprocess.SubprocessError) as exc:
@@ -121,7 +147,8 @@ def _nvrtc_version() -> str:
     return f"nvrtc {major}.{minor}"
 
 
-def _nvcc() -> list[str]:
+def nvcc() -> list[str]:
+    """nvcc's command; ``InvalidSpecError`` when it is on neither PATH nor ``$CUDA_HOME``."""
     found = shutil.which("nvcc") or (
         os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if "CUDA_HOME" in os.environ else None
     )
@@ -132,95 +159,35 @@ def _nvcc() -> list[str]:
     return [found]
 
 
-def _cxx() -> list[str]:
+def cxx() -> list[str]:
+    """The C++ compiler's command: ``$CXX``, else ``c++``, else ``g++``."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not compiler:
         raise InvalidSpecError("no C++ compiler found: install g++ or set $CXX")
     return [compiler]
 
 
-def _show(value: Any) -> str:
-    """A value's repr for a message, short however large the value is."""
-    return bounded(repr(value), 200)
+async def make_request(
+    memo_dir: Path,
+    *,
+    backend: str,
+    kind: str,
+    name: str,
+    source: str,
+    output: str,
+    arch: str,
+    options: list[str],
+    expressions: list[str],
+    include_dirs: list[str],
+    command: list[str],
+) -> NativeRequest:
+    """Key a checked spec and build its payload.
 
-
-def _check_text(what: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise InvalidSpecError(f"{what} must be a string, got {type(value).__name__} {_show(value)}")
-    if "\0" in value:
-        # C strings end at NUL: the compiler would silently see only what comes before it.
-        raise InvalidSpecError(f"{what} contains a NUL character (\\0) at offset {value.index(chr(0))}")
-    return value
-
-
-def _arch(value: str | int | None, default: Target | None) -> str:
-    if value is None:
-        if default is None or default.backend != "cuda":
-            raise InvalidSpecError("no architecture: pass arch='sm_90' (or give the pool a cuda target)")
-        return str(default.arch)
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise InvalidSpecError(
-            f"arch must be a string such as 'sm_90' or an int such as 90, got {_show(value)}"
-        )
-    text = str(value).lower().removeprefix("cuda:").removeprefix("sm_").removeprefix("compute_")
-    suffix = "a" if text.endswith("a") else ""
-    digits = text.removesuffix("a")
-    if not digits.isascii() or not digits.isdigit():
-        raise InvalidSpecError(f"unknown architecture {_show(value)}: write e.g. 'sm_90', 90 or 'sm_90a'")
-    parse_target(f"cuda:{digits}")  # the same list of known architectures as targets
-    return digits + suffix
-
-
-def _name(spec: CudaSpec | CppSpec, source: str) -> str:
-    if spec.name is not None:
-        name = _check_text("name", spec.name)
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-            raise InvalidSpecError(f"name must be an identifier, got {_show(name)}")
-        return name
-    found = _GLOBAL_NAME.search(source)
-    return found.group(1) if found else ("cuda_module" if isinstance(spec, CudaSpec) else "cpp_library")
-
-
-def _strings(what: str, values: Sequence[str]) -> list[str]:
-    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
-        raise InvalidSpecError(f"{what} must be a list of strings, got {_show(values)}")
-    return [_check_text(f"{what}[{i}]", v) for i, v in enumerate(values)]
-
-
-async def prepare(spec: CudaSpec | CppSpec, default_target: Target | None, memo_dir: Path) -> NativeRequest:
-    """Check a spec and compute its key; raises ``InvalidSpecError`` with what to change, or
-    ``BackendUnavailableError`` when the compiler it needs is not installed."""
-    source = _check_text("source", spec.source)
-    if not source.strip():
-        raise InvalidSpecError("source must be a non-empty string of C++/CUDA source")
-    options = _strings("options", spec.options)
-    name = _name(spec, source)
-    if isinstance(spec, CudaSpec):
-        backend = "cuda"
-        if not isinstance(spec.output, str) or spec.output not in _CUDA_OUTPUTS:
-            raise InvalidSpecError(
-                f"output must be one of {', '.join(_CUDA_OUTPUTS)}, got {_show(spec.output)}"
-            )
-        output = spec.output
-        arch = _arch(spec.arch, default_target)
-        expressions = _strings("name_expressions", spec.name_expressions)
-        kind = "nvrtc" if output in ("cubin", "ptx") else "nvcc"
-        if kind == "nvcc" and expressions:
-            raise InvalidSpecError("name_expressions apply to NVRTC outputs (cubin, ptx), not to nvcc's")
-        command: list[str] = []
-        if kind == "nvcc":
-            command = [
-                *_nvcc(),
-                f"-arch=sm_{arch}",
-                *(["-shared", "-Xcompiler", "-fPIC"] if output == "so" else ["-c"]),
-            ]
-            command += options
-        include_dirs: list[str] = []
-    else:
-        backend, output, arch, expressions, kind = "cpp", "so", "", [], "cxx"
-        include_dirs = _strings("include_dirs", spec.include_dirs)
-        command = [*_cxx(), "-shared", "-fPIC", *options, *(f"-I{d}" for d in include_dirs)]
+    ``kind`` is the compiler (``"nvrtc"``, ``"nvcc"``, ``"cxx"``): its version is part of the
+    key, read once per process (in a thread: it may run the compiler).
+    """
     version = _tools.get(kind) or await anyio.to_thread.run_sync(_tool_version, kind)
+    # The key's parts, in this order, are what existing caches were keyed with: keep them.
     key_parts = {
         "format": 1,
         "backend": backend,
@@ -254,14 +221,13 @@ async def prepare(spec: CudaSpec | CppSpec, default_target: Target | None, memo_
     return NativeRequest(key, name, backend, output, payload, key_parts)
 
 
-async def payload(request: NativeRequest) -> dict[str, Any]:
-    return request.payload
+# --- results that are files ------------------------------------------------------------------------
 
 
-async def load(request: NativeRequest, entry: Entry, cache_root: Path) -> Any:
+async def load_file(request: NativeRequest, entry: Entry, cache_root: Path) -> SharedLibrary | ObjectFile:
+    """Publish a library or object file in ``<cache_root>/lib`` and load it (a library) with
+    ctypes. A file that cannot be written or loaded is a compile error of the request's kind."""
     output = request.output
-    if output in ("cubin", "ptx"):
-        return CudaModule(request, entry)
     path = cache_root / "lib" / f"{request.key}.{output}"
     try:
         await anyio.to_thread.run_sync(_publish, path, entry.blobs[output])
@@ -327,180 +293,3 @@ class ObjectFile:
 
     def __repr__(self) -> str:
         return f"<ObjectFile {self.name} {self.path}>"
-
-
-# --- CUDA modules through the driver API ---------------------------------------------------------
-
-
-def _driver() -> Any:
-    try:
-        from cuda.bindings import driver
-    except ImportError as exc:
-        raise DeviceUnavailableError(
-            'loading CUDA modules needs cuda-python: pip install "cuda-python"'
-        ) from exc
-    return driver
-
-
-_context: list[Any] = []
-
-
-def _ensure_context() -> Any:
-    """A current CUDA context: the caller's if there is one (PyTorch's), else device 0's primary."""
-    driver = _driver()
-    try:
-        (err,) = driver.cuInit(0)
-    except Exception as exc:
-        raise DeviceUnavailableError(
-            f"no CUDA driver here ({type(exc).__name__}: {exc}); compiled "
-            "modules can still be cached and shipped"
-        ) from exc
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise DeviceUnavailableError(
-            f"no usable GPU here (cuInit: {err.name}); compiled modules can still be cached and shipped"
-        )
-    err, ctx = driver.cuCtxGetCurrent()
-    if err == driver.CUresult.CUDA_SUCCESS and ctx is not None and int(ctx) != 0:
-        return ctx
-    if not _context:
-        err, device = driver.cuDeviceGet(0)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise DeviceUnavailableError(f"no GPU device 0 (cuDeviceGet: {err.name})")
-        err, ctx = driver.cuDevicePrimaryCtxRetain(device)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise DeviceUnavailableError(f"cannot open a context on GPU 0: {err.name}")
-        _context.append(ctx)
-    (err,) = driver.cuCtxSetCurrent(_context[0])
-    return _context[0]
-
-
-def _check(result: Any, what: str) -> Any:
-    driver = _driver()
-    err = result[0]
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"{what}: {err.name}")
-    return result[1] if len(result) == 2 else None
-
-
-class CudaModule:
-    """CUDA C++ compiled by NVRTC: the binary, and its kernels once loaded onto the GPU.
-
-    Attributes:
-        name, key: the module's name and cache key.
-        cubin: the binary (``output="cubin"``), or None; ``ptx``: the PTX text, or None.
-        log: NVRTC's log (warnings).
-        lowered_names: each name expression given, mapped to its mangled name.
-
-    ``module["saxpy"]`` (or ``module.function("saxpy")``, or a name expression such as
-    ``module["scale<float>"]``) loads the module onto the current GPU on first use and returns a
-    ``CudaFunction``; without a GPU it raises ``DeviceUnavailableError``.
-    """
-
-    def __init__(self, request: NativeRequest, entry: Entry) -> None:
-        self.name = request.name
-        self.key = request.key
-        self.cubin: bytes | None = entry.blobs.get("cubin")
-        ptx = entry.blobs.get("ptx")
-        self.ptx: str | None = ptx.decode() if ptx is not None else None
-        self.log = entry.blobs.get("log", b"").decode("utf-8", "replace")
-        self.lowered_names: dict[str, str] = dict(entry.meta.get("lowered", {}))
-        self._module: Any = None
-        self._functions: dict[str, CudaFunction] = {}
-
-    def __repr__(self) -> str:
-        return f"<CudaModule {self.name} key={self.key[:12]}…>"
-
-    def load(self) -> None:
-        """Load the module onto the current GPU now (otherwise the first function lookup does)."""
-        if self._module is None:
-            _ensure_context()
-            driver = _driver()
-            image = self.cubin if self.cubin is not None else (self.ptx or "").encode() + b"\0"
-            self._module = _check(driver.cuModuleLoadData(image), f"loading {self.name}")
-
-    def function(self, name: str) -> CudaFunction:
-        fn = self._functions.get(name)
-        if fn is None:
-            self.load()
-            symbol = self.lowered_names.get(name, name)
-            handle = _check(_driver().cuModuleGetFunction(self._module, symbol.encode()), f"finding {name!r}")
-            fn = self._functions[name] = CudaFunction(name, handle)
-        return fn
-
-    __getitem__ = function
-
-
-class CudaFunction:
-    """A kernel of a loaded ``CudaModule``; ``fn(grid, block, *args, shared_mem=0, stream=None)``.
-
-    Pointer arguments: anything with ``data_ptr()`` (PyTorch tensors) or
-    ``__cuda_array_interface__`` (CuPy, Numba), or a ``CUdeviceptr``. Scalars carry their C type:
-    ``ctypes.c_float(2.0)``, ``ctypes.c_int32(n)``, or NumPy scalars (``np.float32(2.0)``). A bare
-    Python int or float is refused: its C type would be a guess.
-    """
-
-    def __init__(self, name: str, handle: Any) -> None:
-        self.name, self.handle = name, handle
-
-    def __call__(
-        self,
-        grid: int | Sequence[int],
-        block: int | Sequence[int],
-        *args: Any,
-        shared_mem: int = 0,
-        stream: Any = None,
-    ) -> None:
-        driver = _driver()
-        values = [_kernel_arg(i, a) for i, a in enumerate(args)]
-        pointers = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
-        g, b = _dim3(grid, "grid"), _dim3(block, "block")
-        _check(
-            driver.cuLaunchKernel(
-                self.handle, *g, *b, shared_mem, _stream_handle(stream), ctypes.addressof(pointers), 0
-            ),
-            f"launching {self.name}",
-        )
-
-    launch = __call__
-
-
-def _dim3(value: int | Sequence[int], what: str) -> tuple[int, int, int]:
-    dims = [value] if isinstance(value, int) else list(value)
-    if not 1 <= len(dims) <= 3 or not all(isinstance(d, int) and d > 0 for d in dims):
-        raise TypeError(f"{what} must be a positive int or 1 to 3 of them, got {value!r}")
-    dims += [1] * (3 - len(dims))
-    return (dims[0], dims[1], dims[2])
-
-
-def _kernel_arg(index: int, value: Any) -> ctypes._SimpleCData[Any]:
-    if isinstance(value, ctypes._SimpleCData):
-        return value
-    if hasattr(value, "data_ptr"):
-        return ctypes.c_void_p(value.data_ptr())
-    interface = getattr(value, "__cuda_array_interface__", None)
-    if interface is not None:
-        return ctypes.c_void_p(interface["data"][0])
-    if type(value).__name__ == "CUdeviceptr":
-        return ctypes.c_void_p(int(value))
-    if type(value).__module__ == "numpy":
-        import numpy as np
-
-        return np.ctypeslib.as_ctypes_type(value.dtype)(value.item())  # type: ignore[no-any-return]
-    raise TypeError(
-        f"kernel argument {index} ({type(value).__name__} {value!r}): pass device memory (a tensor, an "
-        "object with __cuda_array_interface__) or a scalar with its C type, e.g. ctypes.c_int32(n)"
-    )
-
-
-def _stream_handle(stream: Any) -> int:
-    if stream is None:
-        return 0
-    if isinstance(stream, int):
-        return stream
-    protocol = getattr(stream, "__cuda_stream__", None)
-    if protocol is not None:
-        return int(protocol()[1])
-    handle = getattr(stream, "cuda_stream", None)  # torch.cuda.Stream
-    if handle is not None:
-        return int(handle)
-    return int(stream)

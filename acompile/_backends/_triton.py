@@ -20,18 +20,19 @@ from collections import OrderedDict, namedtuple
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 
 from acompile._backends import _triton_source, _triton_toolchain
+from acompile._backends._registry import BACKENDS
 from acompile._cache._entry import Entry
 from acompile._cache._keys import make_key
 from acompile._errors import DeviceUnavailableError, InvalidSpecError, bounded
 from acompile._targets import Target, parse_target
 from acompile._version import __version__
 
-WORKER_MODULE = "acompile._backends._triton_worker"
+WORKER_MODULE = BACKENDS["triton"].worker
 
 # TRITON_* variables that cannot change a compiled kernel (paths, caches, logging). Every other
 # TRITON_* variable, and every variable Triton itself lists as cache-invalidating, is part of the
@@ -97,6 +98,8 @@ class TritonSpec:
 
     Specs are plain values: build a list of them and hand it to ``CompilePool.gather()``.
     """
+
+    backend: ClassVar[str] = "triton"
 
     fn: Any
     signature: Mapping[str, str]
