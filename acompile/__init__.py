@@ -20,11 +20,11 @@ from acompile._backends._native import SharedLibrary as SharedLibrary
 from acompile._backends._triton import TritonKernel as TritonKernel
 from acompile._backends._triton import TritonSpec as TritonSpec
 from acompile._cache._bundle import BundleReport as BundleReport
-from acompile._cache._bundle import PruneReport as PruneReport
-from acompile._cache._bundle import explain_key as explain_key
 from acompile._cache._bundle import export_bundle as export_bundle
 from acompile._cache._bundle import import_bundle as import_bundle
-from acompile._cache._bundle import prune as prune_cache
+from acompile._cache._explain import explain_key as explain_key
+from acompile._cache._prune import PruneReport as PruneReport
+from acompile._cache._prune import prune as prune_cache
 from acompile._compiler import CompilePool as CompilePool
 from acompile._errors import AcompileError as AcompileError
 from acompile._errors import BackendUnavailableError as BackendUnavailableError

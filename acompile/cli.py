@@ -37,7 +37,8 @@ from urllib.parse import urlparse
 import anyio
 
 from acompile._cache import DiskTier, default_cache_dir
-from acompile._cache._bundle import read_header
+from acompile._cache._explain import read_header
+from acompile._cache._layout import human_bytes, is_key, toolchain_dir
 from acompile._errors import AcompileError
 from acompile._version import __version__
 
@@ -508,11 +509,11 @@ def _cache_stats(root: Path) -> int:
     total = sum(by_backend.values())
     print(f"cache folder: {root}")
     print(
-        f"entries: {total}  ({_human(sum(size_by_backend.values()))})"
+        f"entries: {total}  ({human_bytes(sum(size_by_backend.values()))})"
         + (f", {damaged} damaged" if damaged else "")
     )
     for backend in sorted(by_backend):
-        print(f"  {backend}: {by_backend[backend]} entries, {_human(size_by_backend[backend])}")
+        print(f"  {backend}: {by_backend[backend]} entries, {human_bytes(size_by_backend[backend])}")
     if names:
         print("most variants:")
         for name, count in names.most_common(10):
@@ -568,7 +569,7 @@ def _manifest_keys(manifest: Path, target: str | None, root: Path) -> list[str]:
     default = parse_target(target) if target is not None else None
 
     async def keys() -> list[str]:
-        return [(await prepare(spec, default, root / "toolchain")).key for spec in specs]
+        return [(await prepare(spec, default, toolchain_dir(root))).key for spec in specs]
 
     return anyio.run(keys)
 
@@ -595,7 +596,7 @@ def _cache_import(args: argparse.Namespace, root: Path) -> int:
 
 
 def _cache_prune(args: argparse.Namespace, root: Path) -> int:
-    from acompile._cache._bundle import parse_age, prune
+    from acompile._cache._prune import parse_age, prune
     from acompile._sizing import parse_size
 
     if args.max_size is None and args.max_age is None:
@@ -618,11 +619,11 @@ def _cache_prune(args: argparse.Namespace, root: Path) -> int:
 
 
 def _cache_explain(args: argparse.Namespace, root: Path) -> int:
-    from acompile._cache._bundle import describe_factor, explain, explain_key, explain_miss
+    from acompile._cache._explain import describe_factor, explain, explain_key, explain_miss
 
     keys = [args.key.strip().lower()] + ([args.against.strip().lower()] if args.against else [])
     for key in keys:
-        if not _is_key(key):
+        if not is_key(key):
             print(
                 f"acompile cache explain: {key!r} is not a cache key (64 hexadecimal digits)", file=sys.stderr
             )
@@ -664,7 +665,7 @@ def _cache_explain(args: argparse.Namespace, root: Path) -> int:
     print(f"key      {info['key']}", file=out)
     print(f"backend  {info['backend']}", file=out)
     print(f"kernel   {info['name']}", file=out)
-    print(f"size     {_human(info['bytes'])}", file=out)
+    print(f"size     {human_bytes(info['bytes'])}", file=out)
     print(f"written  {written}", file=out)
     if info["key_parts"] is None:
         print(f"note: {info['note']}", file=out)
@@ -688,12 +689,8 @@ def _factors(n: int) -> str:
     return "1 factor differs" if n == 1 else f"{n} factors differ"
 
 
-def _is_key(text: str) -> bool:
-    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
-
-
 def _factor_order(parts: dict[str, Any]) -> list[str]:
-    from acompile._cache._bundle import FACTORS
+    from acompile._cache._explain import FACTORS
 
     return [n for n in FACTORS if n in parts] + sorted(set(parts) - set(FACTORS))
 
@@ -720,14 +717,6 @@ def _show(value: object, limit: int = 300) -> str:
             text = str(value)
     text = text.replace("\n", "\\n")
     return text if len(text) <= limit else text[: limit - 1] + f"… ({len(text)} characters)"
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 if __name__ == "__main__":

@@ -19,19 +19,11 @@ from conftest import TARGET, subprocess_env
 
 from acompile._cache import DiskTier
 from acompile._cache import _bundle as bundle
-from acompile._cache._bundle import (
-    ABSENT,
-    MANIFEST_NAME,
-    explain,
-    explain_key,
-    explain_miss,
-    export_bundle,
-    import_bundle,
-    parse_age,
-    prune,
-)
+from acompile._cache._bundle import MANIFEST_NAME, export_bundle, import_bundle
 from acompile._cache._entry import Entry
+from acompile._cache._explain import ABSENT, describe_factor, explain, explain_key, explain_miss
 from acompile._cache._keys import make_key
+from acompile._cache._prune import parse_age, prune
 from acompile._errors import AcompileError
 
 pytestmark = pytest.mark.anyio
@@ -461,8 +453,8 @@ def test_explain_names_the_factors_that_differ() -> None:
         ("toolchain.ptxas", "12.9", "13.0"),
         ("env.TRITON_DEFAULT_FP_FUSION", ABSENT, "0"),
     ]
-    assert bundle.describe_factor("toolchain.ptxas") == "toolchain.ptxas (compiler versions)"
-    assert bundle.describe_factor("kernel") == "kernel (source)"
+    assert describe_factor("toolchain.ptxas") == "toolchain.ptxas (compiler versions)"
+    assert describe_factor("kernel") == "kernel (source)"
 
 
 async def test_explain_key_reads_the_recorded_parts(cache_dir: Path) -> None:

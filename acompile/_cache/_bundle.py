@@ -1,13 +1,10 @@
-"""Cache bundles, pruning and key explanations: the operations on a whole cache folder.
+"""Cache bundles: a cache folder's entries in one archive, to seed another machine or replica.
 
 - ``export_bundle(root, path, keys=None, *, signing_key=None)``: the folder's entries (or the
   ones named) in one gzip'd tar archive, for seeding another machine or replica; signed where a
   signing key is configured.
 - ``import_bundle(root, path, *, signing_key=None, allow_unsigned=False)``: load a bundle into a
   folder, verifying its signature (where a signing key is configured) and every entry.
-- ``prune(root, max_bytes=..., max_age_s=...)``: bound a folder by size and age.
-- ``explain(parts_a, parts_b)``, ``explain_key(root, key)``, ``explain_miss(root, parts)``: which
-  factors of a key differ, from the key parts an entry records in its header.
 
 A bundle is a tar archive (gzip) holding ``acompile-bundle.json`` first (the bundle's format,
 acompile's version, when it was made, how many entries it holds, the SHA-256 of each entry and,
@@ -34,9 +31,6 @@ import io
 import json
 import logging
 import os
-import re
-import secrets
-import struct
 import tarfile
 import time
 import zlib
@@ -50,8 +44,8 @@ import anyio.from_thread
 import anyio.to_thread
 
 from acompile._cache._disk import DiskTier
-from acompile._cache._entry import _PREFIX, CorruptEntry, decode, peek_header
-from acompile._cache._keys import make_key
+from acompile._cache._entry import CorruptEntry, decode
+from acompile._cache._layout import human_bytes, is_key, plural, temp_path
 from acompile._cache._shared import key_id, signing_key_from
 from acompile._errors import AcompileError
 from acompile._version import __version__
@@ -63,13 +57,9 @@ ENTRY_PREFIX = "entries/"
 MAX_MEMBER_BYTES = 1 << 30
 # The description lists every entry's digest (~135 bytes each): room for ~500,000 entries.
 _MAX_MANIFEST_BYTES = 64 << 20
-# \Z, not $: "$" also matches before a final newline, and "<key>\n" is not a key.
-_KEY_RE = re.compile(r"\A[0-9a-f]{64}\Z")
 _SIGNATURE_ALGORITHM = "hmac-sha256"
 
 logger = logging.getLogger("acompile")
-# Temporary files (names starting with ".") older than this are left over from a writer that died.
-STALE_TEMP_S = 3600.0
 
 
 # --- reports -------------------------------------------------------------------------------------
@@ -110,13 +100,13 @@ class BundleReport:
 
     def summary(self) -> str:
         if self.operation == "export":
-            text = f"exported {_count(self.entries, 'entry', 'entries')} ({_human(self.bytes)})"
+            text = f"exported {plural(self.entries, 'entry', 'entries')} ({human_bytes(self.bytes)})"
             if self.rejected:
-                text += f"; {_count(len(self.rejected), 'damaged entry', 'damaged entries')} left out"
+                text += f"; {plural(len(self.rejected), 'damaged entry', 'damaged entries')} left out"
             if self.missing:
-                text += f"; {_count(len(self.missing), 'key')} not in the cache"
+                text += f"; {plural(len(self.missing), 'key')} not in the cache"
             return text + f"; {self.signature}"
-        parts = [f"imported {_count(self.entries, 'entry', 'entries')} ({_human(self.bytes)})"]
+        parts = [f"imported {plural(self.entries, 'entry', 'entries')} ({human_bytes(self.bytes)})"]
         if self.repaired:
             parts.append(f"{self.repaired} of them replacing damaged ones")
         if self.present:
@@ -133,67 +123,6 @@ class BundleReport:
         else:
             text += f"; NOT authenticated ({self.signature})"
         return text
-
-
-@dataclass
-class PruneReport:
-    """What ``prune`` removed (or, with ``dry_run``, would remove)."""
-
-    root: Path
-    dry_run: bool = False
-    entries_before: int = 0
-    bytes_before: int = 0
-    removed_by_age: int = 0
-    removed_by_size: int = 0
-    bytes_removed: int = 0
-    temp_files_removed: int = 0
-    # Native libraries (<root>/lib/<key>.so, .o) whose entry is gone: counted, never removed (a
-    # running process may be loading one, and a `.o` path is handed to the caller to link with).
-    orphan_libs: int = 0
-    orphan_lib_bytes: int = 0
-    errors: list[str] = field(default_factory=list)
-
-    @property
-    def removed(self) -> int:
-        return self.removed_by_age + self.removed_by_size
-
-    @property
-    def entries_after(self) -> int:
-        return self.entries_before - self.removed
-
-    @property
-    def bytes_after(self) -> int:
-        return self.bytes_before - self.bytes_removed
-
-    def summary(self) -> str:
-        verb = "would remove" if self.dry_run else "removed"
-        text = (
-            f"{verb} {_count(self.removed, 'entry', 'entries')} ({_human(self.bytes_removed)}: "
-            f"{self.removed_by_age} by age, {self.removed_by_size} by size); "
-            f"{_count(self.entries_after, 'entry', 'entries')} ({_human(self.bytes_after)}) remain"
-        )
-        if self.temp_files_removed:
-            text += f"; {verb} {_count(self.temp_files_removed, 'stale temporary file')}"
-        if self.orphan_libs:
-            text += (
-                f"; {_count(self.orphan_libs, 'library file')} ({_human(self.orphan_lib_bytes)}) in lib/ "
-                "outlived their entries (left in place)"
-            )
-        if self.errors:
-            text += f"; {_count(len(self.errors), 'error')}: {self.errors[0]}"
-        return text
-
-
-def _count(n: int, one: str, many: str | None = None) -> str:
-    return f"{n} {one if n == 1 else (many or one + 's')}"
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 # --- export --------------------------------------------------------------------------------------
@@ -236,13 +165,13 @@ def _export(
     candidates: list[tuple[str, Path]] = []
     if keys is None:
         for entry_path in disk.iter_paths():
-            if _KEY_RE.match(entry_path.name):
+            if is_key(entry_path.name):
                 candidates.append((entry_path.name, entry_path))
             else:
                 report.rejected.append((str(entry_path), "not a cache entry (its name is not a key)"))
     else:
         for key in keys:
-            if not _KEY_RE.match(key):
+            if not is_key(key):
                 report.rejected.append((key, "not a cache key (64 hexadecimal digits)"))
                 continue
             candidates.append((key, disk.path(key)))
@@ -309,7 +238,7 @@ def _write_bundle(
     path: Path, entries: dict[str, tuple[Path, str]], signing_key: bytes | None
 ) -> tuple[int, int]:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    tmp = temp_path(path)
     created = time.time()
     total = 0
     try:
@@ -497,14 +426,16 @@ def _unsafe(member: tarfile.TarInfo) -> str | None:
         return "refused: a path outside the bundle"
     if name == MANIFEST_NAME:
         return "refused: a second bundle description"
-    if not name.startswith(ENTRY_PREFIX) or not _KEY_RE.match(name[len(ENTRY_PREFIX) :]):
+    if not name.startswith(ENTRY_PREFIX) or not is_key(name[len(ENTRY_PREFIX) :]):
         # A name with a newline or another control character is shown escaped.
         shown = "" if name.isprintable() else f", got {name!r}"
         return f"refused: not an entry (expected entries/<64 hex digits>{shown})"
     if not member.isreg():
         return "refused: not a regular file (links and devices are never imported)"
     if member.size > MAX_MEMBER_BYTES:
-        return f"refused: {_human(member.size)}, over the {_human(MAX_MEMBER_BYTES)} bound on an entry"
+        return (
+            f"refused: {human_bytes(member.size)}, over the {human_bytes(MAX_MEMBER_BYTES)} bound on an entry"
+        )
     return None
 
 
@@ -639,365 +570,11 @@ def _compare(local: bytes, data: bytes, key: str) -> str:
     return "intact"
 
 
-# --- prune ---------------------------------------------------------------------------------------
-
-
-async def prune(
-    root: Path,
-    *,
-    max_bytes: int | None = None,
-    max_age_s: float | None = None,
-    dry_run: bool = False,
-) -> PruneReport:
-    """Bound the cache folder ``root`` by age and size.
-
-    First every entry written more than ``max_age_s`` seconds ago is removed, then the oldest
-    entries until the entries left total at most ``max_bytes``. Age is the time since the entry
-    was written into this folder (its mtime): the disk tier does not touch a file when it reads
-    it, so this is not "least recently used". Temporary files left by writers that died (names
-    starting with ".", older than an hour) are removed too. Files in ``<root>/lib`` are not
-    counted against ``max_bytes`` and are never removed; the report counts those whose entry is
-    gone. Removing an entry another process is reading is safe: it keeps the open file.
-    """
-    if max_bytes is not None and max_bytes < 0:
-        raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-    if max_age_s is not None and max_age_s < 0:
-        raise ValueError(f"max_age_s must be >= 0, got {max_age_s}")
-    report = PruneReport(Path(root), dry_run=dry_run)
-    return await anyio.to_thread.run_sync(_prune, DiskTier(root), max_bytes, max_age_s, report)
-
-
-def _prune(
-    disk: DiskTier, max_bytes: int | None, max_age_s: float | None, report: PruneReport
-) -> PruneReport:
-    now = time.time()
-    entries: list[tuple[int, str, Path, int]] = []  # (mtime_ns, name, path, size)
-    for entry_path in disk.iter_paths():
-        try:
-            st = entry_path.stat()
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            report.errors.append(f"{entry_path}: {exc}")
-            continue
-        entries.append((st.st_mtime_ns, entry_path.name, entry_path, st.st_size))
-    entries.sort()
-    report.entries_before = len(entries)
-    report.bytes_before = total = sum(e[3] for e in entries)
-
-    def remove(mtime_ns: int, entry_path: Path, size: int) -> bool:
-        anyio.from_thread.check_cancelled()
-        if report.dry_run:
-            report.bytes_removed += size
-            return True
-        try:
-            # Skip an entry rewritten since the scan (a new compile, an import): it is new.
-            if entry_path.stat().st_mtime_ns != mtime_ns:
-                return False
-            entry_path.unlink()
-        except FileNotFoundError:
-            pass  # someone else removed it: it is gone all the same
-        except OSError as exc:
-            report.errors.append(f"{entry_path}: {exc}")
-            return False
-        report.bytes_removed += size
-        return True
-
-    kept: list[tuple[int, str, Path, int]] = []
-    cutoff_ns = None if max_age_s is None else int((now - max_age_s) * 1e9)
-    for entry in entries:
-        mtime_ns, _, entry_path, size = entry
-        if cutoff_ns is not None and mtime_ns < cutoff_ns:
-            if remove(mtime_ns, entry_path, size):
-                report.removed_by_age += 1
-                total -= size
-                continue
-        kept.append(entry)
-    if max_bytes is not None:
-        for mtime_ns, _, entry_path, size in kept:  # oldest first
-            if total <= max_bytes:
-                break
-            if remove(mtime_ns, entry_path, size):
-                report.removed_by_size += 1
-                total -= size
-    _remove_stale_temps(disk, now, report)
-    _count_orphan_libs(disk, report)
-    return report
-
-
-def _remove_stale_temps(disk: DiskTier, now: float, report: PruneReport) -> None:
-    # Writers' temporary files: the disk tier's (v1/<xx>/.<key>...tmp), native libraries'
-    # (lib/.<key>.so.<pid>.<token>) and the toolchain memo's (toolchain/.<name>.<pid>.<token>).
-    folders: list[Path] = []
-    if disk.entries.is_dir():
-        folders += [sub for sub in disk.entries.iterdir() if sub.is_dir()]
-    folders += [disk.root / "lib", disk.root / "toolchain"]
-    for folder in folders:
-        try:
-            names = [p for p in folder.iterdir() if p.name.startswith(".")]
-        except OSError:
-            continue
-        for temp in names:
-            try:
-                st = temp.lstat()
-                if not temp.is_file() or now - st.st_mtime < STALE_TEMP_S:
-                    continue
-                if not report.dry_run:
-                    temp.unlink()
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                report.errors.append(f"{temp}: {exc}")
-                continue
-            report.temp_files_removed += 1
-
-
-def _count_orphan_libs(disk: DiskTier, report: PruneReport) -> None:
-    lib = disk.root / "lib"
-    try:
-        files = [p for p in lib.iterdir() if not p.name.startswith(".") and p.suffix in (".so", ".o")]
-    except OSError:
-        return
-    for file in files:
-        key = file.stem
-        try:
-            if _KEY_RE.match(key) and not disk.path(key).exists():
-                report.orphan_libs += 1
-                report.orphan_lib_bytes += file.stat().st_size
-        except OSError:
-            continue
-
-
-_AGE_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
-
-
-def parse_age(value: str | float) -> float:
-    """Seconds from a number of seconds or a string such as ``"30d"``, ``"12h"``, ``"90m"``, ``"3600s"``."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    elif isinstance(value, str):
-        text = value.strip().lower().replace(" ", "")
-        unit = text[-1:] if text[-1:] in _AGE_UNITS else "s"
-        number = text[:-1] if text[-1:] in _AGE_UNITS else text
-        try:
-            seconds = float(number) * _AGE_UNITS[unit]
-        except ValueError:
-            raise ValueError(
-                f"cannot read the age {value!r}: write e.g. '30d', '12h', '90m', '3600s'"
-            ) from None
-    else:
-        raise ValueError(f"an age is seconds or a string such as '30d', got {value!r}")
-    if not seconds >= 0 or seconds == float("inf"):
-        raise ValueError(f"an age must be a finite number >= 0, got {value!r}")
-    return seconds
-
-
-# --- explain -------------------------------------------------------------------------------------
-
-
-class _Absent:
-    """A factor one of the two key-part dicts does not have."""
-
-    def __repr__(self) -> str:
-        return "(absent)"
-
-    def __str__(self) -> str:
-        return "(absent)"
-
-
-ABSENT: Any = _Absent()
-
-# The factors of a key, in the order a reader wants them, with what each stands for where the name
-# does not say it. Triton's key parts and the native backends' overlap; any other factor is
-# reported under its own name.
-FACTORS: dict[str, str] = {
-    "kernel": "source",  # Triton's hash of the function's source and of every JIT function it calls
-    "source": "",
-    "name": "kernel name",
-    "signature": "",
-    "constexprs": "",
-    "attrs": "",
-    "options": "",
-    "name_expressions": "",
-    "include_dirs": "",
-    "target": "",
-    "arch": "",
-    "output": "",
-    "kind": "compiler",
-    "toolchain": "compiler versions",
-    "compiler": "compiler version",
-    "env": "environment",
-    "acompile": "version",
-    "backend": "",
-    "format": "key format",
-}
-# Factors whose values are tables: a difference is reported entry by entry ("toolchain.ptxas").
-_NESTED = frozenset({"toolchain", "env", "options", "constexprs"})
-
-
-def explain(parts_a: dict[str, Any], parts_b: dict[str, Any]) -> list[tuple[str, object, object]]:
-    """The factors that differ between two keys' parts, as ``(factor, value_a, value_b)``.
-
-    Factors follow ``FACTORS``' order (then any others by name). Where a table differs
-    (``toolchain``, ``env``, ``options``, ``constexprs``), each of its differing entries is one
-    item named ``factor.entry`` (``"toolchain.ptxas"``, ``"env.TRITON_DEFAULT_FP_FUSION"``). A
-    factor one side lacks is ``ABSENT`` there. Values are compared as JSON, as the key is.
-    """
-    a, b = _as_json(parts_a), _as_json(parts_b)
-    names = [n for n in FACTORS if n in a or n in b] + sorted((set(a) | set(b)) - set(FACTORS))
-    diffs: list[tuple[str, object, object]] = []
-    for name in names:
-        va, vb = a.get(name, ABSENT), b.get(name, ABSENT)
-        if _same(va, vb):
-            continue
-        if name in _NESTED and isinstance(va, dict) and isinstance(vb, dict):
-            for sub in sorted(set(va) | set(vb)):
-                sa, sb = va.get(sub, ABSENT), vb.get(sub, ABSENT)
-                if not _same(sa, sb):
-                    diffs.append((f"{name}.{sub}", sa, sb))
-        else:
-            diffs.append((name, va, vb))
-    return diffs
-
-
-def describe_factor(name: str) -> str:
-    """A reader's name for an item of ``explain``: ``"kernel"`` -> ``"kernel (source)"``,
-    ``"toolchain.ptxas"`` -> ``"toolchain.ptxas (compiler versions)"``."""
-    label = FACTORS.get(name.partition(".")[0], "")
-    return f"{name} ({label})" if label else name
-
-
-def _as_json(parts: dict[str, Any]) -> dict[str, Any]:
-    # Tuples and lists alike, as make_key sees them.
-    value = json.loads(json.dumps(parts, sort_keys=True, default=str))
-    if not isinstance(value, dict):
-        raise TypeError("key parts must be a dict")
-    return value
-
-
-def _same(a: object, b: object) -> bool:
-    if a is ABSENT or b is ABSENT:
-        return a is b
-    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
-
-
-NO_PARTS_NOTE = (
-    "this entry predates key recording: the acompile that wrote it did not store its key's parts, "
-    "so what it was compiled from cannot be shown (compile it again to record them)"
-)
-
-
-async def explain_key(root: Path, key: str) -> dict[str, Any]:
-    """What the cache folder ``root`` knows of the entry ``key``.
-
-    A dict: ``key``, ``backend``, ``name``, ``bytes``, ``written`` (the file's mtime, seconds since
-    the epoch), ``key_parts`` (the parts the key was computed from, or None where the entry
-    predates key recording, with ``note`` saying so) and ``parts_match_key`` (whether those parts
-    hash to ``key``; None without parts). Raises ``AcompileError`` for an absent or damaged entry
-    and ``ValueError`` for a string that is not a key.
-    """
-    disk = DiskTier(root)
-    entry_path = disk.path(key)
-    try:
-        data = await disk.get(key)
-        st = await anyio.to_thread.run_sync(entry_path.stat) if data is not None else None
-    except OSError as exc:
-        raise AcompileError(f"cannot read the entry {key} in {root}: {exc}") from None
-    if data is None or st is None:
-        raise AcompileError(f"no entry {key} in {root}")
-    try:
-        entry = await anyio.to_thread.run_sync(decode, data, key)
-    except CorruptEntry as exc:
-        raise AcompileError(f"the entry {key} in {root} is damaged: {exc}") from None
-    parts = entry.meta.get("key_parts") if isinstance(entry.meta, dict) else None
-    result: dict[str, Any] = {
-        "key": key,
-        "backend": entry.backend,
-        "name": entry.name,
-        "bytes": len(data),
-        "written": st.st_mtime,
-        "key_parts": None,
-        "parts_match_key": None,
-        "note": None,
-    }
-    if isinstance(parts, dict) and parts:
-        result["key_parts"] = parts
-        result["parts_match_key"] = make_key(parts) == key
-        if not result["parts_match_key"]:
-            result["note"] = (
-                "the recorded parts do not hash to this key: the acompile that wrote it keyed "
-                "with more (or other) parts than it recorded"
-            )
-    else:
-        result["note"] = NO_PARTS_NOTE
-    return result
-
-
-async def explain_miss(
-    root: Path, key_parts: dict[str, Any], *, limit: int = 5
-) -> list[tuple[str, list[tuple[str, object, object]]]]:
-    """Why a request with these key parts misses: the folder's entries of the same kernel (same
-    backend and name) that recorded their parts, nearest first, each with ``explain``'s
-    differences from ``key_parts``. Empty where the folder holds no other compile of that kernel;
-    an entry for exactly these parts is not listed (that would be a hit).
-    """
-    disk = DiskTier(root)
-    want = make_key(key_parts)
-    backend, name = key_parts.get("backend"), key_parts.get("name")
-
-    def scan() -> list[tuple[str, dict[str, Any]]]:
-        found = []
-        for entry_path in disk.iter_paths():
-            anyio.from_thread.check_cancelled()
-            header = read_header(entry_path)
-            if header is None or entry_path.name == want:
-                continue
-            if header.get("backend") != backend or header.get("name") != name:
-                continue
-            meta = header.get("meta")
-            parts = meta.get("key_parts") if isinstance(meta, dict) else None
-            if isinstance(parts, dict) and parts:
-                found.append((entry_path.name, parts))
-        return found
-
-    candidates = await anyio.to_thread.run_sync(scan)
-    ranked = sorted(((key, explain(key_parts, parts)) for key, parts in candidates), key=lambda r: len(r[1]))
-    return ranked[:limit]
-
-
-def read_header(path: Path) -> dict[str, Any] | None:
-    """An entry file's header, unverified, reading only as much of the file as it takes
-    (blocking); None where the file is absent or is not an entry."""
-    try:
-        with open(path, "rb") as f:
-            prefix = f.read(_PREFIX.size)
-            if len(prefix) < _PREFIX.size:
-                return None
-            _, _, head_len, _ = _PREFIX.unpack(prefix)
-            head = f.read(head_len)
-        header = peek_header(prefix + head)
-    except (OSError, CorruptEntry, struct.error):
-        return None
-    header.pop("_end", None)
-    header.pop("_digest", None)
-    return header
-
-
 __all__ = [
-    "ABSENT",
     "BUNDLE_FORMAT",
-    "FACTORS",
     "MANIFEST_NAME",
     "MAX_MEMBER_BYTES",
     "BundleReport",
-    "PruneReport",
-    "describe_factor",
-    "explain",
-    "explain_key",
-    "explain_miss",
     "export_bundle",
     "import_bundle",
-    "parse_age",
-    "prune",
-    "read_header",
 ]
