@@ -203,6 +203,7 @@ class SharedTier:
         self.counts: Counter[str] = Counter()
         self.owner = secrets.token_hex(8)
         self._turns = anyio.Semaphore(self.max_in_flight)
+        self._target: Any = None
         self._down = False
         self._down_until = 0.0
         self._backoff = _BACKOFF_FIRST
@@ -210,6 +211,35 @@ class SharedTier:
         # When the tier last went off or came back (monotonic): an operation that began before
         # it is part of what was already known, and its failure changes nothing.
         self._changed_at = 0.0
+
+    @classmethod
+    def connect_later(cls, target: Any, signing_key: bytes | None) -> SharedTier:
+        """A tier for ``target`` (a URL or an aiocache cache) whose client is made by ``open()``:
+        the client's import (aiocache, redis) takes tens of ms, so not on the loop."""
+        check_target(target)
+        tier = cls(None, signing_key)
+        tier._target = target
+        return tier
+
+    async def open(self) -> None:
+        """Make the client of a tier from ``connect_later()`` (in a thread); no-op otherwise."""
+        if self.cache is None and self._target is not None:
+            self.cache = await anyio.to_thread.run_sync(open_cache, self._target)
+            self.max_in_flight = _pool_size(self.cache)
+            self._turns = anyio.Semaphore(self.max_in_flight)
+
+    def stats(self) -> dict[str, Any]:
+        """This tier's part of ``stats()["cache"]``."""
+        return {
+            "shared_rejected": self.counts["rejected"],
+            "shared_errors": self.counts["errors"],
+            "shared_writes": self.counts["writes"],
+            "shared_write_failures": self.counts["write_failures"],
+            "shared_skipped": self.counts["skipped"],
+            "shared_ignored_leases": self.counts["ignored_leases"],
+            "shared_available": self.available,
+            "shared_namespace": self.namespace,
+        }
 
     @property
     def available(self) -> bool:
@@ -305,6 +335,7 @@ class SharedTier:
         return f"{self.namespace}:{key}"
 
     async def get(self, key: str) -> bytes | None:
+        """The entry's bytes, or None: absent, refused (its signature), or a fault."""
         name = self._name(key)
         ok, value = await self._call("get", self.cache.get, name)
         if not ok or value is None:
@@ -314,15 +345,20 @@ class SharedTier:
         return self._unwrap(name, bytes(value))
 
     async def set(self, key: str, data: bytes) -> bool:
+        """Publish an entry (signed where there is a key); True where it arrived."""
         name = self._name(key)
         ok, _ = await self._call("set", self.cache.set, name, self._wrap(name, data))
         self.counts["writes" if ok else "write_failures"] += 1
         return ok
 
     async def delete(self, key: str) -> None:
+        """Remove this namespace's entry for ``key`` (a fault is a no-op)."""
         await self._call("delete", self.cache.delete, self._name(key))
 
     async def close(self) -> None:
+        """Close the client (bounded: a server that is gone must not hold up the exit)."""
+        if self.cache is None:
+            return
         client = getattr(self.cache, "client", None)
         try:
             with anyio.move_on_after(1):

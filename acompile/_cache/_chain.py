@@ -1,0 +1,335 @@
+"""``TierChain``: the cache as one layer. The front end asks it one question per request.
+
+::
+
+    kernel = chain.loaded(key)                      # the memory tier: loaded kernels
+    entry, tier = await chain.lookup(key)           # every byte tier, in order; None on a miss
+    entry, tier = await chain.compile_once(key, compile)   # on a miss
+
+The chain owns what used to be spread over the front end:
+
+- **order**: memory (loaded kernels), then the local tier (the disk), then every further tier
+  (the shared one) in the order given. A hit in a slower tier is written back, in the background,
+  to the faster ones.
+- **faults are misses**: a tier's ``get`` returns None or raises ``CorruptEntry``; every entry
+  read is verified (checksum, key) here, once, and a damaged one is counted
+  (``<tier>_corrupt``), warned about once, and compiled again.
+- **single flight across replicas**: where a tier can hold leases (``LeaseTier``), a miss takes
+  the key's lease before compiling; a replica that finds the lease taken polls for the entry up
+  to ``fleet_wait``, then compiles itself.
+- **publication**: a compiled entry is written to the local tier before the request returns
+  (backends load files from it), and to the further tiers in the background (write-behind);
+  the lease is released after. Write-behind runs in the task group handed to ``start()``, so
+  nothing outlives the pool; ``drain()`` waits (bounded) for what is still on its way.
+- **records**: small entries that are not kernels (autotuning choices), read and written
+  through the same tiers with ``get_record`` / ``put_record``.
+
+Adding a tier is one class that implements ``Tier`` (``_tier.py``), handed to the chain.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import anyio
+import anyio.abc
+
+from acompile._cache import _entry
+from acompile._cache._disk import GuardedDisk
+from acompile._cache._entry import CorruptEntry, Entry
+from acompile._cache._memory import MemoryTier
+from acompile._cache._tier import LeaseTier, Tier
+from acompile._errors import PoolClosedError
+
+if TYPE_CHECKING:
+    from acompile._observe import CacheStats
+
+logger = logging.getLogger("acompile")
+
+# Entries at least this large are verified on a thread: hashing them would stall the loop
+# (SHA-256 runs at about 1 GB/s: 256 KiB is some 0.25 ms). Verified all the same.
+_VERIFY_INLINE_MAX = 256 * 1024
+
+# What stats()["cache"] says of a tier that is not configured (CacheStats's keys).
+_ABSENT: dict[str, Any] = {
+    "hits_disk": 0,
+    "hits_shared": 0,
+    "disk_corrupt": 0,
+    "disk_writes": 0,
+    "shared_corrupt": 0,
+    "shared_rejected": 0,
+    "shared_errors": 0,
+    "shared_writes": 0,
+    "shared_write_failures": 0,
+    "shared_skipped": 0,
+    "shared_ignored_leases": 0,
+    "shared_available": None,
+    "shared_namespace": None,
+}
+
+
+class TierChain:
+    """The cache tiers in order, with back-fill, write-behind, fleet leases and records.
+
+    Args:
+        memory: the front: loaded kernels (not bytes), filled by the front end after a load.
+        local: the tier of this host (the cache folder): written before a compile returns, and
+            the folder backends load files from and remember the toolchain in.
+        more: further tiers, slower ones last (the shared tier); written in the background.
+        fleet_wait: how long to wait for another replica that holds a key's lease.
+        lease_ttl: how long a lease this replica takes lasts (longer than a compile may run).
+
+    ``counts``: ``hits_<tier>`` (memory and each byte tier), ``misses``, ``fleet_waits``,
+    ``<tier>_corrupt`` (damaged entries read). Lifecycle: ``open()``, ``start(task_group)``,
+    requests, ``drain(seconds)``, ``close()``.
+    """
+
+    def __init__(
+        self,
+        memory: MemoryTier,
+        local: GuardedDisk,
+        more: Sequence[Tier] = (),
+        *,
+        fleet_wait: float = 60.0,
+        lease_ttl: float = 30.0,
+    ) -> None:
+        self.memory = memory
+        self.local = local
+        self.tiers: list[Tier] = [local, *more]
+        self.fleet_wait = fleet_wait
+        self.lease_ttl = lease_ttl
+        self.counts: Counter[str] = Counter()
+        # The first tier that can hold leases: single flight across the fleet goes through it.
+        self._lease_tier: LeaseTier | None = next((t for t in self.tiers if isinstance(t, LeaseTier)), None)
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._accepting = False
+        self._pending = 0
+        self._writes_done = anyio.Event()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    @property
+    def root(self) -> Path:
+        """The cache folder (the local tier's)."""
+        return self.local.root
+
+    @property
+    def memo_dir(self) -> Path:
+        """Where backends remember the toolchain's identity (see ``GuardedDisk.memo_dir``)."""
+        return self.local.memo_dir
+
+    @property
+    def pending_writes(self) -> int:
+        """Write-behind work not finished yet."""
+        return self._pending
+
+    def tier(self, name: str) -> Tier | None:
+        """The byte tier of that name (``"disk"``, ``"shared"``), if the chain has one."""
+        return next((t for t in self.tiers if t.name == name), None)
+
+    async def open(self) -> None:
+        """Open every tier, in order (a tier's faults leave it usable as misses)."""
+        for tier in self.tiers:
+            await tier.open()
+
+    def start(self, tg: anyio.abc.TaskGroup) -> None:
+        """Run write-behind work in ``tg`` from now on (the pool's task group)."""
+        self._tg = tg
+        self._accepting = True
+
+    async def drain(self, seconds: float) -> None:
+        """Take no more records, and wait up to ``seconds`` (shielded) for write-behind work."""
+        self._accepting = False
+        if self._pending:
+            with anyio.move_on_after(seconds, shield=True):
+                while self._pending:
+                    await self._writes_done.wait()
+
+    async def close(self) -> None:
+        """Close every tier, slowest first (shielded: clean-up; each tier bounds its own)."""
+        self._accepting = False
+        with anyio.CancelScope(shield=True):
+            for tier in reversed(self.tiers):
+                await tier.close()
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def loaded(self, key: str) -> Any | None:
+        """The loaded kernel from the memory tier (counted as a memory hit), or None."""
+        kernel = self.memory.get(key)
+        if kernel is not None:
+            self.counts["hits_memory"] += 1
+        return kernel
+
+    def keep_loaded(self, key: str, kernel: Any) -> None:
+        """Put a loaded kernel in the memory tier."""
+        self.memory.set(key, kernel)
+
+    async def lookup(self, key: str) -> tuple[Entry | None, str]:
+        """The verified entry from the first byte tier that has it, and that tier's name;
+        ``(None, "")`` for a miss in every tier. Counted: ``hits_<tier>`` or ``misses``."""
+        entry, tier = await self._find(key)
+        self.counts[f"hits_{tier}" if entry is not None else "misses"] += 1
+        return entry, tier
+
+    async def compile_once(self, key: str, compile: Callable[[], Awaitable[bytes]]) -> tuple[Entry, str]:
+        """After a miss: ``compile()`` (which returns the entry's bytes) unless another replica
+        of the fleet already is compiling the key, then wait for its entry. Returns the entry
+        and ``"compile"``, or where the replica's entry came from.
+
+        The entry is on the local tier when this returns, and on its way to the others.
+        Raises what ``compile()`` raises (``CorruptEntry`` for bytes that are not an entry).
+        """
+        leases = self._lease_tier
+        lease = None
+        if leases is not None:
+            lease = await leases.take_lease(key, ttl=self.lease_ttl)
+            if lease is False:
+                self.counts["fleet_waits"] += 1
+                entry = await self._await_fleet(leases, key)
+                if entry is not None:
+                    return entry, leases.name
+                lease = await leases.take_lease(key, ttl=self.lease_ttl)
+        try:
+            data = await compile()
+            # The worker built it a moment ago: its checksum says nothing new.
+            entry = _entry.decode(data, key, verify=False)
+            await self.local.set(key, data)
+        except BaseException:
+            if lease and leases is not None:
+                self._later(leases.release_lease, key)
+            raise
+        self._publish(key, data, release_lease=True)
+        return entry, "compile"
+
+    # -- records ---------------------------------------------------------------------------------
+
+    async def get_record(self, key: str) -> Entry | None:
+        """A small record (not a kernel) from the byte tiers, in order: autotuning choices and
+        similar decisions, reused by other processes and replicas. Not counted as a hit.
+        Raises ``PoolClosedError`` outside the pool's life."""
+        self._check_accepting()
+        entry, _ = await self._find(key)
+        return entry
+
+    async def put_record(self, key: str, name: str, blobs: dict[str, bytes], meta: dict[str, Any]) -> None:
+        """Store a small record under ``key``: on the local tier now, in the others in the
+        background. Raises ``PoolClosedError`` outside the pool's life."""
+        self._check_accepting()
+        data = Entry(key=key, backend="record", name=name, blobs=blobs, meta=meta).encode()
+        await self.local.set(key, data)
+        self._publish(key, data, release_lease=False)
+
+    # -- stats -----------------------------------------------------------------------------------
+
+    def stats(self) -> CacheStats:
+        """``stats()["cache"]``: hits by tier, misses, and what each tier did."""
+        stats: dict[str, Any] = {
+            **_ABSENT,
+            "memory_entries": len(self.memory),
+            "hits_memory": self.counts["hits_memory"],
+            "fleet_waits": self.counts["fleet_waits"],
+            "misses": self.counts["misses"],
+        }
+        for tier in self.tiers:
+            stats[f"hits_{tier.name}"] = self.counts[f"hits_{tier.name}"]
+            stats[f"{tier.name}_corrupt"] = self.counts[f"{tier.name}_corrupt"]
+            stats.update(tier.stats())
+        return cast("CacheStats", stats)
+
+    # -- inside ----------------------------------------------------------------------------------
+
+    def _check_accepting(self) -> None:
+        if not self._accepting:
+            raise PoolClosedError("the pool is not running: records are read and stored inside it")
+
+    async def _find(self, key: str) -> tuple[Entry | None, str]:
+        for tier in self.tiers:
+            entry = await self._read(tier, key)
+            if entry is not None:
+                return entry, tier.name
+        return None, ""
+
+    async def _read(self, tier: Tier, key: str) -> Entry | None:
+        """The verified entry from one tier, or None; a hit is written back to faster tiers."""
+        try:
+            data = await tier.get(key)
+            if data is None:
+                return None
+            if len(data) < _VERIFY_INLINE_MAX:
+                entry = _entry.decode(data, key)
+            else:
+                entry = await anyio.to_thread.run_sync(_entry.decode, data, key)
+        except CorruptEntry as exc:
+            # Not deleted: another process may be publishing a good copy right now, and the
+            # fresh compile replaces this one atomically anyway.
+            counter = f"{tier.name}_corrupt"
+            level = logging.DEBUG if self.counts[counter] else logging.WARNING
+            self.counts[counter] += 1
+            logger.log(
+                level, "%s cache entry %s… is damaged (%s); compiling it again", tier.name, key[:16], exc
+            )
+            return None
+        # Kept in the faster tiers for the next process, in the background: the caller has what
+        # it needs.
+        for faster in self.tiers[: self.tiers.index(tier)]:
+            self._later(faster.set, key, data)
+        return entry
+
+    async def _await_fleet(self, leases: LeaseTier, key: str) -> Entry | None:
+        """Another replica holds the lease: poll for its entry, up to fleet_wait, or until the
+        lease is gone without an entry (it failed, or died and the lease expired)."""
+        deadline = anyio.current_time() + self.fleet_wait
+        delay = 0.05
+        while anyio.current_time() < deadline:
+            await anyio.sleep(delay)
+            delay = min(delay * 1.5, 0.5)
+            entry = await self._read(leases, key)
+            if entry is not None:
+                return entry
+            if not await leases.lease_held(key):
+                return await self._read(leases, key)
+        logger.warning(
+            "waited %.0f s for another replica to compile %s…; compiling it here", self.fleet_wait, key[:16]
+        )
+        return None
+
+    def _publish(self, key: str, data: bytes, *, release_lease: bool) -> None:
+        """Write to the tiers past the local one in the background, then release this replica's
+        lease (after the entry is there: a replica that sees the lease go finds the entry)."""
+        further = self.tiers[1:]
+        if not further:
+            return
+        leases = self._lease_tier if release_lease else None
+
+        async def publish() -> None:
+            for tier in further:
+                await tier.set(key, data)
+            if leases is not None:
+                await leases.release_lease(key)
+
+        self._later(publish)
+
+    def _later(self, work: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Write-behind work: a task of the pool, so nothing outlives it; ``drain()`` waits
+        for these before the pool stops anything."""
+        if self._tg is None:
+            # Before start() (or a chain used without a pool): nothing to run it in.
+            logger.debug("cache write-behind dropped: the chain is not started")
+            return
+
+        async def run() -> None:
+            try:
+                await work(*args)
+            finally:
+                self._pending -= 1
+                if self._pending == 0:
+                    self._writes_done.set()
+                    self._writes_done = anyio.Event()
+
+        self._pending += 1
+        self._tg.start_soon(run)
