@@ -1,7 +1,8 @@
 """Parallel autotuning of Triton kernels: compile every config at once, benchmark, keep the winner.
 
-``await autotune(pool, fn, configs, signature=..., args=..., grid=..., key=...)`` (the pool's
-``autotune()`` method calls it):
+``await pool.autotune(fn, configs, signature=..., args=..., grid=..., key=...)`` (or
+``autotune(pool, ...)``) runs on the pool's ``Tuner``, which holds what a pool remembers: its
+record store (the cache chain), the tunings in progress and the choices made or read:
 
 1. Each config becomes one compile request; the *tuning key* is a hash of all their cache keys
    (so of the kernel's source, the signature, every config, the compiler's versions and the
@@ -40,15 +41,16 @@ import re
 import statistics
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import anyio
 
 from acompile._backends import _triton
 from acompile._backends._triton import TritonKernel, TritonRequest, TritonSpec
+from acompile._cache._entry import Entry
 from acompile._cache._keys import make_key
 from acompile._errors import (
     BackendUnavailableError,
@@ -61,7 +63,7 @@ from acompile._targets import Target, local_target
 if TYPE_CHECKING:
     from acompile._compiler import CompilePool
 
-__all__ = ["Trial", "TuneResult", "TunedKernel", "autotune", "pin_key"]
+__all__ = ["Records", "Trial", "TuneResult", "TunedKernel", "Tuner", "autotune", "pin_key"]
 
 logger = logging.getLogger("acompile")
 
@@ -78,12 +80,40 @@ _FLUSH_BYTES = 256 * 1024 * 1024
 # One benchmark at a time in this process, whatever loop or pool asks: two kernels timed at once
 # on one GPU would slow each other down.
 _bench_lock = threading.Lock()
-# Tunings in progress, per pool: a second caller with the same tuning key waits for the first and
-# then finds its stored choice instead of benchmarking again.
-_in_progress: weakref.WeakKeyDictionary[Any, dict[str, anyio.Event]] = weakref.WeakKeyDictionary()
-# Choices each pool has made or read, by tuning key: asked again, it answers without reading
-# the cache tiers, and keeps to the same choice for its lifetime.
-_choices: weakref.WeakKeyDictionary[Any, dict[str, dict[str, Any]]] = weakref.WeakKeyDictionary()
+
+
+class Records(Protocol):
+    """Where tuning choices are stored: the pool's cache chain (``TierChain``)."""
+
+    async def get_record(self, key: str) -> Entry | None:
+        """The record stored under ``key`` in any tier, or None."""
+
+    async def put_record(self, key: str, name: str, blobs: dict[str, bytes], meta: dict[str, Any]) -> None:
+        """Store a record under ``key`` in every tier."""
+
+
+class Tuner:
+    """A pool's autotuning state, owned by the pool (``CompilePool.autotune`` uses it).
+
+    Attributes:
+        records: where choices are read and stored (the pool's cache chain).
+        in_progress: tunings running in this pool, by tuning key: a second caller with the same
+            key waits for the first and then finds its stored choice instead of benchmarking.
+        choices: choices this pool has made or read, by tuning key: asked again, it answers
+            without reading the cache tiers, and keeps to the same choice for its lifetime.
+    """
+
+    def __init__(self, records: Records) -> None:
+        self.records = records
+        self.in_progress: dict[str, anyio.Event] = {}
+        self.choices: dict[str, dict[str, Any]] = {}
+
+    async def autotune(
+        self, pool: CompilePool, memo_dir: Path, fn: Any, configs: Any, **options: Any
+    ) -> TunedKernel:
+        """``autotune()`` for ``pool`` (running; the caller checks), whose backends keep their
+        toolchain memo in ``memo_dir``."""
+        return await _autotune(self, pool, memo_dir, fn, configs, **options)
 
 
 # --- results --------------------------------------------------------------------------------
@@ -342,7 +372,16 @@ def _pinned_config(value: Any, configs: list[_Config]) -> tuple[int | None, _Con
 
 
 async def autotune(
+    pool: CompilePool, fn: Any, configs: Sequence[Any] | None = None, **options: Any
+) -> TunedKernel:
+    """``pool.autotune(fn, configs, **options)``: see ``_autotune`` for the arguments."""
+    return await pool.autotune(fn, configs, **options)
+
+
+async def _autotune(
+    tuner: Tuner,
     pool: CompilePool,
+    memo_dir: Path,
     fn: Any,
     configs: Sequence[Any] | None,
     *,
@@ -396,7 +435,6 @@ async def autotune(
         BackendUnavailableError: there is a GPU but PyTorch, whose CUDA events time the
             launches, is not installed.
     """
-    pool._check_running()
     if configs is None:
         inner = getattr(fn, "fn", None)
         found = getattr(fn, "configs", None)
@@ -451,7 +489,7 @@ async def autotune(
     requests = []
     for i, spec in enumerate(specs):
         try:
-            requests.append(await _triton.prepare(spec, pool.target, pool._memo_dir))
+            requests.append(await _triton.prepare(spec, pool.target, memo_dir))
         except InvalidSpecError as exc:
             raise type(exc)(f"config #{i} ({config_label(normalized[i].as_dict())}): {exc}") from exc
     runtime = [n for n in requests[0].signature if n not in requests[0].constants]
@@ -469,7 +507,7 @@ async def autotune(
         }
     )
     tune = _Tuning(
-        pool, normalized, specs, requests, runtime, tuning_key, key, args, grid, warmup, repeats, reset
+        tuner, pool, normalized, specs, requests, runtime, tuning_key, key, args, grid, warmup, repeats, reset
     )
 
     if pin is not None:
@@ -479,7 +517,7 @@ async def autotune(
             spec = specs[index] if index is not None else spec_of(config, "the pinned config")
             return await tune.finish(await pool.compile(spec), "pin", index, config)
 
-    flights = _in_progress.setdefault(pool, {})
+    flights = tuner.in_progress
     while (pending := flights.get(tuning_key)) is not None:
         await pending.wait()  # the same tuning, already running: wait for its stored choice
     done = flights[tuning_key] = anyio.Event()
@@ -499,6 +537,7 @@ class _Tuning:
 
     def __init__(
         self,
+        tuner: Tuner,
         pool: CompilePool,
         configs: list[_Config],
         specs: list[TritonSpec],
@@ -512,6 +551,7 @@ class _Tuning:
         repeats: int,
         reset: Callable[[], Any] | None,
     ) -> None:
+        self.tuner = tuner
         self.pool = pool
         self.configs = configs
         self.specs = specs
@@ -589,11 +629,11 @@ class _Tuning:
     async def stored_choice(self) -> TunedKernel | None:
         """The choice made for this tuning key before: by this pool (remembered), else by any
         process sharing its cache tiers (a record on disk or in the shared tier)."""
-        memo = _choices.setdefault(self.pool, {})
+        memo = self.tuner.choices
         choice = memo.get(self.key)
         try:
             if choice is None:
-                entry = await self.pool._get_record(self.key)
+                entry = await self.tuner.records.get_record(self.key)
                 if entry is None:
                     return None
                 if entry.backend != "record":
@@ -791,8 +831,10 @@ class _Tuning:
             "tuned_at": time.time(),
         }
         data = json.dumps(choice, sort_keys=True, default=repr).encode()
-        _choices.setdefault(self.pool, {})[self.key] = json.loads(data)
-        await self.pool._put_record(self.key, self.name, {"choice": data}, {"user_key": self.user_key})
+        self.tuner.choices[self.key] = json.loads(data)
+        await self.tuner.records.put_record(
+            self.key, self.name, {"choice": data}, {"user_key": self.user_key}
+        )
 
 
 def _grid_tuple(grid: Any) -> tuple[int, ...]:

@@ -1,12 +1,13 @@
 """Progressive and background compiles: a handle now, a kernel when it lands.
 
-``progressive(pool, fast_spec, best_spec)`` compiles two versions of a kernel at once: a quick
+``progressive(host, fast_spec, best_spec)`` compiles two versions of a kernel at once: a quick
 one as an urgent job and a tuned one in the background lane; its handle launches the fast kernel
-as soon as it exists and the best one once it lands. ``background(pool, spec, fallback)`` runs
+as soon as it exists and the best one once it lands. ``background(host, spec, fallback)`` runs
 eager code until its kernel is compiled, then the kernel. Both return at once and never block a
 launch on a compile.
 
-Everything they start runs in the pool's own task group: leaving ``async with CompilePool()``
+``host`` is what they need from the pool, handed over by it (``Host``): they reach into nothing
+else. Everything they start runs in the pool's own task group: leaving ``async with CompilePool()``
 cancels compiles still pending, and their handles record ``PoolClosedError`` (keeping whatever
 they launch already).
 
@@ -21,19 +22,39 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import anyio
 
 from acompile._errors import KernelNotReadyError, PoolClosedError
 
-if TYPE_CHECKING:
-    from acompile._compiler import CompilePool
-
-__all__ = ("BackgroundKernel", "KernelNotReadyError", "ProgressiveKernel", "background", "progressive")
+__all__ = (
+    "BackgroundKernel",
+    "Host",
+    "KernelNotReadyError",
+    "ProgressiveKernel",
+    "background",
+    "progressive",
+)
 
 logger = logging.getLogger("acompile")
+
+
+@dataclass(frozen=True)
+class Host:
+    """What progressive and background compiles need from a running pool, which hands it over.
+
+    Attributes:
+        compile_with_tier: ``await compile_with_tier(spec, background=...)`` -> (kernel, tier).
+        start_soon: starts ``fn(*args)`` in the pool's task group (nothing outlives the pool).
+        check_spec: raises ``TypeError`` for something that is not a compile spec.
+    """
+
+    compile_with_tier: Callable[..., Awaitable[tuple[Any, str]]]
+    start_soon: Callable[..., object]
+    check_spec: Callable[[Any], object]
 
 
 class ProgressiveKernel:
@@ -160,11 +181,11 @@ class ProgressiveKernel:
 
     # -- the compile tasks (in the pool's task group, on the loop's thread) ----------------------
 
-    async def _compile(self, pool: CompilePool, spec: Any, stage: str) -> None:
+    async def _compile(self, host: Host, spec: Any, stage: str) -> None:
         scope = self._fast_scope if stage == "fast" else anyio.CancelScope()
         try:
             with scope:
-                kernel, tier = await pool.compile_with_tier(spec, background=stage == "best")
+                kernel, tier = await host.compile_with_tier(spec, background=stage == "best")
                 self._land(stage, kernel, tier)
                 return
             # Only the fast compile is cancelled by its own scope: the best kernel landed first.
@@ -294,9 +315,9 @@ class BackgroundKernel:
             "error": _first_line(self.error) if self.error is not None else None,
         }
 
-    async def _compile(self, pool: CompilePool, spec: Any) -> None:
+    async def _compile(self, host: Host, spec: Any) -> None:
         try:
-            kernel, tier = await pool.compile_with_tier(spec, background=True)
+            kernel, tier = await host.compile_with_tier(spec, background=True)
         except anyio.get_cancelled_exc_class():
             self.error = PoolClosedError("the pool shut down before the background compile finished")
             self._done.set()
@@ -316,7 +337,7 @@ class BackgroundKernel:
         self._done.set()
 
 
-def progressive(pool: CompilePool, fast_spec: Any, best_spec: Any) -> ProgressiveKernel:
+def progressive(host: Host, fast_spec: Any, best_spec: Any) -> ProgressiveKernel:
     """Compile a quick version and a tuned version of a kernel; return a handle at once.
 
     The fast spec is compiled as an urgent job, the best one in the background lane (behind work
@@ -324,36 +345,34 @@ def progressive(pool: CompilePool, fast_spec: Any, best_spec: Any) -> Progressiv
     best one once it lands; if the fast compile fails, the best kernel is used when it comes; if
     the best one fails, the fast one stays (one warning is logged). See ``ProgressiveKernel``.
 
-    Call it from the event loop's thread, inside ``async with pool``. Both compiles run in the
-    pool's task group: leaving the pool cancels them (the handle records ``PoolClosedError``).
+    Call it from the event loop's thread, inside ``async with pool`` (the pool checks that it
+    runs before it hands ``host`` over). Both compiles run in the pool's task group: leaving the
+    pool cancels them (the handle records ``PoolClosedError``).
 
     Raises:
-        PoolClosedError: the pool is not running.
         TypeError: a spec is not a compile spec.
         RuntimeError: called outside the event loop's thread.
 
     Errors of the compiles themselves (``CompileError``, ``InvalidSpecError``) are not raised
     here: they are recorded on the handle and raised by ``ready()`` / ``best()``.
     """
-    _check_call(pool, fast_spec, best_spec)
+    _check_call(host, fast_spec, best_spec)
     handle = ProgressiveKernel(_spec_name(best_spec))
-    tg = pool._tg
-    assert tg is not None
     # Fast first: with one free worker, the urgent job is queued before the background one.
-    tg.start_soon(handle._compile, pool, fast_spec, "fast")
-    tg.start_soon(handle._compile, pool, best_spec, "best")
+    host.start_soon(handle._compile, host, fast_spec, "fast")
+    host.start_soon(handle._compile, host, best_spec, "best")
     return handle
 
 
-def background(pool: CompilePool, spec: Any, fallback: Callable[..., Any]) -> BackgroundKernel:
+def background(host: Host, spec: Any, fallback: Callable[..., Any]) -> BackgroundKernel:
     """Compile spec in the background lane; return at once a ``BackgroundKernel`` that runs
     ``fallback`` until the kernel is ready, then the kernel (see there). It never blocks.
 
-    Call it from the event loop's thread, inside ``async with pool``. The compile runs in the
-    pool's task group: leaving the pool cancels it, and the fallback stays in use.
+    Call it from the event loop's thread, inside ``async with pool`` (the pool checks that it
+    runs before it hands ``host`` over). The compile runs in the pool's task group: leaving the
+    pool cancels it, and the fallback stays in use.
 
     Raises:
-        PoolClosedError: the pool is not running.
         TypeError: spec is not a compile spec, or fallback is not callable.
         RuntimeError: called outside the event loop's thread.
 
@@ -364,18 +383,13 @@ def background(pool: CompilePool, spec: Any, fallback: Callable[..., Any]) -> Ba
         raise TypeError(
             f"fallback must be callable (eager code taking the kernel's arguments), got {fallback!r}"
         )
-    _check_call(pool, spec)
+    _check_call(host, spec)
     bk = BackgroundKernel(_spec_name(spec), fallback)
-    tg = pool._tg
-    assert tg is not None
-    tg.start_soon(bk._compile, pool, spec)
+    host.start_soon(bk._compile, host, spec)
     return bk
 
 
-def _check_call(pool: CompilePool, *specs: Any) -> None:
-    from acompile._compiler import _backend_of
-
-    pool._check_running()
+def _check_call(host: Host, *specs: Any) -> None:
     try:
         anyio.get_current_task()
     except RuntimeError:
@@ -384,7 +398,7 @@ def _check_call(pool: CompilePool, *specs: Any) -> None:
             "call this from the event loop's thread (from a worker thread: anyio.from_thread.run_sync)"
         ) from None
     for spec in specs:
-        _backend_of(spec)  # TypeError now, at the caller's line, rather than on the handle later
+        host.check_spec(spec)  # TypeError now, at the caller's line, rather than on the handle later
 
 
 def _spec_name(spec: Any) -> str:

@@ -253,7 +253,7 @@ async def test_a_corrupt_stored_choice_is_tuned_again(
     configs = add_configs(64, 256)
     async with pool(cache_dir) as p:
         first = await tune(p, configs, args=FAKE_ARGS)
-        await p._put_record(first.tuning.key, "add_kernel", {"choice": b"{not json"}, {})
+        await p._cache.put_record(first.tuning.key, "add_kernel", {"choice": b"{not json"}, {})
         # This pool remembers its choice: it does not read the record again.
         assert (await tune(p, configs, args=FAKE_ARGS)).tuning.source == "cache" and len(gpu.benchmarked) == 2
     async with pool(cache_dir) as p:

@@ -24,6 +24,7 @@ from kernels_for_tests import ADD_SIG, add_kernel, broken_kernel
 import acompile
 from acompile._progressive import (
     BackgroundKernel,
+    Host,
     KernelNotReadyError,
     ProgressiveKernel,
     background,
@@ -79,7 +80,7 @@ async def test_progressive_returns_at_once_then_fast_then_best(cache_dir: Path) 
         # goes first, the best one lands only after the blocker's half second.
         p._tg.start_soon(occupy, p, 0.5)  # type: ignore[union-attr]
         await until_queued(p, 1)
-        h = progressive(p, FAST, BEST)
+        h = p.progressive(FAST, BEST)
         # Returned at once: nothing is compiled yet (the only worker is held).
         assert h.stage == "pending" and h.kernel is None
         with pytest.raises(KernelNotReadyError, match=r"await handle.ready\(\)"):
@@ -116,7 +117,7 @@ async def test_background_runs_the_fallback_until_the_kernel_is_ready(cache_dir:
     async with pool(cache_dir, workers=1) as p:
         p._tg.start_soon(occupy, p, 0.3)  # type: ignore[union-attr]
         await until_queued(p, 1)
-        bk = background(p, FAST, add_fallback(calls))
+        bk = p.background(FAST, add_fallback(calls))
         # Returned at once: nothing is compiled yet (the only worker is held).
         assert not bk.ready and bk.kernel is None
         launch = bk[(4,)]
@@ -142,9 +143,9 @@ async def test_failed_compiles_keep_what_works(cache_dir: Path, caplog: pytest.L
         # then the best ones and the background one.
         p._tg.start_soon(occupy, p, 0.3)  # type: ignore[union-attr]
         await until_queued(p, 1)
-        keeps_fast = progressive(p, FAST, BROKEN)
-        uses_best = progressive(p, broken_fast, BEST)
-        keeps_fallback = background(p, BROKEN, add_fallback(calls))
+        keeps_fast = p.progressive(FAST, BROKEN)
+        uses_best = p.progressive(broken_fast, BEST)
+        keeps_fallback = p.background(BROKEN, add_fallback(calls))
         with pytest.raises(acompile.CompileError, match="undefined_name"):
             await keeps_fast.best()
         assert keeps_fast.stage == "fast" and keeps_fast.kernel is await keeps_fast.ready()
@@ -180,12 +181,12 @@ async def test_leaving_the_pool_cancels_pending_compiles(cache_dir: Path) -> Non
         # The only worker sleeps through the rest of the pool's life: nothing else gets compiled.
         p._tg.start_soon(occupy, p, 60)  # type: ignore[union-attr]
         await until_queued(p, 1)
-        h = progressive(p, FAST, BEST)
-        bk = background(p, BEST, add_fallback(calls))
+        h = p.progressive(FAST, BEST)
+        bk = p.background(BEST, add_fallback(calls))
         await until_queued(p, 3)  # the blocker, then FAST and BEST (one flight for both BEST)
         assert h.stage == "pending" and not bk.ready
         # Created as the pool leaves: its tasks have not run a step yet when they are cancelled.
-        last = progressive(p, FAST, BEST)
+        last = p.progressive(FAST, BEST)
     assert asyncio.all_tasks() == tasks_before  # nothing the handles started outlives the pool
     for handle in (h, last):
         assert handle.stage == "failed" and handle.kernel is None
@@ -202,23 +203,23 @@ async def test_leaving_the_pool_cancels_pending_compiles(cache_dir: Path) -> Non
         await bk.wait()
     assert bk[(1,)]("x", "y", "out", 1) == "eager"  # the fallback keeps working
     with pytest.raises(acompile.PoolClosedError):
-        progressive(p, FAST, BEST)
+        p.progressive(FAST, BEST)
     with pytest.raises(acompile.PoolClosedError):
-        background(p, FAST, add_fallback(calls))
+        p.background(FAST, add_fallback(calls))
 
 
 async def test_arguments_are_checked_at_the_call(cache_dir: Path) -> None:
     with pytest.raises(acompile.PoolClosedError, match="inside `async with"):
-        progressive(pool(cache_dir), FAST, BEST)
+        pool(cache_dir).progressive(FAST, BEST)
     async with pool(cache_dir) as p:
         with pytest.raises(TypeError, match="not a compile spec"):
-            progressive(p, FAST, "add_kernel")
+            p.progressive(FAST, "add_kernel")
         with pytest.raises(TypeError, match="fallback must be callable"):
-            background(p, FAST, None)  # type: ignore[arg-type]
+            p.background(FAST, None)  # type: ignore[arg-type]
         with pytest.raises(RuntimeError, match="event loop's thread"):
-            await anyio.to_thread.run_sync(progressive, p, FAST, BEST)
+            await anyio.to_thread.run_sync(p.progressive, FAST, BEST)
         # A spec that is wrong only on a closer look fails on the handle, not at the call.
-        h = progressive(p, FAST, acompile.TritonSpec(add_kernel, {"x_ptr": "*fp99"}))
+        h = p.progressive(FAST, acompile.TritonSpec(add_kernel, {"x_ptr": "*fp99"}))
         with pytest.raises(acompile.InvalidSpecError, match="fp99"):
             await h.best()
         assert await h.ready() is h.kernel and h.stage == "fast"
@@ -251,8 +252,14 @@ class GatedPool:
         self.asked: list[tuple[int, bool]] = []  # (BLOCK, background) of each compile asked for
         self.cancelled: list[int] = []
 
-    def _check_running(self) -> None:
-        pass
+    def host(self) -> Host:
+        return Host(self.compile_with_tier, self._tg.start_soon, lambda spec: None)
+
+    def progressive(self, fast_spec: Any, best_spec: Any) -> ProgressiveKernel:
+        return progressive(self.host(), fast_spec, best_spec)
+
+    def background(self, spec: Any, fallback: Any) -> BackgroundKernel:
+        return background(self.host(), spec, fallback)
 
     def gate(self, spec: Any, outcome: Any) -> anyio.Event:
         event = anyio.Event()
@@ -282,7 +289,7 @@ async def test_launches_follow_the_swap_and_are_counted_per_stage() -> None:
     async with anyio.create_task_group() as tg:
         p = GatedPool(tg)
         fast_gate, best_gate = p.gate(FAST, fast), p.gate(BEST, best)
-        h = progressive(p, FAST, BEST)  # type: ignore[arg-type]
+        h = p.progressive(FAST, BEST)
         assert isinstance(h, ProgressiveKernel)
         launch = h[(8, 1)]  # kept across the swaps: each call looks at the handle again
         with pytest.raises(KernelNotReadyError):
@@ -308,7 +315,7 @@ async def test_a_best_kernel_that_lands_first_stops_the_fast_compile() -> None:
         p = GatedPool(tg)
         p.gate(FAST, fast)
         p.gate(BEST, best).set()  # say, found in the cache
-        h = progressive(p, FAST, BEST)  # type: ignore[arg-type]
+        h = p.progressive(FAST, BEST)
         assert await h.ready() is best and h.stage == "best"
     assert p.cancelled == [256]
     assert h.stage == "best" and h.kernel is best and h.fast_error is None
@@ -322,7 +329,7 @@ async def test_a_fast_kernel_that_lands_late_does_not_replace_the_best() -> None
     async with anyio.create_task_group() as tg:
         p = GatedPool(tg)
         fast_gate, best_gate = p.gate(FAST, fast), p.gate(BEST, best)
-        h = progressive(p, FAST, BEST)  # type: ignore[arg-type]
+        h = p.progressive(FAST, BEST)
         await anyio.sleep(0.01)
         best_gate.set()
         fast_gate.set()
@@ -335,7 +342,7 @@ async def test_when_both_compiles_fail_nothing_launches(caplog: pytest.LogCaptur
         p = GatedPool(tg)
         fast_gate = p.gate(FAST, compile_error("fast"))
         best_gate = p.gate(BEST, compile_error("best"))
-        h = progressive(p, FAST, BEST)  # type: ignore[arg-type]
+        h = p.progressive(FAST, BEST)
         best_gate.set()
         with pytest.raises(acompile.CompileError, match="best does not compile"):
             await h.best()
@@ -359,7 +366,7 @@ async def test_background_calls_the_kernel_once_it_is_ready() -> None:
     async with anyio.create_task_group() as tg:
         p = GatedPool(tg)
         gate = p.gate(FAST, kernel)
-        bk = background(p, FAST, add_fallback(calls))  # type: ignore[arg-type]
+        bk = p.background(FAST, add_fallback(calls))
         assert isinstance(bk, BackgroundKernel)
         launch = bk[(4,)]
         assert [launch(i, i, i, i) for i in range(3)] == ["eager"] * 3

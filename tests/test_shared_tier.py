@@ -91,7 +91,7 @@ async def test_500_concurrent_misses_of_a_pool_are_all_published(
     ) as p:
         async with anyio.create_task_group() as tg:
             for i in range(500):
-                tg.start_soon(p._put_record, cache_key(i), f"record{i}", {"choice": b"%d" % i}, {})
+                tg.start_soon(p._cache.put_record, cache_key(i), f"record{i}", {"choice": b"%d" % i}, {})
     stats = p.stats()["cache"]
     assert stats["shared_writes"] == 500 and stats["shared_errors"] == 0
     assert len(entry_keys(redis_server, key_id(KEY))) == 500
