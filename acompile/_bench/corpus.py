@@ -4,12 +4,17 @@ Every entry of :func:`corpus` is one distinct compile request (JIT function +
 runtime signature + constexpr values + launch options).  The kernels only use
 long-stable ``triton.language`` features so the corpus compiles on Triton 3.6
 through 3.9.  :func:`compile_spec` is the plain sequential ``triton.compile``
-baseline that the service is compared against.
+baseline that the service is compared against; :class:`Outcome` checks what a
+row produced.  ``matmul_kernel`` is the one matmul: the corpus compiles it over
+tile configurations, and the autotune benchmark tunes it (``matmul_configs``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
+from typing import Any
 
 import triton
 import triton.language as tl
@@ -409,104 +414,6 @@ def matmul_kernel(
     )
 
 
-# C = A @ B + bias for contiguous row-major operands; K must be a multiple of BLOCK_K
-@triton.jit
-def matmul_bias_kernel(
-    a_ptr,
-    b_ptr,
-    bias_ptr,
-    c_ptr,
-    M,
-    N,
-    K,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
-    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-    rk = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rm[:, None] * K + rk[None, :]
-    b_ptrs = b_ptr + rk[:, None] * N + rn[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, K, BLOCK_K):
-        acc += tl.dot(tl.load(a_ptrs), tl.load(b_ptrs))
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * N
-    acc += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
-    cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(
-        c_ptr + cm[:, None] * N + cn[None, :],
-        acc.to(c_ptr.dtype.element_ty),
-        mask=(cm[:, None] < M) & (cn[None, :] < N),
-    )
-
-
-# Batched C[b] = A[b] @ B[b], batch index on grid axis 1 (contiguous batches)
-@triton.jit
-def bmm_kernel(
-    a_ptr,
-    b_ptr,
-    c_ptr,
-    M,
-    N,
-    K,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    batch = tl.program_id(1)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // grid_n
-    pid_n = pid % grid_n
-    a_ptr += batch * M * K
-    b_ptr += batch * K * N
-    c_ptr += batch * M * N
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + rk
-        a = tl.load(
-            a_ptr + rm[:, None] * K + ks[None, :],
-            mask=(rm[:, None] < M) & (ks[None, :] < K),
-            other=0.0,
-        )
-        b = tl.load(
-            b_ptr + ks[:, None] * N + rn[None, :],
-            mask=(ks[:, None] < K) & (rn[None, :] < N),
-            other=0.0,
-        )
-        acc += tl.dot(a, b)
-    tl.store(
-        c_ptr + rm[:, None] * N + rn[None, :],
-        acc.to(c_ptr.dtype.element_ty),
-        mask=(rm[:, None] < M) & (rn[None, :] < N),
-    )
-
-
-# y = A @ x (matrix-vector), one BLOCK_M strip of rows per program, reduced with tl.sum
-@triton.jit
-def gemv_kernel(a_ptr, x_ptr, y_ptr, M, N, stride_am, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    acc = tl.zeros((BLOCK_M,), tl.float32)
-    for n0 in range(0, N, BLOCK_N):
-        rn = n0 + tl.arange(0, BLOCK_N)
-        a = tl.load(
-            a_ptr + rm[:, None] * stride_am + rn[None, :],
-            mask=(rm[:, None] < M) & (rn[None, :] < N),
-            other=0.0,
-        ).to(tl.float32)
-        x = tl.load(x_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-        acc += tl.sum(a * x[None, :], axis=1)
-    tl.store(y_ptr + rm, acc.to(y_ptr.dtype.element_ty), mask=rm < M)
-
-
 # Single-head attention forward (optionally causal), one BLOCK_M query tile per program
 @triton.jit
 def attention_fwd_kernel(
@@ -787,6 +694,11 @@ _MATMUL_CONFIGS = (
     ("bf16", 64, 64, 32, 1, 0, 4, 3),
     ("fp32", 64, 64, 32, 8, 0, 4, 2),
     ("fp16", 32, 32, 32, 4, 0, 2, 2),
+    ("fp16", 128, 256, 64, 8, 0, 8, 3),
+    ("fp16", 64, 256, 32, 8, 1, 4, 4),
+    ("bf16", 128, 64, 64, 8, 0, 4, 3),
+    ("fp32", 32, 64, 32, 4, 2, 4, 3),
+    ("fp16", 256, 64, 64, 8, 0, 4, 4),
 )
 
 
@@ -799,23 +711,6 @@ def _matmuls() -> list[Spec]:
         types = f"{p} {p} {p} i32 i32 i32" + " i32" * 6
         tiles = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
         s.append(_spec(name, matmul_kernel, types, w, st, GROUP_M=gm, ACT=act, **tiles))
-    for dt, bm, bn, bk, w, st in (
-        ("fp16", 128, 128, 64, 8, 3),
-        ("bf16", 64, 128, 64, 4, 4),
-    ):
-        p = f"*{dt}"
-        name = f"matmul_bias_{dt}_{bm}x{bn}x{bk}_w{w}_s{st}"
-        types = f"{p} {p} {p} {p} i32 i32 i32"
-        tiles = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
-        s.append(_spec(name, matmul_bias_kernel, types, w, st, **tiles))
-    types = "*fp16 *fp16 *fp16 i32 i32 i32"
-    tiles = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}
-    s.append(_spec("bmm_fp16_64x64x32_w4_s3", bmm_kernel, types, **tiles))
-    for dt, bm, bn in (("fp32", 64, 128), ("fp16", 32, 256)):
-        p = f"*{dt}"
-        name = f"gemv_{dt}_{bm}x{bn}_w4"
-        types = f"{p} {p} {p} i32 i32 i32"
-        s.append(_spec(name, gemv_kernel, types, BLOCK_M=bm, BLOCK_N=bn))
     for causal in (False, True):
         name = f"attention_fwd_fp16_64x64_d64_c{int(causal)}_w4_s2"
         types = "*fp16 *fp16 *fp16 *fp16 i32 fp32"
@@ -881,3 +776,129 @@ def compile_spec(spec: Spec, target=None):
         target=target,
         options={"num_warps": spec.num_warps, "num_stages": spec.num_stages},
     )
+
+
+@functools.cache
+def specs(limit: int | None = None) -> list[Spec]:
+    """The corpus, or its first ``limit`` specs."""
+    return corpus()[:limit] if limit else corpus()
+
+
+def acompile_specs(limit: int | None = None) -> list[Any]:
+    """The same specs as ``acompile.TritonSpec`` requests."""
+    import acompile
+
+    return [
+        acompile.TritonSpec(s.fn, s.signature, s.constexprs, num_warps=s.num_warps, num_stages=s.num_stages)
+        for s in specs(limit)
+    ]
+
+
+@functools.cache
+def gpu_target(target: str) -> Any:
+    """Triton's ``GPUTarget`` for an acompile target string such as ``"cuda:90"``."""
+    from acompile._targets import parse_target
+
+    return parse_target(target).to_triton()
+
+
+def compile_index(index: int, target: str, limit: int | None) -> dict[str, Any]:
+    """The worker function of the process-pool baselines: compile spec ``index``, return its
+    whole asm dict (a realistic payload crosses the process boundary)."""
+    from acompile._bench.harness import quiet_warnings
+
+    quiet_warnings()
+    compiled = compile_spec(specs(limit)[index], gpu_target(target))
+    return {"asm": dict(compiled.asm.items())}
+
+
+class Outcome:
+    """What a row produced: one cubin digest or one error per spec, in spec order."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.digests: list[str | None] = [None] * len(names)
+        self.errors: list[str | None] = [None] * len(names)
+
+    @classmethod
+    def of(cls, results: list[Any], limit: int | None) -> Outcome:
+        """From ``pool.gather(..., return_exceptions=True)``'s results."""
+        out = cls([s.name for s in specs(limit)])
+        for i, result in enumerate(results):
+            if isinstance(result, BaseException):
+                out.set(i, error=result)
+            else:
+                out.set(i, getattr(result, "cubin", None))
+        return out
+
+    def set(self, i: int, cubin: Any = None, error: BaseException | str | None = None) -> None:
+        if error is None:
+            ok = isinstance(cubin, (bytes, bytearray)) and cubin
+            self.digests[i] = hashlib.sha256(cubin).hexdigest()[:16] if ok else None
+            error = None if ok else "no cubin in the result"
+        if error is not None:
+            text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+            self.errors[i] = text.strip().splitlines()[0][:300] if text.strip() else repr(error)
+
+    def report(self) -> dict[str, Any]:
+        failed = {n: e for n, e in zip(self.names, self.errors, strict=True) if e is not None}
+        return {
+            "specs": len(self.names),
+            "ok": len(self.names) - len(failed),
+            "failed": len(failed),
+            "errors": dict(list(failed.items())[:10]),
+            "digests": dict(zip(self.names, self.digests, strict=True)),
+        }
+
+
+def differing(mine: dict[str, Any], reference: dict[str, Any] | None) -> int | None:
+    """How many of a row's cubins differ from the reference row's (None: nothing to compare)."""
+    a, b = mine.get("digests") or {}, (reference or {}).get("digests") or {}
+    if not a or not b:
+        return None
+    return sum(1 for k, d in a.items() if d and b.get(k) and d != b[k])
+
+
+# --- the autotune benchmark's matmul: fp16, C = A @ B --------------------------------------------
+
+MATMUL_SIG = {
+    name: "*fp16" if name.endswith("_ptr") else "i32"
+    for name in matmul_kernel.arg_names
+    if name not in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "ACT")
+}
+# What Triton's JIT would assume for contiguous tensors whose sizes are multiples of 16: 16-byte
+# aligned pointers, and sizes and leading strides divisible by 16.
+MATMUL_ATTRS = {
+    name: [["tt.divisibility", 16]]
+    for name in ("a_ptr", "b_ptr", "c_ptr", "M", "N", "K", "stride_am", "stride_bk", "stride_cm")
+}
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): Triton's tutorial configs and
+# more; the 128x256x128 one needs more shared memory than an H100 has, and is skipped there.
+_TUNE_SHAPES = (
+    (128, 256, 64, 8, 8, 3), (64, 256, 32, 8, 4, 4), (128, 128, 32, 8, 4, 4), (128, 64, 32, 8, 4, 4),
+    (64, 128, 32, 8, 4, 4), (128, 32, 32, 8, 4, 4), (64, 32, 32, 8, 2, 5), (32, 64, 32, 8, 2, 5),
+    (128, 256, 128, 8, 8, 3), (256, 128, 64, 8, 8, 3), (64, 64, 64, 8, 4, 4), (128, 128, 64, 8, 8, 3),
+    (128, 128, 64, 4, 4, 4), (256, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 3), (128, 64, 64, 8, 4, 3),
+    (64, 64, 32, 8, 4, 5), (32, 32, 32, 8, 2, 4),
+)  # fmt: skip
+
+
+def matmul_configs(limit: int | None = None) -> list[triton.Config]:
+    """The autotune benchmark's configs as ``triton.Config`` (the first ``limit`` of them)."""
+    return [
+        triton.Config(
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "ACT": 0}, num_warps=w, num_stages=st
+        )
+        for bm, bn, bk, gm, w, st in _TUNE_SHAPES[:limit]
+    ]
+
+
+def matmul_grid(meta: dict[str, Any]) -> tuple[int]:
+    """The launch grid of ``matmul_kernel``: one program per output tile."""
+    return (triton.cdiv(meta["M"], meta["BLOCK_M"]) * triton.cdiv(meta["N"], meta["BLOCK_N"]),)
+
+
+def matmul_args(a: Any, b: Any, c: Any) -> tuple[Any, ...]:
+    """The runtime arguments of ``matmul_kernel`` for C = A @ B, in its order."""
+    (m, k), (_, n) = a.shape, b.shape
+    return (a, b, c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
