@@ -13,19 +13,30 @@
     num_warps = 4                        # also num_stages, options = { ... }, attrs = { ... }
 
 Every (variant, target) pair is one compile request.
+
+The format is read here (``load_manifest``) and written here: ``Recorder`` appends every kernel
+request a pool served (``CompilePool(record=...)``), once per distinct request, across runs, so
+that replaying the file on the next deploy compiles what production used.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
+import logging
+import os
+import re
 import sys
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from acompile._backends._triton import TritonSpec
 from acompile._errors import InvalidSpecError
+
+logger = logging.getLogger("acompile")
 
 try:
     import tomllib
@@ -137,3 +148,99 @@ def _import_kernel(ref: str, base: Path, where: str) -> Any:
         return getattr(module, name)
     except AttributeError:
         raise InvalidSpecError(f"{where}: {target!r} has no {name!r}") from None
+
+
+# --- writing: the record of what a pool served -------------------------------------------------
+
+_KEY_LINE = re.compile(r"^# key: ([0-9a-f]{64})$", re.MULTILINE)
+
+
+class Recorder:
+    """Appends served Triton requests to a manifest; blocking (the pool calls it from a thread)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._seen: set[str] | None = None
+
+    def _known(self) -> set[str]:
+        if self._seen is None:
+            try:
+                self._seen = set(_KEY_LINE.findall(self.path.read_text()))
+            except FileNotFoundError:
+                self._seen = set()
+        return self._seen
+
+    def add(self, request: Any, spec: Any) -> bool:
+        """Record one request (once per key); False if it cannot be written as a manifest entry."""
+        with self._lock:
+            if request.key in self._known():
+                return False
+            text = _manifest_entry(request, spec)
+            if text is None:
+                return False
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                if f.tell() == 0:
+                    f.write(
+                        "# Kernels served by an acompile pool; replay with `acompile warmup <this file>`.\n"
+                    )
+                f.write(text)
+            self._known().add(request.key)
+            return True
+
+
+def _toml(value: Any) -> str | None:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        items = [_toml(v) for v in value]
+        return None if any(i is None for i in items) else "[" + ", ".join(items) + "]"  # type: ignore[arg-type]
+    if isinstance(value, dict):
+        pairs: list[str] = []
+        for k, v in value.items():
+            text = _toml(v)
+            if text is None:
+                return None
+            pairs.append(f"{json.dumps(str(k))} = {text}")
+        return "{ " + ", ".join(pairs) + " }"
+    return None
+
+
+def _manifest_entry(request: Any, spec: Any) -> str | None:
+    fn = request.fn
+    module = getattr(fn, "__module__", None)
+    if module in (None, "__main__", "__mp_main__") or module.startswith("acompile_source_"):
+        file = getattr(getattr(fn, "fn", None), "__code__", None)
+        if file is None or not os.path.isfile(file.co_filename):
+            logger.debug("cannot record %s: it is not defined in a file", request.name)
+            return None
+        where = f"{os.path.abspath(file.co_filename)}:{fn.__name__}"
+    else:
+        where = f"{module}:{fn.__qualname__}"
+    runtime = {k: v for k, v in request.signature.items() if v != "constexpr"}
+    fields = {
+        "kernel": where,
+        "signature": runtime,
+        "constexprs": dict(spec.constexprs or {}),
+        "num_warps": spec.num_warps,
+        "num_stages": spec.num_stages,
+        "targets": [str(request.target)],
+    }
+    if spec.options:
+        fields["options"] = dict(spec.options)
+    lines = [f"\n[[kernel]]\n# key: {request.key}\n"]
+    for name, value in fields.items():
+        text = _toml(value)
+        if text is None:
+            logger.debug("cannot record %s: %s is not plain data", request.name, name)
+            return None
+        lines.append(f"{name} = {text}\n")
+    return "".join(lines)
+
+
+__all__ = ["Recorder", "load_manifest"]

@@ -1,13 +1,12 @@
-"""What the pool tells about its work: a trace of every request, and a record of what it served.
+"""What the pool tells about its work: a trace of every request, and the shape of its stats.
+
+The record of what it served (a warm-up manifest) is written by ``_manifest.Recorder``.
 
 - ``Tracer`` collects Chrome trace events (the JSON that ui.perfetto.dev and chrome://tracing
   open): one span per request on the requesting side, with its queue wait, its compile on the
   worker's own track and its load, and the tier that answered, as arguments.
 - ``Stats`` (with ``WorkerStats``, ``JobStats``, ``CacheStats``) is the shape of
   ``CompilePool.stats()``, for type checkers.
-- ``Recorder`` appends every kernel request the pool served to a warm-up manifest (TOML, the
-  format ``acompile warmup`` reads), once per distinct request, across runs: replaying it on the
-  next deploy compiles what production used.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import threading
 import time
 from pathlib import Path
@@ -185,97 +183,4 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-# --- the warm-up record ----------------------------------------------------------------------------
-
-_KEY_LINE = re.compile(r"^# key: ([0-9a-f]{64})$", re.MULTILINE)
-
-
-class Recorder:
-    """Appends served Triton requests to a manifest; blocking (the pool calls it from a thread)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._lock = threading.Lock()
-        self._seen: set[str] | None = None
-
-    def _known(self) -> set[str]:
-        if self._seen is None:
-            try:
-                self._seen = set(_KEY_LINE.findall(self.path.read_text()))
-            except FileNotFoundError:
-                self._seen = set()
-        return self._seen
-
-    def add(self, request: Any, spec: Any) -> bool:
-        """Record one request (once per key); False if it cannot be written as a manifest entry."""
-        with self._lock:
-            if request.key in self._known():
-                return False
-            text = _manifest_entry(request, spec)
-            if text is None:
-                return False
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as f:
-                if f.tell() == 0:
-                    f.write(
-                        "# Kernels served by an acompile pool; replay with `acompile warmup <this file>`.\n"
-                    )
-                f.write(text)
-            self._known().add(request.key)
-            return True
-
-
-def _toml(value: Any) -> str | None:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, (list, tuple)):
-        items = [_toml(v) for v in value]
-        return None if any(i is None for i in items) else "[" + ", ".join(items) + "]"  # type: ignore[arg-type]
-    if isinstance(value, dict):
-        pairs: list[str] = []
-        for k, v in value.items():
-            text = _toml(v)
-            if text is None:
-                return None
-            pairs.append(f"{json.dumps(str(k))} = {text}")
-        return "{ " + ", ".join(pairs) + " }"
-    return None
-
-
-def _manifest_entry(request: Any, spec: Any) -> str | None:
-    fn = request.fn
-    module = getattr(fn, "__module__", None)
-    if module in (None, "__main__", "__mp_main__") or module.startswith("acompile_source_"):
-        file = getattr(getattr(fn, "fn", None), "__code__", None)
-        if file is None or not os.path.isfile(file.co_filename):
-            logger.debug("cannot record %s: it is not defined in a file", request.name)
-            return None
-        where = f"{os.path.abspath(file.co_filename)}:{fn.__name__}"
-    else:
-        where = f"{module}:{fn.__qualname__}"
-    runtime = {k: v for k, v in request.signature.items() if v != "constexpr"}
-    fields = {
-        "kernel": where,
-        "signature": runtime,
-        "constexprs": dict(spec.constexprs or {}),
-        "num_warps": spec.num_warps,
-        "num_stages": spec.num_stages,
-        "targets": [str(request.target)],
-    }
-    if spec.options:
-        fields["options"] = dict(spec.options)
-    lines = [f"\n[[kernel]]\n# key: {request.key}\n"]
-    for name, value in fields.items():
-        text = _toml(value)
-        if text is None:
-            logger.debug("cannot record %s: %s is not plain data", request.name, name)
-            return None
-        lines.append(f"{name} = {text}\n")
-    return "".join(lines)
-
-
-__all__ = ["CacheStats", "JobStats", "Recorder", "Stats", "Tracer", "WorkerStats"]
+__all__ = ["CacheStats", "JobStats", "Stats", "Tracer", "WorkerStats"]
