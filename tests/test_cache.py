@@ -1,4 +1,4 @@
-"""The cache: entries, the disk tier, keys, and what a fresh process finds."""
+"""The cache: entries, the disk tier, the tier chain, keys, and what a fresh process finds."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -15,7 +17,7 @@ from conftest import TARGET, run_python, subprocess_env
 from kernels_for_tests import ADD_SIG, add_kernel
 
 import acompile
-from acompile._cache import DiskTier, MemoryTier
+from acompile._cache import DiskTier, GuardedDisk, LeaseTier, MemoryTier, Tier, TierChain
 from acompile._cache._entry import CorruptEntry, Entry, decode
 
 pytestmark = pytest.mark.anyio
@@ -222,3 +224,109 @@ async def test_the_cache_folder_is_private(cache_dir: Path) -> None:
         pass
     mode = (await anyio.Path(cache_dir).stat()).st_mode
     assert mode & 0o777 == 0o700
+
+
+# --- the tier chain, through its seam: a tier is a small class over bytes -------------------------
+
+
+class DictTier:
+    """A tier in a dozen lines: what a new tier module implements (and leases, as a fleet's)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.counts: Counter[str] = Counter()
+        self.data: dict[str, bytes] = {}
+        self.leases: dict[str, str] = {}
+
+    async def open(self) -> None:
+        self.counts["opened"] += 1
+
+    async def get(self, key: str) -> bytes | None:
+        return self.data.get(key)
+
+    async def set(self, key: str, data: bytes) -> bool:
+        self.data[key] = data
+        return True
+
+    async def delete(self, key: str) -> None:
+        self.data.pop(key, None)
+
+    async def close(self) -> None:
+        self.counts["closed"] += 1
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    async def take_lease(self, key: str, ttl: float) -> bool | None:
+        return self.leases.setdefault(key, "us") == "us"
+
+    async def release_lease(self, key: str) -> None:
+        if self.leases.get(key) == "us":
+            del self.leases[key]
+
+    async def lease_held(self, key: str) -> bool:
+        return self.leases.get(key, "us") != "us"
+
+
+def chain_entry(key: str, name: str = "k") -> bytes:
+    return Entry(key=key, backend="triton", name=name, blobs={"b": b"x"}, meta={}).encode()
+
+
+async def test_a_tier_is_one_class_and_the_chain_orders_fills_and_publishes(tmp_path: Path) -> None:
+    far, further = DictTier("far"), DictTier("further")
+    assert isinstance(far, Tier) and isinstance(far, LeaseTier)
+    chain = TierChain(MemoryTier(4), GuardedDisk(tmp_path), [far, further], fleet_wait=1.0)
+    await chain.open()
+    key, other, bad = "a1" * 32, "b2" * 32, "c3" * 32
+    further.data[key] = chain_entry(key)
+    further.data[bad] = b"not an entry"
+    async with anyio.create_task_group() as tg:
+        chain.start(tg)
+        # A hit in the last tier, written back to every faster one in the background.
+        entry, tier = await chain.lookup(key)
+        assert entry is not None and entry.key == key and tier == "further"
+        # A damaged entry is a miss, counted under its tier's name.
+        assert await chain.lookup(bad) == (None, "")
+
+        async def compile() -> bytes:
+            return chain_entry(other, "compiled")
+
+        entry, tier = await chain.compile_once(other, compile)
+        assert entry.name == "compiled" and tier == "compile"
+        assert await chain.local.files.get(other) == chain_entry(other, "compiled")  # local: now
+        await chain.put_record("d4" * 32, "choice", {"choice": b"{}"}, {})
+        await chain.drain(5)
+    assert far.data[key] == further.data[key] and await chain.local.files.get(key) == further.data[key]
+    assert far.data[other] == further.data[other] == chain_entry(other, "compiled")  # write-behind
+    assert "d4" * 32 in further.data and not far.leases  # published, and the lease released
+    stats = chain.stats()
+    assert stats["misses"] == 1 and stats["hits_disk"] == 0 and stats["disk_writes"] == 3
+    assert chain.counts["hits_further"] == 1 and chain.counts["further_corrupt"] == 1
+    with pytest.raises(acompile.PoolClosedError):
+        await chain.get_record("d4" * 32)  # records only while the pool runs
+    await chain.close()
+    assert far.counts == Counter(opened=1, closed=1)
+
+
+async def test_the_chain_waits_for_a_replica_that_holds_the_lease(tmp_path: Path) -> None:
+    fleet = DictTier("fleet")
+    chain = TierChain(MemoryTier(4), GuardedDisk(tmp_path), [fleet], fleet_wait=5.0)
+    await chain.open()
+    key = "e5" * 32
+    fleet.leases[key] = "another replica"
+
+    async def never() -> bytes:
+        raise AssertionError("compiled although another replica was compiling it")
+
+    async def the_other_replica() -> None:
+        await anyio.sleep(0.2)
+        fleet.data[key] = chain_entry(key, "theirs")
+        del fleet.leases[key]
+
+    async with anyio.create_task_group() as tg:
+        chain.start(tg)
+        tg.start_soon(the_other_replica)
+        entry, tier = await chain.compile_once(key, never)
+        await chain.drain(5)
+    assert entry.name == "theirs" and tier == "fleet" and chain.stats()["fleet_waits"] == 1
+    assert await chain.local.files.get(key) == chain_entry(key, "theirs")  # kept on disk
