@@ -1,7 +1,8 @@
 """A worker-side backend for tests: jobs that do what Triton will not do on demand.
 
 Payload: {"name": str, "action": str, ...}. Real processes, real signals, real file descriptors;
-only the compiler is fake.
+only the compiler is fake. ``run_job()`` (parent side) runs one such job through a pool's
+executor, as a request would.
 """
 
 from __future__ import annotations
@@ -10,9 +11,33 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from acompile._errors import CompileError
+
+if TYPE_CHECKING:
+    from acompile import CompilePool
+    from acompile._workers import WorkerPool
+
+
+async def run_job(
+    pool: CompilePool, backend: str, payload: Any, name: str, *, background: bool = False
+) -> Any:
+    """Run one job of ``backend`` (a worker-side module, by name) through ``pool.executor`` and
+    return its result. As for a request: cancelled while the job is queued, the job is dropped;
+    while it runs, its worker is stopped."""
+    from acompile._workers import BACKGROUND, URGENT, Job
+
+    return await pool.executor.run(Job(backend, payload, name, BACKGROUND if background else URGENT))
+
+
+def local_executor(pool: CompilePool) -> WorkerPool:
+    """The pool's executor, which the tests of worker processes expect to be the local one."""
+    from acompile._workers import WorkerPool
+
+    executor = pool.executor
+    assert isinstance(executor, WorkerPool)
+    return executor
 
 
 def setup(config: dict[str, Any]) -> None:

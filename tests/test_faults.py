@@ -23,6 +23,7 @@ import anyio
 import psutil
 import pytest
 from conftest import subprocess_env
+from fake_backend import run_job
 
 import acompile
 
@@ -101,7 +102,7 @@ async def test_a_storm_of_kills_at_every_stage_costs_at_most_the_jobs_killed_twi
         async def job(i: int) -> None:
             payload = {"name": f"job{i}", "action": "sleep", "seconds": rng.uniform(0.03, 0.08), "value": i}
             try:
-                outcomes.append(await p._run(FAKE, payload, f"job{i}"))
+                outcomes.append(await run_job(p, FAKE, payload, f"job{i}"))
             except acompile.AcompileError as exc:
                 outcomes.append(exc)
 
@@ -161,7 +162,7 @@ async def test_a_preload_that_hangs_fails_the_waiting_jobs_after_preload_timeout
                 with pytest.raises(acompile.WorkerStartError, match="preload_timeout=2"):
                     await p.wait_ready()
                 with pytest.raises(acompile.WorkerStartError, match="preload_timeout=2"):
-                    await p._run(FAKE, {"name": "e", "action": "echo", "value": 1}, "e")
+                    await run_job(p, FAKE, {"name": "e", "action": "echo", "value": 1}, "e")
         tg.cancel_scope.cancel()
     assert len(stopped) >= 2
 
@@ -174,7 +175,7 @@ async def test_a_worker_stopped_by_sigstop_is_replaced_and_its_job_retried(cache
 
             async def job() -> None:
                 payload = {"name": "paused", "action": "sleep", "seconds": 0.5, "value": "done"}
-                result.append(await p._run(FAKE, payload, "paused"))
+                result.append(await run_job(p, FAKE, payload, "paused"))
 
             tg.start_soon(job)
             await until(lambda: p.stats()["workers"]["busy"] == 1)
@@ -355,7 +356,9 @@ async def test_a_stopped_template_is_replaced_and_the_jobs_of_its_killed_workers
 
         async def job(i: int) -> None:
             outcomes.append(
-                await p._run(FAKE, {"name": f"j{i}", "action": "sleep", "seconds": 1.0, "value": i}, f"j{i}")
+                await run_job(
+                    p, FAKE, {"name": f"j{i}", "action": "sleep", "seconds": 1.0, "value": i}, f"j{i}"
+                )
             )
 
         with anyio.fail_after(60):

@@ -18,6 +18,7 @@ import anyio
 import psutil
 import pytest
 from conftest import subprocess_env
+from fake_backend import local_executor, run_job
 
 import acompile
 
@@ -90,7 +91,7 @@ async def test_a_job_whose_worker_is_killed_from_outside_is_retried_once(
 
             async def job() -> None:
                 payload = {"name": "slow", "action": "hold", "until": str(release), "pid": True}
-                result.append(await p._run(FAKE, payload, "slow"))
+                result.append(await run_job(p, FAKE, payload, "slow"))
 
             tg.start_soon(job)
             await until(lambda: p.stats()["workers"]["busy"] == 1)
@@ -122,7 +123,7 @@ async def test_a_job_killed_twice_fails_with_a_clear_error(cache_dir: Path, fork
 
             tg.start_soon(killer)
             with anyio.fail_after(30), pytest.raises(acompile.WorkerCrashedError) as info:
-                await p._run(FAKE, {"name": "victim", "action": "sleep", "seconds": 600}, "victim")
+                await run_job(p, FAKE, {"name": "victim", "action": "sleep", "seconds": 600}, "victim")
         err = info.value
         assert err.cause == "killed" and err.exit_code == -signal.SIGKILL and err.kernel == "victim"
         assert "SIGKILL twice" in str(err)
@@ -137,7 +138,7 @@ async def test_an_idle_worker_that_dies_is_replaced_at_once(cache_dir: Path, for
         # Replaced without a request asking for it.
         await until(lambda: victim not in worker_pids() and len(worker_pids()) == 2, seconds=30)
         assert p.stats()["workers"]["restarts"] == {"killed": 1}
-        assert await p._run(FAKE, {"name": "e", "action": "echo", "value": 1}, "e") == 1
+        assert await run_job(p, FAKE, {"name": "e", "action": "echo", "value": 1}, "e") == 1
 
 
 @forked_and_fresh
@@ -148,10 +149,12 @@ async def test_a_worker_past_its_memory_limit_fails_its_job_and_is_replaced(
         await p.wait_ready()
         [hog] = worker_pids()
         with anyio.fail_after(60), pytest.raises(acompile.WorkerCrashedError) as info:
-            await p._run(FAKE, {"name": "hog", "action": "alloc", "megabytes": 600, "seconds": 600}, "hog")
+            await run_job(
+                p, FAKE, {"name": "hog", "action": "alloc", "megabytes": 600, "seconds": 600}, "hog"
+            )
         assert info.value.cause == "memory" and "memory limit of 200 MiB" in str(info.value)
         await until(lambda: gone(hog))
-        assert await p._run(FAKE, {"name": "e", "action": "echo", "value": 2}, "e") == 2
+        assert await run_job(p, FAKE, {"name": "e", "action": "echo", "value": 2}, "e") == 2
         assert p.stats()["workers"]["restarts"] == {"memory": 1}
 
 
@@ -167,9 +170,9 @@ async def test_max_compile_seconds_stops_a_compiler_that_never_returns(
             anyio.fail_after(30),
             pytest.raises(acompile.CompileTimeoutError, match=r"max_compile_seconds=0\.5"),
         ):
-            await p._run(FAKE, {"name": "ptxas-hang", "action": "sleep", "seconds": 3600}, "ptxas-hang")
+            await run_job(p, FAKE, {"name": "ptxas-hang", "action": "sleep", "seconds": 3600}, "ptxas-hang")
         await until(lambda: gone(stuck))
-        assert await p._run(FAKE, {"name": "e", "action": "echo", "value": 3}, "e") == 3
+        assert await run_job(p, FAKE, {"name": "e", "action": "echo", "value": 3}, "e") == 3
         assert p.stats()["workers"]["restarts"] == {"timeout": 1}
 
 
@@ -182,7 +185,7 @@ async def test_quiesce_stops_the_workers_and_a_request_wakes_them(cache_dir: Pat
         await until(lambda: all(gone(pid) for pid in before) and not worker_pids())
         assert p.stats()["workers"]["awake"] is False
         # A request wakes the pool by itself.
-        assert await p._run(FAKE, {"name": "e", "action": "echo", "value": "awake"}, "e") == "awake"
+        assert await run_job(p, FAKE, {"name": "e", "action": "echo", "value": "awake"}, "e") == "awake"
         assert p.stats()["workers"]["awake"] is True
         await p.quiesce()
         await p.wakeup()
@@ -201,7 +204,7 @@ async def test_quiesce_puts_running_jobs_back_and_they_still_complete(
 
             async def job() -> None:
                 payload = {"name": "j", "action": "hold", "until": str(release), "pid": True}
-                result.append(await p._run(FAKE, payload, "j"))
+                result.append(await run_job(p, FAKE, payload, "j"))
 
             tg.start_soon(job)
             await until(lambda: p.stats()["workers"]["busy"] == 1)
@@ -218,10 +221,10 @@ async def test_quiesce_puts_running_jobs_back_and_they_still_complete(
 async def test_the_idle_timer_quiesces_the_pool(cache_dir: Path) -> None:
     async with pool(cache_dir, workers=2, idle_timeout=0.3) as p:
         await p.wait_ready()
-        await p._run(FAKE, {"name": "e", "action": "echo", "value": 1}, "e")
+        await run_job(p, FAKE, {"name": "e", "action": "echo", "value": 1}, "e")
         await until(lambda: not p.stats()["workers"]["awake"], seconds=30)
         await until(lambda: not worker_pids())
-        assert await p._run(FAKE, {"name": "e", "action": "echo", "value": 2}, "e") == 2
+        assert await run_job(p, FAKE, {"name": "e", "action": "echo", "value": 2}, "e") == 2
 
 
 async def test_workers_are_forked_from_a_thread_free_template(cache_dir: Path) -> None:
@@ -243,8 +246,8 @@ async def test_a_template_with_threads_is_not_forked_from(
 ) -> None:
     async with pool(cache_dir, workers=1, prestart=False) as p:
         # No public seam: preload= takes only the product's backends.
-        p._workers.config["preload"] = ["threaded_backend"]  # type: ignore[union-attr]
-        assert await p._run(FAKE, {"name": "e", "action": "echo", "value": 4}, "e") == 4
+        local_executor(p).config["preload"] = ["threaded_backend"]
+        assert await run_job(p, FAKE, {"name": "e", "action": "echo", "value": 4}, "e") == 4
         assert p.stats()["workers"]["forked"] == 0 and p.stats()["workers"]["started"] == 1
     assert any("threads after its preload" in r.message for r in caplog.records)
 
@@ -254,13 +257,13 @@ async def test_cancelling_during_wake_up_drops_the_request_only(cache_dir: Path,
     async with pool(cache_dir, workers=1, prestart=False, fork_workers=fork_workers) as p:
         async with anyio.create_task_group() as tg:
             tg.start_soon(
-                p._run, FAKE, {"name": "never", "action": "crash"}, "never"
+                run_job, p, FAKE, {"name": "never", "action": "crash"}, "never"
             )  # would crash if it ran
             await until(lambda: p.stats()["jobs"]["queued"] == 1)
             # No checkpoint since the look: the request still waits for its worker to be ready.
             tg.cancel_scope.cancel()
         await p.wait_ready()
-        assert await p._run(FAKE, {"name": "e", "action": "echo", "value": 5}, "e") == 5
+        assert await run_job(p, FAKE, {"name": "e", "action": "echo", "value": 5}, "e") == 5
         assert p.stats()["workers"]["restarts"] == {} and p.stats()["jobs"]["failed"] == 0
 
 
@@ -273,7 +276,7 @@ async def test_a_request_in_flight_when_the_pool_shuts_down_gets_a_clear_error(c
 
                 async def caller() -> None:
                     try:
-                        await p._run(FAKE, {"name": "long", "action": "sleep", "seconds": 600}, "long")
+                        await run_job(p, FAKE, {"name": "long", "action": "sleep", "seconds": 600}, "long")
                     except acompile.PoolClosedError as exc:
                         errors.append(exc)
 
@@ -340,7 +343,7 @@ async def test_fault_campaign_no_job_lost_under_random_kills(cache_dir: Path) ->
         async def one(i: int) -> None:
             payload = {"name": f"job{i}", "action": "sleep", "seconds": rng.uniform(0.005, 0.04), "value": i}
             try:
-                assert await p._run(FAKE, payload, f"job{i}") == i
+                assert await run_job(p, FAKE, payload, f"job{i}") == i
                 outcomes["ok"] += 1
             except acompile.WorkerCrashedError as exc:
                 assert exc.cause == "killed" and f"job{i}" in str(exc)

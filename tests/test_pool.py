@@ -11,9 +11,10 @@ from typing import Any
 import anyio
 import psutil
 import pytest
+from fake_backend import local_executor, run_job
 
 import acompile
-from acompile._pool import JobCancelled
+from acompile._workers import JobCancelled
 
 pytestmark = pytest.mark.anyio
 FAKE = "fake_backend"
@@ -70,7 +71,7 @@ async def test_jobs_run_in_separate_worker_processes(cache_dir: Path, tmp_path: 
 
             async def one() -> None:
                 payload = {"name": "s", "action": "hold", "until": str(release), "pid": True}
-                pids.append(await p._run(FAKE, payload, "s"))
+                pids.append(await run_job(p, FAKE, payload, "s"))
 
             for _ in range(2):
                 tg.start_soon(one)
@@ -89,7 +90,7 @@ async def test_worker_sees_parent_cwd_sys_path_and_environment(
     extra = str(tmp_path / "extra-path")
     monkeypatch.syspath_prepend(extra)
     async with pool(cache_dir, workers=1) as p:
-        seen = await p._run(FAKE, {"name": "e", "action": "env", "var": "ACOMPILE_TEST_VALUE"}, "e")
+        seen = await run_job(p, FAKE, {"name": "e", "action": "env", "var": "ACOMPILE_TEST_VALUE"}, "e")
     assert seen["cwd"] == str(tmp_path)
     assert extra in seen["sys_path"]
     assert seen["env"] == "from-the-parent"
@@ -97,17 +98,17 @@ async def test_worker_sees_parent_cwd_sys_path_and_environment(
 
 async def test_output_on_stdout_does_not_corrupt_the_protocol(cache_dir: Path) -> None:
     async with pool(cache_dir, workers=1) as p:
-        assert await p._run(FAKE, {"name": "p", "action": "print"}, "p") == "printed"
-        assert await p._run(FAKE, {"name": "e", "action": "echo", "value": 42}, "e") == 42
+        assert await run_job(p, FAKE, {"name": "p", "action": "print"}, "p") == "printed"
+        assert await run_job(p, FAKE, {"name": "e", "action": "echo", "value": 42}, "e") == 42
 
 
 async def test_a_stderr_flood_never_hangs_and_its_tail_travels_with_the_error(cache_dir: Path) -> None:
     async with pool(cache_dir, workers=1) as p:
         with anyio.fail_after(60):
-            assert await p._run(FAKE, {"name": "f", "action": "flood", "megabytes": 50}, "f") == "flooded"
+            assert await run_job(p, FAKE, {"name": "f", "action": "flood", "megabytes": 50}, "f") == "flooded"
             with pytest.raises(acompile.CompileError) as info:
-                await p._run(
-                    FAKE, {"name": "flooder", "action": "flood", "megabytes": 2, "fail": True}, "flooder"
+                await run_job(
+                    p, FAKE, {"name": "flooder", "action": "flood", "megabytes": 2, "fail": True}, "flooder"
                 )
     err = info.value
     assert "the last words of the compiler" in err.stderr_tail
@@ -117,7 +118,7 @@ async def test_a_stderr_flood_never_hangs_and_its_tail_travels_with_the_error(ca
 
 async def test_large_results_come_back_whole(cache_dir: Path) -> None:
     async with pool(cache_dir, workers=1) as p:
-        data = await p._run(FAKE, {"name": "b", "action": "big", "bytes": 100 * 1024 * 1024}, "b")
+        data = await run_job(p, FAKE, {"name": "b", "action": "big", "bytes": 100 * 1024 * 1024}, "b")
     assert len(data) == 100 * 1024 * 1024 and data[:1] == b"\x01" and data[-1:] == b"\x01"
 
 
@@ -126,27 +127,27 @@ async def test_an_exception_in_the_compiler_is_a_compile_error_with_the_worker_t
 ) -> None:
     async with pool(cache_dir, workers=1) as p:
         with pytest.raises(acompile.CompileError) as info:
-            await p._run(FAKE, {"name": "k1", "action": "raise", "message": "bad tile"}, "k1")
+            await run_job(p, FAKE, {"name": "k1", "action": "raise", "message": "bad tile"}, "k1")
         assert info.value.kernel == "k1"
         assert "bad tile" in str(info.value) and "bad tile" in info.value.log
         assert "fake_backend.py" in info.value.worker_traceback
         # The worker survived: same process answers the next job.
-        assert await p._run(FAKE, {"name": "e", "action": "echo", "value": 1}, "e") == 1
+        assert await run_job(p, FAKE, {"name": "e", "action": "echo", "value": 1}, "e") == 1
         assert p.stats()["workers"]["restarts"] == {}
 
 
 async def test_an_unpicklable_result_fails_that_job_only(cache_dir: Path) -> None:
     async with pool(cache_dir, workers=1) as p:
         with pytest.raises(acompile.CompileError, match="pickle"):
-            await p._run(FAKE, {"name": "u", "action": "unpicklable"}, "u")
-        assert await p._run(FAKE, {"name": "e", "action": "echo", "value": 2}, "e") == 2
+            await run_job(p, FAKE, {"name": "u", "action": "unpicklable"}, "u")
+        assert await run_job(p, FAKE, {"name": "e", "action": "echo", "value": 2}, "e") == 2
 
 
 async def test_an_unsendable_request_fails_that_job_only(cache_dir: Path) -> None:
     async with pool(cache_dir, workers=1) as p:
         with pytest.raises(acompile.CompileError, match="cannot send"):
-            await p._run(FAKE, {"name": "u", "action": "echo", "value": lambda: None}, "u")
-        assert await p._run(FAKE, {"name": "e", "action": "echo", "value": 3}, "e") == 3
+            await run_job(p, FAKE, {"name": "u", "action": "echo", "value": lambda: None}, "u")
+        assert await run_job(p, FAKE, {"name": "e", "action": "echo", "value": 3}, "e") == 3
 
 
 @forked_and_fresh
@@ -167,13 +168,13 @@ async def test_a_crashing_worker_fails_its_job_and_is_replaced(
 
             async def other() -> None:
                 payload = {"name": "ok", "action": "hold", "until": str(release), "value": "ok"}
-                survivor.append(await p._run(FAKE, payload, "ok"))
+                survivor.append(await run_job(p, FAKE, payload, "ok"))
 
             tg.start_soon(other)
             await until(lambda: p.stats()["jobs"]["running"] == 1)
             # The other job runs on the other worker through the crash, and ends after it.
             with pytest.raises(acompile.WorkerCrashedError) as info:
-                await p._run(FAKE, payload, "crasher")
+                await run_job(p, FAKE, payload, "crasher")
             release.touch()
         assert survivor == ["ok"]
         err = info.value
@@ -182,7 +183,7 @@ async def test_a_crashing_worker_fails_its_job_and_is_replaced(
         assert err.exit_code == expected, (err.exit_code, str(err))
         if how != "exit":
             assert "about to crash" in err.stderr_tail
-        assert await p._run(FAKE, {"name": "e", "action": "echo", "value": "after"}, "e") == "after"
+        assert await run_job(p, FAKE, {"name": "e", "action": "echo", "value": "after"}, "e") == "after"
         # wait_ready() does not wait for a replacement (its slot was ready once): watch the count.
         await until(lambda: p.stats()["workers"]["alive"] == 2)
         assert p.stats()["workers"]["restarts"] == {"crash": 1}
@@ -191,16 +192,16 @@ async def test_a_crashing_worker_fails_its_job_and_is_replaced(
 @forked_and_fresh
 async def test_cancelling_a_running_job_stops_its_worker(cache_dir: Path, fork_workers: bool) -> None:
     async with pool(cache_dir, workers=1, fork_workers=fork_workers) as p:
-        pid = await p._run(FAKE, {"name": "p", "action": "pid"}, "p")
+        pid = await run_job(p, FAKE, {"name": "p", "action": "pid"}, "p")
         async with anyio.create_task_group() as tg:
             # Far longer than the test: only stopping its worker ends it.
-            tg.start_soon(p._run, FAKE, {"name": "slow", "action": "sleep", "seconds": 600}, "slow")
+            tg.start_soon(run_job, p, FAKE, {"name": "slow", "action": "sleep", "seconds": 600}, "slow")
             await until(lambda: p.stats()["jobs"]["running"] == 1)
             assert worker_pids() == [pid]
             tg.cancel_scope.cancel()
         # The process that ran it is gone, and a fresh one answers.
         await until(lambda: gone(pid))
-        new_pid = await p._run(FAKE, {"name": "p", "action": "pid"}, "p")
+        new_pid = await run_job(p, FAKE, {"name": "p", "action": "pid"}, "p")
         assert new_pid != pid
         assert p.stats()["workers"]["restarts"] == {"abandoned": 1}
         assert p.stats()["jobs"]["cancelled"] == 1
@@ -214,11 +215,11 @@ async def test_cancelling_a_queued_job_drops_it_without_touching_workers(
     async with pool(cache_dir, workers=1, fork_workers=fork_workers) as p:
         await p.wait_ready()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(p._run, FAKE, {"name": "busy", "action": "hold", "until": str(release)}, "busy")
+            tg.start_soon(run_job, p, FAKE, {"name": "busy", "action": "hold", "until": str(release)}, "busy")
             await until(lambda: p.stats()["jobs"]["running"] == 1)
             async with anyio.create_task_group() as queued:
                 queued.start_soon(
-                    p._run, FAKE, {"name": "never", "action": "crash"}, "never"
+                    run_job, p, FAKE, {"name": "never", "action": "crash"}, "never"
                 )  # would crash if it ran
                 await until(lambda: p.stats()["jobs"]["queued"] == 1)
                 queued.cancel_scope.cancel()
@@ -236,12 +237,14 @@ async def test_background_work_waits_behind_urgent_work(cache_dir: Path, tmp_pat
         async with anyio.create_task_group() as tg:
 
             async def run(name: str, background: bool) -> None:
-                await p._run(
-                    FAKE, {"name": name, "action": "echo", "value": name}, name, background=background
+                await run_job(
+                    p, FAKE, {"name": name, "action": "echo", "value": name}, name, background=background
                 )
                 order.append(name)
 
-            tg.start_soon(p._run, FAKE, {"name": "first", "action": "hold", "until": str(release)}, "first")
+            tg.start_soon(
+                run_job, p, FAKE, {"name": "first", "action": "hold", "until": str(release)}, "first"
+            )
             await until(lambda: p.stats()["jobs"]["running"] == 1)
             for i in range(3):
                 tg.start_soon(run, f"warmup{i}", True)
@@ -262,7 +265,7 @@ async def test_leaving_the_pool_stops_every_worker_even_mid_compile(cache_dir: P
 
             async def stuck() -> None:
                 try:
-                    await p._run(FAKE, {"name": "hang", "action": "sleep", "seconds": 600}, "hang")
+                    await run_job(p, FAKE, {"name": "hang", "action": "sleep", "seconds": 600}, "hang")
                 except BaseException as exc:
                     outcome.append(exc)
                     raise
@@ -290,7 +293,7 @@ async def test_cancelling_the_task_that_owns_the_pool_stops_the_workers(cache_di
         async def owner() -> None:
             async with pool(cache_dir, workers=2) as p:
                 pools.append(p)
-                await p._run(FAKE, {"name": "hang", "action": "sleep", "seconds": 600}, "hang")
+                await run_job(p, FAKE, {"name": "hang", "action": "sleep", "seconds": 600}, "hang")
 
         tg.start_soon(owner)
         await until(lambda: pools and pools[0].stats()["jobs"]["running"] == 1)
@@ -301,11 +304,11 @@ async def test_cancelling_the_task_that_owns_the_pool_stops_the_workers(cache_di
 async def test_a_pool_is_used_inside_async_with_and_entered_once(cache_dir: Path) -> None:
     p = pool(cache_dir, workers=1)
     with pytest.raises(acompile.PoolClosedError, match="async with"):
-        await p._run(FAKE, {"name": "e", "action": "echo"}, "e")
+        await run_job(p, FAKE, {"name": "e", "action": "echo"}, "e")
     async with p:
         pass
     with pytest.raises(acompile.PoolClosedError, match="shut down"):
-        await p._run(FAKE, {"name": "e", "action": "echo"}, "e")
+        await run_job(p, FAKE, {"name": "e", "action": "echo"}, "e")
     with pytest.raises(acompile.PoolClosedError, match="entered once"):
         async with p:
             pass
@@ -321,12 +324,12 @@ async def test_a_worker_that_cannot_start_is_reported(
     (broken / "acompile" / "__init__.py").write_text("raise ImportError('shadowed acompile for the test')\n")
     monkeypatch.setattr(sys, "executable", sys.executable)
     async with acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir, preload=()) as p:
-        p._workers.config["preload"] = ["module_that_does_not_exist_anywhere"]  # type: ignore[union-attr]
+        local_executor(p).config["preload"] = ["module_that_does_not_exist_anywhere"]
         with anyio.fail_after(30):
             with pytest.raises(acompile.WorkerStartError, match="module_that_does_not_exist_anywhere"):
                 await p.wait_ready()
             with pytest.raises(acompile.WorkerStartError):
-                await p._run(FAKE, {"name": "e", "action": "echo"}, "e")
+                await run_job(p, FAKE, {"name": "e", "action": "echo"}, "e")
 
 
 async def test_bad_pool_arguments_are_rejected_up_front(cache_dir: Path) -> None:
@@ -344,8 +347,8 @@ async def test_job_cancelled_is_internal() -> None:
 
 async def test_workers_run_below_the_parent_priority(cache_dir: Path) -> None:
     async with pool(cache_dir, workers=1) as p:
-        pid = await p._run(FAKE, {"name": "p", "action": "pid"}, "p")
+        pid = await run_job(p, FAKE, {"name": "p", "action": "pid"}, "p")
         assert psutil.Process(pid).nice() == psutil.Process().nice() + 5
     async with pool(cache_dir, workers=1, worker_nice=0) as p:
-        pid = await p._run(FAKE, {"name": "p", "action": "pid"}, "p")
+        pid = await run_job(p, FAKE, {"name": "p", "action": "pid"}, "p")
         assert psutil.Process(pid).nice() == psutil.Process().nice()

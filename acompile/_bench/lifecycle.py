@@ -2,7 +2,7 @@
 shutdown, memory per idle worker. Each group runs in a fresh process with empty caches.
 
 - ``noop_acompile`` / ``noop_anyio`` / ``noop_process_pool``: a job that returns its payload, on
-  ``CompilePool(preload=())`` (through the pool's private ``_run`` with this module as the
+  ``CompilePool(preload=())`` (a ``Job`` run on ``pool.executor`` with this module as the
   worker-side backend), on ``anyio.to_process.run_sync`` and on ``ProcessPoolExecutor`` (spawn):
   after a warm-up, sequential round trips (p50 / p99), then jobs from 4 N callers at once (jobs/s).
 - ``wake``: cold start to ready (Triton preloaded), memory of the idle forked workers and the
@@ -93,7 +93,7 @@ def _running(pids: list[int]) -> list[int]:
 
 def _pool_pids(pool: Any) -> tuple[list[int], int | None]:
     """The pool's live worker pids and its template's pid (private attributes, read only)."""
-    workers = pool._workers
+    workers = pool.executor
     template = workers._template
     return sorted(workers.alive), (template.pid if template is not None else None)
 
@@ -134,10 +134,11 @@ async def noop(args: argparse.Namespace) -> dict[str, Any]:
     import psutil
 
     import acompile
+    from acompile._workers import Job
 
     if args.group == "noop_acompile":
         async with acompile.CompilePool(args.workers, preload=(), target=args.target) as pool:
-            result = await _noop_calls(lambda i: pool._run(BACKEND, i, "noop"), args.workers)
+            result = await _noop_calls(lambda i: pool.executor.run(Job(BACKEND, i, "noop")), args.workers)
             pids, _template = _pool_pids(pool)
             return {**result, "memory": memory(pids)}
     if args.group == "noop_anyio":
@@ -240,8 +241,10 @@ async def shutdown(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _sleep_job(pool: Any) -> None:
+    from acompile._workers import Job
+
     try:
-        await pool._run(BACKEND, {"sleep": 120.0}, "sleep")
+        await pool.executor.run(Job(BACKEND, {"sleep": 120.0}, "sleep"))
     except Exception:
         pass  # stopped by the shutdown, as meant
 

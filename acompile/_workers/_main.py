@@ -1,6 +1,7 @@
-"""A compile worker: ``python -m acompile._worker``, started by ``CompilePool``.
+"""The worker's and the template's main loops: ``python -m acompile._workers._main [--template]``,
+started by ``WorkerPool``.
 
-The worker speaks the framed protocol of ``acompile._protocol`` on private copies of its stdin and
+The worker speaks the framed protocol of ``acompile._workers._protocol`` on private copies of its stdin and
 stdout, and points fd 0 at /dev/null and fd 1 at fd 2, so a compiler or a kernel module that prints
 cannot corrupt the stream. fd 2 is a file the pool made (not a pipe): a compiler may write
 megabytes there without ever blocking, and the worker truncates it at the start of each job, so
@@ -8,7 +9,7 @@ its tail is the job's own output.
 
 The first message is the configuration; the worker then imports and preloads its backends (for
 Triton: the import, Triton's one-time key hash, a first compile for the pool's target) and only
-then says "ready", so the first real job costs what the hundredth does.
+then says ``Ready``, so the first real job costs what the hundredth does.
 """
 
 from __future__ import annotations
@@ -24,10 +25,9 @@ import traceback
 from types import ModuleType
 from typing import Any
 
-from acompile import _protocol
 from acompile._errors import AcompileError, BackendUnavailableError, CompileError, bounded
-
-STDERR_TAIL = 64 * 1024
+from acompile._workers import _protocol
+from acompile._workers._process import short_backend, stderr_tail
 
 
 def _die_with_parent(parent_pid: int, *, template: bool = False) -> None:
@@ -66,16 +66,6 @@ def _exit_template(*_: object) -> None:
     raise SystemExit(1)  # through Template.serve's clean-up, which stops every worker
 
 
-def _stderr_tail() -> str:
-    try:
-        size = os.fstat(2).st_size
-        start = max(0, size - STDERR_TAIL)
-        data = os.pread(2, size - start, start)
-    except OSError:
-        return ""
-    return data.decode("utf-8", "replace")
-
-
 def _reset_stderr() -> None:
     try:
         os.ftruncate(2, 0)
@@ -84,6 +74,8 @@ def _reset_stderr() -> None:
 
 
 class Worker:
+    """The worker's loop: read a job, compile it with its backend, answer; one at a time."""
+
     def __init__(self, fd_in: int, fd_out: int) -> None:
         self.fd_in = fd_in
         self.fd_out = fd_out
@@ -91,6 +83,7 @@ class Worker:
         self.config: dict[str, Any] = {}
 
     def backend(self, name: str) -> ModuleType:
+        """The backend module ``name``, imported and set up on first use."""
         module = self.backends.get(name)
         if module is None:
             module = importlib.import_module(name)
@@ -99,6 +92,7 @@ class Worker:
         return module
 
     def start(self, early_imports: list[str]) -> bool:
+        """Read the configuration, preload, say ``Ready`` (or ``Failed``); False to exit."""
         # Import the backends named on the command line while the parent may still be preparing
         # the configuration (it sends it as soon as it has it). Best effort: a backend that
         # needs the parent's sys.path to import is imported again, for real, below.
@@ -119,34 +113,36 @@ class Worker:
         except BaseException as exc:
             _protocol.write_message(
                 self.fd_out,
-                ("failed", f"{type(exc).__name__}: {exc}\n{_stderr_tail()}", traceback.format_exc()),
+                _protocol.Failed(f"{type(exc).__name__}: {exc}\n{stderr_tail(2)}", traceback.format_exc()),
             )
             return False
         _reset_stderr()
-        info = {"pid": os.getpid(), "preload_s": time.perf_counter() - t0, "threads": thread_count()}
-        _protocol.write_message(self.fd_out, ("ready", info))
+        ready = _protocol.Ready(pid=os.getpid(), preload_s=time.perf_counter() - t0, threads=thread_count())
+        _protocol.write_message(self.fd_out, ready)
         return True
 
     def serve(self) -> None:
+        """Run jobs until ``Exit`` or EOF."""
         while True:
             message = _protocol.read_message(self.fd_in)
-            if message is None or message[0] == "exit":
-                return
-            _, job_id, backend, payload = message
+            if not isinstance(message, _protocol.RunJob):
+                return  # Exit, or EOF: the pool is done with us
+            job_id, backend, payload = message.id, message.backend, message.payload
             _reset_stderr()
+            reply: _protocol.Done | _protocol.Error
             try:
                 result = self.backend(backend).compile(payload)
             except BaseException as exc:
-                reply = ("error", job_id, _as_compile_error(exc, backend, payload))
+                reply = _protocol.Error(job_id, _as_compile_error(exc, backend, payload))
             else:
-                reply = ("done", job_id, result)
+                reply = _protocol.Done(job_id, result)
             try:
                 _protocol.write_message(self.fd_out, reply)
             except BrokenPipeError:
                 return
             except Exception as exc:  # an unpicklable result: report it instead of dying
                 err = _as_compile_error(exc, backend, payload)
-                _protocol.write_message(self.fd_out, ("error", job_id, err))
+                _protocol.write_message(self.fd_out, _protocol.Error(job_id, err))
 
 
 def thread_count() -> int:
@@ -160,17 +156,16 @@ def thread_count() -> int:
 
 
 class Template:
-    """A preloaded process that forks workers (``python -m acompile._worker --template``).
+    """A preloaded process that forks workers (``python -m acompile._workers._main --template``).
 
     It does a worker's whole preload once (imports, Triton's set-up, a first compile), then forks
     a worker per request: a forked worker is ready in milliseconds instead of the second a fresh
     interpreter needs. Forking is safe only from a process with one thread; the template reports
     its thread count, and the pool does not ask a template with more to fork.
 
-    Messages, pool to template: ("fork", slot, config); the template answers ("forked", slot,
-    pid), and ("exited", pid, status) when a worker it forked is gone (it is their parent and
-    reaps them). A forked worker connects to the pool's Unix socket (config["address"]) and
-    introduces itself with ("hello", slot, pid, token) before its ("ready", info).
+    It answers each ``Fork`` with ``Forked``, and sends ``Exited`` when a worker it forked is
+    gone (it is their parent and reaps them). A forked worker connects to the pool's Unix socket
+    (config["address"]) and introduces itself with ``Hello`` before its ``Ready``.
     """
 
     serving = False  # set once it takes fork requests (its preload is over)
@@ -203,17 +198,17 @@ class Template:
                     self.reap()
                 if self.worker.fd_in in readable:
                     message = _protocol.read_message(self.worker.fd_in)
-                    if message is None or message[0] == "exit":
-                        return
-                    _, slot, config = message
-                    config = dict(config, template_pid=os.getpid())
+                    if not isinstance(message, _protocol.Fork):
+                        return  # Exit, or EOF: the pool is done with us
+                    slot = message.slot
+                    config = dict(message.config, template_pid=os.getpid())
                     pid = os.fork()
                     if pid == 0:
                         os.close(wake_r)
                         os.close(wake_w)
                         self.become_worker(slot, config)  # never returns
                     self.children.add(pid)
-                    _protocol.write_message(self.worker.fd_out, ("forked", slot, pid))
+                    _protocol.write_message(self.worker.fd_out, _protocol.Forked(slot, pid))
         finally:
             # Leave no worker behind, nor any compiler one started (each leads its own process
             # group), and reap them all: when the pool sees this process exit, every worker it
@@ -238,7 +233,9 @@ class Template:
                 return
             self.children.discard(pid)
             _kill_group(pid, reaped=True)  # compilers it left behind (it was killed mid-compile)
-            _protocol.write_message(self.worker.fd_out, ("exited", pid, os.waitstatus_to_exitcode(status)))
+            _protocol.write_message(
+                self.worker.fd_out, _protocol.Exited(pid, os.waitstatus_to_exitcode(status))
+            )
 
     def become_worker(self, slot: int, config: dict[str, Any]) -> None:
         import socket
@@ -265,9 +262,8 @@ class Template:
             worker.config = dict(worker.config, **config)
             for module in worker.backends.values():
                 module.setup(worker.config)
-            _protocol.write_message(fd, ("hello", slot, os.getpid(), config["token"]))
-            info = {"pid": os.getpid(), "preload_s": 0.0, "forked": True}
-            _protocol.write_message(fd, ("ready", info))
+            _protocol.write_message(fd, _protocol.Hello(slot, os.getpid(), config["token"]))
+            _protocol.write_message(fd, _protocol.Ready(pid=os.getpid(), preload_s=0.0, forked=True))
             worker.serve()
             code = 0
         finally:
@@ -279,14 +275,14 @@ def _as_compile_error(exc: BaseException, backend: str, payload: Any) -> Acompil
     """What the pool raises for a job that failed with exc: an ``AcompileError`` that names the
     kernel, with the job's fd 2 tail and the traceback (each cut to a bounded size)."""
     tb = "".join(traceback.format_exception(exc))
-    tail = _stderr_tail()
+    tail = stderr_tail(2)
     if isinstance(exc, CompileError):
         exc.stderr_tail = exc.stderr_tail or tail
         exc.worker_traceback = exc.worker_traceback or tb
         return exc
     name = getattr(payload, "name", None) or (payload.get("name") if isinstance(payload, dict) else None)
     kernel = str(name or "?")
-    short = backend.rsplit(".", 1)[-1].lstrip("_")
+    short = short_backend(backend)
     if any(cls.__name__ == "DynamicLibNotFoundError" for cls in type(exc).__mro__):
         # cuda.pathfinder found no NVRTC library in this worker (the pool's process checks first).
         return BackendUnavailableError(

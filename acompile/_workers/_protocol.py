@@ -1,82 +1,269 @@
-"""The framed protocol between the pool and its workers.
+"""The framed protocol between the pool, its template and its workers.
 
-Each message is an 8-byte big-endian length followed by that many bytes of pickle. Pickle is safe
-here because both ends are this package's own processes on a private pipe; nothing from a cache
-or the network ever goes through it.
+Each frame is an 8-byte big-endian length followed by that many bytes of pickle. Pickle is safe
+here because every end is this package's own process on a private pipe or socket; nothing from a
+cache or the network ever goes through it.
 
-Messages, parent to worker::
+The first frame a process gets is its configuration, a plain ``dict`` (sys.path, cwd, target,
+backends to preload, its scratch folders; see ``WorkerPool._start_worker``). Every later frame is
+one of the messages below, each a small frozen dataclass whose ``tag`` says what it is.
 
-    ("job", job_id, backend, payload)   compile payload with the named backend
-    ("exit",)                           finish and exit (EOF on stdin means the same)
+Pool to worker:
 
-Worker to parent::
+* ``RunJob(id, backend, payload)``: compile ``payload`` with the worker-side backend module named
+  ``backend``; the worker answers ``Done`` or ``Error`` with the same ``id``.
+* ``Exit()``: finish and exit (EOF on the pipe means the same).
 
-    ("ready", info)                     preload done: {"pid", "preload_s", "rss"}
-    ("failed", message, traceback)      preload failed; the worker exits after this
-    ("done", job_id, result)            the backend returned result
-    ("error", job_id, error)            the backend raised; error is a picklable exception
+Worker to pool:
+
+* ``Ready(pid, preload_s, threads, forked)``: the preload is done. ``threads`` counts native
+  threads too: the pool forks only from a template that has one.
+* ``Failed(message, traceback)``: the preload raised; the process exits after this.
+* ``Done(id, result)``: the backend returned ``result`` (bytes, for a cache entry).
+* ``Error(id, error)``: the backend raised; ``error`` is a picklable ``AcompileError``.
+* ``Hello(slot, pid, token)``: a forked worker's first frame on the Unix socket it connected to
+  (before its ``Ready``); ``token`` proves it was forked by our template.
+
+Pool to template: ``Fork(slot, config)``: fork a worker for ``slot``, with ``config`` merged into
+the template's own. Template to pool: ``Forked(slot, pid)`` right after the fork, and
+``Exited(pid, status)`` when a worker it forked is gone (it is their parent and reaps them);
+``status`` is an exit code, or minus the signal that killed it.
+
+``FrameReader`` splits a byte stream into messages; ``read_message`` drives it on a blocking
+file descriptor (the worker, the template), ``MessageReceiver`` on an anyio byte stream (the pool).
 """
 
 from __future__ import annotations
 
+import enum
 import os
 import pickle
 import struct
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import anyio.abc
 
 _HEADER = struct.Struct(">Q")
 HEADER_SIZE = _HEADER.size
 # Larger than any artifact we expect (a 100 MB result must pass), small enough to catch a
 # desynchronised stream before it allocates the machine's memory.
 MAX_MESSAGE = 1 << 34
+# One read's most: a 100 MB result arrives in pieces this size.
+_CHUNK = 1 << 20
+
+
+class Tag(enum.Enum):
+    """What a message is."""
+
+    JOB = "job"
+    EXIT = "exit"
+    READY = "ready"
+    FAILED = "failed"
+    DONE = "done"
+    ERROR = "error"
+    FORK = "fork"
+    FORKED = "forked"
+    EXITED = "exited"
+    HELLO = "hello"
+
+
+@dataclass(frozen=True)
+class RunJob:
+    """Pool to worker: compile ``payload`` with the backend module ``backend``."""
+
+    tag: ClassVar[Tag] = Tag.JOB
+    id: int
+    backend: str
+    payload: Any
+
+
+@dataclass(frozen=True)
+class Exit:
+    """Pool to worker or template: finish and exit."""
+
+    tag: ClassVar[Tag] = Tag.EXIT
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Worker or template to pool: the preload is done."""
+
+    tag: ClassVar[Tag] = Tag.READY
+    pid: int
+    preload_s: float
+    threads: int = 1
+    forked: bool = False
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Worker or template to pool: the preload raised; the process exits."""
+
+    tag: ClassVar[Tag] = Tag.FAILED
+    message: str
+    traceback: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """Worker to pool: job ``id`` returned ``result``."""
+
+    tag: ClassVar[Tag] = Tag.DONE
+    id: int
+    result: Any
+
+
+@dataclass(frozen=True)
+class Error:
+    """Worker to pool: job ``id`` raised ``error``."""
+
+    tag: ClassVar[Tag] = Tag.ERROR
+    id: int
+    error: BaseException
+
+
+@dataclass(frozen=True)
+class Fork:
+    """Pool to template: fork a worker for ``slot``."""
+
+    tag: ClassVar[Tag] = Tag.FORK
+    slot: int
+    config: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Forked:
+    """Template to pool: the worker for ``slot`` has pid ``pid``."""
+
+    tag: ClassVar[Tag] = Tag.FORKED
+    slot: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class Exited:
+    """Template to pool: the forked worker ``pid`` is gone, with ``status``."""
+
+    tag: ClassVar[Tag] = Tag.EXITED
+    pid: int
+    status: int
+
+
+@dataclass(frozen=True)
+class Hello:
+    """Forked worker to pool, first on its socket: who it is, and the template's token."""
+
+    tag: ClassVar[Tag] = Tag.HELLO
+    slot: int
+    pid: int
+    token: str
+
+
+Message = RunJob | Exit | Ready | Failed | Done | Error | Fork | Forked | Exited | Hello
 
 
 def encode(message: Any) -> bytes:
+    """One frame holding ``message`` (a message above, or the first frame's configuration)."""
     body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     return _HEADER.pack(len(body)) + body
 
 
-def decode_length(header: bytes) -> int:
-    (length,) = _HEADER.unpack(header)
-    if length > MAX_MESSAGE:
-        raise ValueError(f"frame of {length} bytes: the worker's stream is out of sync")
-    return int(length)
+class FrameReader:
+    """Splits a byte stream into decoded frames, whatever pieces the stream arrives in.
 
+    It does no I/O: a driver asks ``wanted()`` how much to read, ``feed()``s what it read, and
+    takes complete frames with ``next()``. Bytes fed past a frame are kept for the next one.
+    """
 
-def decode(body: bytes) -> Any:
-    return pickle.loads(body)
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._length: int | None = None  # the current frame's body length, once its header is in
 
+    def wanted(self) -> int:
+        """Bytes still missing from the frame in progress (never more than that)."""
+        if self._length is None:
+            return max(1, HEADER_SIZE - len(self._buffer))
+        return max(1, min(_CHUNK, self._length - len(self._buffer)))
 
-# --- the worker's side: plain blocking file descriptors ------------------------------------------
+    def feed(self, data: bytes) -> None:
+        self._buffer += data
 
+    def next(self) -> Any | None:
+        """The next complete frame, decoded, or None until more bytes arrive.
 
-def read_exactly(fd: int, n: int) -> bytes | None:
-    """Read n bytes from fd; None on EOF before the first byte (the parent closed the pipe)."""
-    chunks = []
-    got = 0
-    while got < n:
-        chunk = os.read(fd, min(n - got, 1 << 20))
-        if not chunk:
-            if got == 0:
+        Raises ``ValueError`` when a header announces an impossible length (a desynchronised
+        stream).
+        """
+        if self._length is None:
+            if len(self._buffer) < HEADER_SIZE:
                 return None
-            raise EOFError(f"pipe closed after {got} of {n} bytes")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
+            (length,) = _HEADER.unpack_from(self._buffer)
+            if length > MAX_MESSAGE:
+                raise ValueError(f"frame of {length} bytes: the stream is out of sync")
+            del self._buffer[:HEADER_SIZE]
+            self._length = int(length)
+        if len(self._buffer) < self._length:
+            return None
+        body = bytes(self._buffer[: self._length])
+        del self._buffer[: self._length]
+        self._length = None
+        return pickle.loads(body)
+
+    @property
+    def partial(self) -> bool:
+        """Whether a frame has begun but not ended."""
+        return bool(self._buffer) or self._length is not None
+
+
+# --- the worker's and the template's side: blocking file descriptors ------------------------------
 
 
 def read_message(fd: int) -> Any:
-    header = read_exactly(fd, HEADER_SIZE)
-    if header is None:
-        return None
-    body = read_exactly(fd, decode_length(header))
-    if body is None:
-        raise EOFError("pipe closed between a frame's header and its body")
-    return decode(body)
+    """The next frame from fd; None on EOF before a frame begins (the other end closed it).
+
+    Reads no byte past the frame, so a caller may ``select()`` on fd between frames. Raises
+    ``EOFError`` on EOF inside a frame.
+    """
+    reader = FrameReader()
+    while (message := reader.next()) is None:
+        chunk = os.read(fd, reader.wanted())
+        if not chunk:
+            if reader.partial:
+                raise EOFError("the stream closed inside a frame")
+            return None
+        reader.feed(chunk)
+    return message
 
 
 def write_message(fd: int, message: Any) -> None:
+    """Write one frame to a blocking fd."""
     view = memoryview(encode(message))
     while view:
         written = os.write(fd, view)
         view = view[written:]
+
+
+# --- the pool's side: anyio byte streams ----------------------------------------------------------
+
+
+class MessageReceiver:
+    """Frames from an anyio byte stream. Bytes read past a frame stay buffered here, so the
+    receiver (not the stream) is what a new owner of the stream takes over."""
+
+    def __init__(self, stream: anyio.abc.ByteReceiveStream) -> None:
+        self._stream = stream
+        self._reader = FrameReader()
+
+    async def receive(self) -> Any:
+        """The next frame. Raises ``anyio.EndOfStream`` (or ``anyio.IncompleteRead`` inside a
+        frame) when the other end closed, ``anyio.BrokenResourceError`` when it broke."""
+        while (message := self._reader.next()) is None:
+            try:
+                data = await self._stream.receive(max(self._reader.wanted(), 65536))
+            except anyio.EndOfStream:
+                if self._reader.partial:
+                    raise anyio.IncompleteRead from None
+                raise
+            self._reader.feed(data)
+        return message

@@ -1,0 +1,220 @@
+"""Worker processes as the pool sees them: handles, stopping, and what is left of them.
+
+A worker is a process that leads its own process group (so that stopping it stops the compilers
+it started), speaks the framed protocol (``_protocol``) on a pipe or a Unix socket, and writes its
+fd 2 to a file the pool made, whose tail explains a crash. ``SpawnedWorker`` is a fresh
+interpreter the pool started; ``ForkedWorker`` one the template forked (the template reaps it and
+reports its exit).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from acompile._workers._protocol import MessageReceiver
+
+# Signals that say "killed from outside" (an operator, an OOM killer, a chaos test) rather than
+# "the compiler crashed": a job whose worker dies of one is retried once on a fresh worker.
+EXTERNAL = frozenset({-signal.SIGKILL, -signal.SIGTERM, -signal.SIGHUP, -signal.SIGINT, -signal.SIGQUIT})
+STDERR_TAIL = 64 * 1024
+
+# A forked worker's connection: what reads its messages (it may hold bytes read past the
+# hello), and the stream to send on.
+Connection = tuple[MessageReceiver, anyio.abc.ByteStream]
+
+
+def short_backend(backend: str) -> str:
+    """A backend module's short name for messages: "acompile._backends._triton_worker" ->
+    "triton_worker"."""
+    return backend.rsplit(".", 1)[-1].lstrip("_")
+
+
+def stderr_tail(source: str | int) -> str:
+    """The last ``STDERR_TAIL`` bytes of a worker's fd 2 file, decoded: by path (the pool) or
+    by an open descriptor (the worker, on its own fd 2). Empty if it cannot be read."""
+    try:
+        if isinstance(source, int):
+            return _tail(source)
+        fd = os.open(source, os.O_RDONLY)
+        try:
+            return _tail(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        return ""
+
+
+def _tail(fd: int) -> str:
+    size = os.fstat(fd).st_size
+    start = max(0, size - STDERR_TAIL)
+    return os.pread(fd, size - start, start).decode("utf-8", "replace")
+
+
+class _WorkerBase:
+    pid: int
+    stderr_path: str
+
+    def __init__(self, receiver: MessageReceiver, send: anyio.abc.ByteSendStream) -> None:
+        self._receiver = receiver
+        self._send = send
+        self.exited = anyio.Event()
+        self.stop_cause: str | None = None
+        self.idle_scope: anyio.CancelScope | None = None
+        self.started = time.monotonic()
+        self.stopped_since: float | None = None
+
+    async def send_bytes(self, data: bytes) -> None:
+        """Send one encoded frame."""
+        await self._send.send(data)
+
+    async def receive(self) -> Any:
+        """The worker's next message (see ``MessageReceiver.receive`` for what it raises)."""
+        return await self._receiver.receive()
+
+
+class SpawnedWorker(_WorkerBase):
+    """A worker started as a fresh interpreter; its pipes are its stdin and stdout."""
+
+    def __init__(self, process: anyio.abc.Process, stderr_path: str) -> None:
+        assert process.stdin is not None and process.stdout is not None
+        super().__init__(MessageReceiver(process.stdout), process.stdin)
+        self.process = process
+        self.pid = process.pid
+        self.stderr_path = stderr_path
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    def signal_kill(self) -> None:
+        if self.process.returncode is None:
+            kill_group(self.pid)
+
+    async def wait_exit(self) -> None:
+        await self.process.wait()
+        self.exited.set()
+
+    async def close(self) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.process.aclose()
+
+
+class ForkedWorker(_WorkerBase):
+    """A worker forked by the template; it talks over a Unix socket it connected to us."""
+
+    def __init__(self, connection: Connection, pid: int, stderr_path: str) -> None:
+        reader, stream = connection
+        super().__init__(reader, stream)
+        self.stream = stream
+        self.pid = pid
+        self.stderr_path = stderr_path
+        self._returncode: int | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._returncode
+
+    def set_exited(self, code: int) -> None:
+        self._returncode = code
+        self.exited.set()
+
+    async def wait_exit(self) -> None:
+        await self.exited.wait()  # the template says when
+
+    def signal_kill(self) -> None:
+        # The template reaps its children and tells us; until then the pid is still this one's.
+        if not self.exited.is_set():
+            kill_group(self.pid)
+
+    async def close(self) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.stream.aclose()
+
+
+async def stop(worker: SpawnedWorker | ForkedWorker) -> int | None:
+    """Stop a worker now and wait until it is gone; returns its exit status."""
+    with anyio.CancelScope(shield=True):
+        worker.signal_kill()
+        with anyio.move_on_after(5):
+            await worker.wait_exit()
+        # Whatever ended the worker (a kill from outside, a crash), the compilers it started are
+        # still in its process group: they go with it. The group's id cannot be reused by another
+        # process while any of them lives.
+        kill_group(worker.pid)
+        await worker.close()
+    return worker.returncode
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL the process group that worker pid leads (it and every compiler it started)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        # Not a group of ours (the pid was never a group leader): the process alone.
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+async def close_quietly(stream: anyio.abc.AsyncResource) -> None:
+    with anyio.CancelScope(shield=True):
+        try:
+            await stream.aclose()
+        except OSError:
+            pass
+
+
+def lower_priority(pid: int, nice: int) -> None:
+    # Right away, so that the worker's start-up (Python, Triton's import) already yields to the
+    # process serving requests; the worker applies it too, in case this is refused.
+    if nice > 0 and hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, pid, os.getpriority(os.PRIO_PROCESS, 0) + nice)
+        except OSError:
+            pass
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "did not exit"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def sample_all(pids: list[int]) -> list[tuple[int | None, bool]]:
+    return [(rss(pid), is_stopped(pid)) for pid in pids]
+
+
+def rss(pid: int) -> int | None:
+    """Resident memory of a process in bytes (Linux), or None."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether a process is stopped by a signal (state T in /proc/PID/stat; Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # The name is in parentheses and may hold spaces: the state follows the last ")".
+            return f.read().rpartition(b")")[2].split()[0] == b"T"
+    except (OSError, IndexError):
+        return False
+
+
+Worker = SpawnedWorker | ForkedWorker

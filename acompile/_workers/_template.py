@@ -1,0 +1,266 @@
+"""The template: a preloaded process that forks workers, and the Unix socket they connect to.
+
+The template (``python -m acompile._workers._main --template``) does a worker's whole preload once,
+then forks a worker for each ``Fork`` request: a forked worker is ready in milliseconds instead of
+the second a fresh interpreter needs. Forked workers are the template's children, not ours: it
+reaps them and reports each exit (``Exited``); each connects back to the pool's Unix socket and
+introduces itself (``Hello``, with a token only our template knows).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import signal
+import socket
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+
+from acompile._errors import WorkerStartError
+from acompile._workers import _protocol
+from acompile._workers._process import Connection, ForkedWorker, close_quietly, describe_exit, kill_group
+
+
+class UnixConnection(anyio.abc.ByteStream):
+    """A forked worker's connection, on asyncio's transport-based streams.
+
+    Not anyio's UNIX socket stream: that one waits on a raw socket with a reader callback that
+    sets a future, and a cancellation (a deadline, an abandoned job, the pool leaving) delivered
+    in the same loop iteration as the worker's reply or EOF makes that callback set a cancelled
+    future: asyncio logs an InvalidStateError "in callback". Transports have no such window.
+    """
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        try:
+            data = await self._reader.read(max_bytes)
+        except OSError as exc:
+            raise anyio.BrokenResourceError from exc
+        if not data:
+            raise anyio.EndOfStream
+        return data
+
+    async def send(self, item: bytes) -> None:
+        if self._writer.is_closing():
+            raise anyio.BrokenResourceError
+        try:
+            self._writer.write(item)
+            await self._writer.drain()
+        except OSError as exc:
+            raise anyio.BrokenResourceError from exc
+
+    async def send_eof(self) -> None:
+        self._writer.write_eof()
+
+    async def aclose(self) -> None:
+        self._writer.close()  # its transport closes the socket; nothing to wait for
+        await anyio.lowlevel.checkpoint()
+
+
+class UnixListener:
+    """The Unix socket forked workers connect back to (accepts through asyncio's sock_accept,
+    which, unlike a raw reader callback, ignores a readiness that arrives after cancellation)."""
+
+    def __init__(self, address: str) -> None:
+        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.socket.bind(address)
+            self.socket.listen(128)
+            self.socket.setblocking(False)
+        except BaseException:
+            self.socket.close()
+            raise
+
+    async def accept(self) -> UnixConnection:
+        loop = asyncio.get_running_loop()
+        connection, _ = await loop.sock_accept(self.socket)
+        reader, writer = await asyncio.open_unix_connection(sock=connection)
+        return UnixConnection(reader, writer)
+
+    async def aclose(self) -> None:
+        self.socket.close()
+        await anyio.lowlevel.checkpoint()
+
+
+class Template:
+    """The process workers are forked from, and the Unix socket they connect back to."""
+
+    def __init__(self, process: anyio.abc.Process, address: str) -> None:
+        assert process.stdin is not None and process.stdout is not None
+        self.process = process
+        self.pid = process.pid
+        self.address = address
+        self.token = secrets.token_hex(16)
+        self._receiver = _protocol.MessageReceiver(process.stdout)
+        self.stdin = process.stdin
+        self.forked: dict[int, tuple[anyio.Event, list[int]]] = {}
+        self.connections: dict[int, tuple[anyio.Event, list[Connection]]] = {}
+        self.workers: dict[int, ForkedWorker] = {}
+        self.early_exits: dict[int, int] = {}
+        self.lost = anyio.Event()
+        self.stopped_since: float | None = None
+
+    async def receive(self) -> Any:
+        """The template's next message (its ``Ready``, then ``Forked`` and ``Exited``)."""
+        return await self._receiver.receive()
+
+    async def listen(self) -> None:
+        """The template's reports: which pid a fork got, and which workers exited."""
+        try:
+            while True:
+                message = await self.receive()
+                if isinstance(message, _protocol.Forked):
+                    waiting = self.forked.get(message.slot)
+                    if waiting is not None:
+                        waiting[1].append(message.pid)
+                        waiting[0].set()
+                elif isinstance(message, _protocol.Exited):
+                    worker = self.workers.pop(message.pid, None)
+                    if worker is not None:
+                        worker.set_exited(message.status)
+                    else:
+                        self.early_exits[message.pid] = message.status
+        except (
+            anyio.EndOfStream,
+            anyio.IncompleteRead,
+            anyio.BrokenResourceError,
+            anyio.ClosedResourceError,
+        ):
+            pass
+        finally:
+            # Without the template, its workers die too (parent-death signal): tell their slots,
+            # and that their jobs are not to blame.
+            self.lost.set()
+            for worker in self.workers.values():
+                worker.stop_cause = worker.stop_cause or "template"
+                worker.set_exited(-signal.SIGKILL)
+
+    async def serve_connections(self, listener: UnixListener) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def close_when_lost() -> None:
+                    await self.lost.wait()  # its forks are over: so is their listener
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(close_when_lost)
+                while True:
+                    stream = await listener.accept()
+                    tg.start_soon(self._introduce, stream)
+        finally:
+            # Shielded: closing must happen even as the pool's cancellation arrives.
+            with anyio.CancelScope(shield=True):
+                await listener.aclose()
+
+    async def _introduce(self, stream: UnixConnection) -> None:
+        try:
+            with anyio.fail_after(30):
+                reader = _protocol.MessageReceiver(stream)
+                hello = await reader.receive()
+        except Exception:
+            # A worker killed right after it connected, or a stranger: that connection is lost,
+            # nothing else (the fork that waits for it sees the worker exit).
+            await close_quietly(stream)
+            return
+        except BaseException:
+            await close_quietly(stream)
+            raise
+        if not (isinstance(hello, _protocol.Hello) and hello.token == self.token):
+            await close_quietly(stream)  # not one of ours
+            return
+        waiting = self.connections.get(hello.slot)
+        if waiting is None:
+            await close_quietly(stream)  # its fork was given up (quiesce, shutdown)
+            return
+        # The reader goes along: what it buffered past the hello is the worker's next message.
+        waiting[1].append((reader, stream))
+        waiting[0].set()
+
+    async def fork(self, slot: int, config: dict[str, Any]) -> tuple[int, Connection]:
+        """Fork a worker for slot and wait until it has connected back.
+
+        Raises ``TransientStartError`` when the template is gone or the worker dies before it
+        connects (both are worth another try), ``WorkerStartError`` when it never connects.
+        """
+        if self.lost.is_set():
+            raise TransientStartError("the template process is gone")
+        forked: tuple[anyio.Event, list[int]] = (anyio.Event(), [])
+        connected: tuple[anyio.Event, list[Connection]] = (anyio.Event(), [])
+        self.forked[slot] = forked
+        self.connections[slot] = connected
+        returned = False
+        try:
+            config = dict(config, address=self.address, token=self.token)
+            try:
+                await self.stdin.send(_protocol.encode(_protocol.Fork(slot, config)))
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+                raise TransientStartError("the template process is gone") from exc
+            with anyio.fail_after(30):
+                await _first_of(forked[0], self.lost)
+                if not forked[1]:
+                    raise TransientStartError("the template process died before it forked a worker")
+                pid = forked[1][0]
+                while not connected[0].is_set():
+                    if pid in self.early_exits:
+                        code = self.early_exits.pop(pid)
+                        raise TransientStartError(
+                            f"a forked worker {describe_exit(code)} before it connected"
+                        )
+                    if self.lost.is_set():
+                        raise TransientStartError("the template process died while a worker started")
+                    with anyio.move_on_after(0.05):
+                        await connected[0].wait()
+            returned = True
+            return pid, connected[1][0]
+        except TimeoutError:
+            raise WorkerStartError("a forked worker did not connect within 30 s") from None
+        finally:
+            self.forked.pop(slot, None)
+            self.connections.pop(slot, None)
+            if connected[1] and not returned:
+                # Connected after this fork was given up: nobody will use the stream.
+                for _, stream in connected[1]:
+                    await close_quietly(stream)
+
+
+async def _first_of(*events: anyio.Event) -> None:
+    """Wait until any of events is set."""
+    if any(event.is_set() for event in events):
+        return
+    async with anyio.create_task_group() as tg:
+
+        async def wait(event: anyio.Event) -> None:
+            await event.wait()
+            tg.cancel_scope.cancel()
+
+        for event in events:
+            tg.start_soon(wait, event)
+
+
+class TransientStartError(WorkerStartError):
+    """Internal: a start that failed for a reason that may not happen again (the process was
+    killed from outside, the template it forked from died). The slot tries again at once, with
+    back-off; queued jobs wait instead of failing."""
+
+
+async def stop_template(template: Template) -> None:
+    """Stop the template: at EOF it kills and reaps every worker it forked, then exits; once it
+    has exited, none of them is left."""
+    with anyio.CancelScope(shield=True):
+        try:
+            await template.stdin.aclose()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass
+        with anyio.move_on_after(2):
+            await template.process.wait()
+        if template.process.returncode is None:
+            kill_group(template.pid)
+            with anyio.move_on_after(5):
+                await template.process.wait()
+        await template.process.aclose()
