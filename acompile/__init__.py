@@ -11,10 +11,10 @@ from __future__ import annotations
 from acompile._autotune import Trial as Trial
 from acompile._autotune import TunedKernel as TunedKernel
 from acompile._autotune import TuneResult as TuneResult
-from acompile._backends._native import CppSpec as CppSpec
-from acompile._backends._native import CudaFunction as CudaFunction
-from acompile._backends._native import CudaModule as CudaModule
-from acompile._backends._native import CudaSpec as CudaSpec
+from acompile._backends._cpp import CppSpec as CppSpec
+from acompile._backends._cuda import CudaSpec as CudaSpec
+from acompile._backends._driver import CudaFunction as CudaFunction
+from acompile._backends._driver import CudaModule as CudaModule
 from acompile._backends._native import ObjectFile as ObjectFile
 from acompile._backends._native import SharedLibrary as SharedLibrary
 from acompile._backends._triton import TritonKernel as TritonKernel

@@ -8,12 +8,11 @@ import copy
 import logging
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -24,19 +23,22 @@ import anyio.abc
 
 from acompile import _autotune, _progressive
 from acompile._autotune import TunedKernel
-from acompile._backends import load_parent
-from acompile._cache import Cache, Entry, default_cache_dir
-from acompile._cache import _entry as entry_format
-from acompile._cache._shared import SharedTier, check_target, open_cache, signing_key_from
+from acompile._backends import BACKENDS, backend_of, load_parent, worker_module
+from acompile._cache import GuardedDisk, MemoryTier, Tier, TierChain, default_cache_dir
+from acompile._cache._shared import SharedTier, signing_key_from
 from acompile._errors import AcompileError, PoolClosedError, PoolError
-from acompile._observe import Recorder, Tracer
-from acompile._pool import BACKGROUND, URGENT, Job, JobCancelled, WorkerPool
+from acompile._manifest import Recorder
+from acompile._observe import Tracer
 from acompile._progressive import BackgroundKernel, ProgressiveKernel
 from acompile._sizing import default_workers, parse_size
 from acompile._targets import Target, local_target, parse_target
+from acompile._workers import BACKGROUND, URGENT, Executor, Job, JobCancelled, WorkerPool, idle_stats
 
 if TYPE_CHECKING:
-    from acompile._backends._native import CppSpec, CudaModule, CudaSpec, ObjectFile, SharedLibrary
+    from acompile._backends._cpp import CppSpec
+    from acompile._backends._cuda import CudaSpec
+    from acompile._backends._driver import CudaModule
+    from acompile._backends._native import ObjectFile, SharedLibrary
     from acompile._backends._triton import TritonKernel, TritonSpec
     from acompile._observe import Stats
 
@@ -143,9 +145,18 @@ class CompilePool:
         self._size = workers if workers is not None else default_workers()
         self._target_arg = target
         self._target: Target | None = parse_target(target) if target is not None else None
-        self._cache = Cache(
-            Path(cache_dir) if cache_dir is not None else default_cache_dir(), memory_cache_size
+        # The tiers after memory, fastest first: adding a tier is adding it here.
+        tiers: list[Tier] = []
+        if shared_cache is not None:
+            tiers.append(SharedTier.connect_later(shared_cache, signing_key_from(signing_key)))
+        self._cache = TierChain(
+            MemoryTier(memory_cache_size),
+            GuardedDisk(Path(cache_dir) if cache_dir is not None else default_cache_dir()),
+            tiers,
+            fleet_wait=fleet_wait,
+            lease_ttl=max(30.0, (max_compile_seconds or 0) + 5),
         )
+        self._tuner = _autotune.Tuner(self._cache)
         self._prestart = prestart
         if not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19:
             raise ValueError(f"worker_nice must be an integer from 0 to 19, got {worker_nice!r}")
@@ -169,18 +180,9 @@ class CompilePool:
             raise ValueError(f"preload_timeout must be a positive number of seconds, got {preload_timeout!r}")
         self._preload_timeout = float(preload_timeout)
         self._fork_workers = fork_workers
-        if shared_cache is not None:
-            check_target(shared_cache)
-        self._shared_target = shared_cache
-        self._signing_key = signing_key_from(signing_key) if shared_cache is not None else None
-        self._shared: SharedTier | None = None
-        self._fleet_wait = fleet_wait
-        self._lease_ttl = max(30.0, (max_compile_seconds or 0) + 5)
         self._recorder = Recorder(Path(record)) if record is not None else None
         self._trace_path = Path(trace) if trace is not None else None
         self._tracer: Tracer | None = Tracer() if trace is not None else None
-        self._pending_writes = 0
-        self._writes_done = anyio.Event()
         self._state = "new"
         self._flights: dict[str, _Flight] = {}
         self._counts: Counter[str] = Counter()
@@ -207,20 +209,16 @@ class CompilePool:
             if self._target is None:
                 self._target = await anyio.to_thread.run_sync(local_target)
             await self._cache.open()
-            if self._shared_target is not None:
-                # The client's import (aiocache, redis) takes tens of ms: not on the loop.
-                cache = await anyio.to_thread.run_sync(open_cache, self._shared_target)
-                self._shared = SharedTier(cache, self._signing_key)
             for name in self._preload:
                 # Imports (in a thread) and one-time costs now, not in the first request.
-                backend = await anyio.to_thread.run_sync(load_parent, _PARENT_MODULES[name])
+                backend = await anyio.to_thread.run_sync(load_parent, name)
                 await backend.setup(self._memo_dir, self._target)
             self._workdir = await anyio.to_thread.run_sync(lambda: tempfile.mkdtemp(prefix="acompile-"))
             config = {
                 "sys_path": list(sys.path),
                 "cwd": os.getcwd(),
                 "target": str(self._target),
-                "preload": list(dict.fromkeys(_WORKER_MODULES[name] for name in self._preload)),
+                "preload": list(dict.fromkeys(worker_module(name) for name in self._preload)),
                 "nice": self._worker_nice,
             }
             self._workers = WorkerPool(
@@ -237,12 +235,13 @@ class CompilePool:
             self._workers.prepare_config_with(self._worker_config)
             self._tg = anyio.create_task_group()
             await self._tg.__aenter__()
+            self._cache.start(self._tg)  # write-behind runs in the pool's task group
         except BaseException:
             self._state = "closed"
             await self._remove_workdir()
             raise
         self._state = "running"
-        self._tg.start_soon(self._workers.run)
+        self._tg.start_soon(self._workers.serve)
         if self._idle_timeout is not None:
             self._tg.start_soon(self._quiesce_when_idle, self._idle_timeout)
         if self._prestart:
@@ -257,12 +256,9 @@ class CompilePool:
     ) -> None:
         self._state = "closed"
         assert self._tg is not None
-        if self._pending_writes:
-            # Entries on their way to the shared tier or the disk: let them arrive (a warm-up job that ends
-            # normally wants all of them there; a failing or cancelled body, a moment).
-            with anyio.move_on_after(30 if exc is None else 2, shield=True):
-                while self._pending_writes:
-                    await self._writes_done.wait()
+        # Entries on their way to the shared tier or the disk: let them arrive (a warm-up job that
+        # ends normally wants all of them there; a failing or cancelled body, a moment).
+        await self._cache.drain(30 if exc is None else 2)
         # Whatever the body did, compiles in progress are abandoned and workers stopped now.
         self._tg.cancel_scope.cancel()
         try:
@@ -272,16 +268,13 @@ class CompilePool:
         finally:
             for flight in list(self._flights.values()):
                 flight.finish(error=PoolClosedError("the pool shut down while compiling"))
-            if self._shared is not None:
-                with anyio.CancelScope(shield=True):
-                    await self._shared.close()
             if self._tracer is not None and self._trace_path is not None:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(self._tracer.write, self._trace_path)
             await self._remove_workdir()
 
     async def _remove_workdir(self) -> None:
-        await self._cache.close()
+        await self._cache.close()  # every tier (the shared tier's client too), shielded
         if self._workdir is not None:
             workdir, self._workdir = self._workdir, None
             with anyio.CancelScope(shield=True):
@@ -292,10 +285,16 @@ class CompilePool:
         # In the cache folder, unless it did not answer at start (a hung filesystem).
         return self._cache.memo_dir
 
+    @property
+    def _shared(self) -> SharedTier | None:
+        # The shared tier, for the command line's warm-up summary (its counts).
+        tier = self._cache.tier("shared")
+        return tier if isinstance(tier, SharedTier) else None
+
     async def _worker_config(self) -> dict[str, Any]:
         extra: dict[str, Any] = {}
         for name in self._preload:
-            backend = load_parent(_PARENT_MODULES[name])  # imported by __aenter__ already
+            backend = load_parent(name)  # imported by __aenter__ already
             extra.update(await backend.worker_config(self._memo_dir))
         return extra
 
@@ -326,9 +325,7 @@ class CompilePool:
 
         Raises ``WorkerStartError`` if workers cannot start (the message says why).
         """
-        self._check_running()
-        assert self._workers is not None
-        await self._workers.wait_ready()
+        await self.executor.wait_ready()
 
     async def quiesce(self) -> None:
         """Stop every worker and return at once; the pool and its cache stay.
@@ -338,9 +335,7 @@ class CompilePool:
         pool with work waiting, or asked for more, wakes by itself. For a quiet machine during
         CUDA-graph capture or latency-critical serving.
         """
-        self._check_running()
-        assert self._workers is not None
-        self._workers.quiesce()
+        self.executor.quiesce()
 
     @contextlib.asynccontextmanager
     async def trace(self, path: str | os.PathLike[str]) -> AsyncIterator[None]:
@@ -485,7 +480,7 @@ class CompilePool:
             CUDACompileError: the compiler rejected the source; it carries the log, the line
                 number and the source line of the first error.
         """
-        from acompile._backends._native import CudaSpec
+        from acompile._backends._cuda import CudaSpec
 
         return await self.compile(CudaSpec(source, output, arch, options, name_expressions, name))
 
@@ -503,7 +498,7 @@ class CompilePool:
         Raises ``InvalidSpecError`` for wrong arguments and ``CppCompileError`` (log, line,
         source line) when the compiler rejects the source.
         """
-        from acompile._backends._native import CppSpec
+        from acompile._backends._cpp import CppSpec
 
         return await self.compile(CppSpec(source, options, include_dirs, name))
 
@@ -591,19 +586,27 @@ class CompilePool:
         try:
             with flight.scope:
                 start = time.perf_counter()
-                entry, tier = await self._lookup(request.key)
+                entry, tier = await self._cache.lookup(request.key)
                 if entry is None:
-                    self._counts["misses"] += 1
-                    entry, tier = await self._compile_shared_flight(flight, backend, request)
-                else:
-                    self._counts[f"hits_{tier}"] += 1
+
+                    async def compile() -> bytes:
+                        payload = await backend.payload(request)
+                        data: bytes = await self._run(
+                            backend.WORKER_MODULE, payload, request.name, flight=flight
+                        )
+                        return data
+
+                    # Compiled here, or by another replica of the fleet that already was.
+                    entry, tier = await self._cache.compile_once(request.key, compile)
+                    if tier == "compile":
+                        self._counts["compiled"] += 1
                 loading = time.perf_counter()
                 kernel = await backend.load(request, entry, self._cache.root)
                 if self._tracer is not None:
                     done = time.perf_counter()
                     job = flight.job if tier == "compile" else None
                     self._tracer.request(request, tier, start, done, job, (loading, done))
-                self._cache.memory.set(request.key, kernel)
+                self._cache.keep_loaded(request.key, kernel)
                 flight.tier = tier
                 flight.finish(kernel)
         except AcompileError as exc:
@@ -629,101 +632,18 @@ class CompilePool:
             # Cancelled by its last waiter (not by shutdown): nobody is left to tell.
             flight.finish(error=JobCancelled(request.name))
 
-    async def _lookup(self, key: str) -> tuple[Entry | None, str]:
-        """Disk, then the shared tier (a shared hit is written to disk)."""
-        entry = await self._cache.read(key)
-        if entry is not None or self._shared is None:
-            return entry, "disk"
-        return await self._read_shared(key), "shared"
+    @property
+    def executor(self) -> Executor:
+        """The executor this pool's compile jobs run on: here, worker processes on this machine.
 
-    async def _read_shared(self, key: str) -> Entry | None:
-        assert self._shared is not None
-        data = await self._shared.get(key)
-        if data is None:
-            return None
-        try:
-            entry = await anyio.to_thread.run_sync(entry_format.decode, data, key)
-        except entry_format.CorruptEntry as exc:
-            level = logging.DEBUG if self._counts["shared_corrupt"] else logging.WARNING
-            self._counts["shared_corrupt"] += 1
-            logger.log(level, "shared cache entry %s… is damaged (%s); compiling it again", key[:16], exc)
-            return None
-        # Kept on disk for the next process, in the background: the caller has what it needs.
-        self._later(self._cache.write, key, data)
-        return entry
-
-    async def _compile_shared_flight(self, flight: _Flight, backend: Any, request: Any) -> tuple[Entry, str]:
-        """Compile, unless another replica of the fleet already is: then wait for its entry."""
-        lease = None
-        if self._shared is not None:
-            lease = await self._shared.take_lease(request.key, ttl=self._lease_ttl)
-            if lease is False:
-                self._counts["fleet_waits"] += 1
-                entry = await self._await_fleet(request.key)
-                if entry is not None:
-                    return entry, "shared"
-                lease = await self._shared.take_lease(request.key, ttl=self._lease_ttl)
-        try:
-            payload = await backend.payload(request)
-            data = await self._run(backend.WORKER_MODULE, payload, request.name, flight=flight)
-            entry = entry_format.decode(data, request.key, verify=False)
-            await self._cache.write(request.key, data)
-            self._counts["compiled"] += 1
-        except BaseException:
-            if lease:
-                self._publish_later(request.key, None)
-            raise
-        if self._shared is not None:
-            self._publish_later(request.key, data)
-        return entry, "compile"
-
-    async def _await_fleet(self, key: str) -> Entry | None:
-        """Another replica holds the lease: poll for its entry, up to fleet_wait, or until the
-        lease is gone without an entry (it failed, or died and the lease expired)."""
-        assert self._shared is not None
-        deadline = time.monotonic() + self._fleet_wait
-        delay = 0.05
-        while time.monotonic() < deadline:
-            await anyio.sleep(delay)
-            delay = min(delay * 1.5, 0.5)
-            entry = await self._read_shared(key)
-            if entry is not None:
-                return entry
-            if not await self._shared.lease_held(key):
-                return await self._read_shared(key)
-        logger.warning(
-            "waited %.0f s for another replica to compile %s…; compiling it here", self._fleet_wait, key[:16]
-        )
-        return None
-
-    def _publish_later(self, key: str, data: bytes | None) -> None:
-        """Publish to the shared tier in the background and release this replica's lease."""
-        shared = self._shared
-        assert shared is not None
-
-        async def publish() -> None:
-            if data is not None:
-                await shared.set(key, data)
-            await shared.release_lease(key)
-
-        self._later(publish)
-
-    def _later(self, work: Callable[..., Awaitable[Any]], *args: Any) -> None:
-        """Write-behind work (publishing, keeping a shared hit on disk): a task of the pool, so
-        nothing outlives it, and leaving the pool waits for these before stopping anything."""
-        assert self._tg is not None
-
-        async def run() -> None:
-            try:
-                await work(*args)
-            finally:
-                self._pending_writes -= 1
-                if self._pending_writes == 0:
-                    self._writes_done.set()
-                    self._writes_done = anyio.Event()
-
-        self._pending_writes += 1
-        self._tg.start_soon(run)
+        The seam for other executors (a compile farm) and for tests, which run jobs of a fake
+        backend through it (``acompile._workers.run_job(pool.executor, job)``); not for ordinary
+        use, where requests go through ``triton()``, ``cuda()`` and ``cpp()``. Raises
+        ``PoolClosedError`` outside ``async with``.
+        """
+        self._check_running()
+        assert self._workers is not None
+        return self._workers
 
     async def _run(
         self,
@@ -734,39 +654,18 @@ class CompilePool:
         background: bool = False,
         flight: _Flight | None = None,
     ) -> Any:
-        """Run one job on a worker with the named worker-side backend module, uncached.
+        """Run one job with the named worker-side backend module, uncached, on the executor.
 
-        The seam tests use to drive the pool with fake backends (a job that sleeps, crashes,
-        floods fd 2); the same cancellation rules hold as for real compiles.
+        Cancelled before the job finishes, it cancels the job (dropped if queued, its worker
+        stopped if running): a request whose last waiter left stops its compile.
         """
-        self._check_running()
-        assert self._workers is not None
+        executor = self.executor
         if flight is not None:
             background = flight.background
-        job = self._workers.submit(Job(backend_module, payload, name, BACKGROUND if background else URGENT))
+        job = Job(backend_module, payload, name, BACKGROUND if background else URGENT)
         if flight is not None:
-            flight.job = job
-        try:
-            return await job.outcome()
-        finally:
-            if not job.done.is_set():
-                job.abandon()
-
-    async def _get_record(self, key: str) -> Entry | None:
-        """A small record (not a kernel) from the cache tiers: disk, then shared. Autotuning
-        choices and similar decisions are stored this way, so that other processes and other
-        replicas reuse them."""
-        self._check_running()
-        entry, _ = await self._lookup(key)
-        return entry
-
-    async def _put_record(self, key: str, name: str, blobs: dict[str, bytes], meta: dict[str, Any]) -> None:
-        """Store a small record under key: on disk now, in the shared tier in the background."""
-        self._check_running()
-        data = entry_format.Entry(key=key, backend="record", name=name, blobs=blobs, meta=meta).encode()
-        await self._cache.write(key, data)
-        if self._shared is not None:
-            self._publish_later(key, data)
+            flight.job = job  # a job not yet submitted is not promoted: it is still "new"
+        return await executor.run(job)
 
     async def autotune(self, fn: Any, configs: Any = None, **options: Any) -> TunedKernel:
         """Pick the fastest of several configs of a Triton kernel, once per fleet.
@@ -783,7 +682,10 @@ class CompilePool:
         that fail to compile or to run are skipped and reported. Compiling needs no GPU;
         benchmarking does (``DeviceUnavailableError`` says how to pin instead).
         """
-        return await _autotune.autotune(self, fn, configs, **options)
+        self._check_running()
+        # The pool's Tuner holds its tunings in progress and its choices; records go through
+        # the cache chain.
+        return await self._tuner.autotune(self, self._memo_dir, fn, configs, **options)
 
     def progressive(self, fast_spec: Any, best_spec: Any) -> ProgressiveKernel:
         """Serve a kernel at once and make it better while it is in use.
@@ -794,7 +696,7 @@ class CompilePool:
         ``handle[grid](*args)``; ``await handle.ready()`` / ``await handle.best()`` wait;
         ``handle.stats()`` counts launches per stage. Nothing it starts outlives the pool.
         """
-        return _progressive.progressive(self, fast_spec, best_spec)
+        return _progressive.progressive(self._progressive_host(), fast_spec, best_spec)
 
     def background(self, spec: Any, fallback: Callable[..., Any]) -> BackgroundKernel:
         """Compile in the background and run ``fallback`` (eager code) until the kernel lands.
@@ -803,7 +705,14 @@ class CompilePool:
         until the compiled kernel is ready, then the kernel. It never blocks the caller; a failed
         compile keeps the fallback (``bk.error`` says why).
         """
-        return _progressive.background(self, spec, fallback)
+        return _progressive.background(self._progressive_host(), spec, fallback)
+
+    def _progressive_host(self) -> _progressive.Host:
+        """What progressive and background compiles may use of this pool (it must be running):
+        its requests, its task group (nothing they start outlives the pool), its spec check."""
+        self._check_running()
+        assert self._tg is not None
+        return _progressive.Host(self.compile_with_tier, self._tg.start_soon, backend_of)
 
     @overload
     async def gather(
@@ -876,49 +785,17 @@ class CompilePool:
         slowest compiles as [name, seconds].
         """
         workers = self._workers
-        w = workers.stats if workers else None
-        rss = {pid: round(size / 2**20, 1) for pid, size in w.worker_rss.items()} if w else {}
+        w = workers.counters if workers else None
+        ex = workers.stats() if workers else idle_stats(self._size)
+        cache = self._cache.stats()
+        # Memory hits counted by the front end (compile_with_tier), until it asks the chain.
+        cache["hits_memory"] += self._counts["hits_memory"]
         return {
             "state": self._state,
             "target": str(self._target) if self._target else None,
-            "workers": {
-                "size": self._size,
-                "alive": len(workers.alive) if workers else 0,
-                "busy": workers.busy if workers else 0,
-                "awake": workers.awake if workers else False,
-                "started": w.started if w else 0,
-                "forked": w.forked if w else 0,
-                "restarts": dict(w.restarts) if w else {},
-                "rss_mib": rss,
-                "mean_rss_mib": round(statistics.fmean(rss.values()), 1) if rss else None,
-            },
-            "jobs": {
-                "queued": len(workers.queue) if workers else 0,
-                "running": workers.busy if workers else 0,
-                "done": w.jobs_done if w else 0,
-                "failed": w.jobs_failed if w else 0,
-                "cancelled": w.jobs_cancelled if w else 0,
-                "retried": w.jobs_retried if w else 0,
-            },
-            "cache": {
-                "memory_entries": len(self._cache.memory),
-                "hits_memory": self._counts["hits_memory"],
-                "hits_disk": self._counts["hits_disk"],
-                "hits_shared": self._counts["hits_shared"],
-                "shared_corrupt": self._counts["shared_corrupt"],
-                "shared_rejected": self._shared.counts["rejected"] if self._shared else 0,
-                "shared_errors": self._shared.counts["errors"] if self._shared else 0,
-                "shared_writes": self._shared.counts["writes"] if self._shared else 0,
-                "shared_write_failures": self._shared.counts["write_failures"] if self._shared else 0,
-                "shared_skipped": self._shared.counts["skipped"] if self._shared else 0,
-                "shared_ignored_leases": self._shared.counts["ignored_leases"] if self._shared else 0,
-                "shared_available": self._shared.available if self._shared else None,
-                "shared_namespace": self._shared.namespace if self._shared else None,
-                "fleet_waits": self._counts["fleet_waits"],
-                "misses": self._counts["misses"],
-                "disk_corrupt": self._cache.counts["disk_corrupt"],
-                "disk_writes": self._cache.counts["disk_writes"],
-            },
+            "workers": ex["workers"],
+            "jobs": ex["jobs"],
+            "cache": cache,
             "compiled": self._counts["compiled"],
             "failed": self._counts["failed"],
             "compile_seconds": _percentiles(sorted(w.job_seconds) if w else []),
@@ -937,25 +814,12 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99), "max": values[-1]}
 
 
-# Backend names users give (preload=...) and the modules behind them, parent side and worker side.
-_PARENT_MODULES = {"triton": "triton", "cuda": "native", "cpp": "native"}
-_WORKER_MODULES = {
-    "triton": "acompile._backends._triton_worker",
-    "cuda": "acompile._backends._native_worker",
-    "cpp": "acompile._backends._native_worker",
-}
-
-
 def _check_backends(names: tuple[str, ...]) -> None:
-    unknown = [n for n in names if n not in _WORKER_MODULES]
+    unknown = [n for n in names if n not in BACKENDS]
     if unknown:
-        raise ValueError(f"unknown backend(s) to preload: {unknown}; known: {sorted(_WORKER_MODULES)}")
+        raise ValueError(f"unknown backend(s) to preload: {unknown}; known: {sorted(BACKENDS)}")
 
 
 def _backend_of(spec: Any) -> str:
-    name = type(spec).__name__
-    if name == "TritonSpec":
-        return "triton"
-    if name in ("CudaSpec", "CppSpec"):
-        return "native"
-    raise TypeError(f"not a compile spec: {spec!r}; build one with acompile.TritonSpec, CudaSpec or CppSpec")
+    """The backend's name (``BACKENDS``) for a spec, by its type; ``TypeError`` for a non-spec."""
+    return backend_of(spec)

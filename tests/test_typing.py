@@ -81,8 +81,8 @@ def test_mypy_finds_acompile_in_an_editable_install(tmp_path: Path) -> None:
     assert "Cannot find implementation" not in out.stdout, out.stdout
     assert revealed[:10] == [
         "acompile._backends._triton.TritonKernel",
-        "acompile._backends._native.CudaModule",
-        "acompile._backends._native.CudaModule",
+        "acompile._backends._driver.CudaModule",
+        "acompile._backends._driver.CudaModule",
         "acompile._backends._native.SharedLibrary",
         "acompile._backends._native.ObjectFile",
         "acompile._backends._native.SharedLibrary",
