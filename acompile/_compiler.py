@@ -531,9 +531,8 @@ class CompilePool:
         self._check_running()
         backend = load_parent(_backend_of(spec))
         request = await backend.prepare(spec, self._target, self._memo_dir)
-        kernel = self._cache.memory.get(request.key)
+        kernel = self._cache.loaded(request.key)
         if kernel is not None:
-            self._counts["hits_memory"] += 1
             self._record(request, spec)
             if self._tracer is not None:
                 now = time.perf_counter()
@@ -552,7 +551,7 @@ class CompilePool:
                 # Someone waits for it now: it must not stay behind the warm-up.
                 flight.background = False
                 if flight.job is not None and self._workers is not None:
-                    self._workers.queue.promote(flight.job)
+                    self._workers.promote(flight.job)
         flight.waiters += 1
         try:
             await flight.done.wait()
@@ -785,11 +784,8 @@ class CompilePool:
         slowest compiles as [name, seconds].
         """
         workers = self._workers
-        w = workers.counters if workers else None
         ex = workers.stats() if workers else idle_stats(self._size)
         cache = self._cache.stats()
-        # Memory hits counted by the front end (compile_with_tier), until it asks the chain.
-        cache["hits_memory"] += self._counts["hits_memory"]
         return {
             "state": self._state,
             "target": str(self._target) if self._target else None,
@@ -798,8 +794,8 @@ class CompilePool:
             "cache": cache,
             "compiled": self._counts["compiled"],
             "failed": self._counts["failed"],
-            "compile_seconds": _percentiles(sorted(w.job_seconds) if w else []),
-            "slowest": [[name, round(sec, 4)] for sec, name in sorted(w.slowest, reverse=True)] if w else [],
+            "compile_seconds": _percentiles(sorted(ex["job_seconds"])),
+            "slowest": [[name, round(sec, 4)] for sec, name in sorted(ex["slowest"], reverse=True)],
         }
 
 
