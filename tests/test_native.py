@@ -14,6 +14,7 @@ from pathlib import Path
 import anyio
 import pytest
 from conftest import gpu_available, run_python, subprocess_env
+from fake_backend import run_job
 
 import acompile
 
@@ -319,8 +320,8 @@ def test_cuda_without_the_nvrtc_library_says_what_to_install() -> None:
 async def test_a_worker_failure_with_a_huge_message_is_cut(cache_dir: Path) -> None:
     async with acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir, preload=()) as p:
         with pytest.raises(acompile.CompileError) as info:
-            await p._run(
-                "fake_backend", {"action": "raise", "message": "m" * 40_000_000, "name": "big"}, "big"
+            await run_job(
+                p, "fake_backend", {"action": "raise", "message": "m" * 40_000_000, "name": "big"}, "big"
             )
     err = info.value
     assert err.kernel == "big" and "ValueError" in str(err)

@@ -19,6 +19,7 @@ from typing import Any
 import anyio
 import pytest
 from conftest import TARGET, gpu_available
+from fake_backend import run_job
 from kernels_for_tests import ADD_SIG, add_kernel, broken_kernel
 
 import acompile
@@ -48,8 +49,8 @@ async def occupy(p: acompile.CompilePool, seconds: float) -> None:
     """Hold a worker with a background job (queued behind urgent work, ahead of later
     background work). Runs in the pool's task group; its end at shutdown is not an error."""
     try:
-        await p._run(
-            FAKE, {"name": "blocker", "action": "sleep", "seconds": seconds}, "blocker", background=True
+        await run_job(
+            p, FAKE, {"name": "blocker", "action": "sleep", "seconds": seconds}, "blocker", background=True
         )
     except acompile.AcompileError:
         pass
