@@ -19,32 +19,25 @@ import time
 from pathlib import Path
 from typing import Any
 
+import acompile
 from acompile._bench import harness
+from acompile._bench.corpus import add_kernel
 
 _SIG = {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"}
 
 
 async def acompile_side(args: argparse.Namespace) -> dict[str, Any]:
     """A launch through ``CompilePool(prestart=False)`` on the disk cache."""
-    import acompile
-
     t1 = time.perf_counter()
     async with acompile.CompilePool(1, prestart=False) as pool:
-        kernel, tier = await pool.compile_with_tier(acompile.TritonSpec(_add_kernel(), _SIG, {"BLOCK": 1024}))
+        kernel, tier = await pool.compile_with_tier(acompile.TritonSpec(add_kernel, _SIG, {"BLOCK": 1024}))
         return {"tier": tier, **_launch(lambda *a: kernel[(4,)](*a), t1, args.t0)}
 
 
 def triton_side(args: argparse.Namespace) -> dict[str, Any]:
     """A launch of the ``@triton.jit`` kernel on Triton's warm cache."""
     t1 = time.perf_counter()
-    add_kernel = _add_kernel()
     return {"tier": "triton cache", **_launch(lambda *a: add_kernel[(4,)](*a, BLOCK=1024), t1, args.t0)}
-
-
-def _add_kernel() -> Any:
-    from acompile._bench.corpus import add_kernel
-
-    return add_kernel
 
 
 def _launch(launch: Any, t1: float, t0: float) -> dict[str, float]:

@@ -53,7 +53,7 @@ def ms(seconds: float | None, digits: int = 3) -> float | None:
 
 
 def latency(samples: list[float]) -> dict[str, Any]:
-    """p50 / p99 / max / median of latencies in seconds, as milliseconds."""
+    """p50 / p99 / max of latencies in seconds, as milliseconds."""
     return {
         "n": len(samples),
         "p50_ms": ms(percentile(samples, 0.50), 4),
@@ -62,33 +62,24 @@ def latency(samples: list[float]) -> dict[str, Any]:
     }
 
 
-class LagProbe:
-    """Samples event-loop lag: how late ``await anyio.sleep(0.001)`` comes back."""
-
-    PERIOD = 0.001
-
-    def __init__(self) -> None:
-        self.samples: list[float] = []
-
-    async def run(self) -> None:
-        import anyio
-
-        while True:
-            t = time.perf_counter()
-            await anyio.sleep(self.PERIOD)
-            self.samples.append(time.perf_counter() - t - self.PERIOD)
-
-
 @contextlib.asynccontextmanager
-async def probing() -> AsyncIterator[LagProbe]:
-    """A ``LagProbe`` running for the body of the ``async with``."""
+async def probing() -> AsyncIterator[list[float]]:
+    """Event-loop lag while the body of the ``async with`` runs: how late each
+    ``await anyio.sleep(0.001)`` of a probe task comes back, in seconds."""
     import anyio
 
-    probe = LagProbe()
+    samples: list[float] = []
+
+    async def probe() -> None:
+        while True:
+            t = time.perf_counter()
+            await anyio.sleep(0.001)
+            samples.append(time.perf_counter() - t - 0.001)
+
     async with anyio.create_task_group() as tg:
-        tg.start_soon(probe.run)
+        tg.start_soon(probe)
         try:
-            yield probe
+            yield samples
         finally:
             tg.cancel_scope.cancel()
 
@@ -98,9 +89,9 @@ def idle_lag(seconds: float = 0.5) -> dict[str, Any]:
     import anyio
 
     async def measure() -> dict[str, Any]:
-        async with probing() as probe:
+        async with probing() as samples:
             await anyio.sleep(seconds)
-        return latency(probe.samples)
+        return latency(samples)
 
     return anyio.run(measure)
 
@@ -122,10 +113,6 @@ def machine() -> dict[str, Any]:
             versions[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             versions[dist] = None
-    commit = None
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        git = ["git", "-C", PACKAGE_ROOT, "describe", "--always", "--dirty"]
-        commit = subprocess.run(git, capture_output=True, text=True, timeout=10).stdout.strip() or None
     return {
         "cpu_count": os.cpu_count(),
         "usable_cpus": usable_cpus(),
@@ -134,7 +121,6 @@ def machine() -> dict[str, Any]:
         "python": sys.version.split()[0],
         **versions,
         "acompile": __version__,
-        "acompile_commit": commit,
     }
 
 
@@ -248,22 +234,3 @@ def table(header: list[str], rows: list[list[str]]) -> str:
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in pairs)
 
     return "\n".join([line(header), "-" * len(line(header)), *map(line, rows)])
-
-
-__all__ = [
-    "PACKAGE_ROOT",
-    "LagProbe",
-    "child_env",
-    "child_main",
-    "fmt",
-    "idle_lag",
-    "latency",
-    "machine",
-    "ms",
-    "percentile",
-    "prime_page_cache",
-    "probing",
-    "quiet_warnings",
-    "run_child",
-    "table",
-]

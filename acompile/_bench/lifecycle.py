@@ -1,18 +1,12 @@
 """The lifecycle section of ``acompile bench --lifecycle``: job round trip, quiesce / wake-up /
 shutdown, memory per idle worker. Each group runs in a fresh process with empty caches.
 
-- ``noop_acompile`` / ``noop_anyio`` / ``noop_process_pool``: a job that returns its payload, on
-  ``CompilePool(preload=())`` (a ``Job`` run on ``pool.executor`` with this module as the
-  worker-side backend), on ``anyio.to_process.run_sync`` and on ``ProcessPoolExecutor`` (spawn):
-  after a warm-up, sequential round trips (p50 / p99), then jobs from 4 N callers at once (jobs/s).
-- ``wake``: cold start to ready (Triton preloaded), memory of the idle forked workers and the
-  template (``/proc/<pid>/smaps_rollup``), a warm compile; then 5 cycles of ``quiesce()`` (timed),
-  until every worker is reaped, ``wakeup()`` to ready, the first compile after it and the same
-  compile on the now warm workers. Every compile is real: ``activation_kernel`` with a fresh
-  ``ACT`` >= 4 (the same code under distinct keys).
-- ``shutdown``: leaving the pool with every worker idle, then busy in a 120 s job.
-- ``spawned``: one worker with ``fork_workers=False``, and an anyio worker that compiled one
-  kernel: what a compile worker costs without forking.
+The no-op groups run a job that returns its payload (this module is the worker-side backend) on
+``CompilePool(preload=())``, ``anyio.to_process`` and ``ProcessPoolExecutor`` (spawn): round trips
+one at a time, then jobs/s from 4 N callers. ``wake``: cold start, memory per idle worker, then 5
+cycles of quiesce / wake-up with a real compile after each (``activation_kernel`` with a fresh
+``ACT`` >= 4: the same code under distinct keys). ``shutdown``: idle, then busy in a 120 s job.
+``spawned``: a worker with ``fork_workers=False`` and an anyio worker that compiled a kernel.
 
 Its module level imports only the standard library: a worker imports it in well under a ms.
 """
@@ -316,24 +310,17 @@ def report(section: dict[str, Any]) -> str:
         "",
         f"cold start -> ready, Triton preloaded: {f(get('wake', 'cold_ready_s'))} s; warm compile "
         f"{f(get('wake', 'warm_compile_s'), '.0f', 1000)} ms",
-        f"quiesce {f(get('wake', 'quiesce_ms'))} ms; quiesce -> every worker reaped "
-        f"{f(get('wake', 'reaped_ms'), '.1f')} "
-        f"ms; wake-up -> ready {f(get('wake', 'wakeup_ms'), '.1f')} ms (median of 5); first compile after "
-        f"wake-up / on warm workers {f(get('wake', 'first_ms'), '.0f')} / "
-        f"{f(get('wake', 'again_ms'), '.0f')} ms",
-        f"shutdown: idle {f(get('shutdown', 'idle_ms'), '.1f')} ms, "
-        f"busy {f(get('shutdown', 'busy_ms'), '.1f')} ms",
-        f"idle forked worker {mem(get('wake', 'memory_worker'))}; "
-        f"template {mem(get('wake', 'memory_template'))}",
-        f"spawned worker (fork_workers=False) {mem(get('spawned', 'memory_spawned'))}; anyio worker after a "
-        f"compile {mem(get('spawned', 'memory_anyio'))}",
+        f"quiesce {f(get('wake', 'quiesce_ms'))} ms, all reaped {f(get('wake', 'reaped_ms'))} ms;"
+        f" wake-up -> ready {f(get('wake', 'wakeup_ms'))} ms (median of 5); first compile after wake-up / on"
+        f" warm workers {f(get('wake', 'first_ms'), '.0f')} / {f(get('wake', 'again_ms'), '.0f')} ms",
+        f"shutdown: idle {f(get('shutdown', 'idle_ms'))} ms, busy {f(get('shutdown', 'busy_ms'))} ms",
+        f"idle forked worker {mem(get('wake', 'memory_worker'))}, the template "
+        f"{mem(get('wake', 'memory_template'))}, a spawned worker (fork_workers=False) "
+        f"{mem(get('spawned', 'memory_spawned'))}, anyio's after a compile "
+        f"{mem(get('spawned', 'memory_anyio'))}",
     ]
-    lines += [
-        f"lifecycle {k}: {r.get('crashed') or r['assertion']}"
-        for k, r in g.items()
-        if f"lifecycle {k}" in failed(section)
-    ]
-    return "\n".join(lines)
+    bad = [k.removeprefix("lifecycle ") for k in failed(section)]
+    return "\n".join([*lines, *(f"lifecycle {k}: {g[k].get('crashed') or g[k]['assertion']}" for k in bad)])
 
 
 def main(argv: list[str] | None = None) -> int:

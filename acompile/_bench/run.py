@@ -41,16 +41,8 @@ from typing import Any
 
 from acompile._bench import harness
 
-ROWS = (
-    "sequential",
-    "threads",
-    "process_pool",
-    "anyio_to_process",
-    "acompile_cold",
-    "acompile_warm_pool",
-    "warm_acompile",
-    "warm_triton",
-)
+ROWS = tuple("sequential threads process_pool anyio_to_process acompile_cold acompile_warm_pool".split())
+ROWS += ("warm_acompile", "warm_triton")  # fresh processes on the caches the rows above filled
 # A warm-start row reads the cache another row filled.
 _NEEDS = {"warm_acompile": "acompile_cold", "warm_triton": "sequential"}
 # Sections with options of their own, run alone: acompile bench --storm --help.
@@ -62,19 +54,18 @@ _PASSTHROUGH = {"--storm": "storm", "--first-launch": "first_launch", "--autotun
 
 def sequential(args: argparse.Namespace) -> dict[str, Any]:
     """``triton.compile`` of every spec in turn; also Triton's warm start (``warm_triton``)."""
-    from acompile._bench.corpus import Outcome, compile_spec, gpu_target, specs
+    from acompile._bench.corpus import compile_spec, gpu_target, outcome, specs
 
     stamps = {"imported": time.time()}
     cache = Path(os.environ["TRITON_CACHE_DIR"])
     before = set(os.listdir(cache)) if cache.is_dir() else set()
-    out = Outcome([s.name for s in specs(args.limit)])
-    target, first = gpu_target(args.target), None
+    target, first, results = gpu_target(args.target), None, []
     t0 = time.perf_counter()
-    for i, spec in enumerate(specs(args.limit)):
+    for spec in specs(args.limit):
         try:
-            out.set(i, compile_spec(spec, target).asm["cubin"])
+            results.append(compile_spec(spec, target).asm["cubin"])
         except Exception as exc:
-            out.set(i, error=exc)
+            results.append(exc)
         first = first or time.perf_counter() - t0
     wall = time.perf_counter() - t0
     stamps["ready"] = time.time()
@@ -85,7 +76,7 @@ def sequential(args: argparse.Namespace) -> dict[str, Any]:
         "first_s": first,
         "stamps": stamps,
         "assertion": f"{new} new Triton cache entries (want 0)" if bad else None,
-        **out.report(),
+        **outcome(results, args.limit),
     }
 
 
@@ -94,10 +85,10 @@ async def baseline(args: argparse.Namespace) -> dict[str, Any]:
     import anyio
     import anyio.to_process
 
-    from acompile._bench.corpus import Outcome, compile_index, compile_spec, gpu_target, specs
+    from acompile._bench.corpus import compile_index, compile_spec, gpu_target, outcome, specs
 
     n = len(specs(args.limit))
-    out = Outcome([s.name for s in specs(args.limit)])
+    results: list[Any] = [None] * n
     limiter = anyio.CapacityLimiter(args.workers)
     executor: ProcessPoolExecutor | None = None
 
@@ -112,12 +103,12 @@ async def baseline(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 work = functools.partial(compile_index, i, args.target, args.limit)
                 asm = (await anyio.to_process.run_sync(work, limiter=limiter))["asm"]
-            out.set(i, asm.get("cubin"))
+            results[i] = asm.get("cubin")
         except Exception as exc:
-            out.set(i, error=exc)
+            results[i] = exc
 
     extra = {}
-    async with harness.probing() as probe:
+    async with harness.probing() as lag:
         t0 = time.perf_counter()
         if args.row == "process_pool":
             # Spawn: this process has imported Triton, so fork is unsafe.
@@ -130,13 +121,13 @@ async def baseline(args: argparse.Namespace) -> dict[str, Any]:
             t1 = time.perf_counter()
             await anyio.to_thread.run_sync(functools.partial(executor.shutdown, wait=True))
             extra["shutdown_s"] = time.perf_counter() - t1
-    return {"wall_s": wall, "lag": harness.latency(probe.samples), **extra, **out.report()}
+    return {"wall_s": wall, "lag": harness.latency(lag), **extra, **outcome(results, args.limit)}
 
 
 async def acompile_row(args: argparse.Namespace) -> dict[str, Any]:
     """``acompile_cold``, ``acompile_warm_pool`` or ``warm_acompile`` (``args.row``)."""
     import acompile
-    from acompile._bench.corpus import Outcome, acompile_specs
+    from acompile._bench.corpus import acompile_specs, outcome
 
     stamps = {"imported": time.time()}
     requests = acompile_specs(args.limit)
@@ -145,13 +136,13 @@ async def acompile_row(args: argparse.Namespace) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     t_enter = time.perf_counter()
     pool = acompile.CompilePool(args.workers, target=args.target, cache_dir=cache, prestart=not warm_start)
-    async with harness.probing() as probe:
+    async with harness.probing() as lag:
         # The warm pool's clock starts once its workers are ready; the others' before entry.
         if args.row == "acompile_warm_pool":
             await pool.__aenter__()
             await pool.wait_ready()
             extra["ready_s"] = time.perf_counter() - t_enter
-            probe.samples.clear()
+            lag.clear()
         t0 = time.perf_counter()
         if args.row != "acompile_warm_pool":
             await pool.__aenter__()
@@ -176,25 +167,17 @@ async def acompile_row(args: argparse.Namespace) -> dict[str, Any]:
             problems.append(f"{stats['workers']['started']} workers started (want 0)")
     return {
         "wall_s": wall,
-        "lag": harness.latency(probe.samples),
+        "lag": harness.latency(lag),
         "stats": stats,
         "stamps": stamps,
         "assertion": "; ".join(problems) or None,
         **extra,
-        **Outcome.of(results, args.limit).report(),
+        **outcome(results, args.limit),
     }
 
 
-CHILDREN = {
-    "sequential": sequential,
-    "threads": baseline,
-    "process_pool": baseline,
-    "anyio_to_process": baseline,
-    "acompile_cold": acompile_row,
-    "acompile_warm_pool": acompile_row,
-    "warm_acompile": acompile_row,
-    "warm_triton": sequential,
-}
+CHILDREN = {"sequential": sequential, "warm_triton": sequential, **dict.fromkeys(ROWS[1:4], baseline)}
+CHILDREN |= dict.fromkeys(("acompile_cold", "acompile_warm_pool", "warm_acompile"), acompile_row)
 
 
 # -- the orchestrator ----------------------------------------------------------------------------
@@ -225,7 +208,7 @@ def report(results: dict[str, dict[str, Any]], machine: dict[str, Any], args: ar
         f"acompile compile benchmark: {n} specs, target {args.target}, {args.workers} workers",
         f"machine: {machine['cpu_count']} CPUs ({machine['usable_cpus']} usable), {machine['cpu_model']}; "
         f"python {machine['python']}, triton {machine['triton']}, anyio {machine['anyio']}, "
-        f"acompile {machine['acompile']} ({machine['acompile_commit']})",
+        f"acompile {machine['acompile']}",
         f"idle loop lag floor: p99 {harness.fmt(lag['p99_ms'])} ms, max {harness.fmt(lag['max_ms'])} ms",
         "",
     ]
@@ -245,11 +228,9 @@ def report(results: dict[str, dict[str, Any]], machine: dict[str, Any], args: ar
         rows.append([name, *cells, harness.fmt(r["cpu_s"], ".1f"), harness.fmt(r["loadavg_before"])])
     lines += [harness.table(header, rows), ""] if rows else []
     for name, label in (("warm_acompile", "acompile"), ("warm_triton", "Triton")):
-        r = results.get(name)
-        if r is None:
-            continue
-        if "crashed" in r:
-            lines.append(f"warm start, {label}: CRASHED: {r['crashed']}")
+        r = results.get(name, {})
+        if not r or "crashed" in r:
+            lines += [f"warm start, {label}: CRASHED: {r['crashed']}"] if r else []
             continue
         first = f"first kernel {r['first_s'] * 1000:.1f} ms, " if r.get("first_s") else ""
         lines.append(
@@ -259,12 +240,10 @@ def report(results: dict[str, dict[str, Any]], machine: dict[str, Any], args: ar
             f"{r['process_to_imported_s'] * 1000:.0f} ms); ok {r['ok']}/{r['specs']}"
             + (f"; ASSERTION FAILED: {r['assertion']}" if r.get("assertion") else "")
         )
-    lines += [
-        f"{k}: {r['failed']} failed, e.g. {next(iter(r['errors'].items()))}"
-        for k, r in results.items()
-        if r.get("errors")
-    ]
-    return "\n".join(lines)
+    bad = {k: r for k, r in results.items() if r.get("errors")}
+    return "\n".join(
+        [*lines, *(f"{k}: {r['failed']} failed, e.g. {min(r['errors'].items())}" for k, r in bad.items())]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

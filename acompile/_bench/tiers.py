@@ -2,14 +2,10 @@
 corpus from each tier against Triton's file cache and its Redis remote cache. It starts a private
 ``redis-server`` on loopback; each step runs in a fresh process.
 
-- ``fill``: ``acompile_cold`` into a disk folder with Redis as the shared tier; Triton's
-  ``sequential`` fills its file cache, and again its Redis backend.
-- ``hit_memory`` / ``hit_disk`` / ``hit_shared``: per-request latency of a hit, one request at a
-  time, 5 passes (``hit_shared`` reads an empty disk folder, emptied again before each pass).
-- warm starts, fresh process, every kernel at once: acompile from disk, acompile from Redis (empty
-  disk folder), Triton from its file cache, from Redis with an empty local folder, and from Redis
-  with the local folder the previous step filled. acompile's steps fail unless every kernel came
-  from the tier measured and no worker started.
+The fill compiles the corpus into a disk folder with Redis as the shared tier (and Triton into
+its file cache, and into its Redis backend). Hit steps time one request at a time, 5 passes, each
+from one tier (``hit_shared`` on an empty disk folder, emptied before each pass); warm starts
+request every kernel at once and fail unless every kernel came from the tier measured.
 
 On Triton 3.9.0 the Redis backend reads ``knobs.cache.redis``, which is ``knobs.redis``:
 ``TritonRedisBackend`` below repairs only that lookup.
@@ -102,7 +98,7 @@ async def acompile_step(args: argparse.Namespace) -> dict[str, Any]:
     """``fill``, a hit step or an acompile warm step (``args.step``)."""
     import anyio
 
-    from acompile._bench.corpus import Outcome, acompile_specs
+    from acompile._bench.corpus import acompile_specs, outcome
 
     stamps = {"imported": time.time()}
     tier = args.step.removeprefix("hit_").removeprefix("warm_")
@@ -113,8 +109,12 @@ async def acompile_step(args: argparse.Namespace) -> dict[str, Any]:
         if args.step.startswith("hit_"):
             if tier == "memory":
                 await pool.gather(*requests)  # into the memory tier first, not counted
-            for _p in range(PASSES):
-                # The previous pass wrote every entry to disk: remove them, so this one reads Redis.
+            for p in range(PASSES):
+                # The previous pass wrote every entry to disk (behind, after each hit): remove them
+                # once written, so that this pass reads Redis again.
+                with anyio.move_on_after(5):
+                    while tier == "shared" and pool.stats()["cache"]["disk_writes"] < p * len(requests):  # noqa: ASYNC110
+                        await anyio.sleep(0.005)
                 entries = entries_dir(Path(args.empty))
                 await anyio.to_thread.run_sync(functools.partial(shutil.rmtree, entries, ignore_errors=True))
                 for i, spec in enumerate(requests):
@@ -142,7 +142,7 @@ async def acompile_step(args: argparse.Namespace) -> dict[str, Any]:
         "latency": harness.latency(samples) if samples else None,
         "stats": stats,
         "assertion": "; ".join(_problems(dict(stats), n, tier)) or None,
-        **Outcome.of(results, args.limit).report(),
+        **outcome(results, args.limit),
     }
 
 
@@ -160,9 +160,7 @@ def redis_server(executable: str, folder: Path) -> Any:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     cmd = [executable, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    process = subprocess.Popen(
-        [*cmd, "--dir", str(folder)], stdout=subprocess.DEVNULL, start_new_session=True
-    )
+    process = subprocess.Popen(cmd, cwd=folder, stdout=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 10
         while True:
@@ -223,21 +221,17 @@ def run(root: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 def failed(section: dict[str, Any]) -> list[str]:
     """The steps that crashed or whose checks failed."""
-    return [
-        f"tiers {s}"
-        for s, r in section["steps"].items()
-        if "crashed" in r or r.get("assertion") or r.get("failed")
-    ]
+    bad = [s for s, r in section["steps"].items() if "crashed" in r or r.get("assertion") or r.get("failed")]
+    return [f"tiers {s}" for s in bad]
 
 
 def report(section: dict[str, Any]) -> str:
     """The section as text: two tables."""
     steps, f = section["steps"], harness.fmt
+    lat = {s: steps[s].get("latency") or {} for s in HIT_STEPS if s in steps}
     hits = [
-        [s.removeprefix("hit_"), f((steps[s].get("latency") or {}).get("p50_ms"), ".3f"),
-         f((steps[s].get("latency") or {}).get("p99_ms"), ".3f")]
-        for s in HIT_STEPS if s in steps
-    ]  # fmt: skip
+        [s.removeprefix("hit_"), f(v.get("p50_ms"), ".3f"), f(v.get("p99_ms"), ".3f")] for s, v in lat.items()
+    ]
     warm = [
         [label, f(steps[s].get("first_s"), ".1f", 1000), f(steps[s].get("wall_s"), ".1f", 1000),
          f(steps[s].get("process_to_ready_s"), ".0f", 1000)]
