@@ -11,7 +11,6 @@ import ctypes
 import errno
 import os
 import re
-import secrets
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -24,6 +23,7 @@ import anyio
 from acompile._backends._registry import BACKENDS
 from acompile._cache._entry import Entry
 from acompile._cache._keys import make_key
+from acompile._cache._layout import lib_path, logs_dir, temp_path
 from acompile._errors import (
     BackendUnavailableError,
     CppCompileError,
@@ -216,7 +216,7 @@ async def make_request(
         "command": command,
         "key_parts": key_parts,
         # Where a worker writes a compiler log too long for an error (see _logs).
-        "log_dir": str(memo_dir.parent / "logs"),
+        "log_dir": str(logs_dir(memo_dir.parent)),
     }
     return NativeRequest(key, name, backend, output, payload, key_parts)
 
@@ -228,7 +228,7 @@ async def load_file(request: NativeRequest, entry: Entry, cache_root: Path) -> S
     """Publish a library or object file in ``<cache_root>/lib`` and load it (a library) with
     ctypes. A file that cannot be written or loaded is a compile error of the request's kind."""
     output = request.output
-    path = cache_root / "lib" / f"{request.key}.{output}"
+    path = lib_path(cache_root, request.key, output)
     try:
         await anyio.to_thread.run_sync(_publish, path, entry.blobs[output])
         if output == "o":
@@ -258,7 +258,7 @@ def _publish(path: Path, data: bytes) -> None:
     except FileNotFoundError:
         pass
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    tmp = temp_path(path)
     try:
         tmp.write_bytes(data)
         os.replace(tmp, path)

@@ -28,6 +28,7 @@ from acompile._backends import _triton_source, _triton_toolchain
 from acompile._backends._registry import BACKENDS
 from acompile._cache._entry import Entry
 from acompile._cache._keys import make_key
+from acompile._cache._layout import logs_dir
 from acompile._errors import DeviceUnavailableError, InvalidSpecError, bounded
 from acompile._targets import Target, parse_target
 from acompile._version import __version__
@@ -192,7 +193,7 @@ async def prepare(spec: TritonSpec, default_target: Target | None, memo_dir: Pat
         # Stored with the entry, so that a miss that should have been a hit can be explained.
         "key_parts": key_parts,
         # Where a worker writes a compiler message too long for an error (see _logs).
-        "log_dir": str(memo_dir.parent / "logs"),
+        "log_dir": str(logs_dir(memo_dir.parent)),
     }
     return TritonRequest(key, fn.__name__, target, fn, signature, constants, attrs, payload, key_parts)
 

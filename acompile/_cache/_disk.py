@@ -19,7 +19,6 @@ import errno
 import logging
 import os
 import queue
-import secrets
 import shutil
 import stat
 import tempfile
@@ -35,10 +34,11 @@ import aiofiles.os
 import anyio
 
 from acompile._cache._entry import CorruptEntry
+from acompile._cache._layout import ENTRIES, entries_dir, temp_path, toolchain_dir
 
 logger = logging.getLogger("acompile")
 
-LAYOUT = "v1"
+LAYOUT = ENTRIES  # the entries folder's name: the format's version
 
 # How long a disk read or write may take before it is abandoned. A whole entry (tens of KB to a
 # few MB) comes from a local disk in milliseconds and from a healthy network filesystem in well
@@ -137,7 +137,7 @@ def _read_file(path: Path) -> bytes | None:
 
 def _write_file(final: Path, data: bytes) -> None:
     final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name[:16]}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    tmp = temp_path(final)
     try:
         with open(tmp, "xb") as f:
             f.write(data)
@@ -159,7 +159,7 @@ class DiskTier:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
-        self.entries = self.root / LAYOUT
+        self.entries = entries_dir(self.root)
 
     def path(self, key: str) -> Path:
         if len(key) < 3 or not all(c in "0123456789abcdef" for c in key):
@@ -258,7 +258,7 @@ class GuardedDisk:
     def memo_dir(self) -> Path:
         """Where backends remember the toolchain's identity: in the cache folder, or in a
         private temporary folder when the cache folder did not answer."""
-        return self._private_memo or self.root / "toolchain"
+        return self._private_memo or toolchain_dir(self.root)
 
     def stats(self) -> dict[str, Any]:
         """``disk_writes`` for ``stats()["cache"]``."""
