@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -285,11 +285,27 @@ class CompilePool:
         # In the cache folder, unless it did not answer at start (a hung filesystem).
         return self._cache.memo_dir
 
-    @property
-    def _shared(self) -> SharedTier | None:
-        # The shared tier, for the command line's warm-up summary (its counts).
-        tier = self._cache.tier("shared")
-        return tier if isinstance(tier, SharedTier) else None
+    async def share(self, keys: Iterable[str]) -> tuple[int, int]:
+        """Make sure the cache tiers after the disk (the shared tier) hold these entries, found
+        on this pool's disk: a kernel served from the local cache never touches the shared tier,
+        so a warm-up job on a machine with a warm disk calls this to fill its fleet's tier.
+
+        Returns (entries the tiers held already, entries written to them). A tier's faults are
+        counted in ``stats()["cache"]`` (``shared_errors``), never raised; an entry absent from
+        the disk is skipped.
+        """
+        self._check_running()
+        found = written = 0
+
+        async def one(key: str) -> None:
+            nonlocal found, written
+            f, w = await self._cache.spread(key)
+            found, written = found + f, written + w
+
+        async with anyio.create_task_group() as tg:
+            for key in dict.fromkeys(keys):
+                tg.start_soon(one, key)
+        return found, written
 
     async def _worker_config(self) -> dict[str, Any]:
         extra: dict[str, Any] = {}

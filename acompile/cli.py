@@ -342,33 +342,14 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
 
 
 async def _confirm_local_hits(pool: Any, rows: list[dict[str, Any]]) -> int:
-    """Make sure the kernels the local cache answered are in the shared tier too: look each up
-    there, and publish it from the disk where it is absent. Returns how many were found there.
-
-    A local hit never touches the shared tier, so without this a warm-up on a machine with a warm
-    disk would fill nothing. Publications count in the pool's ``shared_writes``.
+    """Make sure the kernels the local cache answered are in the shared tier too (a local hit
+    never touches it): ``pool.share`` looks each up there and publishes it from the disk where it
+    is absent. Returns how many were found there; publications count in ``shared_writes``.
     """
-    tier = pool._shared  # the pool's shared tier: its counts are the ones the summary reports
-    if tier is None:
-        return 0
     from_pool = {r["key"] for r in rows if r.get("tier") in ("compile", "shared")}
     local = sorted({r["key"] for r in rows if r.get("tier") in ("memory", "disk")} - from_pool)
-    disk = DiskTier(pool.cache_dir)
-    found = 0
-
-    async def one(key: str) -> None:
-        nonlocal found
-        if await tier.get(key) is not None:
-            found += 1
-            return
-        data = await disk.get(key)
-        if data is not None:
-            await tier.set(key, data)
-
-    async with anyio.create_task_group() as tg:
-        for key in local:
-            tg.start_soon(one, key)
-    return found
+    found, _ = await pool.share(local)
+    return int(found)
 
 
 def _add_job_times(rows: list[dict[str, Any]], trace_path: Path) -> None:

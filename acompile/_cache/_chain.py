@@ -208,6 +208,25 @@ class TierChain:
 
     # -- records ---------------------------------------------------------------------------------
 
+    async def spread(self, key: str) -> tuple[int, int]:
+        """Make sure every tier after the local one holds the local entry ``key`` (a local hit
+        never touches them): look it up in each, and write it where it is absent. Returns (how
+        many tiers held it already, how many it was written to); a tier's faults count as
+        neither. Used by warm-up jobs that must fill a fleet's tier from a warm disk."""
+        found = written = 0
+        data: bytes | None = None
+        for tier in self.tiers[1:]:
+            if await tier.get(key) is not None:
+                found += 1
+                continue
+            if data is None:
+                data = await self.local.get(key)
+                if data is None:
+                    return found, written
+            if await tier.set(key, data):
+                written += 1
+        return found, written
+
     async def get_record(self, key: str) -> Entry | None:
         """A small record (not a kernel) from the byte tiers, in order: autotuning choices and
         similar decisions, reused by other processes and replicas. Not counted as a hit.
