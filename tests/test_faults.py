@@ -24,6 +24,7 @@ import psutil
 import pytest
 from conftest import subprocess_env
 from fake_backend import run_job
+from processes import is_template, pool_processes, until
 
 import acompile
 
@@ -44,23 +45,6 @@ def pool(cache_dir: Path, workers: int = 2, **kw: object) -> acompile.CompilePoo
     return acompile.CompilePool(workers, target="cuda:90", cache_dir=cache_dir, preload=(), **kw)  # type: ignore[arg-type]
 
 
-def pool_processes() -> list[psutil.Process]:
-    """This process's workers and templates (every acompile._worker process under it)."""
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if "acompile._worker" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
-                found.append(child)
-        except psutil.Error:
-            pass
-    return found
-
-
-def is_template(proc: psutil.Process) -> bool:
-    # Forked workers inherit the template's command line: the template is the one we started.
-    return proc.ppid() == os.getpid() and "--template" in proc.cmdline()
-
-
 def compilers_marked(mark: str) -> list[psutil.Process]:
     """Compiler processes anywhere on the machine (orphans included) whose command line holds mark."""
     found = []
@@ -73,16 +57,6 @@ def compilers_marked(mark: str) -> list[psutil.Process]:
         except psutil.Error:
             pass
     return found
-
-
-async def until(predicate: object, seconds: float = 10) -> None:
-    with anyio.fail_after(seconds):
-        # Processes and counters have no events to wait on: poll them.
-        while not predicate():  # type: ignore[operator]  # noqa: ASYNC110
-            await anyio.sleep(0.01)
-
-
-# --- a kill costs only the job it hit -----------------------------------------------------------
 
 
 @pytest.mark.parametrize("fork_workers", [True, False], ids=["forked", "fresh"])

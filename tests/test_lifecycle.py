@@ -19,6 +19,7 @@ import psutil
 import pytest
 from conftest import subprocess_env
 from fake_backend import local_executor, run_job
+from processes import forked_and_fresh, gone, template_pids, until, worker_pids
 
 import acompile
 
@@ -28,55 +29,6 @@ FAKE = "fake_backend"
 
 def pool(cache_dir: Path, workers: int = 2, **kw: object) -> acompile.CompilePool:
     return acompile.CompilePool(workers, target="cuda:90", cache_dir=cache_dir, preload=(), **kw)  # type: ignore[arg-type]
-
-
-# Every test of a fault runs with workers forked from the template and with fresh interpreters:
-# the two start, stop and die differently.
-forked_and_fresh = pytest.mark.parametrize("fork_workers", [True, False], ids=["forked", "fresh"])
-
-
-def worker_pids() -> list[int]:
-    """The workers alive under this process, from the process table: processes running
-    acompile._worker, less the template (a direct child started with --template; the workers it
-    forks inherit its command line)."""
-    me = os.getpid()
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            cmdline = child.cmdline()
-            if "acompile._worker" not in " ".join(cmdline) or child.status() == psutil.STATUS_ZOMBIE:
-                continue
-            if "--template" in cmdline and child.ppid() == me:
-                continue
-            found.append(child.pid)
-        except psutil.Error:
-            pass  # gone while we looked
-    return found
-
-
-def template_pids() -> list[int]:
-    found = []
-    for child in psutil.Process().children():
-        try:
-            if "--template" in child.cmdline() and child.status() != psutil.STATUS_ZOMBIE:
-                found.append(child.pid)
-        except psutil.Error:
-            pass
-    return found
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-async def until(predicate: object, seconds: float = 10) -> None:
-    with anyio.fail_after(seconds):
-        # Processes and counters have no events to wait on: poll them.
-        while not predicate():  # type: ignore[operator]  # noqa: ASYNC110
-            await anyio.sleep(0.01)
 
 
 @forked_and_fresh

@@ -6,12 +6,12 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
 
 import anyio
 import psutil
 import pytest
 from fake_backend import local_executor, run_job
+from processes import forked_and_fresh, gone, until, worker_pids
 
 import acompile
 from acompile._workers import JobCancelled
@@ -20,46 +20,8 @@ pytestmark = pytest.mark.anyio
 FAKE = "fake_backend"
 
 
-async def until(predicate: Any, seconds: float = 10) -> None:
-    """Wait for a state of the pool (its counters have no events to wait on)."""
-    with anyio.fail_after(seconds):
-        while not predicate():  # noqa: ASYNC110
-            await anyio.sleep(0.005)
-
-
 def pool(cache_dir: Path, workers: int = 2, **kw: object) -> acompile.CompilePool:
     return acompile.CompilePool(workers, target="cuda:90", cache_dir=cache_dir, preload=(), **kw)  # type: ignore[arg-type]
-
-
-# Every test of a fault runs with workers forked from the template and with fresh interpreters:
-# the two start, stop and die differently.
-forked_and_fresh = pytest.mark.parametrize("fork_workers", [True, False], ids=["forked", "fresh"])
-
-
-def worker_pids() -> list[int]:
-    """The workers alive under this process, from the process table: processes running
-    acompile._worker, less the template (a direct child started with --template; the workers it
-    forks inherit its command line)."""
-    me = os.getpid()
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            cmdline = child.cmdline()
-            if "acompile._worker" not in " ".join(cmdline) or child.status() == psutil.STATUS_ZOMBIE:
-                continue
-            if "--template" in cmdline and child.ppid() == me:
-                continue
-            found.append(child.pid)
-        except psutil.Error:
-            pass  # gone while we looked
-    return found
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 async def test_jobs_run_in_separate_worker_processes(cache_dir: Path, tmp_path: Path) -> None:

@@ -1,0 +1,59 @@
+"""What the tests of worker processes share: the process table as the pool's users see it, and a
+bounded wait for a state that has no event (processes, counters)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import anyio
+import psutil
+import pytest
+
+# Every test of a fault runs with workers forked from the template and with fresh interpreters:
+# the two start, stop and die differently.
+forked_and_fresh = pytest.mark.parametrize("fork_workers", [True, False], ids=["forked", "fresh"])
+
+
+def pool_processes() -> list[psutil.Process]:
+    """Every live process of a pool under this one: workers and the template."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "acompile._worker" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
+                found.append(child)
+        except psutil.Error:
+            pass  # gone while we looked
+    return found
+
+
+def is_template(proc: psutil.Process) -> bool:
+    # Forked workers inherit the template's command line: the template is the one we started.
+    try:
+        return proc.ppid() == os.getpid() and "--template" in proc.cmdline()
+    except psutil.Error:
+        return False
+
+
+def worker_pids() -> list[int]:
+    """The workers alive under this process, from the process table (the template aside)."""
+    return [p.pid for p in pool_processes() if not is_template(p)]
+
+
+def template_pids() -> list[int]:
+    return [p.pid for p in pool_processes() if is_template(p)]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+async def until(predicate: Callable[[], object], seconds: float = 10) -> None:
+    """Wait until predicate() is true, at most ``seconds`` (processes and counters have no
+    events to wait on: poll them)."""
+    with anyio.fail_after(seconds):
+        while not predicate():  # noqa: ASYNC110
+            await anyio.sleep(0.005)
