@@ -228,6 +228,7 @@ class CompilePool:
                 memory_limit=self._memory_limit,
                 max_compile_seconds=self._max_compile_seconds,
                 preload_timeout=self._preload_timeout,
+                idle_timeout=self._idle_timeout,
                 use_template=self._fork_workers,
             )
             # What the workers' preload needs from this process (Triton's key of its binaries,
@@ -242,8 +243,6 @@ class CompilePool:
             raise
         self._state = "running"
         self._tg.start_soon(self._workers.serve)
-        if self._idle_timeout is not None:
-            self._tg.start_soon(self._quiesce_when_idle, self._idle_timeout)
         if self._prestart:
             self._workers.wakeup()
         return self
@@ -313,20 +312,6 @@ class CompilePool:
             backend = load_parent(name)  # imported by __aenter__ already
             extra.update(await backend.worker_config(self._memo_dir))
         return extra
-
-    async def _quiesce_when_idle(self, after: float) -> None:
-        # A timer on the loop: sleep until `after` after the last activity, then look again.
-        workers = self._workers
-        assert workers is not None
-        while True:
-            idle_for = time.monotonic() - workers.last_activity
-            if idle_for < after or not workers.awake:
-                await anyio.sleep(after - idle_for if workers.awake else after)
-                continue
-            if workers.busy == 0 and not workers.queue:
-                logger.debug("no work for %.1f s: quiescing the pool", idle_for)
-                workers.quiesce()
-            workers.last_activity = time.monotonic()
 
     def _check_running(self) -> None:
         if self._state != "running":
@@ -542,10 +527,10 @@ class CompilePool:
         return kernel
 
     async def compile_with_tier(self, spec: Any, *, background: bool = False) -> tuple[Any, str]:
-        """Like ``compile()``, and say where the result came from: ``"memory"``, ``"disk"`` or
-        ``"compile"`` (a worker compiled it for this request or one it joined)."""
+        """Like ``compile()``, and say where the result came from: ``"memory"``, ``"disk"``,
+        ``"shared"`` or ``"compile"`` (a worker compiled it for this request or one it joined)."""
         self._check_running()
-        backend = load_parent(_backend_of(spec))
+        backend = load_parent(backend_of(spec))
         request = await backend.prepare(spec, self._target, self._memo_dir)
         kernel = self._cache.loaded(request.key)
         if kernel is not None:
@@ -590,10 +575,10 @@ class CompilePool:
         """Add a request this pool served (successfully) to the warm-up record, in the
         background: a failed request would only fail again at every replay."""
         recorder = self._recorder
-        if recorder is None or self._state != "running" or _backend_of(spec) != "triton":
+        if recorder is None or self._state != "running" or backend_of(spec) != "triton":
             return
         assert self._tg is not None
-        if recorder._seen is not None and request.key in recorder._seen:
+        if recorder.recorded(request.key):
             return
         self._tg.start_soon(anyio.to_thread.run_sync, recorder.add, request, spec)
 
@@ -830,8 +815,3 @@ def _check_backends(names: tuple[str, ...]) -> None:
     unknown = [n for n in names if n not in BACKENDS]
     if unknown:
         raise ValueError(f"unknown backend(s) to preload: {unknown}; known: {sorted(BACKENDS)}")
-
-
-def _backend_of(spec: Any) -> str:
-    """The backend's name (``BACKENDS``) for a spec, by its type; ``TypeError`` for a non-spec."""
-    return backend_of(spec)

@@ -171,6 +171,12 @@ class Recorder:
                 self._seen = set()
         return self._seen
 
+    def recorded(self, key: str) -> bool:
+        """Whether ``key`` is known to be recorded already (cheap, without reading the file: a
+        False may still turn out recorded when ``add`` reads it)."""
+        seen = self._seen
+        return seen is not None and key in seen
+
     def add(self, request: Any, spec: Any) -> bool:
         """Record one request (once per key); False if it cannot be written as a manifest entry."""
         with self._lock:

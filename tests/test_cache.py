@@ -330,3 +330,34 @@ async def test_the_chain_waits_for_a_replica_that_holds_the_lease(tmp_path: Path
         await chain.drain(5)
     assert entry.name == "theirs" and tier == "fleet" and chain.stats()["fleet_waits"] == 1
     assert await chain.local.files.get(key) == chain_entry(key, "theirs")  # kept on disk
+
+
+async def test_spreading_a_local_entry_fills_the_tiers_after_disk_and_never_spreads_damage(
+    tmp_path: Path,
+) -> None:
+    far = DictTier("far")
+    chain = TierChain(MemoryTier(4), GuardedDisk(tmp_path), [far], fleet_wait=1.0)
+    await chain.open()
+    good, there, damaged, absent = "a1" * 32, "b2" * 32, "c3" * 32, "d4" * 32
+    await chain.local.set(good, chain_entry(good))
+    await chain.local.set(there, chain_entry(there))
+    far.data[there] = chain_entry(there)
+    await chain.local.set(damaged, chain_entry(damaged)[:-1] + b"!")  # one byte flipped
+    assert await chain.spread(good) == (0, 1) and far.data[good] == chain_entry(good)
+    assert await chain.spread(there) == (1, 0)
+    assert await chain.spread(damaged) == (0, 0) and damaged not in far.data
+    assert await chain.spread(absent) == (0, 0)
+    far.data[good] = b"not an entry"  # a damaged copy in the far tier is replaced, not raised
+    far.get = _raising_get(far.get)  # type: ignore[method-assign]
+    assert await chain.spread(good) == (0, 1) and far.data[good] == chain_entry(good)
+    await chain.close()
+
+
+def _raising_get(get: Any) -> Any:
+    async def checked(key: str) -> bytes | None:
+        data: bytes | None = await get(key)
+        if data is not None and not data.startswith(chain_entry(key)[:4]):
+            raise CorruptEntry("not an entry")
+        return data
+
+    return checked

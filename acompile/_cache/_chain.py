@@ -122,11 +122,6 @@ class TierChain:
         """Where backends remember the toolchain's identity (see ``GuardedDisk.memo_dir``)."""
         return self.local.memo_dir
 
-    @property
-    def pending_writes(self) -> int:
-        """Write-behind work not finished yet."""
-        return self._pending
-
     def tier(self, name: str) -> Tier | None:
         """The byte tier of that name (``"disk"``, ``"shared"``), if the chain has one."""
         return next((t for t in self.tiers if t.name == name), None)
@@ -181,7 +176,8 @@ class TierChain:
         of the fleet already is compiling the key, then wait for its entry. Returns the entry
         and ``"compile"``, or where the replica's entry came from.
 
-        The entry is on the local tier when this returns, and on its way to the others.
+        A compiled entry is on the local tier when this returns, and on its way to the others;
+        one taken from another replica reaches the local tier in the background.
         Raises what ``compile()`` raises (``CorruptEntry`` for bytes that are not an entry).
         """
         leases = self._lease_tier
@@ -210,19 +206,24 @@ class TierChain:
 
     async def spread(self, key: str) -> tuple[int, int]:
         """Make sure every tier after the local one holds the local entry ``key`` (a local hit
-        never touches them): look it up in each, and write it where it is absent. Returns (how
-        many tiers held it already, how many it was written to); a tier's faults count as
-        neither. Used by warm-up jobs that must fill a fleet's tier from a warm disk."""
+        never touches them): look it up in each, and write it where it is absent or damaged.
+        Returns (how many tiers held it already, how many it was written to). The local copy is
+        verified first (a damaged one is not spread to a fleet); faults count as neither, and
+        are never raised. Used by warm-up jobs that fill a fleet's tier from a warm disk."""
         found = written = 0
         data: bytes | None = None
         for tier in self.tiers[1:]:
-            if await tier.get(key) is not None:
-                found += 1
-                continue
+            try:
+                if await tier.get(key) is not None:
+                    found += 1
+                    continue
+            except CorruptEntry:
+                pass  # a damaged copy there: the good one replaces it
             if data is None:
-                data = await self.local.get(key)
-                if data is None:
+                entry = await self._read(self.local, key)
+                if entry is None:
                     return found, written
+                data = entry.encode()
             if await tier.set(key, data):
                 written += 1
         return found, written

@@ -34,11 +34,9 @@ import aiofiles.os
 import anyio
 
 from acompile._cache._entry import CorruptEntry
-from acompile._cache._layout import ENTRIES, entries_dir, temp_path, toolchain_dir
+from acompile._cache._layout import entries_dir, temp_path, toolchain_dir
 
 logger = logging.getLogger("acompile")
-
-LAYOUT = ENTRIES  # the entries folder's name: the format's version
 
 # How long a disk read or write may take before it is abandoned. A whole entry (tens of KB to a
 # few MB) comes from a local disk in milliseconds and from a healthy network filesystem in well

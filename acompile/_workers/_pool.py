@@ -129,6 +129,7 @@ class WorkerPool:
         memory_limit: int | None = None,
         max_compile_seconds: float | None = None,
         preload_timeout: float = 120.0,
+        idle_timeout: float | None = None,
         use_template: bool = True,
     ) -> None:
         if size < 1:
@@ -139,6 +140,7 @@ class WorkerPool:
         self.memory_limit = memory_limit
         self.max_compile_seconds = max_compile_seconds
         self.preload_timeout = preload_timeout
+        self.idle_timeout = idle_timeout
         self.use_template = use_template and hasattr(os, "fork") and sys.platform.startswith("linux")
         self.queue = JobQueue()
         self.counters = PoolStats()
@@ -278,6 +280,8 @@ class WorkerPool:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 tg.start_soon(self._watch_memory)
+                if self.idle_timeout is not None:
+                    tg.start_soon(self._quiesce_when_idle, self.idle_timeout)
                 while True:
                     await self._wake.wait()
                     self._wake = anyio.Event()
@@ -680,6 +684,19 @@ class WorkerPool:
         self.counters.jobs_failed += 1
         logger.error("worker pid %d %s while compiling %s", worker.pid, describe_exit(code), job.name)
         return cause
+
+    async def _quiesce_when_idle(self, after: float) -> None:
+        """Quiesce after ``after`` seconds without work (``idle_timeout``): a timer on the loop
+        that sleeps until then, and looks again."""
+        while True:
+            idle_for = time.monotonic() - self.last_activity
+            if idle_for < after or not self.awake:
+                await anyio.sleep(after - idle_for if self.awake else after)
+                continue
+            if self.busy == 0 and not self.queue:
+                logger.debug("no work for %.1f s: quiescing the pool", idle_for)
+                self.quiesce()
+            self.last_activity = time.monotonic()
 
     async def _watch_memory(self) -> None:
         """Measure every worker's memory (for stats) and stop any that passes the limit, or
