@@ -141,7 +141,11 @@ async def setup(memo_dir: Path, target: Target | None) -> None:
 
 async def worker_config(memo_dir: Path) -> dict[str, Any]:
     """What workers need from the parent: Triton's own key of its binaries, computed once."""
-    return {"triton_key": await anyio.to_thread.run_sync(_triton_toolchain.triton_key, memo_dir)}
+    # Abandoned on cancellation: a pool left while this runs (the first time on a machine, it
+    # hashes Triton's binaries, ~0.7 s) does not wait for it; the thread finishes and remembers
+    # the result on disk for the next process.
+    key = await anyio.to_thread.run_sync(_triton_toolchain.triton_key, memo_dir, abandon_on_cancel=True)
+    return {"triton_key": key}
 
 
 _toolchain_memo: dict[str, str] | None = None

@@ -533,7 +533,7 @@ class WorkerPool:
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await listener.aclose()
-            await stop_template(template)
+            await stop_template(template, at_once=True)
             if isinstance(exc, (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError)):
                 code = template.process.returncode
                 tail = await anyio.to_thread.run_sync(stderr_tail, stderr_path)
@@ -550,7 +550,7 @@ class WorkerPool:
         if not isinstance(reply, _protocol.Ready):
             with anyio.CancelScope(shield=True):
                 await listener.aclose()
-            await stop_template(template)
+            await stop_template(template, at_once=True)
             raise WorkerStartError(f"template preload failed: {_failure(reply)}")
         threads = reply.threads
         if threads != 1:

@@ -249,10 +249,13 @@ class TransientStartError(WorkerStartError):
     back-off; queued jobs wait instead of failing."""
 
 
-async def stop_template(template: Template) -> None:
+async def stop_template(template: Template, *, at_once: bool = False) -> None:
     """Stop the template: at EOF it kills and reaps every worker it forked, then exits; once it
-    has exited, none of them is left."""
+    has exited, none of them is left. ``at_once``: it has forked nothing yet (it is still
+    preloading, and would notice EOF only when done): kill it now, leaving costs no preload."""
     with anyio.CancelScope(shield=True):
+        if at_once:
+            kill_group(template.pid)
         try:
             await template.stdin.aclose()
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
