@@ -73,7 +73,7 @@ def _triton_redis_backend() -> type[Any]:
 def _pool(args: argparse.Namespace, tier: str) -> Any:
     import acompile
 
-    options: dict[str, Any] = {"target": args.target, "prestart": tier == "fill"}
+    options: dict[str, Any] = {"target": args.target}  # the default pool: workers prestarted
     options["cache_dir"] = args.empty if tier == "shared" else args.disk
     options["shared_cache"] = args.redis if tier in ("fill", "shared") else None
     if args.step in ("hit_disk", "hit_shared"):
