@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import heapq
 import json
 import logging
 import os
@@ -476,6 +477,7 @@ def _cache_stats(root: Path) -> int:
     by_backend: Counter[str] = Counter()
     size_by_backend: Counter[str] = Counter()
     names: Counter[str] = Counter()
+    newest: list[tuple[float, str, str]] = []
     damaged = 0
     for path in disk.iter_paths():
         # The whole header, however long (an entry's recorded key parts may hold its source).
@@ -487,6 +489,9 @@ def _cache_stats(root: Path) -> int:
         by_backend[backend] += 1
         size_by_backend[backend] += os.path.getsize(path)
         names[f"{backend}:{header.get('name', '?')}"] += 1
+        newest = heapq.nlargest(
+            5, [*newest, (os.path.getmtime(path), path.name, f"{backend}:{header.get('name', '?')}")]
+        )
     total = sum(by_backend.values())
     print(f"cache folder: {root}")
     print(
@@ -499,6 +504,10 @@ def _cache_stats(root: Path) -> int:
         print("most variants:")
         for name, count in names.most_common(10):
             print(f"  {count:4d}  {name}")
+    if newest:
+        print("newest entries (a key's start is enough for `acompile cache explain`):")
+        for _, key, name in newest:
+            print(f"  {key[:16]}  {name}")
     return 0
 
 
@@ -599,16 +608,35 @@ def _cache_prune(args: argparse.Namespace, root: Path) -> int:
     return 1 if report.errors else 0
 
 
+def _resolve_key(root: Path, text: str) -> tuple[str, str]:
+    """A whole key from ``text``: a key, or the unique start of one (at least 6 hexadecimal
+    digits) among the folder's entries, as ``cache stats`` prints them. Returns (key, problem)."""
+    if is_key(text):
+        return text, ""
+    hexdigits = set("0123456789abcdef")
+    if len(text) < 6 or not set(text) <= hexdigits:
+        return "", f"{text!r} is not a cache key (64 hexadecimal digits, or a unique start of 6 or more)"
+    folder = DiskTier(root).path(text).parent
+    try:
+        found = sorted(p.name for p in folder.iterdir() if p.name.startswith(text) and is_key(p.name))
+    except OSError:
+        found = []
+    if len(found) != 1:
+        what = "no entry" if not found else f"{len(found)} entries"
+        return "", f"{what} in {root} start with {text!r}"
+    return found[0], ""
+
+
 def _cache_explain(args: argparse.Namespace, root: Path) -> int:
     from acompile._cache._explain import describe_factor, explain, explain_key, explain_miss
 
-    keys = [args.key.strip().lower()] + ([args.against.strip().lower()] if args.against else [])
-    for key in keys:
-        if not is_key(key):
-            print(
-                f"acompile cache explain: {key!r} is not a cache key (64 hexadecimal digits)", file=sys.stderr
-            )
+    keys = []
+    for text in [args.key] + ([args.against] if args.against else []):
+        key, problem = _resolve_key(root, text.strip().lower())
+        if problem:
+            print(f"acompile cache explain: {problem}", file=sys.stderr)
             return 2
+        keys.append(key)
 
     async def run() -> tuple[list[dict[str, Any]], list[tuple[str, list[tuple[str, object, object]]]]]:
         infos = [await explain_key(root, key) for key in keys]

@@ -622,3 +622,9 @@ def test_cli_explain_and_stats(cache_dir: Path) -> None:
 
     out = acompile_cmd("cache", "stats", "--cache-dir", root)
     assert out.returncode == 0 and "entries: 4" in out.stdout and "damaged" not in out.stdout
+    # stats shows the newest keys' starts, and explain takes a unique start of one.
+    assert f"  {ka[:16]}  triton:add_kernel" in out.stdout or f"  {kb[:16]}  triton:add_kernel" in out.stdout
+    out = acompile_cmd("cache", "explain", ka[:12], "--cache-dir", root)
+    assert out.returncode == 0 and f"key      {ka}" in out.stdout, out.stderr
+    out = acompile_cmd("cache", "explain", "f00ba4", "--cache-dir", root)
+    assert out.returncode == 2 and "no entry" in out.stderr and "start with 'f00ba4'" in out.stderr
