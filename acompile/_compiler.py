@@ -35,6 +35,7 @@ from acompile._targets import Target, local_target, parse_target
 from acompile._workers import BACKGROUND, URGENT, Executor, Job, JobCancelled, WorkerPool, idle_stats
 
 if TYPE_CHECKING:
+    from acompile._backends._contract import ParentBackend, Request
     from acompile._backends._cpp import CppSpec
     from acompile._backends._cuda import CudaSpec
     from acompile._backends._driver import CudaModule
@@ -526,7 +527,7 @@ class CompilePool:
         kernel, _ = await self.compile_with_tier(spec, background=background)
         return kernel
 
-    async def compile_with_tier(self, spec: Any, *, background: bool = False) -> tuple[Any, str]:
+    async def compile_with_tier(self, spec: Spec, *, background: bool = False) -> tuple[Any, str]:
         """Like ``compile()``, and say where the result came from: ``"memory"``, ``"disk"``,
         ``"shared"`` or ``"compile"`` (a worker compiled it for this request or one it joined)."""
         self._check_running()
@@ -571,7 +572,7 @@ class CompilePool:
         self._record(request, spec)
         return flight.result, flight.tier
 
-    def _record(self, request: Any, spec: Any) -> None:
+    def _record(self, request: Request, spec: Spec) -> None:
         """Add a request this pool served (successfully) to the warm-up record, in the
         background: a failed request would only fail again at every replay."""
         recorder = self._recorder
@@ -582,7 +583,7 @@ class CompilePool:
             return
         self._tg.start_soon(anyio.to_thread.run_sync, recorder.add, request, spec)
 
-    async def _fly(self, flight: _Flight, backend: Any, request: Any) -> None:
+    async def _fly(self, flight: _Flight, backend: ParentBackend[Any, Any, Any], request: Request) -> None:
         try:
             with flight.scope:
                 start = time.perf_counter()
