@@ -7,7 +7,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,25 +31,18 @@ def cache_dir(tmp_path: Path) -> Path:
     return tmp_path / "cache"
 
 
-def _workers() -> list[psutil.Process]:
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if "acompile._worker" in " ".join(child.cmdline()):
-                found.append(child)
-        except psutil.Error:
-            pass
-    return found
-
-
 @pytest.fixture(autouse=True)
 def no_worker_left_behind() -> object:
-    """Every test ends with no worker process of ours alive: leaving `async with` reaps them."""
+    """Every test ends with no worker process of ours alive: leaving `async with` reaps them.
+
+    A worker killed by the pool's exit may take a moment to be reaped by its template: look
+    again for up to 2 s before reporting what is still there."""
+    from processes import pool_processes
+
     yield
-    left = [p for p in _workers() if p.status() != psutil.STATUS_ZOMBIE]
-    if left:
-        time.sleep(0.5)  # report, but only what is still there after a moment
-        left = [p for p in _workers() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    deadline = time.monotonic() + 2
+    while (left := pool_processes()) and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert not left, f"worker processes left alive: {[p.pid for p in left]}"
 
 

@@ -651,7 +651,7 @@ async def test_autotune_add_on_the_gpu(cache_dir: Path) -> None:
 async def test_autotune_matmul_on_the_gpu_with_reset(cache_dir: Path) -> None:
     import torch
 
-    from acompile._bench.autotune import (
+    from acompile._bench.corpus import (
         MATMUL_ATTRS,
         MATMUL_SIG,
         matmul_args,

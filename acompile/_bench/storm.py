@@ -82,9 +82,12 @@ async def storm(jobs: int, workers: int, kills: int, target: str, seed: int) -> 
                         tg.start_soon(recovered, time.perf_counter())
 
             async def recovered(since: float) -> None:
-                # From this kill to the next moment the pool is at full size again.
-                await anyio.sleep(0.02)  # let the pool notice the death first
-                while pool.stats()["workers"]["alive"] < workers:  # noqa: ASYNC110 - no event for it
+                # From this kill to the next moment the pool is at full size again. First the
+                # pool notices the death (a process still starting was not counted: no drop).
+                with anyio.move_on_after(0.5):
+                    while pool.stats()["workers"]["alive"] == workers:  # noqa: ASYNC110 - no event for it
+                        await anyio.sleep(0.001)
+                while pool.stats()["workers"]["alive"] < workers:  # noqa: ASYNC110
                     await anyio.sleep(0.005)
                 recoveries.append(time.perf_counter() - since)
 
