@@ -61,21 +61,41 @@ def no_gpu_unless_marked(request: pytest.FixtureRequest, monkeypatch: pytest.Mon
 
 
 class FakeGPU:
-    """Replaces the GPU parts of the tuner: every benchmark is recorded, and timed per BLOCK."""
+    """Replaces the GPU parts of the tuner: every screening and every full run is recorded, and
+    timed per BLOCK (FAKE_MS, unless ``screen_ms`` or ``full_ms`` say otherwise)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        fail: frozenset[int] = frozenset(),
+        screen_ms: dict[int, float] | None = None,
+        full_ms: dict[int, float] | None = None,
+    ) -> None:
         self.benchmarked: list[tuple[int, int, tuple[int, ...]]] = []
+        self.full_runs: list[int] = []
         self.fail = fail
+        self.screen_ms = {**FAKE_MS, **(screen_ms or {})}
+        self.full_ms = {**self.screen_ms, **(full_ms or {})}
         monkeypatch.setattr(_autotune, "_gpu_info", lambda wanted, hint: (0, "Fake GPU", 90))
-        monkeypatch.setattr(_autotune, "_flush_buffer", lambda device: None)
+        monkeypatch.setattr(_autotune, "_prepare_gpu", lambda device: None)
         monkeypatch.setattr(_autotune, "_benchmark", self.benchmark)
 
-    def benchmark(self, kernel: Any, grid: tuple[int, ...], args: Any, *rest: Any) -> float:
+    def benchmark(
+        self, kernel: Any, grid: tuple[int, ...], args: Any, reset: Any, device: Any, flush: Any,
+        budget: Any, hopeless_ms: float | None,
+    ) -> tuple[float, int]:  # fmt: skip
         block = kernel._constants["BLOCK"]
-        self.benchmarked.append((block, kernel.metadata.num_warps, grid))
+        full = budget.timed_ms == _autotune._FULL_TIMED_MS
+        if full:
+            self.full_runs.append(block)
+        else:
+            self.benchmarked.append((block, kernel.metadata.num_warps, grid))
         if block in self.fail:
             raise RuntimeError(f"out of resource: shared memory (fake, BLOCK={block})")
-        return FAKE_MS[block]
+        ms = (self.full_ms if full else self.screen_ms)[block]
+        if hopeless_ms is not None and ms > hopeless_ms:
+            return ms, 1
+        return ms, 250 if full else 25
 
 
 def tune(p: acompile.CompilePool, configs: list[Any], **kw: Any) -> Any:
@@ -86,30 +106,36 @@ def tune(p: acompile.CompilePool, configs: list[Any], **kw: Any) -> Any:
 
 
 @pytest.fixture
-def gather_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """The number of specs of every CompilePool.gather() call, in order."""
-    calls: list[int] = []
-    original = acompile.CompilePool.gather
+def compile_log(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, dict[str, Any]]]]:
+    """("asked", constexprs) when CompilePool.compile() is called, ("landed", constexprs) when it
+    returns, in order."""
+    log: list[tuple[str, dict[str, Any]]] = []
+    original = acompile.CompilePool.compile
 
-    async def spy(self: acompile.CompilePool, *specs: Any, **kw: Any) -> list[Any]:
-        calls.append(len(specs))
-        return await original(self, *specs, **kw)
+    async def spy(self: acompile.CompilePool, spec: Any, **kw: Any) -> Any:
+        log.append(("asked", dict(spec.constexprs)))
+        kernel = await original(self, spec, **kw)
+        log.append(("landed", dict(spec.constexprs)))
+        return kernel
 
-    monkeypatch.setattr(acompile.CompilePool, "gather", spy)
-    yield calls
+    monkeypatch.setattr(acompile.CompilePool, "compile", spy)
+    yield log
 
 
 # --- compiling, without a GPU ---------------------------------------------------------------
 
 
-async def test_every_config_compiles_in_one_parallel_gather(cache_dir: Path, gather_calls: list[int]) -> None:
+async def test_every_config_is_asked_for_at_once_the_longest_expected_first(
+    cache_dir: Path, compile_log: list[tuple[str, dict[str, Any]]]
+) -> None:
     configs = add_configs(64, 128, 256, 512)
     async with pool(cache_dir) as p:
         with pytest.raises(acompile.DeviceUnavailableError) as info:
             await tune(p, configs, args=FAKE_ARGS)
         stats = p.stats()
-        # All four were asked for at once, so both workers had work at the same time.
-        assert gather_calls == [4]
+        # All four were asked for before any landed, so both workers had work at the same time,
+        # the largest blocks (the longest compiles) first.
+        assert compile_log[:4] == [("asked", {"BLOCK": b}) for b in (512, 256, 128, 64)]
         assert stats["compiled"] == 4 and stats["jobs"]["done"] == 4 and stats["failed"] == 0
         kernels = await p.gather(
             *[acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": b}) for b in (64, 128, 256, 512)]
@@ -118,7 +144,7 @@ async def test_every_config_compiles_in_one_parallel_gather(cache_dir: Path, gat
         assert p.stats()["cache"]["hits_memory"] == 4  # the configs' kernels are what pool.triton() gives
     message = str(info.value)
     assert "needs a GPU" in message and "4 configs of add_kernel" in message
-    assert "compiled and are in the cache" in message and "pin=" in message and pin_key(KEY) in message
+    assert "those that compiled are in the cache" in message and "pin=" in message and pin_key(KEY) in message
 
 
 async def test_no_gpu_and_nothing_stored_is_a_clear_error_even_without_args(cache_dir: Path) -> None:
@@ -144,7 +170,7 @@ async def test_a_single_config_needs_no_benchmark(cache_dir: Path) -> None:
 
 
 async def test_the_fastest_config_wins_and_its_choice_is_stored(
-    cache_dir: Path, monkeypatch: pytest.MonkeyPatch, gather_calls: list[int]
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch, compile_log: list[tuple[str, dict[str, Any]]]
 ) -> None:
     gpu = FakeGPU(monkeypatch)
     configs = add_configs(64, 128, 256, 512)
@@ -156,8 +182,13 @@ async def test_the_fastest_config_wins_and_its_choice_is_stored(
         assert k.config["constexprs"] == {"BLOCK": 256}
         assert k.key == (await p.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 256})).key
         assert r.timings == {0: 0.9, 1: 0.5, 2: 0.2, 3: 0.4} and r.skipped == {}
-        # Each benchmarked once, with its own grid from grid(meta).
+        # Each screened once, with its own grid from grid(meta). The leader (within 10% of the
+        # best screened) is run in full; so may be one that led before it landed, while the GPU
+        # had nothing else to do, but none twice.
         assert sorted(gpu.benchmarked) == [(64, 4, (64,)), (128, 4, (32,)), (256, 4, (16,)), (512, 4, (8,))]
+        assert 256 in gpu.full_runs and len(set(gpu.full_runs)) == len(gpu.full_runs)
+        for t in r.trials:  # a full run's median where there was one; 1: out after a launch
+            assert t.launches in ((250,) if t.config["constexprs"]["BLOCK"] in gpu.full_runs else (1, 25))
         assert "<- chosen" in r.summary() and "BLOCK=256" in r.summary()
 
         # Asked again: the stored choice, no benchmark, no compile.
@@ -174,9 +205,57 @@ async def test_the_fastest_config_wins_and_its_choice_is_stored(
         assert other.tuning.source == "benchmark" and other.tuning.key != r.key
         # retune=True measures again.
         assert (await tune(p, configs, args=FAKE_ARGS, retune=True)).tuning.source == "benchmark"
-        assert len(gpu.benchmarked) == 12
-        assert gather_calls == [4, 4, 4]
+        assert len(gpu.benchmarked) == 12 and gpu.full_runs.count(256) == 3
+        # Three tunings of four configs; the stored choices and pool.triton() asked for one each.
+        assert sum(event == "asked" for event, _ in compile_log) == 3 * 4 + 3
         assert p.stats()["compiled"] == 4  # BLOCK=256 asked directly, and the retunes, were hits
+
+
+async def test_the_leaders_are_run_in_full_and_the_fastest_full_run_wins(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Screened, 512 is within 10% of 256: both lead. Run in full, 512 is the faster.
+    gpu = FakeGPU(monkeypatch, screen_ms={512: 0.21}, full_ms={256: 0.25, 512: 0.22})
+    async with pool(cache_dir) as p:
+        k = await tune(p, add_configs(64, 128, 256, 512), args=FAKE_ARGS)
+    r = k.tuning
+    assert r.source == "benchmark" and r.index == 3 and k.config["constexprs"] == {"BLOCK": 512}
+    assert {256, 512} <= set(gpu.full_runs) and len(gpu.benchmarked) == 4
+    assert r.timings == {0: 0.9, 1: 0.5, 2: 0.25, 3: 0.22}
+    assert r.trials[2].launches == r.trials[3].launches == 250
+
+
+async def test_configs_are_benchmarked_while_others_still_compile(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch, compile_log: list[tuple[str, dict[str, Any]]]
+) -> None:
+    from acompile._bench.corpus import MATMUL_ATTRS, MATMUL_SIG, matmul_grid, matmul_kernel
+
+    # A 128x256x64 tile takes seconds to compile, a 32x32x32 one a fraction of that.
+    small = triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "ACT": 0}, num_warps=2)
+    big = triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "ACT": 0}, num_warps=8)
+    seen: dict[int, list[tuple[str, int]]] = {}
+
+    def benchmark(kernel: Any, *rest: Any) -> tuple[float, int]:
+        block = kernel._constants["BLOCK_M"]
+        # What the pool had asked for and delivered when this config was benchmarked.
+        log = anyio.from_thread.run_sync(lambda: [(event, c["BLOCK_M"]) for event, c in compile_log])
+        seen.setdefault(block, log)
+        return (0.5 if block == 128 else 1.0), 25
+
+    monkeypatch.setattr(_autotune, "_gpu_info", lambda wanted, hint: (0, "Fake GPU", 90))
+    monkeypatch.setattr(_autotune, "_prepare_gpu", lambda device: None)
+    monkeypatch.setattr(_autotune, "_benchmark", benchmark)
+    args = (object(), object(), object(), 4096, 4096, 4096, 4096, 1, 4096, 1, 4096, 1)
+    async with pool(cache_dir) as p:
+        k = await autotune(
+            p, matmul_kernel, [small, big], signature=MATMUL_SIG, attrs=MATMUL_ATTRS, args=args,
+            grid=matmul_grid, key=[4096] * 3,
+        )  # fmt: skip
+    assert k.tuning.source == "benchmark" and k.tuning.index == 1
+    # The longest expected compile was asked for first; the small config was benchmarked while
+    # the big one still compiled.
+    assert compile_log[:2] == [("asked", big.kwargs), ("asked", small.kwargs)]
+    assert seen[32] == [("asked", 128), ("asked", 32), ("landed", 32)]
 
 
 async def test_a_stored_choice_is_used_by_a_fresh_process_without_a_gpu(
@@ -268,14 +347,18 @@ async def test_a_corrupt_stored_choice_is_tuned_again(
 
 
 async def test_pin_forces_a_config_without_benchmark_or_gpu(
-    cache_dir: Path, tmp_path: Path, gather_calls: list[int]
+    cache_dir: Path, tmp_path: Path, compile_log: list[tuple[str, dict[str, Any]]]
 ) -> None:
     configs = add_configs(64, 128, 256, 512)
     async with pool(cache_dir) as p:
         by_index = await tune(p, configs, pin={pin_key(KEY): 3})
         assert by_index.tuning.source == "pin" and by_index.tuning.index == 3
         assert by_index.config["constexprs"] == {"BLOCK": 512}
-        assert p.stats()["compiled"] == 1 and gather_calls == []  # only the pinned config compiled
+        # Only the pinned config was asked for.
+        assert p.stats()["compiled"] == 1 and compile_log == [
+            ("asked", {"BLOCK": 512}),
+            ("landed", {"BLOCK": 512}),
+        ]
 
         # A config not among them, as a dict; keys may be the key itself where it is hashable.
         custom = {"constexprs": {"BLOCK": 1024}, "num_warps": 8, "num_stages": 2}
@@ -309,7 +392,7 @@ async def test_a_pin_wins_over_a_stored_choice(cache_dir: Path, monkeypatch: pyt
 
 
 async def test_configs_map_to_the_same_requests_as_pool_triton_and_duplicates_compile_once(
-    cache_dir: Path, monkeypatch: pytest.MonkeyPatch, gather_calls: list[int]
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch, compile_log: list[tuple[str, dict[str, Any]]]
 ) -> None:
     gpu = FakeGPU(monkeypatch)
     configs = [
@@ -319,7 +402,7 @@ async def test_configs_map_to_the_same_requests_as_pool_triton_and_duplicates_co
     ]
     async with pool(cache_dir) as p:
         k = await tune(p, configs, args=FAKE_ARGS, options={"enable_fp_fusion": False})
-        assert gather_calls == [2] and p.stats()["compiled"] == 2
+        assert len(compile_log) == 4 and p.stats()["compiled"] == 2
         assert k.tuning.skipped == {2: "the same kernel as config #1"} and set(k.tuning.timings) == {0, 1}
         assert k.config == {"constexprs": {"BLOCK": 256}, "num_warps": 4, "num_stages": 3}
         first = await p.triton(
@@ -552,10 +635,11 @@ def test_benchmark_warms_up_then_times_each_launch_between_events(monkeypatch: p
     torch = FakeTorch([100, 1, 100, 100, 5, 1, 3, 2, 4])  # check, probe, two warm-ups, five timed
     monkeypatch.setitem(sys.modules, "torch", torch.module)
     flush = types.SimpleNamespace(zero_=lambda: torch.log.append("flush"))
+    budget = _autotune._Budget(25.0, 100.0, warmup=2, repeats=5)
     ms = _autotune._benchmark(
-        torch.kernel(), (4,), ("a", 1), 2, 5, lambda: torch.log.append("reset"), (1, "x"), flush
+        torch.kernel(), (4,), ("a", 1), lambda: torch.log.append("reset"), (1, "x"), flush, budget, None
     )
-    assert ms == 3.0  # the median of 5, 1, 3, 2, 4
+    assert ms == (3.0, 5)  # the median of 5, 1, 3, 2, 4
     timed = ["reset", "flush", "record", "launch", "record"]
     assert torch.log == [
         "device 1",
@@ -563,7 +647,7 @@ def test_benchmark_warms_up_then_times_each_launch_between_events(monkeypatch: p
         "reset",
         "launch",
         "sync",
-        *["record", "launch", "record", "sync"],  # the probe that sizes the budgets
+        *["reset", "record", "flush", "record", "launch", "record", "sync"],  # sizes the budgets
         "reset",
         "launch",
         "reset",
@@ -573,13 +657,30 @@ def test_benchmark_warms_up_then_times_each_launch_between_events(monkeypatch: p
     ]
 
 
-def test_slow_configs_get_fewer_launches(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A 50 ms launch: one warm-up (budget 25 ms) and the minimum of five timed launches, not 60.
-    torch = FakeTorch([50, 50, 50, 50, 50, 50, 50, 50])
+def test_launches_fill_a_time_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A 50 ms launch: one warm-up (budget 25 ms) and the minimum of five timed launches.
+    torch = FakeTorch([50] * 8)
     monkeypatch.setitem(sys.modules, "torch", torch.module)
     flush = types.SimpleNamespace(zero_=lambda: None)
-    assert _autotune._benchmark(torch.kernel(), (1,), (), 10, 50, None, (0, "x"), flush) == 50.0
+    full = _autotune._Budget(25.0, 100.0)
+    assert _autotune._benchmark(torch.kernel(), (1,), (), None, (0, "x"), flush, full, None) == (50.0, 5)
     assert torch.log.count("launch") == 1 + 1 + 1 + 5
+    # A 2 ms launch: 12 warm-ups and 50 timed, as many as fit in 25 and 100 ms.
+    torch = FakeTorch([2] * 64)
+    monkeypatch.setitem(sys.modules, "torch", torch.module)
+    assert _autotune._benchmark(torch.kernel(), (1,), (), None, (0, "x"), flush, full, None) == (2.0, 50)
+    assert torch.log.count("launch") == 1 + 1 + 12 + 50
+
+
+def test_a_config_much_slower_than_the_best_is_out_after_one_timed_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch = FakeTorch([9, 9])
+    monkeypatch.setitem(sys.modules, "torch", torch.module)
+    flush = types.SimpleNamespace(zero_=lambda: None)
+    screen = _autotune._Budget(_autotune._SCREEN_WARMUP_MS, _autotune._SCREEN_TIMED_MS)
+    assert _autotune._benchmark(torch.kernel(), (1,), (), None, (0, "x"), flush, screen, 8.0) == (9.0, 1)
+    assert torch.log.count("launch") == 2  # the check and the probe
 
 
 def test_gpu_info_and_its_errors(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -637,7 +738,9 @@ async def test_autotune_add_on_the_gpu(cache_dir: Path) -> None:
         r = k.tuning
         assert r.source == "benchmark" and set(r.timings) == set(range(5)) and not r.skipped
         assert all(0 < ms < 10 for ms in r.timings.values()) and r.device == torch.cuda.get_device_name()
-        assert r.timings[r.index] == min(r.timings.values())  # type: ignore[index]
+        # The winner is the fastest full run; configs screened only were more than 10% slower.
+        assert r.timings[r.index] <= 1.1 * min(r.timings.values())  # type: ignore[index]
+        assert r.trials[r.index].launches >= 5  # type: ignore[index, operator]
         out.fill_(float("nan"))
         k[add_grid](x, y, out, x.numel())
         torch.testing.assert_close(out, x + y)
@@ -686,7 +789,9 @@ async def test_autotune_matmul_on_the_gpu_with_reset(cache_dir: Path) -> None:
             reset=reset,
         )
     assert k.tuning.source == "benchmark" and len(k.tuning.timings) + len(k.tuning.skipped) == 6
-    assert resets == 8 * len(k.tuning.timings)  # before each launch: 1 check + 2 warm-up + 5 timed
+    # Before each launch (the unit tests check the order): each measured config had a check, a
+    # sizing launch, and at most 2 warm-ups and 5 timed launches in each of its runs.
+    assert 2 * len(k.tuning.timings) <= resets <= 9 * 2 * len(k.tuning.timings)
     c.fill_(float("nan"))
     k[matmul_grid](*matmul_args(a, b, c))
     ref = a.double() @ b.double()

@@ -1,20 +1,34 @@
-"""First-call autotune time of a matmul with 18 configs: acompile's parallel autotune against
+"""First-call autotune time of a matmul with 18 configs: acompile's autotune against
 ``@triton.autotune``, each in a fresh process with empty caches.
 
-    python -m acompile._bench.autotune [--size 4096] [--workers N] [--warmup 10] [--repeats 50]
+    python -m acompile._bench.autotune [--size 4096] [--workers N] [--timeline]
 
-Needs an NVIDIA GPU and PyTorch. The kernel is the corpus's ``matmul_kernel`` (fp16). Each side
-times one first call, synchronized: acompile entering ``CompilePool(workers)`` plus
-``autotune()`` (every config compiled at once, then benchmarked one by one with CUDA events, L2
-flushed before each launch); Triton the first launch of the ``@triton.autotune`` kernel (compile
-and benchmark one config after another). Then acompile's side runs again in another fresh process
-on the same cache: the stored choice is found, nothing compiled. Every side checks its result
-against ``torch.matmul``.
+Needs an NVIDIA GPU and PyTorch. The kernel is the corpus's ``matmul_kernel`` (fp16), which
+acompile compiles as Triton's JIT does for these tensors (unit strides as constants, sizes and
+the other strides divisible by 16). Before its clock starts, every side has done the same work:
+imported torch, triton and acompile, allocated the inputs on the GPU (so its CUDA context
+exists) and synchronized; nothing has touched Triton's driver. Then each side times one
+synchronized first call:
+
+- Triton: the first launch of the ``@triton.autotune`` kernel (it compiles and benchmarks one
+  config after another).
+- acompile, pool already up: ``pool.autotune()`` in a pool entered and ready before the clock, as
+  in a server that enters its pool at start-up (every config compiled at once, the longest
+  expected first; each benchmarked as it lands while the others compile).
+- acompile, the next process: the same on the cache the previous side filled (the stored
+  choice, nothing benchmarked).
+
+Each side also reports its whole process, interpreter start to the end of the first call (pool
+start included). Each checks its result against ``torch.matmul``. Then the two sides' winners are
+timed alternately in one process with ``triton.testing.do_bench`` (what ``@triton.autotune``
+measures with), so that a different choice shows whether it is as fast.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import statistics
 import sys
 import tempfile
 import time
@@ -31,50 +45,141 @@ from acompile._bench.corpus import (
     matmul_kernel,
 )
 
+_VERIFY_ROUNDS = 5
+# Triton's JIT compiles an integer argument equal to 1 in as a constant: for contiguous tensors,
+# the unit strides. acompile's side does the same, or it would tune a kernel that loads element
+# by element, many times slower than the one Triton tunes.
+UNIT_STRIDES = {"stride_ak": 1, "stride_bn": 1, "stride_cn": 1}
+SIGNATURE = {name: ty for name, ty in MATMUL_SIG.items() if name not in UNIT_STRIDES}
+TRITON = "triton @autotune"
+POOL_UP = "acompile autotune, pool already up"
+NEXT = "acompile, next process (stored choice)"
 
-def _inputs(size: int) -> tuple[Any, Any, Any, Any]:
+
+def _prepare(size: int) -> tuple[Any, Any, Any, Any]:
+    """What every side does before its clock: the same imports, the inputs on the GPU, a sync."""
     import torch
+    import triton  # noqa: F401
+
+    import acompile  # noqa: F401
+    from acompile import _autotune  # noqa: F401
 
     torch.manual_seed(0)
     a, b = (torch.randn((size, size), device="cuda", dtype=torch.float16) for _ in range(2))
     c = torch.empty((size, size), device="cuda", dtype=torch.float16)
-    return a, b, c, torch.matmul(a.double(), b.double())
+    ref = torch.matmul(a.double(), b.double())
+    torch.cuda.synchronize()
+    return a, b, c, ref
 
 
-def _check(launch: Any, a: Any, b: Any, c: Any, ref: Any) -> float:
+def _runtime_args(a: Any, b: Any, c: Any) -> tuple[Any, ...]:
+    """The arguments of acompile's kernels: the matmul's, less the unit strides compiled in."""
+    names = [name for name in matmul_kernel.arg_names if name in MATMUL_SIG]
+    return tuple(v for name, v in zip(names, matmul_args(a, b, c), strict=True) if name not in UNIT_STRIDES)
+
+
+def _check(launch: Any, args: tuple[Any, ...], c: Any, ref: Any) -> float:
     import torch
 
     c.fill_(float("nan"))
-    launch(*matmul_args(a, b, c))
+    launch(*args)
     torch.cuda.synchronize()
     err = (torch.linalg.norm(c.double() - ref) / torch.linalg.norm(ref)).item()
     assert err < 1e-2, f"wrong result: relative error {err}"
     return float(err)
 
 
+def _label(config: dict[str, Any]) -> str:
+    c = config["constexprs"]
+    tile = f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}"
+    return f"{tile} G{c['GROUP_M']} w{config['num_warps']} s{config['num_stages']}"
+
+
+class _Timeline(logging.Handler):
+    """acompile's debug records (configs landing, screened, run in full), stamped from the
+    first call's start."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.t0 = time.perf_counter()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.module != "_autotune":
+            return
+        self.lines.append(f"{time.perf_counter() - self.t0:7.3f} s  {record.getMessage()}")
+
+
 async def acompile_side(args: argparse.Namespace) -> dict[str, Any]:
-    """``pool.autotune`` of the matmul's configs (or the stored choice, on a warm cache)."""
+    """``pool.autotune`` of the matmul's configs in a pool that is up before the clock starts."""
     import torch
 
     import acompile
     from acompile._autotune import autotune
 
-    a, b, c, ref = _inputs(args.size)
-    t1 = time.perf_counter()
+    a, b, c, ref = _prepare(args.size)
+    runtime = _runtime_args(a, b, c)
+    stamps = {"imported": time.time()}
+    counts = {k: getattr(args, k) for k in ("warmup", "repeats") if getattr(args, k) is not None}
     async with acompile.CompilePool(args.workers, cache_dir=args.cache) as pool:
+        await pool.wait_ready()
+        logger = logging.getLogger("acompile")
+        logger.setLevel(logging.DEBUG)
+        timeline = _Timeline()
+        logger.addHandler(timeline)
+        t1 = timeline.t0
         kernel = await autotune(
-            pool, matmul_kernel, matmul_configs(), signature=MATMUL_SIG, attrs=MATMUL_ATTRS,
-            args=matmul_args(a, b, c), grid=matmul_grid, key={"M": args.size, "dtype": "fp16"},
-            warmup=args.warmup, repeats=args.repeats,
+            pool, matmul_kernel, matmul_configs(), signature=SIGNATURE, constexprs=UNIT_STRIDES,
+            attrs=MATMUL_ATTRS, args=runtime, grid=matmul_grid,
+            key={"M": args.size, "dtype": "fp16"}, **counts,
         )  # fmt: skip
         torch.cuda.synchronize()
         first = time.perf_counter() - t1
+        stamps["ready"] = time.time()
+        logger.removeHandler(timeline)
         r = kernel.tuning
-        return {
+        chosen_ms = r.timings.get(r.index) if r.index is not None else None
+        result = {
             "first_call_s": first, "compile_s": r.compile_seconds, "bench_s": r.bench_seconds,
-            "source": r.source, "chosen": r.config, "error": _check(kernel[matmul_grid], a, b, c, ref),
-            "workers": pool.stats()["workers"]["size"], "device": torch.cuda.get_device_name(),
+            "source": r.source, "chosen": r.config, "chosen_ms": chosen_ms,
+            "error": _check(kernel[matmul_grid], runtime, c, ref), "workers": pool.stats()["workers"]["size"],
+            "device": torch.cuda.get_device_name(), "stamps": stamps, "timeline": timeline.lines,
+            "trials": [[_label(t.config), t.median_ms, t.launches, t.skipped] for t in r.trials],
         }  # fmt: skip
+        if getattr(args, "triton_choice", None):
+            result["verify"] = await _time_winners(pool, args.triton_choice, r.config, a, b, c)
+        return result
+
+
+async def _time_winners(
+    pool: Any, theirs: dict[str, Any], ours: dict[str, Any], a: Any, b: Any, c: Any
+) -> Any:
+    """Median of each winner's ``do_bench`` medians over alternating rounds, in milliseconds."""
+    import anyio
+    import triton.testing
+
+    import acompile
+
+    kernels = []
+    for config in (theirs, ours):
+        spec = acompile.TritonSpec(
+            matmul_kernel, SIGNATURE, {**UNIT_STRIDES, **config["constexprs"]}, num_warps=config["num_warps"],
+            num_stages=config["num_stages"], attrs=MATMUL_ATTRS,
+        )  # fmt: skip
+        kernels.append((await pool.compile(spec))[matmul_grid])
+    args = _runtime_args(a, b, c)
+
+    def rounds() -> list[list[float]]:
+        times: list[list[float]] = [[], []]
+        for _ in range(_VERIFY_ROUNDS):
+            for k, launch in enumerate(kernels):
+                times[k].append(
+                    float(triton.testing.do_bench(lambda launch=launch: launch(*args), return_mode="median"))
+                )
+        return times
+
+    theirs_ms, ours_ms = await anyio.to_thread.run_sync(rounds)
+    return {"triton_pick_ms": statistics.median(theirs_ms), "acompile_pick_ms": statistics.median(ours_ms)}
 
 
 def triton_side(args: argparse.Namespace) -> dict[str, Any]:
@@ -82,17 +187,22 @@ def triton_side(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import triton
 
-    a, b, c, ref = _inputs(args.size)
+    a, b, c, ref = _prepare(args.size)
+    stamps = {"imported": time.time()}
     tuned = triton.autotune(configs=matmul_configs(), key=["M", "N", "K"])(matmul_kernel)
     t1 = time.perf_counter()
     tuned[matmul_grid](*matmul_args(a, b, c))
     torch.cuda.synchronize()
     first, best = time.perf_counter() - t1, tuned.best_config
+    stamps["ready"] = time.time()
     chosen = {"constexprs": best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
+    own = getattr(tuned, "configs_timings", None) or {}
+    timing = own.get(best)
     return {
         "first_call_s": first, "compile_s": None, "bench_s": None, "source": "benchmark", "chosen": chosen,
-        "error": _check(tuned[matmul_grid], a, b, c, ref), "workers": 1,
-        "device": torch.cuda.get_device_name(),
+        "chosen_ms": (timing[0] if isinstance(timing, (list, tuple)) else timing),
+        "error": _check(tuned[matmul_grid], matmul_args(a, b, c), c, ref), "workers": 1,
+        "device": torch.cuda.get_device_name(), "stamps": stamps,
     }  # fmt: skip
 
 
@@ -107,36 +217,57 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="acompile bench --autotune", description=__doc__.split("\n")[0])
     parser.add_argument("--size", type=int, default=4096, help="M = N = K (a multiple of 16)")
     parser.add_argument("--workers", type=int, default=None, help="acompile's workers (default: CPUs)")
-    parser.add_argument("--warmup", type=int, default=10, help="acompile: warm-up launches per config")
-    parser.add_argument("--repeats", type=int, default=50, help="acompile: timed launches per config")
+    parser.add_argument("--warmup", type=int, default=None, help="acompile: at most this many warm-ups")
+    parser.add_argument("--repeats", type=int, default=None, help="acompile: at most this many timed")
+    parser.add_argument("--timeline", action="store_true", help="print acompile's timeline and every config")
     args = parser.parse_args(argv)
     if args.size % 16:
         parser.error("--size must be a multiple of 16 (the kernel's divisibility hints assume it)")
     folder = Path(tempfile.mkdtemp(prefix="acompile-bench-autotune-"))
     options = {**vars(args), "cache": str(folder / "acompile")}
-    results = {}
-    for name, side in (
-        ("triton @autotune", "triton"),
-        ("acompile autotune", "acompile"),
-        ("acompile, next process", "acompile"),
-    ):
-        sub = folder / name.replace(" ", "_")
-        results[name] = r = harness.run_child("autotune", side, options, sub, harness.child_env(sub), 1800)
+    results: dict[str, dict[str, Any]] = {}
+    for name, side in ((TRITON, "triton"), (POOL_UP, "acompile"), (NEXT, "acompile")):
+        sub = folder / "-".join(name.replace(",", "").replace("(", "").replace(")", "").split())
+        # The first acompile side also times Triton's winner against its own.
+        verify = {"triton_choice": results[TRITON]["chosen"]} if name == POOL_UP else {}
+        results[name] = r = harness.run_child(
+            "autotune", side, {**options, **verify}, sub, harness.child_env(sub), 1800
+        )
         if "crashed" in r:
-            print(f"{name}: CRASHED {r['crashed']}\n{r.get('log_tail', '')}")
+            print(f"{name}: CRASHED {r['crashed']}\n{r.get('traceback', '')}\n{r.get('log_tail', '')}")
             return 1
     print(
-        f"first-call autotune of a {args.size}^3 fp16 matmul, {len(matmul_configs())} configs, "
-        f"on {r['device']}:"
+        f"first-call autotune of a {args.size}^3 fp16 matmul, {len(matmul_configs())} configs, on "
+        f"{r['device']}, acompile with {r['workers']} workers; clocks start after the same imports, "
+        "inputs and CUDA context:"
     )
     rows = []
     for name, r in results.items():
-        c = r["chosen"]["constexprs"]
-        w, st = r["chosen"]["num_warps"], r["chosen"]["num_stages"]
-        chosen = f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} G{c['GROUP_M']} w{w} s{st}"
-        cells = [harness.fmt(r[k]) for k in ("first_call_s", "compile_s", "bench_s")]
+        cells = [
+            harness.fmt(r.get(k)) for k in ("first_call_s", "process_to_ready_s", "compile_s", "bench_s")
+        ]
+        chosen = f"{_label(r['chosen'])}: {harness.fmt(r.get('chosen_ms'), '.4f')} ms"
         rows.append([name, *cells, r["source"], f"{chosen} (rel. err {r['error']:.1e})"])
-    print(harness.table(["side", "first call s", "compile s", "bench s", "source", "chosen"], rows))
+    header = ["side", "first call s", "whole process s", "compiles land s", "bench s", "source", "chosen"]
+    print(harness.table(header, rows))
+    ours = results[POOL_UP]
+    triton_s = results[TRITON]["first_call_s"]
+    print(f"first call: acompile {triton_s / ours['first_call_s']:.2f}x faster than @triton.autotune")
+    timed = ours.get("verify")
+    if timed:
+        print(
+            f"the winners timed alternately with triton.testing.do_bench ({_VERIFY_ROUNDS} rounds, "
+            f"median): Triton's pick {timed['triton_pick_ms']:.4f} ms, acompile's pick "
+            f"{timed['acompile_pick_ms']:.4f} ms"
+        )
+    if args.timeline:
+        print("\nacompile's first call, config by config:")
+        print("\n".join(ours["timeline"]))
+        trial_rows = [
+            [label, harness.fmt(ms, ".4f"), str(n if n is not None else ""), (why or "")[:70]]
+            for label, ms, n, why in ours["trials"]
+        ]
+        print(harness.table(["config", "median ms", "timed launches", "skipped"], trial_rows))
     return 0
 
 
