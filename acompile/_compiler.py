@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import anyio
 import anyio.abc
 
-from acompile import _autotune, _progressive
+from acompile import _autotune, _pacing, _progressive
 from acompile._autotune import TunedKernel
 from acompile._backends import BACKENDS, backend_of, load_parent, worker_module
-from acompile._cache import GuardedDisk, MemoryTier, Tier, TierChain, default_cache_dir
+from acompile._cache import CorruptEntry, GuardedDisk, MemoryTier, Tier, TierChain, default_cache_dir
+from acompile._cache._costs import CostFeatures
 from acompile._cache._shared import SharedTier, signing_key_from
 from acompile._errors import AcompileError, PoolClosedError, PoolError
 from acompile._manifest import Recorder
@@ -588,7 +589,17 @@ class CompilePool:
             with flight.scope:
                 start = time.perf_counter()
                 entry, tier = await self._cache.lookup(request.key)
-                if entry is None:
+                kernel = None
+                if entry is not None:
+                    # Entries that arrive together (a warm start) become kernels a slice at a time.
+                    await _pacing.checkpoint()
+                    loading = time.perf_counter()
+                    try:
+                        kernel = await backend.load(request, entry, self._cache.root)
+                    except CorruptEntry as exc:
+                        # Intact bytes the backend cannot load: a miss, as a damaged entry is.
+                        self._cache.reject(request.key, tier, exc)
+                if kernel is None:
 
                     async def compile() -> bytes:
                         payload = await backend.payload(request)
@@ -601,8 +612,8 @@ class CompilePool:
                     entry, tier = await self._cache.compile_once(request.key, compile)
                     if tier == "compile":
                         self._counts["compiled"] += 1
-                loading = time.perf_counter()
-                kernel = await backend.load(request, entry, self._cache.root)
+                    loading = time.perf_counter()
+                    kernel = await backend.load(request, entry, self._cache.root)
                 if self._tracer is not None:
                     done = time.perf_counter()
                     job = flight.job if tier == "compile" else None
@@ -657,28 +668,37 @@ class CompilePool:
     ) -> Any:
         """Run one job with the named worker-side backend module, uncached, on the executor.
 
-        Cancelled before the job finishes, it cancels the job (dropped if queued, its worker
-        stopped if running): a request whose last waiter left stops its compile.
+        The job carries the seconds it is expected to take (the cache's cost model), so that
+        the longest compiles of a storm start first; its time, once it succeeded, goes back to
+        the model. Cancelled before the job finishes, it cancels the job (dropped if queued,
+        its worker stopped if running): a request whose last waiter left stops its compile.
         """
         executor = self.executor
         if flight is not None:
             background = flight.background
-        job = Job(backend_module, payload, name, BACKGROUND if background else URGENT)
+        costs = self._cache.costs
+        features = CostFeatures.of(payload, name)
+        expected = await costs.expect(features)
+        job = Job(backend_module, payload, name, BACKGROUND if background else URGENT, expected)
         if flight is not None:
             flight.job = job  # a job not yet submitted is not promoted: it is still "new"
-        return await executor.run(job)
+        result = await executor.run(job)
+        if job.seconds > 0 and costs.record(features, job.seconds):
+            self._cache.write_behind(costs.save)
+        return result
 
     async def autotune(self, fn: Any, configs: Any = None, **options: Any) -> TunedKernel:
         """Pick the fastest of several configs of a Triton kernel, once per fleet.
 
         ``await pool.autotune(fn, configs, *, signature, constexprs=None, args, grid, key=None,
-        pin=None, warmup=10, repeats=50, reset=None, retune=False, target=None)``: every config
-        (``triton.Config`` or ``{"constexprs": ..., "num_warps": ..., "num_stages": ...}``) is
-        compiled at once across the pool, then each is benchmarked on the GPU with CUDA events
-        (warm-up, repeats, median) on ``args``; the winner comes back as a ``TunedKernel`` (a
-        ``TritonKernel`` whose ``tuning`` says what was measured and skipped). The choice is stored
-        under the tuning key (the configs' kernel keys and ``key``, e.g. the problem shape), so the
-        next process, or another replica through the shared tier, skips tuning. ``pin`` (a dict,
+        pin=None, warmup=None, repeats=None, reset=None, retune=False, target=None)``: every
+        config (``triton.Config`` or ``{"constexprs": ..., "num_warps": ..., "num_stages": ...}``)
+        is compiled at once across the pool, and each is benchmarked on the GPU with CUDA events
+        (warm-up, repeats, median) on ``args`` as soon as it compiles; the winner comes back as a
+        ``TunedKernel`` (a ``TritonKernel`` whose ``tuning`` says what was measured and skipped).
+        The choice is stored under the tuning key (the configs' kernel keys and ``key``, e.g. the
+        problem shape), so the next process, or another replica through the shared tier, skips
+        tuning. ``pin`` (a dict,
         or a JSON file, from the key to a config) forces a choice without benchmarking. Configs
         that fail to compile or to run are skipped and reported. Compiling needs no GPU;
         benchmarking does (``DeviceUnavailableError`` says how to pin instead).

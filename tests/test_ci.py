@@ -9,7 +9,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _commands(text: str) -> list[str]:
-    return [line.strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S) for line in block.splitlines()]
+    return [
+        line.strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S) for line in block.splitlines()
+    ]
 
 
 def test_ci_runs_the_readme_test_command_word_for_word_in_a_fresh_venv() -> None:

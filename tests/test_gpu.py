@@ -58,6 +58,77 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 @pytest.mark.gpu
+async def test_every_library_kernel_launched_by_the_pool_computes_what_tritons_jit_does(
+    cache_dir: Path,
+) -> None:
+    torch = torch_cuda()
+    from acompile._bench import library
+    from acompile._bench.corpus import acompile_specs
+
+    # Two identical sets of arguments (the same seed): some kernels write their inputs in place.
+    ours, theirs = library.cases(seed=1), library.cases(seed=1)
+    async with acompile.CompilePool(2, cache_dir=cache_dir) as pool:
+        kernels = await pool.gather(*acompile_specs(which="library"))
+    for kernel, mine, jit in zip(kernels, ours, theirs, strict=True):
+        kernel[mine.grid](*mine.args)
+        jit.spec.fn[jit.grid](*jit.args, **jit.keywords())
+    torch.cuda.synchronize()
+    for mine, jit in zip(ours, theirs, strict=True):
+        for a, b in zip(mine.outputs, jit.outputs, strict=True):
+            assert not a.isnan().any(), mine.spec.name
+            torch.testing.assert_close(a, b, msg=lambda m, name=mine.spec.name: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+async def test_a_launch_takes_arguments_as_the_kernel_names_them_and_says_what_is_wrong(
+    cache_dir: Path,
+) -> None:
+    torch = torch_cuda()
+    import triton
+
+    n = 10_000
+    x, y = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+    out = torch.zeros_like(x)
+    async with acompile.CompilePool(1, cache_dir=cache_dir) as pool:
+        k = await pool.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 1024})
+    grid = (triton_cdiv(n, 1024),)
+    assert k[grid] is k[grid]  # one launch function per grid, kept
+    with pytest.raises(
+        TypeError, match=r"add_kernel\[grid\]\(\) missing 2 required positional arguments: 'out_ptr' and 'n'"
+    ):
+        k[grid](x, y)
+    with pytest.raises(
+        TypeError, match=r"add_kernel\[grid\]\(\) takes 4 positional arguments but 5 were given"
+    ):
+        k[grid](x, y, out, n, 1024)
+    with pytest.raises(TypeError, match="grid must be an int or a tuple of 1 to 3 ints"):
+        k[(1, 1, 1, 1)]
+    k[grid](x, y, out_ptr=out, n=n)  # by name, as Triton's JIT takes them
+    torch.cuda.synchronize()
+    assert torch.equal(out, x + y)
+
+    # On a stream of the caller's, and seen by a launch hook installed after the first launch.
+    seen: list[str] = []
+
+    def hook(metadata: object) -> None:
+        seen.append(metadata.get()["name"])  # type: ignore[attr-defined]
+
+    side = torch.cuda.Stream()
+    out.zero_()
+    torch.cuda.synchronize()
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        with torch.cuda.stream(side):
+            k[lambda meta: (triton_cdiv(meta["n"], meta["BLOCK"]),)](x, y, out, n)
+        k[grid](x, y, out, n, stream=side.cuda_stream)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    side.synchronize()
+    assert seen == ["add_kernel", "add_kernel"]
+    assert torch.equal(out, x + y)
+
+
+@pytest.mark.gpu
 async def test_a_fresh_process_launches_from_the_disk_cache(cache_dir: Path) -> None:
     torch_cuda()
     async with acompile.CompilePool(1, cache_dir=cache_dir) as pool:

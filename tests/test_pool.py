@@ -14,7 +14,7 @@ from fake_backend import local_executor, run_job
 from processes import forked_and_fresh, gone, until, worker_pids
 
 import acompile
-from acompile._workers import JobCancelled
+from acompile._workers import Job, JobCancelled
 
 pytestmark = pytest.mark.anyio
 FAKE = "fake_backend"
@@ -165,6 +165,27 @@ async def test_cancelling_a_running_job_stops_its_worker(cache_dir: Path, fork_w
         await until(lambda: gone(pid))
         new_pid = await run_job(p, FAKE, {"name": "p", "action": "pid"}, "p")
         assert new_pid != pid
+        assert p.stats()["workers"]["restarts"] == {"abandoned": 1}
+        assert p.stats()["jobs"]["cancelled"] == 1
+
+
+@forked_and_fresh
+async def test_a_job_handed_to_an_idle_worker_and_cancelled_at_once_stops_that_worker(
+    cache_dir: Path, fork_workers: bool
+) -> None:
+    """An idle worker gets a job from the caller's own task; a caller that leaves before the
+    worker's slot has seen the job still stops the worker (the job would run for ten minutes)."""
+    async with pool(cache_dir, workers=1, fork_workers=fork_workers) as p:
+        pid = await run_job(p, FAKE, {"name": "p", "action": "pid"}, "p")
+        executor = local_executor(p)
+        job = Job(FAKE, {"name": "slow", "action": "sleep", "seconds": 600}, "slow")
+        executor.submit(job)
+        assert job.state == "running" and job.worker_pid == pid  # handed over, in this task
+        executor.cancel(job)  # before this task yields: the worker's slot has not run yet
+        with pytest.raises(JobCancelled), anyio.fail_after(10):
+            await job.outcome()
+        await until(lambda: gone(pid))
+        assert await run_job(p, FAKE, {"name": "p", "action": "pid"}, "p") != pid
         assert p.stats()["workers"]["restarts"] == {"abandoned": 1}
         assert p.stats()["jobs"]["cancelled"] == 1
 

@@ -8,6 +8,7 @@ import sys
 import textwrap
 import warnings
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -57,6 +58,35 @@ async def test_compiles_the_same_kernel_triton_compile_does(cache_dir: Path, tmp
     assert isinstance(k.compiled, triton.compiler.CompiledKernel)
     assert set(vars(k.compiled)) == set(vars(ref))
     assert k.metadata.num_warps == 4 and k.target == acompile.Target("cuda", 90)
+
+
+async def test_a_kernel_from_the_disk_cache_is_the_kernel_triton_compile_builds(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    from acompile._backends._triton import TritonKernel
+
+    spec = acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 1024})
+    async with pool(cache_dir) as p:
+        compiled = await p.compile(spec)
+    async with pool(cache_dir, prestart=False) as p:
+        k, tier = await p.compile_with_tier(spec)
+    async with pool(cache_dir, prestart=False) as p:
+        other = await p.compile(spec)
+    ref: Any = triton_reference(add_kernel, ADD_SIG, {"BLOCK": 1024}, tmp_path)
+    assert tier == "disk" and k.key == compiled.key
+    assert k.cubin == compiled.cubin == ref.asm["cubin"] and k.metadata == ref.metadata
+    assert k.asm == compiled.asm and k.asm["ptx"] == ref.asm["ptx"] and "json" not in k.asm
+    # Triton's CompiledKernel, built when first asked for, as Triton builds it from its files.
+    ck = k.compiled
+    assert isinstance(ck, triton.compiler.CompiledKernel) and set(vars(ck)) == set(vars(ref))
+    assert (ck.hash, ck.name, ck.packed_metadata) == (ref.hash, ref.name, ref.packed_metadata)
+    assert ck.asm is k.asm and ck.kernel is k.cubin and ck.metadata is k.metadata and k.compiled is ck
+    assert ck.src.signature == ref.src.signature and ck.src.constants == ref.src.constants
+    # A copy made before first use (as a TunedKernel is) shares Triton's objects with its
+    # original, so that the binary is loaded once.
+    twin = object.__new__(TritonKernel)
+    twin.__dict__.update(other.__dict__)
+    assert twin.compiled is other.compiled and twin.asm is other.asm
 
 
 async def test_helpers_and_constexpr_globals_travel_without_importing_the_module(
@@ -185,6 +215,15 @@ async def test_argument_mistakes_raise_before_any_worker_starts(cache_dir: Path)
             )
         assert p.stats()["workers"]["started"] == 0
     assert issubclass(acompile.InvalidSpecError, ValueError)
+
+
+async def test_a_grid_of_the_wrong_shape_is_refused_before_the_kernel_is_loaded(cache_dir: Path) -> None:
+    async with pool(cache_dir, workers=1) as p:
+        k = await p.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 64})
+    # Loading needs a GPU; a wrong grid is the caller's mistake, told the same with or without one.
+    for grid in [(1, 2, 3, 4), (), "4", 2.0]:
+        with pytest.raises(TypeError, match=r"grid must be an int or a tuple of 1 to 3 ints"):
+            k[grid]
 
 
 async def test_a_broken_kernel_is_a_compile_error_and_the_pool_goes_on(cache_dir: Path) -> None:

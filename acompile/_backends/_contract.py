@@ -109,7 +109,8 @@ class ParentBackend(Protocol[SpecT, RequestT, KernelT]):
         Called once per key and process: the pool keeps the result in its memory tier.
         ``cache_root`` is the cache folder, for a backend whose result must be a file (a
         library to ``dlopen``). Raises a ``CompileError`` subclass when the result cannot be
-        used here.
+        used here, and ``CorruptEntry`` for an entry from a cache tier that holds nothing it can
+        load (the pool counts it as damaged and compiles the request again).
         """
         ...
 

@@ -7,6 +7,8 @@ a ``TritonKernel`` holding the same ``CompiledKernel`` Triton itself would build
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import hashlib
 import json
@@ -15,18 +17,22 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import threading
 import weakref
 from collections import OrderedDict, namedtuple
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import CodeType
 from typing import Any, ClassVar
 
 import anyio
 
+from acompile import _pacing
 from acompile._backends import _triton_source, _triton_toolchain
 from acompile._backends._registry import BACKENDS
-from acompile._cache._entry import Entry
+from acompile._cache._entry import CorruptEntry, Entry
 from acompile._cache._keys import make_key
 from acompile._cache._layout import logs_dir
 from acompile._errors import DeviceUnavailableError, InvalidSpecError, bounded
@@ -128,13 +134,17 @@ class TritonRequest:
 
 async def setup(memo_dir: Path, target: Target | None) -> None:
     """Pay this process's one-time costs off the loop, before requests arrive: the toolchain's
-    identity (remembered on disk) and the option names of the target's backend."""
+    identity (remembered on disk), the option names and compiler backend of the target, and the
+    parsing thread (started here: ``Thread.start`` waits for the thread to run)."""
 
     def work() -> None:
         _toolchain(memo_dir)
         _invalidating_env_names()
+        _parse_thread().submit(int)
         if target is not None:
             _option_names(target.backend)
+            with contextlib.suppress(Exception):  # a warm-up: loading a kernel says what is wrong
+                _backend_for(target.to_triton())
 
     await anyio.to_thread.run_sync(work)
 
@@ -162,6 +172,9 @@ async def prepare(spec: TritonSpec, default_target: Target | None, memo_dir: Pat
     """Check a spec and compute its key; raises ``InvalidSpecError`` with what to change."""
     target = _resolve_target(spec.target, default_target)
     fn, kernel_ref = await _resolve_kernel(spec)
+    # Requests that arrive together (gather(), a warm start) are keyed a slice of the loop at a
+    # time; not before: what _resolve_kernel starts in a thread (the function's key) starts now.
+    await _pacing.checkpoint()
     signature, constants = _full_signature(fn, spec.signature, spec.constexprs or {})
     attrs = _normalize_attrs(fn, spec.attrs, signature)
     if target.backend not in _option_names_memo:
@@ -197,9 +210,14 @@ async def prepare(spec: TritonSpec, default_target: Target | None, memo_dir: Pat
         # Stored with the entry, so that a miss that should have been a hit can be explained.
         "key_parts": key_parts,
         # Where a worker writes a compiler message too long for an error (see _logs).
-        "log_dir": str(logs_dir(memo_dir.parent)),
+        "log_dir": _log_dir(memo_dir),
     }
     return TritonRequest(key, fn.__name__, target, fn, signature, constants, attrs, payload, key_parts)
+
+
+@functools.lru_cache(maxsize=16)
+def _log_dir(memo_dir: Path) -> str:
+    return str(logs_dir(memo_dir.parent))
 
 
 def _resolve_target(value: Any, default: Target | None) -> Target:
@@ -265,14 +283,26 @@ async def _resolve_kernel(spec: TritonSpec) -> tuple[Any, dict[str, Any] | None]
 
 
 _in_progress: dict[Any, anyio.Event] = {}
-# Parsing kernels is pure Python: run concurrently in many threads, they would queue the event
-# loop's thread behind them for the GIL. One at a time keeps the loop's waits short.
-_parse_limiter = anyio.CapacityLimiter(1)
+_parser: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _parse_thread() -> ThreadPoolExecutor:
+    """The one thread that parses kernels (this process's: a forked child makes its own).
+
+    Parsing is pure Python: in several threads at once, it would queue the event loop's thread
+    behind them for the GIL. One thread with a queue takes each function straight after the
+    last; a warm start asks for every function's key at once, and a round trip through the
+    loop between two of them costs more than the parsing itself.
+    """
+    global _parser
+    if _parser is None or _parser[0] != os.getpid():
+        _parser = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="acompile-parse"))
+    return _parser[1]
 
 
 async def _once(key: Any, done: Callable[[], Any], work: Callable[..., Any], *args: Any) -> Any:
-    """Run work(*args) in a thread, once for all the tasks that ask for key at the same time;
-    the others wait and then read the result with done()."""
+    """Run work(*args) on the parsing thread, once for all the tasks that ask for key at the
+    same time; the others wait and then read the result with done()."""
     while (pending := _in_progress.get(key)) is not None:
         await pending.wait()
         result = done()
@@ -280,7 +310,7 @@ async def _once(key: Any, done: Callable[[], Any], work: Callable[..., Any], *ar
             return result
     event = _in_progress[key] = anyio.Event()
     try:
-        return await anyio.to_thread.run_sync(work, *args, limiter=_parse_limiter)
+        return await asyncio.get_running_loop().run_in_executor(_parse_thread(), work, *args)
     finally:
         del _in_progress[key]
         event.set()
@@ -705,29 +735,46 @@ class TritonKernel:
         metadata: Triton's own metadata (``num_warps``, ``shared``, ...).
         compiled: the ``triton.compiler.CompiledKernel``, built exactly as Triton builds it.
 
+    ``asm`` and ``compiled`` are built on first use: a warm start reads every kernel from the
+    cache, and most are only launched (or not used at all) in that process.
+
     Launching loads the binary onto the current GPU on first use; without a GPU it raises
     ``DeviceUnavailableError``. Pass only the runtime arguments, in the kernel's order: the
     constexprs the kernel was compiled with are filled in.
     """
 
-    def __init__(self, request: TritonRequest, entry: Entry, compiled: Any) -> None:
+    def __init__(self, request: TritonRequest, entry: Entry, metadata: Any) -> None:
         self.name = request.name
         self.key = request.key
         self.target = request.target
-        self.compiled = compiled
-        self.asm = compiled.asm
-        self.metadata = compiled.metadata
-        self.cubin: bytes = compiled.kernel
+        self.metadata = metadata
+        self.cubin: bytes = entry.blobs[_backend_for(metadata.target).binary_ext]
         self._constants = request.constants
         self._order = list(request.signature)
+        # In the instance's dict, so that a copy of it (a TunedKernel) shares Triton's objects
+        # and loads the binary once.
+        self._triton = _TritonObjects(request, entry, metadata)
+
+    @property
+    def asm(self) -> dict[str, Any]:
+        """Every stage Triton produced, by extension (text; the binary as bytes)."""
+        return self._triton.asm
+
+    @property
+    def compiled(self) -> Any:
+        """Triton's ``CompiledKernel``, built from the entry the first time it is asked for."""
+        return self._triton.compiled
 
     def __repr__(self) -> str:
         return f"<TritonKernel {self.name} {self.target} key={self.key[:12]}…>"
 
     def load(self) -> None:
         """Load the binary onto the current GPU now (otherwise the first launch does)."""
+        if "_launches" in self.__dict__:
+            return
+        compiled = self.compiled
         try:
-            self.compiled._init_handles()
+            compiled._init_handles()
         except RuntimeError as exc:
             if "active driver" in str(exc) or ("driver" in str(exc).lower() and "0 active" in str(exc)):
                 raise DeviceUnavailableError(
@@ -735,76 +782,263 @@ class TritonKernel:
                     "can still be cached and shipped"
                 ) from exc
             raise
+        self._launches = _Launches(self.name, self._order, self._constants, compiled)
 
     def __getitem__(self, grid: Any) -> Callable[..., None]:
         """``kernel[grid](*args)``: grid is 1 to 3 ints, or, as for Triton's JIT, a callable
-        given every argument by name (runtime arguments and constexprs) that returns them."""
+        given every argument by name (runtime arguments and constexprs) that returns them.
+
+        The launch function takes the runtime arguments, by position or by name, and
+        ``stream=`` (default: the current stream of the kernel's GPU). Launch functions are
+        kept per grid of ints, so ``kernel[grid]`` in a loop costs one dict look-up.
+        """
+        try:
+            launch = self._launches.by_grid.get(grid)
+        except (AttributeError, TypeError):  # not loaded yet, or an unhashable grid (a list)
+            launch = None
+        if launch is not None:
+            return launch
+        if callable(grid):
+            self.load()
+            # Not kept: a callable grid often closes over the caller's tensors.
+            return self._launches.with_grid_function(grid)
+        gx, gy, gz = _grid3(grid)
         self.load()
-        order, constants = self._order, self._constants
-        runtime = [n for n in order if n not in constants]
-        fixed = None if callable(grid) else self.compiled[_grid3(grid)]
+        launches = self._launches
+        launch = launches.with_grid(gx, gy, gz)
+        if isinstance(grid, (int, tuple)):
+            by_grid = launches.by_grid
+            if len(by_grid) >= _GRIDS_KEPT:
+                by_grid.clear()
+            by_grid[grid] = launch
+        return launch
 
-        def run(*args: Any, stream: Any = None) -> None:
-            if len(args) != len(runtime):
-                raise TypeError(
-                    f"{self.name}[grid]() takes {len(runtime)} arguments ({', '.join(runtime)}), "
-                    f"got {len(args)}"
-                )
-            values = iter(args)
-            full = [constants[n] if n in constants else next(values) for n in order]
-            launch = fixed
-            if launch is None:
-                launch = self.compiled[_grid3(grid(dict(zip(order, full, strict=True))))]
-            launch(*full, stream=stream)
 
-        return run
+# Launch functions kept per kernel, one per grid of ints (grids vary with the problem size).
+_GRIDS_KEPT = 64
 
 
 def _grid3(grid: Any) -> tuple[int, int, int]:
-    if isinstance(grid, int):
-        grid = (grid,)
-    if not isinstance(grid, Sequence) or not 1 <= len(grid) <= 3:
+    """A grid of 1 to 3 ints as the three dimensions Triton's launcher takes."""
+    if type(grid) is tuple:
+        size = len(grid)
+        if size == 1:
+            return (int(grid[0]), 1, 1)
+        if size == 2:
+            return (int(grid[0]), int(grid[1]), 1)
+        if size == 3:
+            return (int(grid[0]), int(grid[1]), int(grid[2]))
+    elif isinstance(grid, int):
+        return (int(grid), 1, 1)
+    if isinstance(grid, (str, bytes)) or not isinstance(grid, Sequence) or not 1 <= len(grid) <= 3:
         raise TypeError(f"grid must be an int or a tuple of 1 to 3 ints, got {grid!r}")
-    g = [int(x) for x in grid] + [1] * (3 - len(grid))
-    return (g[0], g[1], g[2])
+    return _grid3(tuple(grid))
+
+
+class _Launches:
+    """The launch functions of one loaded kernel, and those kept by grid.
+
+    Triton's ``CompiledKernel[grid](*args)`` looks up the driver, the current device and
+    stream, the launch hooks and the launcher on every call, and then the launcher takes every
+    argument, constexprs included, in the kernel's order. Here everything that cannot change
+    between launches is looked up once, when the kernel is loaded, and a launch function
+    written for the kernel's own parameter list (generated code: the constexprs are put in their
+    places without building a list per call, and a wrong number of arguments gets Python's own
+    message naming them) passes them straight to Triton's launcher. What can change stays a
+    per-call read: the current stream, and the launch hooks (a profiler may install one at any
+    time), which Triton is told of only when there is one.
+    """
+
+    def __init__(self, name: str, order: Sequence[str], constants: Mapping[str, Any], compiled: Any) -> None:
+        from triton import knobs
+        from triton.runtime.driver import driver
+
+        self.by_grid: dict[Any, Callable[..., None]] = {}
+        self._layout = (tuple(order), tuple(n in constants for n in order))
+        self._bound = (
+            name,
+            compiled.run,
+            compiled.function,
+            compiled.packed_metadata,
+            compiled.launch_metadata,
+            driver.active.get_current_stream,
+            driver.active.get_current_device(),  # the GPU _init_handles loaded the kernel onto
+            knobs.runtime,
+            getattr(knobs, "HookChain", _NoHookChain),
+            _grid3,
+            *(constants[n] for n in order if n in constants),
+        )
+        self._makers: dict[bool, Callable[..., Callable[..., None]]] = {}
+
+    def with_grid(self, gx: int, gy: int, gz: int) -> Callable[..., None]:
+        """The launch function for a grid of three ints."""
+        return self._maker(False)(gx, gy, gz)
+
+    def with_grid_function(self, grid: Callable[..., Any]) -> Callable[..., None]:
+        """The launch function for a grid computed from the arguments at each launch."""
+        return self._maker(True)(grid)
+
+    def _maker(self, grid_function: bool) -> Callable[..., Callable[..., None]]:
+        maker = self._makers.get(grid_function)
+        if maker is None:
+            namespace: dict[str, Any] = {}
+            exec(_launch_code(*self._layout, grid_function), namespace)
+            maker = self._makers[grid_function] = namespace["maker"](*self._bound)
+        return maker
+
+
+class _NoHookChain:
+    """Stands in for ``triton.knobs.HookChain`` where Triton has none: no hook is one."""
+
+    calls: ClassVar[list[Any]] = []
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_code(order: tuple[str, ...], is_constant: tuple[bool, ...], grid_function: bool) -> CodeType:
+    """The compiled source of ``maker(name, launcher, ...)``, which returns the function making
+    a launch function for a grid (of three ints, or a grid function). Kernels of the same
+    parameter list share it: compiling it costs a fraction of a millisecond, at first launch."""
+    runtime = [n for n, constant in zip(order, is_constant, strict=True) if not constant]
+    # The kernel's parameter names make the launch function's, so that errors and keyword
+    # arguments read as the kernel does; where one would shadow what the body uses (every
+    # other name there starts with "_l_"), positional names stand in.
+    if any(n.startswith("_l_") or n == "stream" for n in runtime):
+        runtime = [f"_l_arg{i}" for i in range(len(runtime))]
+    names, constant_names = iter(runtime), iter(f"_l_c{i}" for i in range(sum(is_constant)))
+    args = [next(constant_names) if constant else next(names) for constant in is_constant]
+    passed = "".join(f", {a}" for a in args)
+    params = "".join(f"{n}, " for n in runtime)
+    constants = "".join(f", _l_c{i}" for i in range(sum(is_constant)))
+    if grid_function:
+        meta = ", ".join(f"{n!r}: {a}" for n, a in zip(order, args, strict=True))
+        grid_params, grid_line = "_l_grid", f"\n            _l_x, _l_y, _l_z = _l_grid3(_l_grid({{{meta}}}))"
+    else:
+        grid_params, grid_line = "_l_x, _l_y, _l_z", ""
+    source = f"""
+def maker(_l_name, _l_run, _l_function, _l_packed, _l_metadata, _l_stream_of, _l_device, _l_knobs,
+          _l_chain, _l_grid3{constants}):
+    def make({grid_params}):
+        def _l_launch({params}*, stream=None):{grid_line}
+            if stream is None:
+                stream = _l_stream_of(_l_device)
+            _l_enter = _l_knobs.launch_enter_hook
+            _l_exit = _l_knobs.launch_exit_hook
+            if (_l_enter is None or (_l_enter.__class__ is _l_chain and not _l_enter.calls)) and (
+                _l_exit is None or (_l_exit.__class__ is _l_chain and not _l_exit.calls)
+            ):
+                _l_run(_l_x, _l_y, _l_z, stream, _l_function, _l_packed, None, None, None{passed})
+            else:
+                _l_md = _l_metadata((_l_x, _l_y, _l_z), stream{passed})
+                _l_run(_l_x, _l_y, _l_z, stream, _l_function, _l_packed, _l_md, _l_enter, _l_exit{passed})
+
+        _l_launch.__name__, _l_launch.__qualname__ = _l_name, _l_name + "[grid]"
+        return _l_launch
+
+    return make
+"""
+    return compile(source, "<acompile launch>", "exec")
 
 
 async def load(request: TritonRequest, entry: Entry, cache_root: Path) -> TritonKernel:
-    return TritonKernel(request, entry, build_compiled_kernel(request, entry))
+    """The kernel of an entry. What can be wrong with an entry that passed its checksum (one
+    written by something else than a Triton worker) is found here, not at the first launch:
+    raises ``CorruptEntry``."""
+    return TritonKernel(request, entry, _kernel_metadata(entry))
 
 
 _metadata_types: dict[tuple[str, ...], Any] = {}
 _backends: dict[Any, Any] = {}
 
 
-def build_compiled_kernel(request: TritonRequest, entry: Entry) -> Any:
-    """Triton's ``CompiledKernel`` from an entry's bytes, attribute for attribute as
-    ``CompiledKernel.__init__`` builds it from files (3.6 to 3.9), with no file involved."""
+def _kernel_metadata(entry: Entry) -> Any:
+    """Triton's metadata of a kernel, as ``CompiledKernel.__init__`` reads it from its JSON
+    file; raises ``CorruptEntry`` where the entry holds no kernel Triton could load."""
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, CompiledKernel
-    from triton.compiler.compiler import AsmDict, make_backend
 
-    metadata = json.loads(entry.blobs["json"])
-    t = metadata["target"]
-    metadata["target"] = GPUTarget(t["backend"], t["arch"], t["warp_size"])
-    fields = tuple(sorted(metadata))
-    KernelMetadata = _metadata_types.get(fields)
-    if KernelMetadata is None:
-        # Triton makes a class per kernel; one per field list reads the same and saves a class
-        # creation per kernel loaded from the cache.
-        KernelMetadata = _metadata_types[fields] = namedtuple("KernelMetadata", fields)
-    md: Any = KernelMetadata(**metadata)
-    backend = _backends.get(md.target)
+    try:
+        metadata = json.loads(entry.blobs["json"])
+        t = metadata["target"]
+        metadata["target"] = GPUTarget(t["backend"], t["arch"], t["warp_size"])
+        fields = tuple(sorted(metadata))
+        KernelMetadata = _metadata_types.get(fields)
+        if KernelMetadata is None:
+            # Triton makes a class per kernel; one per field list reads the same and saves a
+            # class creation per kernel loaded from the cache.
+            KernelMetadata = _metadata_types[fields] = namedtuple("KernelMetadata", fields)
+        md: Any = KernelMetadata(**metadata)
+        # What building the CompiledKernel later reads: present now, or the entry is a miss.
+        missing = {"hash", "name", _backend_for(md.target).binary_ext} - {*metadata, *entry.blobs}
+        if missing:
+            raise KeyError(", ".join(sorted(missing)))
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        raise CorruptEntry(f"not a loadable Triton kernel ({type(exc).__name__}: {exc})") from None
+    return md
+
+
+def _backend_for(target: Any) -> Any:
+    """Triton's compiler backend of a ``GPUTarget`` (its binary's extension, its metadata
+    packing), made once per target."""
+    backend = _backends.get(target)
     if backend is None:
-        backend = _backends[md.target] = make_backend(md.target)
-    binary_ext = backend.binary_ext
-    asm = AsmDict(
-        {
-            ext: data if ext == binary_ext else data.decode()
-            for ext, data in entry.blobs.items()
-            if ext != "json"
-        }
-    )
+        from triton.compiler.compiler import make_backend
+
+        backend = _backends[target] = make_backend(target)
+    return backend
+
+
+class _TritonObjects:
+    """Triton's objects of one cached kernel, each built the first time it is asked for.
+
+    Decoding every text stage (a matmul's LLVM IR alone is most of a megabyte) and building the
+    ``CompiledKernel`` cost more than everything else a warm start does per kernel; a process
+    that only launches a kernel needs the ``CompiledKernel`` once, and its text stages never.
+    Built once even when threads ask at the same moment: a second ``CompiledKernel`` would load
+    the binary again.
+    """
+
+    _building = threading.Lock()  # taken only while something is built, the first time
+
+    def __init__(self, request: TritonRequest, entry: Entry, metadata: Any) -> None:
+        self._request = request
+        self._blobs = entry.blobs
+        self._metadata = metadata
+        self._asm: dict[str, Any] | None = None
+        self._compiled: Any = None
+
+    @property
+    def asm(self) -> dict[str, Any]:
+        asm = self._asm
+        if asm is None:
+            with self._building:
+                if self._asm is None:
+                    from triton.compiler.compiler import AsmDict
+
+                    binary = _backend_for(self._metadata.target).binary_ext
+                    stages = {ext: b if ext == binary else b.decode() for ext, b in self._blobs.items()}
+                    del stages["json"]  # the metadata, not a stage
+                    self._asm = AsmDict(stages)
+                    self._blobs = {}  # the decoded stages replace the entry's bytes
+                asm = self._asm
+        return asm
+
+    @property
+    def compiled(self) -> Any:
+        compiled = self._compiled
+        if compiled is None:
+            asm = self.asm
+            with self._building:
+                if self._compiled is None:
+                    self._compiled = build_compiled_kernel(self._request, self._metadata, asm)
+                compiled = self._compiled
+        return compiled
+
+
+def build_compiled_kernel(request: TritonRequest, metadata: Any, asm: dict[str, Any]) -> Any:
+    """Triton's ``CompiledKernel`` from an entry's metadata and stages, attribute for attribute
+    as ``CompiledKernel.__init__`` builds it from files (3.6 to 3.9), with no file involved."""
+    from triton.compiler import ASTSource, CompiledKernel
+
+    backend = _backend_for(metadata.target)
     ck = CompiledKernel.__new__(CompiledKernel)
     # 3.9's __del__ reads these: set them before anything can fail.
     ck.module = None
@@ -812,13 +1046,13 @@ def build_compiled_kernel(request: TritonRequest, entry: Entry) -> Any:
     ck.function = None
     ck._run = None
     ck.src = ASTSource(request.fn, request.signature, request.constants, request.attrs or None)
-    ck.metadata = md
-    ck.packed_metadata = backend.pack_metadata(md)
-    ck.hash = md.hash
-    ck.name = md.name
+    ck.metadata = metadata
+    ck.packed_metadata = backend.pack_metadata(metadata)
+    ck.hash = metadata.hash
+    ck.name = metadata.name
     ck.asm = asm
     ck.metadata_group = {}
-    ck.kernel = asm[binary_ext]
+    ck.kernel = asm[backend.binary_ext]
     if "_module_pid" not in CompiledKernel.__init__.__code__.co_names:
         del ck._module_pid  # Triton before 3.9 has no such attribute
     return ck

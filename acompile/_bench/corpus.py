@@ -351,19 +351,32 @@ def compile_spec(spec: Spec, target):
     )
 
 
+# What ``acompile bench --corpus`` chooses from: this module's corpus, or the kernel library
+# (``acompile._bench.library``: fewer kernels, written as libraries write them).
+CORPORA = ("default", "library")
+
+
 @functools.cache
-def specs(limit: int | None = None) -> list[Spec]:
-    """The corpus, or its first ``limit`` specs."""
-    return corpus()[:limit] if limit else corpus()
+def specs(limit: int | None = None, which: str = "default") -> list[Spec]:
+    """The specs of corpus ``which`` (one of ``CORPORA``), or their first ``limit``."""
+    if which == "library":
+        from acompile._bench.library import specs as library_specs
+
+        chosen = list(library_specs())
+    elif which == "default":
+        chosen = corpus()
+    else:
+        raise ValueError(f"unknown corpus {which!r}; corpora are {', '.join(CORPORA)}")
+    return chosen[:limit] if limit else chosen
 
 
-def acompile_specs(limit: int | None = None) -> list[Any]:
+def acompile_specs(limit: int | None = None, which: str = "default") -> list[Any]:
     """The same specs as ``acompile.TritonSpec`` requests."""
     import acompile
 
     return [
         acompile.TritonSpec(s.fn, s.signature, s.constexprs, num_warps=s.num_warps, num_stages=s.num_stages)
-        for s in specs(limit)
+        for s in specs(limit, which)
     ]
 
 
@@ -375,22 +388,22 @@ def gpu_target(target: str) -> Any:
     return parse_target(target).to_triton()
 
 
-def compile_index(index: int, target: str, limit: int | None) -> dict[str, Any]:
+def compile_index(index: int, target: str, limit: int | None, which: str = "default") -> dict[str, Any]:
     """The worker function of the process-pool baselines: compile spec ``index``, return its
     whole asm dict (a realistic payload crosses the process boundary)."""
     from acompile._bench.harness import quiet_warnings
 
     quiet_warnings()
-    compiled = compile_spec(specs(limit)[index], gpu_target(target))
+    compiled = compile_spec(specs(limit, which)[index], gpu_target(target))
     return {"asm": dict(compiled.asm.items())}
 
 
-def outcome(results: list[Any], limit: int | None) -> dict[str, Any]:
+def outcome(results: list[Any], limit: int | None, which: str = "default") -> dict[str, Any]:
     """What a row produced for each spec, in order: a result is a cubin, a kernel with a
     ``cubin`` or an exception. The digest of each cubin, or the first line of what went wrong."""
     digests: dict[str, str] = {}
     errors: dict[str, str] = {}
-    for spec, result in zip(specs(limit), results, strict=True):
+    for spec, result in zip(specs(limit, which), results, strict=True):
         cubin = getattr(result, "cubin", result)
         if isinstance(cubin, (bytes, bytearray)) and cubin:
             digests[spec.name] = hashlib.sha256(cubin).hexdigest()[:16]

@@ -1,55 +1,151 @@
-"""Time to first launch from a warm cache, in a fresh process: acompile against Triton's JIT.
+"""First launch of a kernel library from a warm cache, and the host cost of each launch:
+acompile's default pool against Triton's JIT.
 
-    python -m acompile._bench.first_launch [--repeat 5]     (needs an NVIDIA GPU and PyTorch)
+    acompile bench --first-launch [--repeat 5] [--launches 1000] [--profile]
+    (python -m acompile._bench.first_launch; needs an NVIDIA GPU and PyTorch)
 
-For each side, a cache is filled once; then, --repeat times, a fresh interpreter imports
-PyTorch, Triton and the kernel (``add_kernel`` of the corpus), and launches it once (module load
-included), then synchronizes. Reported: the median time from just after the imports to the launch
-completed, and from interpreter start. acompile's side opens the default ``CompilePool()`` on
-its disk cache; Triton's side calls the ``@triton.jit`` kernel with its own cache warm.
+Each side runs in fresh processes with caches of its own; the first run fills them, the next
+``--repeat`` are measured. Before any clock, both sides do the same: import PyTorch, Triton,
+acompile and the kernel library (``acompile._bench.library``), and build every kernel's launch
+arguments on the GPU (which also creates the CUDA context). Then the clock starts and:
+
+- acompile enters the default ``CompilePool()``, gets every kernel (``pool.gather``; each must be
+  a disk hit) and launches each once;
+- Triton calls each ``@triton.jit`` kernel once (its cache warm).
+
+After a synchronize the clock stops: reported as "after set-up", and as "from interpreter start"
+(the whole process up to that point). acompile's pool exit follows and is reported on its own.
+
+Then, in the same process, the host cost of one ``kernel[grid](*args)`` for each kernel: after a
+warm-up, ``--launches`` launches in batches with a synchronize between batches (outside the
+clock); the median batch's time per launch, on each side.
+
+``--profile`` adds a run of each side under cProfile (not measured) and prints the functions that
+took the most time between the clock's start and stop (in that process; workers are not profiled).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import acompile
-from acompile._bench import harness
-from acompile._bench.corpus import add_kernel
+from acompile._bench import harness, library
+from acompile._bench.corpus import acompile_specs
 
-_SIG = {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"}
+_WARMUP = 20
+_BATCH = 50
 
 
 async def acompile_side(args: argparse.Namespace) -> dict[str, Any]:
-    """A launch through the default ``CompilePool()`` (workers prestarted) on the disk cache."""
+    """Pool entry -> every kernel of the library launched once, on the default pool."""
+    import torch
+
+    cases = library.cases()
+    torch.cuda.synchronize()
     t1 = time.perf_counter()
-    async with acompile.CompilePool() as pool:
-        kernel, tier = await pool.compile_with_tier(acompile.TritonSpec(add_kernel, _SIG, {"BLOCK": 1024}))
-        return {"tier": tier, **_launch(lambda *a: kernel[(4,)](*a), t1, args.t0)}
+    with _profiling(args) as profile:
+        async with acompile.CompilePool() as pool:
+            kernels = await pool.gather(*acompile_specs(which="library"))
+            for case, kernel in zip(cases, kernels, strict=True):
+                kernel[case.grid](*case.args)
+            torch.cuda.synchronize()
+            after, from_start = time.perf_counter() - t1, time.time() - args.t0
+            stats = pool.stats()
+            t2 = time.perf_counter()
+        exit_s = time.perf_counter() - t2
+    n, cache = len(cases), stats["cache"]
+    problem = None
+    if stats["compiled"] or cache["hits_disk"] != n:
+        problem = f"compiled {stats['compiled']}, disk hits {cache['hits_disk']} (want 0, {n})"
+    launches = {c.spec.name: _launcher(k, c.grid, c.args, {}) for c, k in zip(cases, kernels, strict=True)}
+    return {
+        "after_setup_s": after,
+        "from_start_s": from_start,
+        "exit_s": exit_s,
+        "assertion": None if args.filling else problem,
+        "host_us": _host_costs(launches, args.launches),
+        "profile": profile.get("text"),
+    }
 
 
 def triton_side(args: argparse.Namespace) -> dict[str, Any]:
-    """A launch of the ``@triton.jit`` kernel on Triton's warm cache."""
-    t1 = time.perf_counter()
-    return {"tier": "triton cache", **_launch(lambda *a: add_kernel[(4,)](*a, BLOCK=1024), t1, args.t0)}
-
-
-def _launch(launch: Any, t1: float, t0: float) -> dict[str, float]:
+    """Every kernel of the library launched once through Triton's JIT, its cache warm."""
     import torch
 
-    x, y = torch.ones(4096, device="cuda"), torch.ones(4096, device="cuda")
-    out = torch.empty_like(x)
-    launch(x, y, out, 4096)
+    cases = library.cases()
     torch.cuda.synchronize()
-    after, from_start = time.perf_counter() - t1, time.time() - t0
-    assert bool((out == 2).all()), "wrong result"
-    return {"after_imports_s": after, "from_start_s": from_start}
+    t1 = time.perf_counter()
+    with _profiling(args) as profile:
+        for case in cases:
+            case.spec.fn[case.grid](*case.args, **case.keywords())
+        torch.cuda.synchronize()
+        after, from_start = time.perf_counter() - t1, time.time() - args.t0
+    launches = {c.spec.name: _launcher(c.spec.fn, c.grid, c.args, c.keywords()) for c in cases}
+    return {
+        "after_setup_s": after,
+        "from_start_s": from_start,
+        "host_us": _host_costs(launches, args.launches),
+        "profile": profile.get("text"),
+    }
+
+
+def _launcher(kernel: Any, grid: Any, args: tuple[Any, ...], keywords: dict[str, Any]) -> Callable[[], Any]:
+    """``kernel[grid](*args, **keywords)`` as a library writes it, subscript included."""
+
+    def launch() -> Any:
+        return kernel[grid](*args, **keywords)
+
+    return launch
+
+
+def _host_costs(launches: dict[str, Callable[[], Any]], count: int) -> dict[str, float]:
+    """Microseconds of host time per launch, for each kernel: the median batch of ``count``
+    launches (the GPU drained between batches, so a full launch queue never blocks a batch)."""
+    import torch
+
+    costs = {}
+    for name, launch in launches.items():
+        for _ in range(_WARMUP):
+            launch()
+        per_launch = []
+        for _ in range(max(1, count // _BATCH)):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(_BATCH):
+                launch()
+            per_launch.append((time.perf_counter() - t) / _BATCH)
+        torch.cuda.synchronize()
+        costs[name] = statistics.median(per_launch) * 1e6
+    return costs
+
+
+@contextlib.contextmanager
+def _profiling(args: argparse.Namespace) -> Iterator[dict[str, str]]:
+    """cProfile around the body when ``args.profile``; the top functions land in the dict."""
+    found: dict[str, str] = {}
+    if not args.profile:
+        yield found
+        return
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        yield found
+    finally:
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(40)
+        found["text"] = text.getvalue()
 
 
 CHILDREN = {"acompile": acompile_side, "triton": triton_side}
@@ -62,26 +158,70 @@ def main(argv: list[str] | None = None) -> int:
         import torch  # noqa: F401  (the imports are part of interpreter start, not of the launch)
 
         return harness.child_main(CHILDREN, argv)
-    parser = argparse.ArgumentParser(prog="acompile bench --first-launch", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="acompile bench --first-launch", description=" ".join(__doc__.split("\n\n")[0].split())
+    )
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--launches", type=int, default=1000, help="per kernel, for the host cost")
+    parser.add_argument("--profile", action="store_true", help="add a profiled run of each side")
     args = parser.parse_args(argv)
+    if args.repeat < 1 or args.launches < _BATCH:
+        parser.error(f"--repeat must be at least 1 and --launches at least {_BATCH}")
     folder = Path(tempfile.mkdtemp(prefix="acompile-first-launch-"))
-    print(f"time to first launch from a warm cache, fresh process, median of {args.repeat}:")
+    names = [s.name for s in library.specs()]
+    print(
+        f"first launch of {len(names)} library kernels from a warm cache, fresh process, "
+        f"median of {args.repeat}; machine: {harness.machine()['cpu_count']} CPUs"
+    )
+    medians: dict[str, dict[str, float]] = {}
+    host: dict[str, dict[str, float]] = {}
     for side in CHILDREN:
         env = harness.child_env(folder / side)
         runs = []
-        for i in range(args.repeat + 1):  # the first fills the cache
-            r = harness.run_child("first_launch", side, {"t0": time.time()}, folder / side / str(i), env, 300)
-            if "crashed" in r:
-                print(f"  {side}: CRASHED {r['crashed']}\n{r.get('log_tail', '')}")
+        # The first run fills the caches; a profiled one, last, is not measured.
+        for i in range(args.repeat + 1 + args.profile):
+            options = {
+                "t0": time.time(),
+                "launches": args.launches,
+                "filling": i == 0,
+                "profile": i > args.repeat,
+            }
+            r = harness.run_child("first_launch", side, options, folder / side / str(i), env, 600)
+            if "crashed" in r or r.get("assertion"):
+                print(f"  {side}: FAILED {r.get('crashed') or r['assertion']}\n{r.get('log_tail', '')}")
                 return 1
             runs.append(r)
-        after = statistics.median(r["after_imports_s"] for r in runs[1:]) * 1000
-        start = statistics.median(r["from_start_s"] for r in runs[1:]) * 1000
-        print(
-            f"  {side:9s} after imports {after:8.1f} ms   from interpreter start {start:8.1f} ms"
-            f"   ({runs[1]['tier']})"
-        )
+        measured = runs[1 : args.repeat + 1]
+        medians[side] = {
+            key: statistics.median(r[key] for r in measured) * 1000
+            for key in ("after_setup_s", "from_start_s", "exit_s")
+            if key in measured[0]
+        }
+        host[side] = {n: statistics.median(r["host_us"][n] for r in measured) for n in names}
+        if runs[-1].get("profile"):
+            print(f"--- profile, {side} (an extra run) ---\n{runs[-1]['profile']}")
+    ours, theirs = medians["acompile"], medians["triton"]
+    print(
+        f"  acompile (default pool)  after set-up {ours['after_setup_s']:8.1f} ms   "
+        f"from interpreter start {ours['from_start_s']:8.1f} ms   (then pool exit {ours['exit_s']:.1f} ms)"
+    )
+    print(
+        f"  Triton JIT (warm cache)  after set-up {theirs['after_setup_s']:8.1f} ms   "
+        f"from interpreter start {theirs['from_start_s']:8.1f} ms"
+    )
+    print(
+        f"  acompile / Triton: after set-up {ours['after_setup_s'] / theirs['after_setup_s']:.2f}x, "
+        f"from interpreter start {ours['from_start_s'] / theirs['from_start_s']:.2f}x"
+    )
+    print(
+        f"\nhost cost of one kernel[grid](*args), µs (median of batches of {_BATCH}, "
+        f"{args.launches} launches):"
+    )
+    rows = []
+    for n in names:
+        ours_us, theirs_us = host["acompile"][n], host["triton"][n]
+        rows.append([n, f"{ours_us:.2f}", f"{theirs_us:.2f}", f"{ours_us / theirs_us:.2f}x"])
+    print(harness.table(["kernel", "acompile", "Triton JIT", "ratio"], rows))
     return 0
 
 

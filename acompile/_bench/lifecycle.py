@@ -5,7 +5,8 @@ The no-op groups run a job that returns its payload (this module is the worker-s
 ``CompilePool(preload=())``, ``anyio.to_process`` and ``ProcessPoolExecutor`` (spawn): round trips
 one at a time, then jobs/s from 4 N callers. ``wake``: cold start, memory per idle worker, then 5
 cycles of quiesce / wake-up with a real compile after each (``activation_kernel`` with a fresh
-``ACT`` >= 4: the same code under distinct keys). ``shutdown``: idle, then busy in a 120 s job.
+``ACT`` >= 4: the same code under distinct keys). ``shutdown``: leaving the pool while its
+workers preload, idle, then busy in a 120 s job.
 ``spawned``: a worker with ``fork_workers=False`` and an anyio worker that compiled a kernel.
 
 Its module level imports only the standard library: a worker imports it in well under a ms.
@@ -206,31 +207,44 @@ async def wake(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def shutdown(args: argparse.Namespace) -> dict[str, Any]:
-    """Leaving the pool with every worker idle, then with every worker busy."""
+    """Leaving the default pool while its workers preload (just entered), with every worker
+    idle, then with every worker busy in a job (which leaving stops): median and worst of 5."""
     import anyio
+    import psutil
 
     import acompile
 
     out: dict[str, Any] = {}
     problems = []
-    for busy in (False, True):
+    for state in ("preloading", "idle", "busy"):
         times = []
-        for _ in range(3):
+        for _ in range(5):
             async with anyio.create_task_group() as tg:
                 async with acompile.CompilePool(args.workers, target=args.target) as pool:
-                    await pool.wait_ready()
-                    for _ in range(args.workers if busy else 0):
+                    if state == "preloading":
+                        # The template's interpreter has started, and imports Triton meanwhile.
+                        with anyio.move_on_after(30):
+                            while not psutil.Process().children():  # noqa: ASYNC110 (polls the OS)
+                                await anyio.sleep(0.001)
+                        await anyio.sleep(0.05)
+                        if pool.stats()["workers"]["alive"]:
+                            problems.append("a worker was ready before leaving 'while preloading'")
+                    else:
+                        await pool.wait_ready()
+                    busy = args.workers if state == "busy" else 0
+                    for _ in range(busy):
                         tg.start_soon(_sleep_job, pool)
                     with anyio.move_on_after(30):
-                        while pool.stats()["workers"]["busy"] < (args.workers if busy else 0):  # noqa: ASYNC110
+                        while pool.stats()["workers"]["busy"] < busy:  # noqa: ASYNC110
                             await anyio.sleep(0.01)
-                    await anyio.sleep(0.2)
-                    pids, template = _pool_pids(pool)
+                    await anyio.sleep(0.2 if state != "preloading" else 0)
+                    pids = [p.pid for p in psutil.Process().children(recursive=True)]
                     t = time.perf_counter()
                 times.append(time.perf_counter() - t)
-            if left := _running([*pids, *([template] if template else [])]):
-                problems.append(f"left after shutdown: {left}")
-        out["busy_ms" if busy else "idle_ms"] = harness.ms(harness.percentile(times, 0.5))
+            if left := _running(pids):
+                problems.append(f"left after shutdown ({state}): {left}")
+        out[f"{state}_ms"] = harness.ms(harness.percentile(times, 0.5))
+        out[f"{state}_max_ms"] = harness.ms(max(times))
     return {**out, "assertion": "; ".join(problems[:3]) or None}
 
 
@@ -313,7 +327,11 @@ def report(section: dict[str, Any]) -> str:
         f"quiesce {f(get('wake', 'quiesce_ms'))} ms, all reaped {f(get('wake', 'reaped_ms'))} ms;"
         f" wake-up -> ready {f(get('wake', 'wakeup_ms'))} ms (median of 5); first compile after wake-up / on"
         f" warm workers {f(get('wake', 'first_ms'), '.0f')} / {f(get('wake', 'again_ms'), '.0f')} ms",
-        f"shutdown: idle {f(get('shutdown', 'idle_ms'))} ms, busy {f(get('shutdown', 'busy_ms'))} ms",
+        "shutdown (median / worst of 5): "
+        + ", ".join(
+            f"{state} {f(get('shutdown', f'{state}_ms'))} / {f(get('shutdown', f'{state}_max_ms'))} ms"
+            for state in ("preloading", "idle", "busy")
+        ),
         f"idle forked worker {mem(get('wake', 'memory_worker'))}, the template "
         f"{mem(get('wake', 'memory_template'))}, a spawned worker (fork_workers=False) "
         f"{mem(get('spawned', 'memory_spawned'))}, anyio's after a compile "

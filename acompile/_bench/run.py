@@ -1,10 +1,12 @@
 """The compile benchmark: acompile against the usual ways of compiling a corpus of Triton kernels.
 
     acompile bench [--workers N] [--target cuda:90] [--json PATH] [--only ROW,...] [--limit K]
+                   [--corpus default|library]
                    [--lifecycle] [--tiers] [--storm ...] [--first-launch ...] [--autotune ...]
 
 Every row compiles the same specs (the corpus, or its first K) cold, in its own fresh process
 with empty Triton and acompile caches; the corpus (hence Triton) is imported before the clock.
+``--corpus library`` compiles the kernel library of ``acompile._bench.library`` instead.
 
 - ``sequential``: ``triton.compile`` of each spec in turn (no loop: lag n/a).
 - ``threads``: ``anyio.to_thread.run_sync`` with a ``CapacityLimiter(N)``, all awaited at once.
@@ -46,7 +48,11 @@ ROWS += ("warm_acompile", "warm_triton")  # fresh processes on the caches the ro
 # A warm-start row reads the cache another row filled.
 _NEEDS = {"warm_acompile": "acompile_cold", "warm_triton": "sequential"}
 # Sections with options of their own, run alone: acompile bench --storm --help.
-_PASSTHROUGH = {"--storm": "storm", "--first-launch": "first_launch", "--autotune": "autotune"}
+_PASSTHROUGH = {
+    "--storm": "storm",
+    "--first-launch": "first_launch",
+    "--autotune": "autotune",
+}
 
 
 # -- the rows, each run in a fresh process ------------------------------------------------------
@@ -59,13 +65,15 @@ def sequential(args: argparse.Namespace) -> dict[str, Any]:
     stamps = {"imported": time.time()}
     cache = Path(os.environ["TRITON_CACHE_DIR"])
     before = set(os.listdir(cache)) if cache.is_dir() else set()
-    target, first, results = gpu_target(args.target), None, []
+    target, first, results, each = gpu_target(args.target), None, [], []
     t0 = time.perf_counter()
-    for spec in specs(args.limit):
+    for spec in specs(args.limit, args.corpus):
+        t = time.perf_counter()
         try:
             results.append(compile_spec(spec, target).asm["cubin"])
         except Exception as exc:
             results.append(exc)
+        each.append(time.perf_counter() - t)
         first = first or time.perf_counter() - t0
     wall = time.perf_counter() - t0
     stamps["ready"] = time.time()
@@ -74,9 +82,11 @@ def sequential(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "wall_s": wall,
         "first_s": first,
+        # The longest single compile, the first aside (it carries Triton's one-time set-up).
+        "longest_s": max(each[1:] or each),
         "stamps": stamps,
         "assertion": f"{new} new Triton cache entries (want 0)" if bad else None,
-        **outcome(results, args.limit),
+        **outcome(results, args.limit, args.corpus),
     }
 
 
@@ -87,21 +97,20 @@ async def baseline(args: argparse.Namespace) -> dict[str, Any]:
 
     from acompile._bench.corpus import compile_index, compile_spec, gpu_target, outcome, specs
 
-    n = len(specs(args.limit))
+    n = len(specs(args.limit, args.corpus))
     results: list[Any] = [None] * n
     limiter = anyio.CapacityLimiter(args.workers)
     executor: ProcessPoolExecutor | None = None
 
     async def one(i: int) -> None:
         try:
-            spec, target = specs(args.limit)[i], gpu_target(args.target)
+            spec, target = specs(args.limit, args.corpus)[i], gpu_target(args.target)
+            work = functools.partial(compile_index, i, args.target, args.limit, args.corpus)
             if args.row == "threads":
                 asm = (await anyio.to_thread.run_sync(compile_spec, spec, target, limiter=limiter)).asm
             elif executor is not None:
-                loop = asyncio.get_running_loop()
-                asm = (await loop.run_in_executor(executor, compile_index, i, args.target, args.limit))["asm"]
+                asm = (await asyncio.get_running_loop().run_in_executor(executor, work))["asm"]
             else:
-                work = functools.partial(compile_index, i, args.target, args.limit)
                 asm = (await anyio.to_process.run_sync(work, limiter=limiter))["asm"]
             results[i] = asm.get("cubin")
         except Exception as exc:
@@ -121,7 +130,7 @@ async def baseline(args: argparse.Namespace) -> dict[str, Any]:
             t1 = time.perf_counter()
             await anyio.to_thread.run_sync(functools.partial(executor.shutdown, wait=True))
             extra["shutdown_s"] = time.perf_counter() - t1
-    return {"wall_s": wall, "lag": harness.latency(lag), **extra, **outcome(results, args.limit)}
+    return {"wall_s": wall, "lag": harness.latency(lag), **extra, **outcome(results, args.limit, args.corpus)}
 
 
 async def acompile_row(args: argparse.Namespace) -> dict[str, Any]:
@@ -130,7 +139,7 @@ async def acompile_row(args: argparse.Namespace) -> dict[str, Any]:
     from acompile._bench.corpus import acompile_specs, outcome
 
     stamps = {"imported": time.time()}
-    requests = acompile_specs(args.limit)
+    requests = acompile_specs(args.limit, args.corpus)
     warm_start = args.row == "warm_acompile"
     cache = args.warm_cache if warm_start else os.environ["ACOMPILE_CACHE_DIR"]
     extra: dict[str, Any] = {}
@@ -170,7 +179,7 @@ async def acompile_row(args: argparse.Namespace) -> dict[str, Any]:
         "stamps": stamps,
         "assertion": "; ".join(problems) or None,
         **extra,
-        **outcome(results, args.limit),
+        **outcome(results, args.limit, args.corpus),
     }
 
 
@@ -188,6 +197,7 @@ def _run_row(name: str, args: argparse.Namespace, root: Path, results: dict[str,
         extra["TRITON_CACHE_DIR"] = results["sequential"]["triton_cache_dir"]
     env = harness.child_env(folder, **extra)
     options = {"row": name, "workers": args.workers, "target": args.target, "limit": args.limit}
+    options["corpus"] = args.corpus
     options.update(
         warm=name == "warm_triton", warm_cache=results.get("acompile_cold", {}).get("acompile_cache_dir")
     )
@@ -203,7 +213,8 @@ def report(results: dict[str, dict[str, Any]], machine: dict[str, Any], args: ar
     n = next((r["specs"] for r in results.values() if "specs" in r), 0)
     lag = machine["idle_lag"]
     lines = [
-        f"acompile compile benchmark: {n} specs, target {args.target}, {args.workers} workers",
+        f"acompile compile benchmark: {n} specs ({args.corpus} corpus), target {args.target}, "
+        f"{args.workers} workers",
         f"machine: {machine['cpu_count']} CPUs ({machine['usable_cpus']} usable), {machine['cpu_model']}; "
         f"python {machine['python']}, triton {machine['triton']}, anyio {machine['anyio']}, "
         f"acompile {machine['acompile']}",
@@ -225,6 +236,17 @@ def report(results: dict[str, dict[str, Any]], machine: dict[str, Any], args: ar
         cells += [harness.fmt(lag.get("max_ms")), f"{r['ok']}/{r['specs']}", harness.fmt(differ, "d")]
         rows.append([name, *cells, harness.fmt(r["cpu_s"], ".1f"), harness.fmt(r["loadavg_before"])])
     lines += [harness.table(header, rows), ""] if rows else []
+    if seq.get("longest_s") and "crashed" not in seq:
+        # No pool of N workers beats this: the work shared evenly, or its longest job alone.
+        bound = max(seq["wall_s"] / args.workers, seq["longest_s"])
+        against = [
+            f"{name} {results[name]['wall_s'] / bound:.2f}x"
+            for name in ("acompile_cold", "acompile_warm_pool", "process_pool", "anyio_to_process")
+            if name in results and "crashed" not in results[name]
+        ]
+        text = f"bound = max(sequential {seq['wall_s']:.2f} s / {args.workers} workers, longest compile "
+        text += f"{seq['longest_s']:.2f} s) = {bound:.2f} s"
+        lines += [text + (f"; {', '.join(against)} the bound" if against else ""), ""]
     for name, label in (("warm_acompile", "acompile"), ("warm_triton", "Triton")):
         r = results.get(name, {})
         if not r or "crashed" in r:
@@ -258,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             argv.remove(flag)
             section_main: Any = importlib.import_module(f"acompile._bench.{module}").main
             return int(section_main(argv))
+    from acompile._bench.corpus import CORPORA
+
     sections = ("lifecycle", "tiers")
     parser = argparse.ArgumentParser(prog="acompile bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=default_workers(), help="default: %(default)s")
@@ -265,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="bench-results/bench.json", help="default: %(default)s")
     parser.add_argument("--only", default=None, help=f"comma-separated, of: {', '.join((*ROWS, *sections))}")
     parser.add_argument("--limit", type=int, default=None, help="use only the first K specs of the corpus")
+    parser.add_argument(
+        "--corpus", choices=CORPORA, default="default", help="the kernels to compile (default: %(default)s)"
+    )
     parser.add_argument("--row-timeout", type=float, default=900.0, help="seconds before a row is killed")
     parser.add_argument("--keep", action="store_true", help="keep the rows' cache folders and logs")
     parser.add_argument(

@@ -12,8 +12,9 @@ The chain owns what used to be spread over the front end:
   (the shared one) in the order given. A hit in a slower tier is written back, in the background,
   to the faster ones.
 - **faults are misses**: a tier's ``get`` returns None or raises ``CorruptEntry``; every entry
-  read is verified (checksum, key) here, once, and a damaged one is counted
-  (``<tier>_corrupt``), warned about once, and compiled again.
+  read is verified (checksum, key) once (the disk's on its reading thread, the others' here),
+  and a damaged one is counted (``<tier>_corrupt``), warned about once, and compiled again; so
+  is one the backend cannot load (``reject``).
 - **single flight across replicas**: where a tier can hold leases (``LeaseTier``), a miss takes
   the key's lease before compiling; a replica that finds the lease taken polls for the entry up
   to ``fleet_wait``, then compiles itself.
@@ -39,6 +40,7 @@ import anyio
 import anyio.abc
 
 from acompile._cache import _entry
+from acompile._cache._costs import CompileCosts
 from acompile._cache._disk import GuardedDisk
 from acompile._cache._entry import CorruptEntry, Entry
 from acompile._cache._memory import MemoryTier
@@ -103,6 +105,8 @@ class TierChain:
         self.fleet_wait = fleet_wait
         self.lease_ttl = lease_ttl
         self.counts: Counter[str] = Counter()
+        # How long compiles took, kept in the cache folder: what the pool orders its queue by.
+        self.costs = CompileCosts(local)
         # The first tier that can hold leases: single flight across the fleet goes through it.
         self._lease_tier: LeaseTier | None = next((t for t in self.tiers if isinstance(t, LeaseTier)), None)
         self._tg: anyio.abc.TaskGroup | None = None
@@ -170,6 +174,14 @@ class TierChain:
         entry, tier = await self._find(key)
         self.counts[f"hits_{tier}" if entry is not None else "misses"] += 1
         return entry, tier
+
+    def reject(self, key: str, tier: str, exc: Exception) -> None:
+        """An entry ``lookup`` found in ``tier`` that the backend cannot load (``exc``, a
+        ``CorruptEntry``): counted as damaged and as a miss instead of a hit; the caller
+        compiles it again with ``compile_once``, which replaces it."""
+        self.counts[f"hits_{tier}"] -= 1
+        self.counts["misses"] += 1
+        self._damaged(tier, key, exc)
 
     async def compile_once(self, key: str, compile: Callable[[], Awaitable[bytes]]) -> tuple[Entry, str]:
         """After a miss: ``compile()`` (which returns the entry's bytes) unless another replica
@@ -277,6 +289,9 @@ class TierChain:
     async def _read(self, tier: Tier, key: str) -> Entry | None:
         """The verified entry from one tier, or None; a hit is written back to faster tiers."""
         try:
+            if tier is self.local:
+                # Read and verified on a disk thread, in one hop; no tier is faster to back-fill.
+                return await self.local.get_entry(key)
             data = await tier.get(key)
             if data is None:
                 return None
@@ -287,18 +302,19 @@ class TierChain:
         except CorruptEntry as exc:
             # Not deleted: another process may be publishing a good copy right now, and the
             # fresh compile replaces this one atomically anyway.
-            counter = f"{tier.name}_corrupt"
-            level = logging.DEBUG if self.counts[counter] else logging.WARNING
-            self.counts[counter] += 1
-            logger.log(
-                level, "%s cache entry %s… is damaged (%s); compiling it again", tier.name, key[:16], exc
-            )
+            self._damaged(tier.name, key, exc)
             return None
         # Kept in the faster tiers for the next process, in the background: the caller has what
         # it needs.
         for faster in self.tiers[: self.tiers.index(tier)]:
             self._later(faster.set, key, data)
         return entry
+
+    def _damaged(self, tier: str, key: str, exc: Exception) -> None:
+        counter = f"{tier}_corrupt"
+        level = logging.DEBUG if self.counts[counter] else logging.WARNING
+        self.counts[counter] += 1
+        logger.log(level, "%s cache entry %s… is damaged (%s); compiling it again", tier, key[:16], exc)
 
     async def _await_fleet(self, leases: LeaseTier, key: str) -> Entry | None:
         """Another replica holds the lease: poll for its entry, up to fleet_wait, or until the
@@ -333,6 +349,11 @@ class TierChain:
                 await leases.release_lease(key)
 
         self._later(publish)
+
+    def write_behind(self, work: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Run ``work(*args)`` in the background, as the chain's own writes run (in the pool's
+        task group, waited for by ``drain()``): for what else belongs in the cache folder."""
+        self._later(work, *args)
 
     def _later(self, work: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Write-behind work: a task of the pool, so nothing outlives it; ``drain()`` waits

@@ -2,20 +2,27 @@
 
 Layout: ``<root>/v1/<key[:2]>/<key>``. A writer writes the whole entry to a private temporary
 file in the same folder and renames it over the final name, so a reader (in this process or
-another) sees either no entry or a whole one, never a torn one. Entries are verified by the
-layer above; the tier itself only moves bytes, through aiofiles, off the event loop.
+another) sees either no entry or a whole one, never a torn one. ``get`` moves bytes, which the
+layer above verifies; ``get_entry`` reads *and* verifies on the thread, so that a warm start
+spends nothing on the event loop per entry but handing the result over.
 
 Each read and each write is one blocking call on a daemon thread of this module, which owns its
 file from open to close (and a writer its temporary file, removed on any failure). A caller may
 therefore stop waiting at any moment, cancelled or past a deadline, and leak nothing: the thread
 finishes by itself. A call stuck in the kernel (a hung network filesystem) is abandoned, never
 joined, so it cannot hang the pool's exit or the interpreter's.
+
+Entry reads (a warm start asks for every kernel at once) share a queue that a few threads take
+in order, each reading and verifying one entry after the other, instead of one thread hop per
+entry; the loop is woken once for whatever they finished meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import os
 import queue
@@ -24,8 +31,8 @@ import stat
 import tempfile
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,8 +40,10 @@ from typing import Any, TypeVar
 import aiofiles.os
 import anyio
 
-from acompile._cache._entry import CorruptEntry
+from acompile._cache import _entry
+from acompile._cache._entry import CorruptEntry, Entry
 from acompile._cache._layout import entries_dir, temp_path, toolchain_dir
+from acompile._sizing import usable_cpus
 
 logger = logging.getLogger("acompile")
 
@@ -87,6 +96,17 @@ class _DaemonThreads(Executor):
         self._idle = 0  # threads waiting for a call that no queued call has claimed yet
         self._unclaimed = 0  # queued calls that found no idle thread
 
+    def prestart(self, count: int) -> None:
+        """Start idle threads until ``count`` exist (blocking: ``Thread.start`` waits for the
+        thread to run, a wait that belongs on a thread, not on the event loop)."""
+        while True:
+            with self._lock:
+                if self._threads >= min(count, self._max):
+                    return
+                self._threads += 1
+                self._idle += 1
+            threading.Thread(target=self._serve, name="acompile-disk", daemon=True).start()
+
     def submit(self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> Future[_T]:
         future: Future[_T] = Future()
         with self._lock:
@@ -121,7 +141,18 @@ class _DaemonThreads(Executor):
 _threads = _DaemonThreads(16)
 
 
-def _read_file(path: Path) -> bytes | None:
+@functools.cache
+def _readers() -> int:
+    """How many threads share the entry reads. Reading an entry and verifying it (SHA-256)
+    release the GIL, so several threads read a warm start at once; four keep up with what the
+    loop does per entry on any machine, and more would only stand between it and the GIL."""
+    return max(2, min(4, usable_cpus() // 2))
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def _read_file(path: str | Path) -> bytes | None:
     try:
         fd = os.open(path, _READ_FLAGS)
     except (FileNotFoundError, NotADirectoryError):
@@ -147,6 +178,78 @@ def _write_file(final: Path, data: bytes) -> None:
         raise
 
 
+def _read_entry(path: str, key: str) -> Entry | None:
+    """The verified entry at path, or None where there is none. Raises ``CorruptEntry``,
+    ``NotAnEntryFile`` or ``OSError``."""
+    data = _read_file(path)
+    return None if data is None else _entry.decode(data, key)
+
+
+class _EntryReader:
+    """The entry reads of one event loop, taken in order by up to ``_readers()`` disk threads.
+
+    A read is queued, and a thread job is started only while fewer than that many run: a warm
+    start's reads all go to the same few threads (started off the loop by ``GuardedDisk.open``),
+    each taking the next read as it finishes one. Results come back together: a thread wakes the
+    loop only when no hand-over is pending already.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()  # the two lists and the two counts: shared with threads
+        self._queue: deque[tuple[str, str, asyncio.Future[Entry | None]]] = deque()
+        self._threads = 0
+        self._results: list[tuple[asyncio.Future[Entry | None], Entry | None, Exception | None]] = []
+        self._handing_over = False
+
+    def read(self, path: str, key: str) -> asyncio.Future[Entry | None]:
+        """Queue a read (on the loop); the future holds the entry, None, or the read's error."""
+        future: asyncio.Future[Entry | None] = self.loop.create_future()
+        with self._lock:
+            self._queue.append((path, key, future))
+            start = self._threads < _readers()
+            self._threads += start
+        if start:
+            _threads.submit(self._work)
+        return future
+
+    def _work(self) -> None:
+        """A disk thread's part: read and verify entries until the queue is empty."""
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._threads -= 1
+                    return
+                path, key, future = self._queue.popleft()
+            entry: Entry | None = None
+            error: Exception | None = None
+            try:
+                entry = _read_entry(path, key)
+            except Exception as exc:
+                error = exc
+            with self._lock:
+                self._results.append((future, entry, error))
+                wake, self._handing_over = not self._handing_over, True
+            if wake:
+                try:
+                    self.loop.call_soon_threadsafe(self._hand_over)
+                except RuntimeError:
+                    pass  # the loop is closed: nobody waits for these any more
+
+    def _hand_over(self) -> None:
+        """On the loop: settle the reads that are done."""
+        with self._lock:
+            done, self._results = self._results, []
+            self._handing_over = False
+        for future, entry, error in done:
+            if future.done():
+                continue  # its caller stopped waiting (cancelled, or past the deadline)
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(entry)
+
+
 _read = aiofiles.os.wrap(_read_file)
 _write = aiofiles.os.wrap(_write_file)
 _run = aiofiles.os.wrap(lambda call: call())
@@ -158,11 +261,17 @@ class DiskTier:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self.entries = entries_dir(self.root)
+        self._entries = str(self.entries)
+        self._reader: _EntryReader | None = None
 
     def path(self, key: str) -> Path:
-        if len(key) < 3 or not all(c in "0123456789abcdef" for c in key):
-            raise ValueError(f"not a cache key: {key!r}")
+        self._check_key(key)
         return self.entries / key[:2] / key
+
+    @staticmethod
+    def _check_key(key: str) -> None:
+        if len(key) < 3 or not _HEX.issuperset(key):
+            raise ValueError(f"not a cache key: {key!r}")
 
     def prepare(self) -> None:
         """Create the folder, private to this user (blocking: call from a thread).
@@ -192,6 +301,22 @@ class DiskTier:
         for a FIFO, a device or a folder at its path)."""
         data: bytes | None = await _read(self.path(key), executor=_threads)
         return data
+
+    async def get_entry(self, key: str) -> Entry | None:
+        """The verified entry, or None where there is none: read and checked on a disk thread
+        (see ``_EntryReader``). Raises ``CorruptEntry`` for a damaged entry, and ``OSError``
+        (``NotAnEntryFile``) as ``get``."""
+        self._check_key(key)
+        loop = asyncio.get_running_loop()
+        reader = self._reader
+        if reader is None or reader.loop is not loop:
+            reader = self._reader = _EntryReader(loop)
+        return await reader.read(os.path.join(self._entries, key[:2], key), key)
+
+    def abandon_reads(self) -> None:
+        """Leave the entry reads in progress to their threads (a hung filesystem holds them):
+        the next ones start on threads of their own."""
+        self._reader = None
 
     async def set(self, key: str, data: bytes) -> None:
         """Publish an entry atomically. Raises ``OSError``; a cancelled caller leaves the
@@ -245,6 +370,7 @@ class GuardedDisk:
         self.answered = True
         self._stalled_until = 0.0
         self._private_memo: Path | None = None
+        self._memo = toolchain_dir(self.root)  # asked for by every request
         self._warned: set[str] = set()
 
     @property
@@ -256,7 +382,7 @@ class GuardedDisk:
     def memo_dir(self) -> Path:
         """Where backends remember the toolchain's identity: in the cache folder, or in a
         private temporary folder when the cache folder did not answer."""
-        return self._private_memo or toolchain_dir(self.root)
+        return self._private_memo or self._memo
 
     def stats(self) -> dict[str, Any]:
         """``disk_writes`` for ``stats()["cache"]``."""
@@ -286,6 +412,8 @@ class GuardedDisk:
 
     def _prepare(self) -> str | None:
         """None where entries can be published, else why not (blocking)."""
+        # The readers of a warm start's batch, started here rather than by the loop's first read.
+        _threads.prestart(_readers())
         try:
             self.files.prepare()
         except OSError as exc:
@@ -302,14 +430,25 @@ class GuardedDisk:
     async def get(self, key: str) -> bytes | None:
         """The entry's bytes, or None for a miss (absent, or too slow). Raises ``CorruptEntry``
         where something unreadable sits at its path (a FIFO, an I/O error)."""
+        data: bytes | None = await self._guarded_read(key, self.files.get)
+        return data
+
+    async def get_entry(self, key: str) -> Entry | None:
+        """The verified entry, or None for a miss (absent, or too slow), read and checked off
+        the event loop. Raises ``CorruptEntry`` for a damaged entry, or where something
+        unreadable sits at its path."""
+        entry: Entry | None = await self._guarded_read(key, self.files.get_entry)
+        return entry
+
+    async def _guarded_read(self, key: str, read: Callable[[str], Awaitable[_T]]) -> _T | None:
         if self._stalled():
             return None
-        data: bytes | None = None
+        result: _T | None = None
         # Not shielded: the caller's cancellation (its own deadline, the pool's exit) abandons
         # the read at once, as the deadline does; the thread finishes, and closes the file, alone.
         with anyio.move_on_after(DISK_DEADLINE) as scope:
             try:
-                data = await self.files.get(key)
+                result = await read(key)
             except NotAnEntryFile as exc:
                 raise CorruptEntry(str(exc)) from exc
             except OSError as exc:
@@ -317,6 +456,7 @@ class GuardedDisk:
         if scope.cancelled_caught:
             self.counts["disk_timeouts"] += 1
             self._stall()
+            self.files.abandon_reads()
             self._warn_once(
                 "read-timeout",
                 "disk cache read of %s… did not answer within %g s (a hung filesystem?); compiling "
@@ -327,7 +467,7 @@ class GuardedDisk:
                 DISK_BACKOFF,
             )
             return None
-        return data
+        return result
 
     async def set(self, key: str, data: bytes) -> bool:
         """Publish an entry; True where it was. Never raises for the disk's sake (the caller

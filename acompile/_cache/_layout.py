@@ -4,6 +4,7 @@
     <root>/lib/<key>.so|.o      native libraries and objects, loaded or linked from their path
     <root>/logs/                compiler logs too long for an error message
     <root>/toolchain/           the toolchain's identity, remembered once per machine
+    <root>/costs.json           compile times per kernel, which the pool orders its queue by
     .<name>.<pid>.<token>.tmp   a writer's temporary file, next to the file it becomes
 
 Every name that starts with "." is a temporary file: readers skip it, and ``prune`` removes one a

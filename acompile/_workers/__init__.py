@@ -4,7 +4,8 @@
 (``LocalExecutor``) runs them in worker processes on this machine. The modules, each with one job:
 
 * ``_executor``: the ``Executor`` protocol, ``run_job()``, the stats it reports;
-* ``_queue``: ``Job`` and the two-lane queue;
+* ``_queue``: ``Job``, the queue (two lanes, longest expected job first) and the hand-off of jobs to
+  idle workers;
 * ``_pool``: ``WorkerPool``: slots, epochs (quiesce, wake-up), replacing workers;
 * ``_process``: worker process handles, stopping them, their stderr tail;
 * ``_template``: the template workers are forked from, and the socket they connect back to;

@@ -2,9 +2,11 @@
 
 ``WorkerPool`` is the process half of ``CompilePool``: it knows nothing of kernels or caches. It
 runs a fixed number of slots; each slot owns at most one worker process at a time, takes jobs from
-a shared two-lane queue, and replaces its worker whenever the worker dies, passes its memory
-limit, runs past the job time limit, or runs a job nobody waits for any more (the only way to stop
-a compiler is to stop its process).
+a shared queue (``_queue``: urgent before background, the longest expected first; a job for an
+idle worker is sent to it from the submitter's task, without waiting for the slot's), and replaces its
+worker whenever the worker dies, passes its memory limit, runs past the job time limit, or runs a
+job nobody waits for any more (the only way to stop a compiler is to stop its process). A slot
+takes jobs as soon as its worker is ready, whatever the other slots are doing.
 
 Workers are forked from a *template* (``_template``): a process that did a worker's whole preload
 once; a forked worker is ready in milliseconds. Where no template can be had (it has threads, or
@@ -18,6 +20,7 @@ next. The template outlives epochs, so waking is a matter of forks.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import os
@@ -57,7 +60,7 @@ from acompile._workers._process import (
     stderr_tail,
     stop,
 )
-from acompile._workers._queue import Job, JobCancelled, JobQueue
+from acompile._workers._queue import Job, JobCancelled, JobQueue, Taker
 from acompile._workers._template import (
     Template,
     TransientStartError,
@@ -182,8 +185,16 @@ class WorkerPool:
             raise PoolClosedError("the pool has shut down; make a new CompilePool")
         if self._start_error is not None and not self.alive:
             raise self._start_error
-        self.queue.put(job)
+        if job.frame is None:
+            try:
+                job.frame = _protocol.encode(_protocol.RunJob(job.id, job.backend, job.payload))
+            except Exception as exc:
+                # Something in the request does not pickle: that request fails, nothing else.
+                job.finish(error=_unsendable_error(job, exc))
+                self.counters.jobs_failed += 1
+                return
         self.wakeup()  # a request on a quiesced pool wakes it
+        self.queue.put(job)  # to an idle worker, from this task, if one waits
 
     async def run(self, job: Job) -> Any:
         """Submit ``job`` and return its result, or raise its error; cancelled while it is
@@ -329,8 +340,9 @@ class WorkerPool:
             cause = "stopped"  # by quiesce() or shutdown, unless _serve says otherwise
             try:
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._watch, worker)
-                    cause = await self._serve(worker)
+                    taker = Taker(functools.partial(self._deliver, worker))
+                    tg.start_soon(self._watch, worker, taker)
+                    cause = await self._serve(worker, taker)
                     tg.cancel_scope.cancel()
             finally:
                 self.alive.pop(worker.pid, None)
@@ -566,53 +578,70 @@ class WorkerPool:
         logger.debug("template pid %d ready in %.3f s", template.pid, reply.preload_s)
         return template
 
-    async def _next_job(self, worker: Worker) -> Job | None:
-        """The next job, or None if the worker died while it waited for one."""
+    async def _next_job(self, worker: Worker, taker: Taker) -> Job | None:
+        """The next job, or None if the worker died while it waited for one (``_watch`` takes
+        its taker out of the queue). A job handed to the worker (through ``taker``) is running
+        already; one taken from the queue is still queued."""
         if worker.exited.is_set():
             return None
         try:
-            with anyio.CancelScope() as worker.idle_scope:  # cancelled by _watch if it dies
-                return await self.queue.get()
-        finally:
-            worker.idle_scope = None
-        return None
+            return await self.queue.get(taker)
+        except BaseException:
+            # The epoch ended (quiesce, shutdown) as a job was handed over: it goes back first.
+            if taker.job is not None and taker.job.state == "running":
+                self.queue.put(taker.job, front=True)
+            raise
 
-    @staticmethod
-    async def _watch(worker: Worker) -> None:
+    def _deliver(self, worker: Worker, job: Job) -> bool:
+        """Hand a job to an idle worker, in the submitter's task (``JobQueue.put``): its frame
+        leaves now where the worker can take it so, and the slot's task catches up; else that
+        task sends it. False when the worker cannot take it (it is gone, or the epoch ends)."""
+        if not self._awake or worker.exited.is_set():
+            return False
+        assert job.frame is not None
+        try:
+            sent = worker.send_nowait(job.frame)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return False
+        self._started(job, worker, sent=sent)
+        return True
+
+    def _started(self, job: Job, worker: Worker, *, sent: bool) -> None:
+        job.state = "running"
+        job.worker_pid = worker.pid
+        job.started_at = time.perf_counter()
+        job.sent = sent
+
+    async def _watch(self, worker: Worker, taker: Taker) -> None:
         await worker.wait_exit()
-        if worker.idle_scope is not None:
-            worker.idle_scope.cancel()
+        self.queue.withdraw(taker)  # if it waits for a job, it waits no more
 
-    async def _serve(self, worker: Worker) -> str:
+    async def _serve(self, worker: Worker, taker: Taker) -> str:
         """Run jobs on one worker until it must be replaced; returns why."""
         while True:
-            job = await self._next_job(worker)
+            job = await self._next_job(worker, taker)
             if job is None:
                 code = worker.returncode
                 logger.warning("idle worker pid %d %s; replacing it", worker.pid, describe_exit(code))
                 return "killed" if code in EXTERNAL else "crash"
-            try:
-                message = _protocol.encode(_protocol.RunJob(job.id, job.backend, job.payload))
-            except Exception as exc:
-                # Something in the request does not pickle: that request fails, nothing else.
-                job.finish(error=_unsendable_error(job, exc))
-                self.counters.jobs_failed += 1
-                continue
-            job.state = "running"
-            job.worker_pid = worker.pid
-            job.started_at = time.perf_counter()
+            if job.state != "running":
+                self._started(job, worker, sent=False)  # from the queue
+            assert job.frame is not None
             self.busy += 1
             self.last_activity = time.monotonic()
             reply = None
             timed_out = False
-            t0 = time.perf_counter()
+            t0 = job.started_at
             try:
                 with anyio.CancelScope() as scope:
                     job.scope = scope
+                    if job.abandoned:
+                        scope.cancel()  # its caller left before this slot caught up
                     if self.max_compile_seconds is not None:
                         scope.deadline = anyio.current_time() + self.max_compile_seconds
                     try:
-                        await worker.send_bytes(message)
+                        if not job.sent:
+                            await worker.send_bytes(job.frame)
                         reply = await worker.receive()
                     except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
                         reply = None

@@ -12,12 +12,15 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
 
 from acompile._workers._protocol import MessageReceiver
+
+if TYPE_CHECKING:
+    from acompile._workers._template import UnixConnection
 
 # Signals that say "killed from outside" (an operator, an OOM killer, a chaos test) rather than
 # "the compiler crashed": a job whose worker dies of one is retried once on a fresh worker.
@@ -26,7 +29,7 @@ STDERR_TAIL = 64 * 1024
 
 # A forked worker's connection: what reads its messages (it may hold bytes read past the
 # hello), and the stream to send on.
-Connection = tuple[MessageReceiver, anyio.abc.ByteStream]
+Connection = tuple[MessageReceiver, "UnixConnection"]
 
 
 def short_backend(backend: str) -> str:
@@ -65,13 +68,18 @@ class _WorkerBase:
         self._send = send
         self.exited = anyio.Event()
         self.stop_cause: str | None = None
-        self.idle_scope: anyio.CancelScope | None = None
         self.started = time.monotonic()
         self.stopped_since: float | None = None
 
     async def send_bytes(self, data: bytes) -> None:
         """Send one encoded frame."""
         await self._send.send(data)
+
+    def send_nowait(self, data: bytes) -> bool:
+        """Send one encoded frame without waiting, where this kind of worker can: True if sent,
+        False if it must go through ``send_bytes()``. Raises ``anyio.BrokenResourceError``
+        when the worker's end is closed."""
+        return False
 
     async def receive(self) -> Any:
         """The worker's next message (see ``MessageReceiver.receive`` for what it raises)."""
@@ -119,6 +127,10 @@ class ForkedWorker(_WorkerBase):
     @property
     def returncode(self) -> int | None:
         return self._returncode
+
+    def send_nowait(self, data: bytes) -> bool:
+        self.stream.send_nowait(data)
+        return True
 
     def set_exited(self, code: int) -> None:
         self._returncode = code

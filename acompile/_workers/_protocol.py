@@ -39,10 +39,12 @@ import enum
 import os
 import pickle
 import struct
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import anyio.abc
+import anyio.to_thread
 
 _HEADER = struct.Struct(">Q")
 HEADER_SIZE = _HEADER.size
@@ -51,6 +53,8 @@ HEADER_SIZE = _HEADER.size
 MAX_MESSAGE = 1 << 34
 # One read's most: a 100 MB result arrives in pieces this size.
 _CHUNK = 1 << 20
+# Frames at least this large are decoded on a thread (the pool's side).
+_DECODE_INLINE_MAX = 256 * 1024
 
 
 class Tag(enum.Enum):
@@ -170,50 +174,79 @@ def encode(message: Any) -> bytes:
 
 
 class FrameReader:
-    """Splits a byte stream into decoded frames, whatever pieces the stream arrives in.
+    """Splits a byte stream into frames, whatever pieces the stream arrives in.
 
     It does no I/O: a driver asks ``wanted()`` how much to read, ``feed()``s what it read, and
-    takes complete frames with ``next()``. Bytes fed past a frame are kept for the next one.
+    takes complete frames with ``next()`` (decoded) or ``next_parts()`` (the pickle's pieces, to
+    decode elsewhere). Bytes fed past a frame are kept for the next one. Pieces are kept as they
+    came, never joined into a growing buffer: a 100 MB result is not copied at every read.
     """
 
     def __init__(self) -> None:
-        self._buffer = bytearray()
+        self._pieces: deque[bytes] = deque()
+        self._have = 0  # bytes in _pieces
         self._length: int | None = None  # the current frame's body length, once its header is in
 
     def wanted(self) -> int:
         """Bytes still missing from the frame in progress (never more than that)."""
         if self._length is None:
-            return max(1, HEADER_SIZE - len(self._buffer))
-        return max(1, min(_CHUNK, self._length - len(self._buffer)))
+            return max(1, HEADER_SIZE - self._have)
+        return max(1, min(_CHUNK, self._length - self._have))
 
     def feed(self, data: bytes) -> None:
-        self._buffer += data
+        if data:
+            self._pieces.append(data)
+            self._have += len(data)
 
-    def next(self) -> Any | None:
-        """The next complete frame, decoded, or None until more bytes arrive.
+    def next_parts(self) -> list[bytes] | None:
+        """The next complete frame's body (a pickle) in pieces, or None until more bytes arrive.
 
         Raises ``ValueError`` when a header announces an impossible length (a desynchronised
         stream).
         """
         if self._length is None:
-            if len(self._buffer) < HEADER_SIZE:
+            if self._have < HEADER_SIZE:
                 return None
-            (length,) = _HEADER.unpack_from(self._buffer)
+            (length,) = _HEADER.unpack(b"".join(self._take(HEADER_SIZE)))
             if length > MAX_MESSAGE:
                 raise ValueError(f"frame of {length} bytes: the stream is out of sync")
-            del self._buffer[:HEADER_SIZE]
             self._length = int(length)
-        if len(self._buffer) < self._length:
+        if self._have < self._length:
             return None
-        body = bytes(self._buffer[: self._length])
-        del self._buffer[: self._length]
+        parts = self._take(self._length)
         self._length = None
-        return pickle.loads(body)
+        return parts
+
+    def next(self) -> Any | None:
+        """The next complete frame, decoded, or None until more bytes arrive (see
+        ``next_parts`` for what it raises)."""
+        parts = self.next_parts()
+        return None if parts is None else decode(parts)
+
+    def _take(self, n: int) -> list[bytes]:
+        """The first n buffered bytes (there are at least n), as the pieces they came in."""
+        taken: list[bytes] = []
+        self._have -= n
+        while n:
+            piece = self._pieces[0]
+            if len(piece) <= n:
+                taken.append(self._pieces.popleft())
+                n -= len(piece)
+            else:  # a read that ran past the frame: the rest is the next frame's
+                taken.append(piece[:n])
+                self._pieces[0] = piece[n:]
+                n = 0
+        return taken
 
     @property
     def partial(self) -> bool:
         """Whether a frame has begun but not ended."""
-        return bool(self._buffer) or self._length is not None
+        return bool(self._have) or self._length is not None
+
+
+def decode(parts: list[bytes]) -> Any:
+    """A frame's body, from its pieces."""
+    return pickle.loads(parts[0] if len(parts) == 1 else b"".join(parts))
 
 
 # --- the worker's and the template's side: blocking file descriptors ------------------------------
@@ -258,7 +291,7 @@ class MessageReceiver:
     async def receive(self) -> Any:
         """The next frame. Raises ``anyio.EndOfStream`` (or ``anyio.IncompleteRead`` inside a
         frame) when the other end closed, ``anyio.BrokenResourceError`` when it broke."""
-        while (message := self._reader.next()) is None:
+        while (parts := self._reader.next_parts()) is None:
             try:
                 data = await self._stream.receive(max(self._reader.wanted(), 65536))
             except anyio.EndOfStream:
@@ -266,4 +299,8 @@ class MessageReceiver:
                     raise anyio.IncompleteRead from None
                 raise
             self._reader.feed(data)
-        return message
+        if sum(map(len, parts)) < _DECODE_INLINE_MAX:
+            return decode(parts)
+        # A big result (a large cubin and its assembly): joining its pieces and unpickling it
+        # copies it twice, a millisecond per few megabytes, which is for a thread, not the loop.
+        return await anyio.to_thread.run_sync(decode, parts)

@@ -1,19 +1,29 @@
-"""Jobs and the queue that feeds them to workers.
+"""Jobs, the queue that orders them, and the hand-off of a job to an idle worker.
 
 A ``Job`` is what an executor runs: a worker-side backend module's name, the payload it compiles,
-the kernel's name (for messages) and a priority lane. Everything else on it is bookkeeping, set
-by the executor that runs it; its outcome is set exactly once, with ``finish()``.
+the kernel's name (for messages), a priority lane and the seconds it is expected to take.
+Everything else on it is bookkeeping, set by the executor that runs it; its outcome is set
+exactly once, with ``finish()``.
 
-``JobQueue`` has two lanes, urgent first: background work (warm-ups, progressive tiers) waits
-behind every request somebody waits for, and ``promote()`` moves a job forward when somebody
-starts to.
+``JobQueue`` orders the jobs nobody runs yet: two lanes, urgent first (background work, such as
+warm-ups and progressive tiers, waits behind every request somebody waits for; ``promote()``
+moves a job forward when somebody starts to), and within a lane the longest expected job first.
+Longest first is what keeps a storm's end short: a long compile started last would run alone
+while every other worker idles.
+
+A worker with nothing to do waits in ``get()`` as a ``Taker``. ``put()`` gives a job straight to
+the taker that waited last (its process ran most recently, so its pages and caches are the
+warmest), in the caller's own task: the taker's ``deliver`` sends the job to its worker on the
+spot, and the worker's own task catches up while the worker already compiles. Only jobs that find
+every worker busy wait in the queue, and only they are ordered.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
-from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,16 +44,19 @@ class JobCancelled(AcompileError):
 class Job:
     """One unit of work for one worker; its outcome is set exactly once.
 
-    The job itself is its first four fields: ``backend``, the worker-side module that compiles
+    The job itself is its first five fields: ``backend``, the worker-side module that compiles
     (by name: the worker imports it), ``payload``, what it compiles (picklable), ``name``, the
-    kernel's (for messages and stats), and ``lane``, ``URGENT`` or ``BACKGROUND``. The rest is
-    the executor's bookkeeping: where and when it ran, and its outcome.
+    kernel's (for messages and stats), ``lane``, ``URGENT`` or ``BACKGROUND``, and
+    ``expected_seconds``, what the submitter expects it to take (the queue runs long jobs first;
+    0 when nobody knows). The rest is the executor's bookkeeping: where and when it ran, and its
+    outcome.
     """
 
     backend: str
     payload: Any
     name: str
     lane: int = URGENT
+    expected_seconds: float = 0.0
     id: int = field(default_factory=lambda: next(_job_ids))
     # new -> queued -> running -> done (running -> queued on a retry or quiesce)
     state: str = "new"
@@ -59,6 +72,9 @@ class Job:
     ended_at: float = 0.0
     # The scope its worker runs it in, while it runs: abandon() cancels it.
     scope: anyio.CancelScope | None = None
+    # The job as its executor sends it, encoded once when submitted (a retry sends it again).
+    frame: bytes | None = field(default=None, repr=False)
+    sent: bool = False  # whether the frame has left for the worker that runs it
 
     def finish(self, result: Any = None, error: BaseException | None = None) -> None:
         """Set the outcome (the first call wins) and wake whoever awaits ``outcome()``."""
@@ -69,12 +85,17 @@ class Job:
         self.done.set()
 
     def abandon(self) -> None:
-        """Nobody waits any more: drop the job if queued, stop its worker if running."""
+        """Nobody waits any more: drop the job if queued, stop its worker if running.
+
+        A job handed to a worker whose slot has not yet caught up has no scope: the flag alone
+        tells the slot to stop the worker as soon as it does.
+        """
         if self.state == "queued":
             self.finish(error=JobCancelled(self.name))
-        elif self.state == "running" and self.scope is not None:
+        elif self.state == "running":
             self.abandoned = True
-            self.scope.cancel()
+            if self.scope is not None:
+                self.scope.cancel()
 
     async def outcome(self) -> Any:
         """Wait for the job to finish; its result, or raises its error."""
@@ -84,15 +105,29 @@ class Job:
         return self.result
 
 
+class Taker:
+    """An idle worker's place in the queue: ``deliver(job)`` hands it a job (and returns False
+    when the worker can no longer take one); ``job`` is the job it got, ``event`` wakes its
+    slot."""
+
+    def __init__(self, deliver: Callable[[Job], bool]) -> None:
+        self.deliver = deliver
+        self.job: Job | None = None
+        self.event = anyio.Event()
+
+
 class JobQueue:
-    """Queued jobs in two lanes (urgent, background); idle workers wait in ``get()``."""
+    """Queued jobs in two lanes (urgent, background), longest expected first within a lane;
+    idle workers wait in ``get()`` and are handed jobs by ``put()``."""
 
     def __init__(self) -> None:
-        self._lanes: tuple[deque[Job], deque[Job]] = (deque(), deque())
-        self._waiters: list[anyio.Event] = []
+        # Each lane is a heap of (order, job); order = (put back?, -expected seconds, sequence).
+        self._lanes: tuple[list[tuple[tuple[int, float, int], Job]], ...] = ([], [])
+        self._sequence = itertools.count()
+        self._takers: list[Taker] = []
 
     def __len__(self) -> int:
-        return sum(1 for i, lane in enumerate(self._lanes) for job in lane if self._live(job, i))
+        return sum(1 for i, lane in enumerate(self._lanes) for _, job in lane if self._live(job, i))
 
     @staticmethod
     def _live(job: Job, lane: int) -> bool:
@@ -100,50 +135,64 @@ class JobQueue:
         return job.state == "queued" and job.lane == lane
 
     def put(self, job: Job, *, front: bool = False) -> None:
-        """Queue a job at the end of its lane (or at the front: a job put back)."""
+        """Give ``job`` to the idle worker that waited last, in the caller's task, or queue it in
+        its lane by expected time (``front``: a job put back, retried or quiesced, goes before
+        every other of its lane)."""
         job.state = "queued"
-        if front:
-            self._lanes[job.lane].appendleft(job)
-        else:
-            self._lanes[job.lane].append(job)
-        self._wake_one()
+        while self._takers:
+            taker = self._takers.pop()
+            if taker.deliver(job):
+                taker.job = job
+                taker.event.set()
+                return
+        self._push(job, front)
 
-    def _wake_one(self) -> None:
-        # One idle slot per job: waking them all costs every one of them a loop iteration.
-        if self._waiters:
-            self._waiters.pop(0).set()
+    def _push(self, job: Job, front: bool) -> None:
+        sequence = next(self._sequence)
+        # Put back: ahead of everything, the last one put back first (as a deque's appendleft).
+        order = (0, 0.0, -sequence) if front else (1, -job.expected_seconds, sequence)
+        heapq.heappush(self._lanes[job.lane], (order, job))
 
     def promote(self, job: Job) -> None:
         """Move a queued background job to the urgent lane (its old place is skipped later)."""
         if job.state == "queued" and job.lane != URGENT:
             job.lane = URGENT
-            self._lanes[URGENT].append(job)
+            self._push(job, front=False)
 
     def pop(self) -> Job | None:
         """The next live job, urgent lane first, or None."""
         for i, lane in enumerate(self._lanes):
             while lane:
-                job = lane.popleft()
+                _, job = heapq.heappop(lane)
                 if self._live(job, i):
                     return job
         return None
 
-    async def get(self) -> Job:
-        """The next job, waiting for one if none is queued."""
-        while True:
-            job = self.pop()
-            if job is not None:
-                return job
-            event = anyio.Event()
-            self._waiters.append(event)
-            try:
-                await event.wait()
-            except BaseException:
-                if event in self._waiters:
-                    self._waiters.remove(event)
-                elif len(self):
-                    self._wake_one()  # chosen for a job, but leaving: pass the turn on
-                raise
+    async def get(self, taker: Taker) -> Job | None:
+        """The next job: a queued one, or the one handed to ``taker`` while it waits; None when
+        the taker is withdrawn (its worker is gone).
+
+        Cancelled while waiting, the taker leaves the queue; a job handed to it in the meantime
+        is the caller's to deal with (it is in ``taker.job``).
+        """
+        job = self.pop()
+        if job is not None:
+            return job
+        taker.job = None
+        taker.event = anyio.Event()
+        self._takers.append(taker)
+        try:
+            await taker.event.wait()
+        finally:
+            if taker in self._takers:
+                self._takers.remove(taker)
+        return taker.job
+
+    def withdraw(self, taker: Taker) -> None:
+        """Take ``taker`` out of the queue: its ``get()`` returns what it was handed, or None."""
+        if taker in self._takers:
+            self._takers.remove(taker)
+            taker.event.set()
 
     def fail_all(self, error: BaseException) -> None:
         """Finish every queued job with ``error``."""

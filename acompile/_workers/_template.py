@@ -55,6 +55,16 @@ class UnixConnection(anyio.abc.ByteStream):
         except OSError as exc:
             raise anyio.BrokenResourceError from exc
 
+    def send_nowait(self, item: bytes) -> None:
+        """Send without waiting: the transport buffers what the socket does not take at once
+        (a job's frame is small; ``send()`` is for what must wait for the reader)."""
+        if self._writer.is_closing():
+            raise anyio.BrokenResourceError
+        try:
+            self._writer.write(item)
+        except (OSError, RuntimeError) as exc:
+            raise anyio.BrokenResourceError from exc
+
     async def send_eof(self) -> None:
         self._writer.write_eof()
 

@@ -1,0 +1,207 @@
+"""Scheduling: which job a free worker runs next, how soon the first can run, and the cost model
+that says how long a compile will take.
+
+Real worker processes and real compiles (Triton for ``cuda:90``, no GPU needed); the fake backend
+where a test must decide when a job ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+from fake_backend import local_executor
+from kernels_for_tests import ADD_SIG, add_kernel, scale_add_kernel
+from processes import forked_and_fresh, until
+from slow_start_backend import SLOW_START
+
+import acompile
+from acompile._cache import GuardedDisk
+from acompile._cache._costs import COSTS_FILE, MAX_RECORDS, CompileCosts, CostFeatures
+from acompile._workers import BACKGROUND, URGENT, Job, WorkerPool
+
+pytestmark = pytest.mark.anyio
+FAKE = "fake_backend"
+
+
+def features(
+    key: str, family: str = "family", size: int = 1000, warps: int = 4, stages: int = 3
+) -> CostFeatures:
+    return CostFeatures(key=key, family=family, size=size, num_warps=warps, num_stages=stages)
+
+
+async def test_a_free_worker_runs_urgent_work_longest_first_then_background_longest_first(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    release = tmp_path / "release"
+    order: list[str] = []
+    queued = [  # (name, lane, expected seconds), in the order they are submitted
+        ("urgent-short", URGENT, 0.1),
+        ("background-long", BACKGROUND, 9.0),
+        ("urgent-long", URGENT, 5.0),
+        ("background-short", BACKGROUND, 0.2),
+        ("urgent-unknown", URGENT, 0.0),
+        ("urgent-mid", URGENT, 1.0),
+    ]
+    async with acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir, preload=()) as p:
+        await p.wait_ready()
+        executor = local_executor(p)
+
+        async def run(name: str, lane: int, expected: float) -> None:
+            await executor.run(
+                Job(FAKE, {"name": name, "action": "echo", "value": name}, name, lane, expected)
+            )
+            order.append(name)
+
+        async with anyio.create_task_group() as tg:
+            hold = Job(FAKE, {"name": "hold", "action": "hold", "until": str(release)}, "hold")
+            tg.start_soon(executor.run, hold)
+            await until(lambda: p.stats()["jobs"]["running"] == 1)
+            for i, job in enumerate(queued):
+                tg.start_soon(run, *job)
+                await until(lambda i=i: p.stats()["jobs"]["queued"] == i + 1)
+            release.touch()
+    assert order == [
+        "urgent-long",
+        "urgent-mid",
+        "urgent-short",
+        "urgent-unknown",
+        "background-long",
+        "background-short",
+    ]
+
+
+async def test_a_job_put_back_runs_before_longer_ones(cache_dir: Path, tmp_path: Path) -> None:
+    """A job whose worker was quiesced keeps its turn: it goes back ahead of its lane."""
+    release = tmp_path / "release"
+    order: list[str] = []
+    async with acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir, preload=()) as p:
+        await p.wait_ready()
+        executor = local_executor(p)
+
+        async def run(name: str, action: str, expected: float) -> None:
+            payload = {"name": name, "action": action, "until": str(release), "value": name}
+            await executor.run(Job(FAKE, payload, name, URGENT, expected))
+            order.append(name)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "running", "hold", 0.1)
+            await until(lambda: p.stats()["jobs"]["running"] == 1)
+            tg.start_soon(run, "longer", "echo", 10.0)
+            await until(lambda: p.stats()["jobs"]["queued"] == 1)
+            await p.quiesce()
+            release.touch()
+            await p.wakeup()
+    assert order == ["running", "longer"]
+
+
+@forked_and_fresh
+async def test_the_first_worker_takes_jobs_while_the_others_start(tmp_path: Path, fork_workers: bool) -> None:
+    config = {"sys_path": list(sys.path), "cwd": os.getcwd(), "preload": ["slow_start_backend"], "nice": 0}
+    workers = WorkerPool(3, config, str(tmp_path), use_template=fork_workers)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(workers.serve)
+        t0 = time.monotonic()
+        workers.wakeup()
+        pids = [await workers.run(Job(FAKE, {"name": f"j{i}", "action": "pid"}, f"j{i}")) for i in range(3)]
+        first_jobs = time.monotonic() - t0
+        ready_then = workers.stats()["workers"]["started"]
+        await workers.wait_ready()
+        tg.cancel_scope.cancel()
+    assert ready_then == 1, "the slow workers should still be starting"
+    assert first_jobs < SLOW_START, f"the jobs waited {first_jobs:.1f} s for every worker to start"
+    assert len(set(pids)) == 1  # all on the one worker that was ready
+
+
+async def test_compile_times_are_remembered_in_the_cache_folder_for_the_next_pool(cache_dir: Path) -> None:
+    specs = [
+        acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 128}),
+        acompile.TritonSpec(scale_add_kernel, ADD_SIG, {"BLOCK": 64}, num_warps=2),
+    ]
+    async with acompile.CompilePool(2, target="cuda:90", cache_dir=cache_dir) as p:
+        kernels = await p.gather(*specs)
+    document = json.loads((cache_dir / COSTS_FILE).read_text())
+    recorded = document["records"]
+    assert {k.key[:16] for k in kernels} == set(recorded)
+    assert all(0 < row[0] < 60 for row in recorded.values())
+
+    # The next pool (another process would do the same) expects what was measured, and adds to it.
+    shutil.rmtree(cache_dir / "v1")
+    async with acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir) as p:
+        costs = CompileCosts(GuardedDisk(cache_dir))
+        for kernel in kernels:
+            row = recorded[kernel.key[:16]]
+            assert await costs.expect(features(kernel.key[:16])) == pytest.approx(row[0], abs=1e-3)
+        await p.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 512})
+    assert len(json.loads((cache_dir / COSTS_FILE).read_text())["records"]) == 3
+
+
+async def test_unknown_kernels_are_guessed_from_the_same_kernel_then_from_their_size(tmp_path: Path) -> None:
+    disk = GuardedDisk(tmp_path)
+    await disk.open()
+    costs = CompileCosts(disk)
+    unknown_small, unknown_big = features("a", "f1", size=500), features("b", "f2", size=20000)
+    assert await costs.expect(unknown_big) > await costs.expect(unknown_small) > 0
+    costs.record(features("m1", "matmul", stages=3), 2.0)
+    costs.record(features("s1", "softmax", stages=1), 0.1)
+    # The same kernel with other options: its family's time, scaled by the options.
+    more_stages = await costs.expect(features("m2", "matmul", stages=5))
+    assert more_stages > 2.0
+    assert await costs.expect(features("m3", "matmul", stages=3)) == pytest.approx(2.0)
+    # A kernel never seen, as heavy as both: between them, from what was measured here.
+    assert 0.1 < await costs.expect(features("x", "new", stages=2)) < 2.0
+
+
+async def test_a_damaged_cost_file_is_ignored_and_replaced(tmp_path: Path) -> None:
+    disk = GuardedDisk(tmp_path)
+    await disk.open()
+    path = tmp_path / COSTS_FILE
+    for damage in (
+        b"\x00\xff not json",
+        b'{"format": 1, "records": [1, 2]}',
+        b'{"format": 1, "records": {"k": "x"}}',
+    ):
+        path.write_bytes(damage)
+        costs = CompileCosts(disk)
+        guess = await costs.expect(features("k"))
+        assert guess == await CompileCosts(disk).expect(features("k"))  # the prior: nothing read
+        assert costs.record(features("k"), 1.5)
+        await costs.save()
+        assert await CompileCosts(disk).expect(features("k")) == pytest.approx(1.5)
+
+
+async def test_processes_sharing_a_cache_folder_merge_their_costs(tmp_path: Path) -> None:
+    disk = GuardedDisk(tmp_path)
+    await disk.open()
+    one, two = CompileCosts(disk), CompileCosts(disk)
+    await one.expect(features("x"))  # both have read the (empty) file
+    await two.expect(features("x"))
+    one.record(features("a"), 1.0)
+    two.record(features("b"), 2.0)
+    await one.save()
+    await two.save()  # merges what the other wrote since
+    third = CompileCosts(disk)
+    assert await third.expect(features("a")) == pytest.approx(1.0)
+    assert await third.expect(features("b")) == pytest.approx(2.0)
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".")]  # no temporary left
+
+
+async def test_the_cost_file_keeps_the_newest_records_only(tmp_path: Path) -> None:
+    disk = GuardedDisk(tmp_path)
+    await disk.open()
+    old = {f"old{i}": [0.5, "family", 1000, 4, 3, 1] for i in range(MAX_RECORDS)}
+    (tmp_path / COSTS_FILE).write_text(json.dumps({"format": 1, "records": old}))
+    costs = CompileCosts(disk)
+    await costs.expect(features("x"))
+    for i in range(5):
+        costs.record(features(f"new{i}"), 1.0)
+    await costs.save()
+    kept = json.loads((tmp_path / COSTS_FILE).read_text())["records"]
+    assert len(kept) == MAX_RECORDS
+    assert all(f"new{i}" in kept for i in range(5))
