@@ -33,6 +33,8 @@ from acompile._errors import CompileTimeoutError as CompileTimeoutError
 from acompile._errors import CppCompileError as CppCompileError
 from acompile._errors import CUDACompileError as CUDACompileError
 from acompile._errors import DeviceUnavailableError as DeviceUnavailableError
+from acompile._errors import FarmToolchainError as FarmToolchainError
+from acompile._errors import FarmUnreachableError as FarmUnreachableError
 from acompile._errors import InvalidSpecError as InvalidSpecError
 from acompile._errors import KernelNotReadyError as KernelNotReadyError
 from acompile._errors import PoolClosedError as PoolClosedError
@@ -40,6 +42,7 @@ from acompile._errors import PoolError as PoolError
 from acompile._errors import UnknownTargetError as UnknownTargetError
 from acompile._errors import WorkerCrashedError as WorkerCrashedError
 from acompile._errors import WorkerStartError as WorkerStartError
+from acompile._farm import RayFarm as RayFarm
 from acompile._manifest import load_manifest as load_manifest
 from acompile._progressive import BackgroundKernel as BackgroundKernel
 from acompile._progressive import ProgressiveKernel as ProgressiveKernel
@@ -61,6 +64,8 @@ __all__ = (
     "CudaModule",
     "CudaSpec",
     "DeviceUnavailableError",
+    "FarmToolchainError",
+    "FarmUnreachableError",
     "InvalidSpecError",
     "KernelNotReadyError",
     "ObjectFile",
@@ -68,6 +73,7 @@ __all__ = (
     "PoolError",
     "ProgressiveKernel",
     "PruneReport",
+    "RayFarm",
     "SharedLibrary",
     "Target",
     "Trial",

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from acompile._backends._driver import CudaModule
     from acompile._backends._native import ObjectFile, SharedLibrary
     from acompile._backends._triton import TritonKernel, TritonSpec
+    from acompile._farm import RayFarm
     from acompile._observe import Stats
 
     # What a compile returns, by spec: TritonSpec -> TritonKernel, CppSpec -> SharedLibrary,
@@ -115,6 +116,9 @@ class CompilePool:
             (once per distinct request, across runs); ``acompile warmup PATH`` replays it.
         trace: write a Chrome/Perfetto trace of the pool's work to this file when the pool
             closes (see also ``trace()``).
+        farm: an ``acompile.RayFarm``: compile jobs run on its Ray cluster, and no local worker
+            is started. With ``workers=N`` too, N local workers run the urgent requests (those
+            somebody awaits) and the farm the background ones (warm-ups); see docs/farm.md.
 
     Entering starts the workers in the background and returns at once; ``wait_ready()`` waits
     for their preload. Leaving stops every worker, whatever happens in the body. A pool is
@@ -141,6 +145,7 @@ class CompilePool:
         fleet_wait: float = 60.0,
         record: str | os.PathLike[str] | None = None,
         trace: str | os.PathLike[str] | None = None,
+        farm: RayFarm | None = None,
     ) -> None:
         if workers is not None and (not isinstance(workers, int) or workers < 1):
             raise ValueError(f"workers must be a positive integer or None, got {workers!r}")
@@ -189,7 +194,9 @@ class CompilePool:
         self._flights: dict[str, _Flight] = {}
         self._counts: Counter[str] = Counter()
         self._tg: anyio.abc.TaskGroup | None = None
-        self._workers: WorkerPool | None = None
+        self._farm = farm
+        self._local_workers = workers is not None  # with a farm: local workers asked for too
+        self._workers: Executor | None = None
         self._workdir: str | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -223,19 +230,42 @@ class CompilePool:
                 "preload": list(dict.fromkeys(worker_module(name) for name in self._preload)),
                 "nice": self._worker_nice,
             }
-            self._workers = WorkerPool(
-                self._size,
-                config,
-                self._workdir,
-                memory_limit=self._memory_limit,
-                max_compile_seconds=self._max_compile_seconds,
-                preload_timeout=self._preload_timeout,
-                idle_timeout=self._idle_timeout,
-                use_template=self._fork_workers,
-            )
-            # What the workers' preload needs from this process (Triton's key of its binaries,
-            # computed once per machine) is prepared when they first start, meanwhile.
-            self._workers.prepare_config_with(self._worker_config)
+            farm: Executor | None = None
+            if self._farm is not None:
+                from acompile._farm import SplitExecutor, open_executor
+
+                # Connects to the cluster (bounded by the farm's connect_timeout); None where it
+                # cannot be reached and the farm falls back to local workers.
+                farm = await open_executor(
+                    self._farm,
+                    self._memo_dir,
+                    target=config["target"],
+                    backends=list(self._preload),
+                    preload=config["preload"],
+                    nice=self._worker_nice,
+                    memory_limit=self._memory_limit,
+                    max_compile_seconds=self._max_compile_seconds,
+                    preload_timeout=self._preload_timeout,
+                    idle_timeout=self._idle_timeout,
+                )
+            if farm is None or self._local_workers:
+                local = WorkerPool(
+                    self._size,
+                    config,
+                    self._workdir,
+                    memory_limit=self._memory_limit,
+                    max_compile_seconds=self._max_compile_seconds,
+                    preload_timeout=self._preload_timeout,
+                    idle_timeout=self._idle_timeout,
+                    use_template=self._fork_workers,
+                )
+                # What the workers' preload needs from this process (Triton's key of its
+                # binaries, computed once per machine) is prepared when they first start.
+                local.prepare_config_with(self._worker_config)
+                # With a farm too, urgent requests stay local and background ones go there.
+                self._workers = SplitExecutor(local, farm) if farm is not None else local
+            else:
+                self._workers = farm
             self._tg = anyio.create_task_group()
             await self._tg.__aenter__()
             self._cache.start(self._tg)  # write-behind runs in the pool's task group
@@ -646,7 +676,8 @@ class CompilePool:
 
     @property
     def executor(self) -> Executor:
-        """The executor this pool's compile jobs run on: here, worker processes on this machine.
+        """The executor this pool's compile jobs run on: worker processes on this machine, or a
+        farm's (``farm=``).
 
         The seam for other executors (a compile farm) and for tests, which run jobs of a fake
         backend through it (``acompile._workers.run_job(pool.executor, job)``); not for ordinary

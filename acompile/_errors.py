@@ -12,7 +12,9 @@ Every error acompile raises on purpose derives from ``AcompileError``::
     │   └── CppCompileError                             the C++ compiler rejected C++ source
     ├── PoolError                                       the pool cannot take work
     │   ├── PoolClosedError                             used outside ``async with``, or after it
-    │   └── WorkerStartError                            a worker failed to start or preload
+    │   ├── WorkerStartError                            a worker failed to start or preload
+    │   ├── FarmUnreachableError                        a compile farm's cluster cannot be reached
+    │   └── FarmToolchainError                          no node of a farm has this process's toolchain
     ├── KernelNotReadyError       (also a RuntimeError) a progressive kernel launched too early
     ├── BackendUnavailableError   (also an ImportError) a backend's package is not installed
     └── DeviceUnavailableError                          loading or launching with no usable GPU
@@ -190,6 +192,18 @@ class PoolClosedError(PoolError):
 
 class WorkerStartError(PoolError):
     """A worker process failed to start or to finish its preload (the message says why)."""
+
+
+class FarmUnreachableError(PoolError):
+    """Raised when entering a ``CompilePool(farm=RayFarm(...))`` whose cluster cannot be found
+    or does not answer within the farm's ``connect_timeout``; the message names the address.
+    ``RayFarm(local_fallback=True)`` compiles on local workers instead."""
+
+
+class FarmToolchainError(PoolError):
+    """No node of a compile farm compiles with this process's toolchain (Triton, ptxas,
+    acompile), so none may put results under this process's keys; the message names each node
+    and what differs. Raised by ``wait_ready()`` and by the requests that were waiting."""
 
 
 class KernelNotReadyError(AcompileError, RuntimeError):

@@ -3,6 +3,7 @@
 acompile --version
 acompile warmup MANIFEST [--workers N] [--target T] [--cache-dir DIR] [--json FILE]
                          [--shared-cache URL] [--require-shared | --no-require-shared]
+                         [--farm ADDRESS]
 acompile cache stats [--cache-dir DIR]
 acompile cache export FILE [--manifest M] [--target T] [--cache-dir DIR]
 acompile cache import FILE [--allow-unsigned] [--cache-dir DIR]
@@ -119,6 +120,13 @@ def _main(argv: list[str]) -> int:
     warm.add_argument("--workers", type=int, default=None, help="worker processes (default: usable CPUs)")
     warm.add_argument(
         "--target", default=None, help="target for kernels whose entry names none, e.g. cuda:90"
+    )
+    warm.add_argument(
+        "--farm",
+        metavar="ADDRESS",
+        default=None,
+        help="compile on a Ray cluster (auto, HOST:PORT, ray://HOST:PORT; docs/farm.md) "
+        'instead of local workers; needs pip install "acompile[ray]"',
     )
     warm.add_argument(
         "--cache-dir", type=Path, default=None, help="default: $ACOMPILE_CACHE_DIR or ~/.cache/acompile"
@@ -263,6 +271,7 @@ def _shared_url_problem(url: str) -> str | None:
 
 async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
     from acompile._compiler import CompilePool
+    from acompile._farm import RayFarm
 
     rows: list[dict[str, Any]] = []
     progress = _Progress(len(specs), sys.stderr)
@@ -276,6 +285,7 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
             cache_dir=args.cache_dir,
             prestart=False,
             shared_cache=args.shared_cache,
+            farm=RayFarm(args.farm) if args.farm else None,
         ) as pool:
             # The pool's trace says, per kernel, how long it queued and how long a worker took.
             async with pool.trace(trace_path):

@@ -52,6 +52,7 @@ _PASSTHROUGH = {
     "--storm": "storm",
     "--first-launch": "first_launch",
     "--autotune": "autotune",
+    "--farm": "farm",
 }
 
 

@@ -1,0 +1,197 @@
+"""What runs on a farm's nodes: ``FarmWorker``, a Ray actor that owns a local worker pool of one.
+
+The actor does not compile in its own process. It runs acompile's local executor (``WorkerPool``)
+with one slot, so a job on a node runs exactly as it runs here: in a worker forked from a
+preloaded template, its fd 2 captured (the tail travels back with an error), its compilers in the
+worker's process group. That is what makes a farm job cancellable at once (Ray cannot stop an actor
+method that runs native code): the driver cancels the actor's asyncio task, the local pool stops
+the worker and every compiler it started, and forks a fresh one in milliseconds. The template and
+the worker die with the actor (the parent-death signal), however it dies.
+
+It is an async actor: its methods run on the actor's event loop, one job at a time (the driver
+sends one), and ``stop()`` is answered meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from acompile._cache._layout import logs_dir, toolchain_dir
+from acompile._version import __version__
+from acompile._workers import Job, WorkerPool, run_job
+
+# The native backends' payloads carry the parent's compiler command; on a node it is looked up
+# again by name (another machine keeps its compilers elsewhere), and its version checked.
+_NATIVE_WORKER = "acompile._backends._native_worker"
+
+
+class FarmWorker:
+    """One compile slot on a node (created by the farm's driver side as a Ray actor).
+
+    ``config``: the pool's target and preloaded backend modules, the workers' nice value and
+    limits (``memory_limit``, ``max_compile_seconds``, ``preload_timeout``).
+    """
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+        self.pool: WorkerPool | None = None
+        self.serving: asyncio.Task[None] | None = None
+        self.workdir = ""
+        self.cache_root = _node_cache_root()
+        self.native_versions: dict[str, str] = {}
+
+    async def start(self) -> dict[str, Any]:
+        """Start the local pool, wait for its worker's preload, and say who we are: the node,
+        this process, and the toolchain that enters the cache key here."""
+        import ray
+
+        self.workdir = await anyio.to_thread.run_sync(_make_workdir)
+        config = {
+            "sys_path": list(sys.path),
+            "cwd": os.getcwd(),
+            "target": self.config["target"],
+            "preload": self.config["preload"],
+            "nice": self.config["nice"],
+        }
+        pool = WorkerPool(
+            1,
+            config,
+            self.workdir,
+            memory_limit=self.config.get("memory_limit"),
+            max_compile_seconds=self.config.get("max_compile_seconds"),
+            preload_timeout=self.config.get("preload_timeout", 120.0),
+        )
+        memo = toolchain_dir(self.cache_root)
+        pool.prepare_config_with(lambda: _worker_config(self.config["backends"], memo))
+        self.pool = pool
+        # The actor's lifetime is the pool's: no task group outlives a method call here, so the
+        # pool's serve() runs in a task of its own, cancelled by stop() (or dies with the actor).
+        self.serving = asyncio.get_running_loop().create_task(_serve(pool))
+        pool.wakeup()
+        toolchain = await anyio.to_thread.run_sync(node_toolchain, memo)
+        await pool.wait_ready()
+        context = ray.get_runtime_context()
+        return {
+            "node_id": context.get_node_id(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "toolchain": toolchain,
+        }
+
+    async def run(self, backend: str, payload: Any, name: str) -> tuple[str, Any]:
+        """Run one job; returns ("done", bytes) or ("error", exception).
+
+        The job's error is returned, not raised: Ray would wrap a raised one in its own class,
+        with its own message, and the caller must get the very error a local worker gives.
+        """
+        assert self.pool is not None
+        try:
+            if backend == _NATIVE_WORKER and isinstance(payload, dict):
+                payload = await anyio.to_thread.run_sync(self._localize_native, payload)
+            elif isinstance(payload, dict) and payload.get("log_dir"):
+                # Where a log too long for an error goes: this node's cache folder (the error
+                # says where; the parent's folder may not exist here).
+                payload = dict(payload, log_dir=str(logs_dir(self.cache_root)))
+            result = await run_job(self.pool, Job(backend, payload, name))
+        except Exception as exc:
+            return "error", exc
+        return "done", result
+
+    async def stop(self) -> None:
+        """Stop the local pool (its worker and template, and their compilers) and remove the
+        work folder; the driver kills the actor next."""
+        if self.serving is not None:
+            self.serving.cancel()
+            try:
+                await self.serving
+            except asyncio.CancelledError:
+                pass
+        if self.workdir:
+            await anyio.to_thread.run_sync(lambda: shutil.rmtree(self.workdir, ignore_errors=True))
+
+    def _localize_native(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """This node's compiler for a native job, and a refusal if its version differs from
+        the one the key was computed with (its output would be stored under a key it does not
+        match)."""
+        from acompile._backends import _native
+        from acompile._errors import FarmToolchainError
+
+        kind = payload["kind"]
+        payload = dict(payload, log_dir=str(logs_dir(self.cache_root)))
+        if kind != "nvrtc":
+            found = shutil.which(os.path.basename(payload["command"][0]))
+            if found is None:
+                raise FarmToolchainError(f"node {socket.gethostname()} has no {payload['command'][0]!r}")
+            payload["command"] = [found, *payload["command"][1:]]
+        if kind not in self.native_versions:
+            self.native_versions[kind] = _native._tool_version(kind)
+        wanted = payload.get("key_parts", {}).get("compiler")
+        if wanted is not None and self.native_versions[kind] != wanted:
+            raise FarmToolchainError(
+                f"node {socket.gethostname()} compiles {kind} with {self.native_versions[kind]!r}, "
+                f"the request was keyed with {wanted!r}"
+            )
+        return payload
+
+
+async def _serve(pool: WorkerPool) -> None:
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pool.serve)
+
+
+def _node_cache_root() -> Path:
+    from acompile._cache import default_cache_dir
+
+    return default_cache_dir()
+
+
+async def _worker_config(backends: list[str], memo: Path) -> dict[str, Any]:
+    """What the local workers need from this process (Triton's key of its binaries), computed
+    on this node: its binaries are the ones the workers run."""
+    from acompile._backends import load_parent
+
+    extra: dict[str, Any] = {}
+    for name in backends:
+        backend = await anyio.to_thread.run_sync(load_parent, name)
+        extra.update(await backend.worker_config(memo))
+    return extra
+
+
+def node_toolchain(memo: Path) -> dict[str, Any]:
+    """What enters the cache keys of this node's results besides the request: acompile's version
+    and Triton's toolchain (its release, its compiler files, ptxas), whether or not Triton is
+    preloaded (a pool may send Triton jobs to workers that load it on first use)."""
+    from acompile._backends import _triton_toolchain
+
+    return {"acompile": __version__, "triton": _triton_toolchain.toolchain(memo)}
+
+
+def _make_workdir() -> str:
+    """A work folder for this actor's pool, in a folder shared by the node's farm actors; those
+    of actors that are gone (killed, so they never cleaned up) are removed on the way."""
+    parent = Path(tempfile.gettempdir()) / f"acompile-farm-{os.getuid()}"
+    parent.mkdir(mode=0o700, exist_ok=True)
+    for old in parent.iterdir():
+        pid = old.name.split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=parent)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,111 @@
+"""``RayFarm``: where a ``CompilePool`` sends its compile jobs when they should run on a cluster.
+
+This module imports nothing of Ray: a ``RayFarm`` is a description (an address, a size, what each
+worker reserves), and Ray is imported when a pool that uses it is entered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypedDict
+
+if TYPE_CHECKING:
+    from acompile._farm._executor import FarmExecutor
+
+
+class NodeStats(TypedDict):
+    """One node of ``RayFarm.stats()["nodes"]``."""
+
+    address: str
+    workers: int
+    busy: int
+    done: int
+    failed: int
+    cancelled: int
+    lost: int
+
+
+class FarmStats(TypedDict):
+    """What ``RayFarm.stats()`` returns."""
+
+    address: str
+    connected: bool
+    size: int
+    nodes: dict[str, NodeStats]
+    refused: dict[str, str]
+    restarts: dict[str, int]
+    queued: int
+
+
+class RayFarm:
+    """A Ray cluster to compile on: ``CompilePool(target=..., farm=RayFarm(address="auto"))``.
+
+    With a farm, the pool's compile jobs run in long-lived Ray actors spread over the cluster's
+    nodes, each one a preloaded acompile worker; results come back as bytes and land in the
+    pool's cache tiers under the same keys as local compiles. See docs/farm.md.
+
+    Args:
+        address: the cluster, as ``ray.init(address=...)`` takes it: ``"auto"`` (the cluster
+            this machine belongs to), ``"host:6379"``, ``"ray://host:10001"``; ``"local"``
+            starts a Ray instance on this machine. Ignored when this process is connected to a
+            cluster already (its own ``ray.init()``): the farm uses that one.
+        workers: how many compile workers (actors); default: as many as the cluster's CPUs
+            allow, at ``num_cpus`` each, counted when the pool is entered.
+        num_cpus: CPUs each worker reserves on its node (one compile at a time runs on it).
+        resources: Ray custom resources each worker reserves too (``{"compile": 1}`` confines
+            the farm to the nodes that offer them).
+        runtime_env: Ray's runtime environment for the farm's workers (``env_vars``,
+            ``py_modules``, ``working_dir``): what a node needs to import a kernel's module when
+            the kernel cannot travel as source.
+        connect_timeout: seconds to reach the cluster when the pool is entered; past them
+            ``FarmUnreachableError`` (Ray itself would retry for minutes).
+        local_fallback: if the cluster cannot be reached, log one warning and compile on this
+            machine's workers instead of raising ``FarmUnreachableError``.
+
+    A farm serves one pool at a time; ``stats()`` describes its latest.
+    """
+
+    def __init__(
+        self,
+        address: str = "auto",
+        *,
+        workers: int | None = None,
+        num_cpus: float = 1.0,
+        resources: Mapping[str, float] | None = None,
+        runtime_env: Mapping[str, Any] | None = None,
+        connect_timeout: float = 20.0,
+        local_fallback: bool = False,
+    ) -> None:
+        if workers is not None and (not isinstance(workers, int) or workers < 1):
+            raise ValueError(f"workers must be a positive integer or None, got {workers!r}")
+        if not num_cpus >= 0:
+            raise ValueError(f"num_cpus must be a number of CPUs, got {num_cpus!r}")
+        if not 0 < connect_timeout <= 30:
+            raise ValueError(f"connect_timeout must be within (0, 30] seconds, got {connect_timeout!r}")
+        self.address = address
+        self.workers = workers
+        self.num_cpus = float(num_cpus)
+        self.resources = dict(resources or {})
+        self.runtime_env = dict(runtime_env) if runtime_env is not None else None
+        self.connect_timeout = float(connect_timeout)
+        self.local_fallback = local_fallback
+        self.executor: FarmExecutor | None = None
+
+    def __repr__(self) -> str:
+        return f"RayFarm(address={self.address!r}, workers={self.workers!r})"
+
+    def stats(self) -> FarmStats:
+        """The farm as its latest pool sees it: per node (by node id) its address, workers
+        alive and busy, jobs done, failed, cancelled and lost (its worker died mid-job); the
+        nodes refused (their toolchain differs) with why; worker restarts by cause; the queue."""
+        if self.executor is not None:
+            return self.executor.farm_stats()
+        return {
+            "address": self.address,
+            "connected": False,
+            "size": self.workers or 0,
+            "nodes": {},
+            "refused": {},
+            "restarts": {},
+            "queued": 0,
+        }

@@ -1,0 +1,407 @@
+"""The compile farm against a real Ray cluster on this machine: two nodes of one CPU each.
+
+Nothing is mocked: the cluster is ``ray.cluster_utils.Cluster`` (a GCS and a raylet per node, as
+``ray start`` makes them), the farm's workers are Ray actors on those nodes, and the kernels are
+compiled by Triton there. Each cluster is shut down by its fixture, whatever the tests did, and
+the fixture then checks that none of its processes (GCS, raylets, Ray workers) is left.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psutil
+import pytest
+from conftest import ROOT, TARGET, run_python
+from kernels_for_tests import ADD_SIG, add_kernel, broken_kernel, scale_add_kernel, slow_to_compile_kernel
+from processes import until
+
+import acompile
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """asyncio only: the farm awaits Ray's object references as asyncio futures, the same on
+    uvloop, and one loop's run of these tests is what a 2-core machine's budget allows."""
+    return "asyncio"
+
+
+# The fake backend (jobs that sleep) is imported by the workers on the nodes from the tests folder.
+RUNTIME_ENV = {"env_vars": {"PYTHONPATH": str(ROOT / "tests")}}
+FAKE = "fake_backend"
+
+
+def _cluster(*nodes: dict[str, Any]) -> Iterator[tuple[Cluster, list[str]]]:
+    """A cluster with a head node and ``nodes``, shut down however the tests end; with the ids
+    of the nodes added, in order."""
+    head, *others = nodes
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    try:
+        ids = []
+        for node in others:
+            env = node.pop("env", {})
+            saved = {name: os.environ.get(name) for name in env}
+            os.environ.update(env)  # the node's raylet, and the workers it starts, inherit it
+            try:
+                ids.append(cluster.add_node(**node).node_id)
+            finally:
+                for name, value in saved.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
+        cluster.wait_for_nodes()
+        yield cluster, ids
+    finally:
+        cluster.shutdown()
+        # Every process of the cluster (GCS, raylets, the workers they started) is gone.
+        deadline = time.monotonic() + 10
+        while (left := _ray_processes()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, f"Ray processes left after the cluster's shutdown: {left}"
+
+
+def _ray_processes() -> list[str]:
+    """Ray's processes under this one (a cluster started here is this process's children)."""
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            line = " ".join(proc.cmdline())
+            if proc.status() != psutil.STATUS_ZOMBIE and any(
+                n in line for n in ("ray::", "raylet", "gcs_server")
+            ):
+                found.append(f"{proc.pid} {line[:60]}")
+        except psutil.Error:
+            pass
+    return found
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    for made, _ in _cluster({"num_cpus": 1}, {"num_cpus": 1}):
+        yield made
+
+
+def _specs(n: int = 6) -> list[acompile.TritonSpec]:
+    blocks = [64, 128, 256, 512, 1024, 2048]
+    specs = [acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": b}) for b in blocks]
+    specs += [acompile.TritonSpec(scale_add_kernel, ADD_SIG, {"BLOCK": b}, num_warps=8) for b in blocks]
+    return specs[:n]
+
+
+async def slow_compile(pool: acompile.CompilePool) -> None:
+    """A real Triton compile of tens of seconds (on 2 cores)."""
+    await pool.triton(
+        slow_to_compile_kernel, signature={"x_ptr": "*fp32", "out_ptr": "*fp32"}, constexprs={"N": 400}
+    )
+
+
+def _direct_children() -> list[str]:
+    """The command lines of this process's own children (local workers would be among them;
+    the farm's are the raylets' children)."""
+    found = []
+    for child in psutil.Process().children():
+        try:
+            found.append(" ".join(child.cmdline()))
+        except psutil.Error:
+            pass
+    return found
+
+
+def _farm_worker_pids() -> list[int]:
+    """The Ray worker processes that host the farm's actors (under this process: the cluster's
+    raylets are its children; other pools on the machine are not ours to count)."""
+    return [p.pid for p in _descendants() if "ray::FarmWorker" in _cmdline(p)]
+
+
+def _node_workers() -> set[int]:
+    """The acompile workers on the cluster's nodes: forked by the template of a farm actor."""
+    found = set()
+    for actor in _descendants():
+        if "ray::FarmWorker" not in _cmdline(actor):
+            continue
+        try:
+            for template in actor.children():
+                found.update(w.pid for w in template.children() if "acompile._workers._main" in _cmdline(w))
+        except psutil.Error:
+            pass  # gone while we looked
+    return found
+
+
+def _descendants() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True) if _cmdline(p)]
+
+
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return "" if proc.status() == psutil.STATUS_ZOMBIE else " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def test_importing_acompile_never_imports_ray() -> None:
+    out = run_python(
+        "import sys, acompile\n"
+        "farm = acompile.RayFarm('auto', workers=2)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))"
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+async def test_an_unreachable_farm_fails_fast_unless_a_local_fallback_is_asked_for(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with socket_listening_nowhere() as address:
+        start = time.perf_counter()
+        with pytest.raises(acompile.FarmUnreachableError, match=address):
+            async with acompile.CompilePool(
+                target=TARGET, farm=acompile.RayFarm(address), cache_dir=tmp_path
+            ):
+                pass
+        assert time.perf_counter() - start < 30
+        farm = acompile.RayFarm(address, local_fallback=True, connect_timeout=4)
+        with caplog.at_level(logging.WARNING, logger="acompile"):
+            async with acompile.CompilePool(
+                target=TARGET, farm=farm, cache_dir=tmp_path, workers=1, preload=()
+            ) as pool:
+                job = acompile._workers.Job(FAKE, {"name": "k", "action": "pid"}, "k")
+                pid = await pool.executor.run(job)
+                # A local worker ran it: a process of ours, not of a cluster.
+                assert pid in {p.pid for p in psutil.Process().children(recursive=True)}
+    warnings = [r for r in caplog.records if "local_fallback" in r.getMessage()]
+    assert len(warnings) == 1 and address in warnings[0].getMessage()
+    assert not ray.is_initialized()
+
+
+class socket_listening_nowhere:
+    """An address on this machine where nothing listens (a port bound, never listened on)."""
+
+    def __enter__(self) -> str:
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def mixed_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, list[str]]]:
+    """A head without CPUs, a node like this process, and a node whose ptxas is another
+    release (a wrapper that reports another version and runs the real one)."""
+    from triton import knobs
+
+    real = knobs.nvidia.ptxas.path
+    ptxas = tmp_path_factory.mktemp("ptxas") / "ptxas"
+    ptxas.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then\n'
+        '  echo "ptxas: NVIDIA (R) Ptx optimizing assembler"\n'
+        '  echo "Cuda compilation tools, release 99.9, V99.9.1"\n'
+        "  exit 0\n"
+        "fi\n"
+        f'exec {real} "$@"\n'
+    )
+    ptxas.chmod(ptxas.stat().st_mode | stat.S_IEXEC)
+    yield from _cluster(
+        {"num_cpus": 0},
+        {"num_cpus": 1, "resources": {"same": 1}},
+        {"num_cpus": 1, "resources": {"other": 1}, "env": {"TRITON_PTXAS_PATH": str(ptxas)}},
+    )
+
+
+async def test_a_node_with_another_ptxas_is_refused_by_name(
+    mixed_cluster: tuple[Cluster, list[str]], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cluster, (same, other) = mixed_cluster
+    # Only the other node offers what this farm asks for: nothing can compile, and it says why.
+    farm = acompile.RayFarm(cluster.address, resources={"other": 1})
+    async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path) as pool:
+        with pytest.raises(acompile.FarmToolchainError, match=r"99\.9") as refused:
+            await pool.wait_ready()
+        with pytest.raises(acompile.FarmToolchainError):
+            await pool.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 64})
+    assert other[:12] in str(refused.value)
+    # Both nodes: the other one is refused (a warning names it) and the farm compiles on the other.
+    farm = acompile.RayFarm(cluster.address)
+    with caplog.at_level(logging.WARNING, logger="acompile"):
+        async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path) as pool:
+            kernels = await pool.gather(*_specs(4))
+            stats = farm.stats()
+    assert all(k.cubin for k in kernels)
+    assert list(stats["refused"]) == [other]
+    assert set(stats["nodes"]) == {same}
+    assert any(other[:12] in r.getMessage() and "ptxas" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_corpus_compiled_on_the_farm_equals_a_local_compile_byte_for_byte(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    farm = acompile.RayFarm(cluster.address)
+    async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path / "farm") as pool:
+        remote = await pool.gather(*_specs(12))
+        with pytest.raises(acompile.CompileError) as remote_error:
+            await pool.triton(
+                broken_kernel, signature={"x_ptr": "*fp32", "n": "i32"}, constexprs={"BLOCK": 64}
+            )
+        stats, farm_stats = pool.stats(), farm.stats()
+        children = _direct_children()
+    # Work ran on both nodes, and no local worker was started.
+    assert stats["workers"]["started"] == 2 and stats["workers"]["forked"] == 0
+    assert len(farm_stats["nodes"]) == 2
+    assert all(node["done"] >= 1 for node in farm_stats["nodes"].values()), farm_stats
+    assert not [c for c in children if "acompile._workers" in c], children
+
+    async with acompile.CompilePool(target=TARGET, workers=1, cache_dir=tmp_path / "local") as pool:
+        local = await pool.gather(*_specs(12))
+        with pytest.raises(acompile.CompileError) as local_error:
+            await pool.triton(
+                broken_kernel, signature={"x_ptr": "*fp32", "n": "i32"}, constexprs={"BLOCK": 64}
+            )
+    for r, loc in zip(remote, local, strict=True):
+        assert (r.key, r.cubin, r.asm["ptx"], r.metadata) == (
+            loc.key,
+            loc.cubin,
+            loc.asm["ptx"],
+            loc.metadata,
+        )
+    # The farm's results went to the disk tier under the same keys: a local pool finds them there.
+    async with acompile.CompilePool(
+        target=TARGET, workers=1, cache_dir=tmp_path / "farm", prestart=False
+    ) as pool:
+        tiers = [(await pool.compile_with_tier(spec))[1] for spec in _specs(12)]
+        assert pool.stats()["workers"]["started"] == 0
+    assert tiers == ["disk"] * 12
+    # A remote compile error is the local one: class, message, compiler log, worker traceback.
+    r_err, l_err = remote_error.value, local_error.value
+    assert type(r_err) is type(l_err)
+    assert (r_err.args, r_err.kernel, r_err.backend, r_err.log) == (
+        l_err.args,
+        l_err.kernel,
+        l_err.backend,
+        l_err.log,
+    )
+    assert "undefined_name" in r_err.log and "Traceback" in r_err.worker_traceback
+
+
+async def test_ray_workers_sigkilled_mid_storm_lose_no_job(cluster: Cluster, tmp_path: Path) -> None:
+    farm = acompile.RayFarm(cluster.address, runtime_env=RUNTIME_ENV)
+    jobs = 40
+    async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path, preload=()) as pool:
+        await pool.wait_ready()
+        results: dict[int, Any] = {}
+
+        async def one(i: int) -> None:
+            job = acompile._workers.Job(
+                FAKE, {"name": f"k{i}", "action": "sleep", "seconds": 0.15, "value": i}, f"k{i}"
+            )
+            results[i] = await pool.executor.run(job)
+
+        async def kill_twice() -> None:
+            for _ in range(2):
+                await until(
+                    lambda: pool.stats()["workers"]["busy"] == 2 and len(_farm_worker_pids()) == 2, 60
+                )
+                await anyio.sleep(0.05)
+                victim = _farm_worker_pids()[0]
+                os.kill(victim, signal.SIGKILL)
+                # Back to size (a new actor, preloaded) before the next kill.
+                await until(lambda v=victim: v not in _farm_worker_pids(), 10)
+                await until(lambda: pool.stats()["workers"]["alive"] == 2, 60)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(jobs):
+                tg.start_soon(one, i)
+            tg.start_soon(kill_twice)
+        stats = pool.stats()
+    assert results == {i: i for i in range(jobs)}
+    assert stats["workers"]["restarts"].get("killed", 0) == 2, stats["workers"]
+    assert stats["jobs"]["retried"] >= 1 and stats["jobs"]["failed"] == 0
+    assert stats["workers"]["alive"] == 2
+
+
+async def test_cancelling_a_running_compile_frees_its_ray_worker_within_a_second(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    farm = acompile.RayFarm(cluster.address)
+    async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path) as pool:
+        await pool.wait_ready()
+        actors = set(_farm_worker_pids())
+        before = _node_workers()
+        with anyio.move_on_after(30) as scope:
+            async with anyio.create_task_group() as tg:
+                # Cancelled by its only caller while it compiles.
+                tg.start_soon(slow_compile, pool)
+                await until(lambda: pool.stats()["jobs"]["running"] == 1, 20)
+                await anyio.sleep(0.5)
+                cancelled_at = time.perf_counter()
+                tg.cancel_scope.cancel()
+        assert not scope.cancelled_caught
+        await until(lambda: pool.stats()["jobs"]["running"] == 0 and before - _node_workers(), 1.0)
+        freed = time.perf_counter() - cancelled_at
+        # The actor was not replaced: its local pool stopped the compiling worker and forked another.
+        await until(lambda: len(_node_workers()) == 2, 5)
+        assert set(_farm_worker_pids()) == actors
+        assert pool.stats()["jobs"]["cancelled"] == 1
+        # And it compiles the next request.
+        kernel = await pool.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 64})
+        assert kernel.cubin
+    assert freed < 1.0
+
+
+async def test_with_local_workers_too_urgent_requests_stay_here_and_background_ones_go_to_the_farm(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    from acompile._workers import BACKGROUND, URGENT, Job
+
+    farm = acompile.RayFarm(cluster.address, runtime_env=RUNTIME_ENV)
+    async with acompile.CompilePool(1, target=TARGET, farm=farm, cache_dir=tmp_path, preload=()) as pool:
+        urgent, background = [
+            await pool.executor.run(Job(FAKE, {"name": "k", "action": "pid"}, "k", lane))
+            for lane in (URGENT, BACKGROUND)
+        ]
+        local = {p.pid for p in psutil.Process().children(recursive=True)}
+        on_nodes = _node_workers()
+        stats = pool.stats()
+    assert urgent not in on_nodes and background in on_nodes
+    assert urgent in local
+    assert stats["workers"]["size"] == 3 and stats["jobs"]["done"] == 2
+
+
+def test_warmup_on_the_farm(cluster: Cluster, tmp_path: Path) -> None:
+    """``acompile warmup MANIFEST --farm ADDRESS``: another process, a driver of the cluster,
+    fills the cache from the farm; a second run finds every kernel there."""
+    manifest = str(ROOT / "examples" / "manifest.toml")
+    command = [sys.executable, "-m", "acompile.cli", "warmup", manifest, "--cache-dir", str(tmp_path)]
+    first = subprocess.run([*command, "--farm", cluster.address], capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    assert "14 kernels: 14 compiled, 0 cached, 0 failed" in first.stdout
+    second = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert "14 kernels: 0 compiled, 14 cached, 0 failed" in second.stdout, second.stdout
+
+
+async def test_a_farm_no_node_can_host_says_so(cluster: Cluster, tmp_path: Path) -> None:
+    farm = acompile.RayFarm(cluster.address, resources={"gpu_compiler": 1})
+    async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path, preload=()) as pool:
+        with pytest.raises(acompile.WorkerStartError, match="gpu_compiler"):
+            await pool.wait_ready()
+        with pytest.raises(acompile.WorkerStartError):
+            await pool.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 64})
