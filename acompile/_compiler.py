@@ -89,9 +89,13 @@ class CompilePool:
             cached never starts one.
         preload: the backends each worker imports and warms up before it reports ready
             (``"triton"``); a backend not named here loads at its first job instead.
-        worker_nice: added to the workers' nice value (Unix), so that when the machine is
-            saturated the process serving requests gets the CPU before its compilers; 0 runs
-            workers at this process's priority.
+        worker_nice: how the workers yield the CPU to this process. ``"idle"`` (the default):
+            they run under Linux's ``SCHED_IDLE`` policy, so any other task that wants a CPU,
+            first of all the event loop serving requests, preempts a compiler at once; they
+            use only the CPU nobody else wants (elsewhere: nice 19). A number from 0 to 19 is
+            added to their nice value instead: on a machine saturated by other work, where idle
+            workers would barely run, ``worker_nice=5`` keeps compiles a share; 0 runs workers
+            at this process's priority.
         idle_timeout: quiesce the pool after this many seconds without work (``None``: never);
             the next request wakes it.
         memory_limit: a worker whose resident memory passes this many bytes (or ``"4GiB"``,
@@ -134,7 +138,7 @@ class CompilePool:
         memory_cache_size: int = 1024,
         prestart: bool = True,
         preload: tuple[str, ...] = ("triton",),
-        worker_nice: int = 5,
+        worker_nice: int | Literal["idle"] = "idle",
         idle_timeout: float | None = None,
         memory_limit: int | str | None = None,
         max_compile_seconds: float | None = 600.0,
@@ -165,8 +169,10 @@ class CompilePool:
         )
         self._tuner = _autotune.Tuner(self._cache)
         self._prestart = prestart
-        if not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19:
-            raise ValueError(f"worker_nice must be an integer from 0 to 19, got {worker_nice!r}")
+        if worker_nice != "idle" and (
+            isinstance(worker_nice, bool) or not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19
+        ):
+            raise ValueError(f'worker_nice must be "idle" or an integer from 0 to 19, got {worker_nice!r}')
         self._worker_nice = worker_nice
         _check_backends(preload)
         self._preload = preload

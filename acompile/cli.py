@@ -284,6 +284,9 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
             target=args.target or specs[0].target,
             cache_dir=args.cache_dir,
             prestart=False,
+            # Compiling is this command's whole job, not a background task: its workers run at
+            # its own priority, keeping their share of a machine busy with other work.
+            worker_nice=0,
             shared_cache=args.shared_cache,
             farm=RayFarm(args.farm) if args.farm else None,
         ) as pool:

@@ -51,7 +51,8 @@ def specs(targets: list[str]) -> list[acompile.TritonSpec]:
 async def warm(targets: list[str], cache_dir: Path | None) -> int:
     todo = specs(targets)
     t0 = time.perf_counter()
-    async with acompile.CompilePool(target=targets[0], cache_dir=cache_dir) as pool:
+    # Compiling is this script's whole job: its workers keep this process's priority.
+    async with acompile.CompilePool(target=targets[0], cache_dir=cache_dir, worker_nice=0) as pool:
         results = await pool.gather(*todo, return_exceptions=True, background=True)
         stats = pool.stats()
     failed = [(s, r) for s, r in zip(todo, results, strict=True) if isinstance(r, Exception)]

@@ -322,6 +322,9 @@ async def test_bad_pool_arguments_are_rejected_up_front(cache_dir: Path) -> None
         acompile.CompilePool(1, target="cuda90", cache_dir=cache_dir)
     with pytest.raises(ValueError, match="preload"):
         acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir, preload=("fortran",))
+    for nice in ("low", -1, 20, True):
+        with pytest.raises(ValueError, match="worker_nice"):
+            acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir, worker_nice=nice)  # type: ignore[arg-type]
 
 
 async def test_job_cancelled_is_internal() -> None:
@@ -329,8 +332,14 @@ async def test_job_cancelled_is_internal() -> None:
 
 
 async def test_workers_run_below_the_parent_priority(cache_dir: Path) -> None:
+    # The default: SCHED_IDLE, inherited by what workers start (forked workers, compilers).
     async with pool(cache_dir, workers=1) as p:
         pid = await run_job(p, FAKE, {"name": "p", "action": "pid"}, "p")
+        assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    async with pool(cache_dir, workers=1, worker_nice=5) as p:
+        pid = await run_job(p, FAKE, {"name": "p", "action": "pid"}, "p")
+        assert os.sched_getscheduler(pid) == os.SCHED_OTHER
         assert psutil.Process(pid).nice() == psutil.Process().nice() + 5
     async with pool(cache_dir, workers=1, worker_nice=0) as p:
         pid = await run_job(p, FAKE, {"name": "p", "action": "pid"}, "p")

@@ -175,31 +175,34 @@ def main(argv: list[str] | None = None) -> int:
     )
     medians: dict[str, dict[str, float]] = {}
     host: dict[str, dict[str, float]] = {}
-    for side in CHILDREN:
-        env = harness.child_env(folder / side)
-        runs = []
-        # The first run fills the caches; a profiled one, last, is not measured.
-        for i in range(args.repeat + 1 + args.profile):
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in CHILDREN}
+    envs = {side: harness.child_env(folder / side) for side in CHILDREN}
+    # The sides take turns, run by run, so that a machine getting busier or quieter (the page
+    # cache, another process) weighs on both alike. The first run of each fills its caches; a
+    # profiled one, last, is not measured.
+    for i in range(args.repeat + 1 + args.profile):
+        for side in CHILDREN:
             options = {
                 "t0": time.time(),
                 "launches": args.launches,
                 "filling": i == 0,
                 "profile": i > args.repeat,
             }
-            r = harness.run_child("first_launch", side, options, folder / side / str(i), env, 600)
+            r = harness.run_child("first_launch", side, options, folder / side / str(i), envs[side], 600)
             if "crashed" in r or r.get("assertion"):
                 print(f"  {side}: FAILED {r.get('crashed') or r['assertion']}\n{r.get('log_tail', '')}")
                 return 1
-            runs.append(r)
-        measured = runs[1 : args.repeat + 1]
+            runs[side].append(r)
+    for side in CHILDREN:
+        measured = runs[side][1 : args.repeat + 1]
         medians[side] = {
             key: statistics.median(r[key] for r in measured) * 1000
             for key in ("after_setup_s", "from_start_s", "exit_s")
             if key in measured[0]
         }
         host[side] = {n: statistics.median(r["host_us"][n] for r in measured) for n in names}
-        if runs[-1].get("profile"):
-            print(f"--- profile, {side} (an extra run) ---\n{runs[-1]['profile']}")
+        if runs[side][-1].get("profile"):
+            print(f"--- profile, {side} (an extra run) ---\n{runs[side][-1]['profile']}")
     ours, theirs = medians["acompile"], medians["triton"]
     print(
         f"  acompile (default pool)  after set-up {ours['after_setup_s']:8.1f} ms   "

@@ -606,7 +606,7 @@ async def connect(
     target: str,
     backends: list[str],
     preload: list[str],
-    nice: int,
+    nice: int | str,
     memory_limit: int | None,
     max_compile_seconds: float | None,
     preload_timeout: float,

@@ -27,7 +27,7 @@ from typing import Any
 
 from acompile._errors import AcompileError, BackendUnavailableError, CompileError, bounded
 from acompile._workers import _protocol
-from acompile._workers._process import short_backend, stderr_tail
+from acompile._workers._process import lower_priority, short_backend, stderr_tail
 
 
 def _die_with_parent(parent_pid: int, *, template: bool = False) -> None:
@@ -335,15 +335,10 @@ def main() -> None:
     os.close(devnull)
     os.dup2(2, 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    niceness = int(os.environ.get("ACOMPILE_WORKER_NICE", "0"))
-    parent_nice = int(os.environ.get("ACOMPILE_PARENT_NICE", "0"))
-    if niceness > 0 and os.nice(0) < parent_nice + niceness:
-        # Below the process that serves requests: when both want a CPU, its event loop wins.
-        # (The pool usually did this already, as soon as the process existed.)
-        try:
-            os.nice(parent_nice + niceness - os.nice(0))
-        except OSError:
-            pass
+    # Below the process that serves requests: when both want a CPU, its event loop wins.
+    # (The pool usually did this already, as soon as the process existed.)
+    niceness = os.environ.get("ACOMPILE_WORKER_NICE", "0")
+    lower_priority(0, niceness if niceness == "idle" else int(niceness))
     args = sys.argv[1:]
     template = args[:1] == ["--template"]
     worker = Worker(fd_in, fd_out)

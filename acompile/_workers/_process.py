@@ -185,14 +185,37 @@ async def close_quietly(stream: anyio.abc.AsyncResource) -> None:
             pass
 
 
-def lower_priority(pid: int, nice: int) -> None:
-    # Right away, so that the worker's start-up (Python, Triton's import) already yields to the
-    # process serving requests; the worker applies it too, in case this is refused.
-    if nice > 0 and hasattr(os, "setpriority"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, pid, os.getpriority(os.PRIO_PROCESS, 0) + nice)
-        except OSError:
-            pass
+def lower_priority(pid: int, nice: int | str) -> None:
+    """Put process ``pid`` (0: this one) below this process for the CPU: ``"idle"`` is the
+    ``SCHED_IDLE`` policy (nice 19 where there is none), a number is added to its nice value.
+
+    ``SCHED_IDLE`` rather than a nice value: the kernel lets a waking task preempt a running
+    one only past a granularity of a few milliseconds, whatever their nice values, so an event
+    loop whose timer fires while every CPU runs a compiler would wake that late; a task under
+    ``SCHED_IDLE`` is preempted at once. The processes it starts (ptxas, nvcc, forked workers)
+    inherit it. Applied by the pool right away, so that the worker's start-up already yields,
+    and by the worker itself, in case this was refused.
+    """
+    if nice == "idle":
+        idle = getattr(os, "SCHED_IDLE", None)
+        if idle is not None:
+            try:
+                if os.sched_getscheduler(pid) != idle:
+                    os.sched_setscheduler(pid, idle, os.sched_param(0))
+                return
+            except OSError:
+                pass
+        nice = 19
+    if not isinstance(nice, int) or nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        target = os.getpriority(os.PRIO_PROCESS, 0) + nice
+        if pid == 0:
+            target = int(os.environ.get("ACOMPILE_PARENT_NICE", "0")) + nice
+        if os.getpriority(os.PRIO_PROCESS, pid) < target:
+            os.setpriority(os.PRIO_PROCESS, pid, target)
+    except OSError:
+        pass
 
 
 def describe_exit(code: int | None) -> str:
