@@ -9,28 +9,44 @@ What a job is expected to take, best answer first:
 
 1. the same kernel with the same options compiled before: its time (the mean of the last two);
 2. the same kernel with other options (``family``: its name and source): the times of those,
-   each scaled by how this job's options compare with theirs (``_weight``);
+   each scaled by how this job's options compare with theirs (``_ratio``);
 3. a kernel never seen: ``_weight`` of what the payload holds (the size of the source it ships,
    ``num_stages``, ``num_warps``), in seconds per weight learned from every recorded compile.
+   The first request of such a family this model sees gets that guess; the family's later
+   requests are scaled from it by ``_ratio``, as in 2.
+
+``_ratio`` compares two jobs of one family as the autotuner's heuristic does: the product of the
+integer constexprs (the tile sizes) times ``num_stages``, over ``num_warps``; Triton unrolls each
+warp's share of a tile over the pipeline's stages. Compile time grows a little slower than that
+product: on the autotune benchmark's 18 matmul configs (Triton for ``cuda:90``, 0.5 to 18 s), a
+fit of log(seconds) against log(product) has a slope of 0.84 to 0.88, so the ratio is raised to
+the power 0.8 (``_FAMILY_EXPONENT``). Across families tile sizes say nothing (an elementwise
+kernel's block is no matmul's), so they are not compared there.
 
 Only the order matters to the queue, so a rough guess does its job: the long matmul ahead of the
 short elementwise kernel. The file is written off the loop, atomically (a reader sees the old
-file or the new one); a writer merges what is on disk first, so processes that share the folder
-lose at most the records of a save that raced theirs. A file that does not parse (or a record
-that makes no sense) is ignored, and replaced at the next save.
+file or the new one); a writer holds an advisory lock (``costs.json.lock``, ``flock``) while it
+merges what is on disk and replaces it, so processes that share the folder lose no record. The
+lock is waited for a moment only: a holder that is stuck (stopped, a hung filesystem) costs a save
+that may race another, never a pool's exit. A file that does not parse, is too large or is not a
+regular file, and a record that makes no sense (a huge or negative number, NaN), is ignored, and
+dropped at the next save.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import json
 import logging
 import math
 import os
+import stat
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,9 +61,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger("acompile")
 
 COSTS_FILE = "costs.json"
+# Beside the file, never replaced (a lock on a file that was replaced locks nothing). Its name
+# does not start with "." so that pruning, which removes stale temporary files, leaves it.
+LOCK_FILE = "costs.json.lock"
 _FORMAT = 1
-# Records kept in the file, the newest: some 60 bytes each.
+# Records kept in the file, the newest: some 70 bytes each.
 MAX_RECORDS = 2048
+# A file larger than this is damaged (MAX_RECORDS rows take some 150 KB): not read, and replaced.
+MAX_FILE_BYTES = 4 << 20
 # Seconds per unit of weight before any compile was measured: about what a small Triton kernel
 # costs on a server core (0.1-0.3 s), and a large one's source weighs ten times more.
 _DEFAULT_RATE = 0.1
@@ -55,6 +76,21 @@ _DEFAULT_RATE = 0.1
 # more than a moment of the first compile's time, nor a save more than a moment of the pool's exit.
 _LOAD_DEADLINE = 0.5
 _SAVE_DEADLINE = 2.0
+# The lock is waited for at most this long, within the save's deadline; then the save goes on
+# without it (its records may race another writer's, but they are not given up).
+_LOCK_WAIT = 1.0
+# What a record may say and still make sense; anything else in the file is ignored. They also
+# bound the arithmetic: no value can overflow a float or make a weight zero or negative.
+_MAX_SECONDS = 1e6
+_MAX_SIZE = 1 << 40
+_MAX_OPTION = 1024  # num_warps, num_stages
+_MAX_TILES = 1 << 48
+_MAX_TIME = 1e11  # Unix time, year 5138
+# O_NONBLOCK: open() of a FIFO returns at once instead of waiting for a writer (it is then
+# refused as not a regular file); it changes nothing for regular files.
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+# How compile time grows with tiles x stages / warps within a family: see the module's docstring.
+_FAMILY_EXPONENT = 0.8
 
 
 @dataclass(frozen=True)
@@ -66,11 +102,13 @@ class CostFeatures:
     size: int  # characters of source (and other text) the payload ships
     num_warps: int
     num_stages: int
+    tiles: int = 0  # the product of the integer constexprs (its tile sizes); 0: not known
 
     @classmethod
     def of(cls, payload: Any, name: str) -> CostFeatures:
         """The features of a backend's payload (a dict with ``key`` and ``key_parts``; the
-        Triton payload's ``options`` say ``num_warps`` and ``num_stages``)."""
+        Triton payload's ``options`` say ``num_warps`` and ``num_stages``, its ``constexprs``
+        the tile sizes)."""
         if not isinstance(payload, Mapping):
             payload = {}
         parts = payload.get("key_parts")
@@ -83,14 +121,26 @@ class CostFeatures:
         return cls(
             key=str(payload.get("key", ""))[:16],
             family=family,
-            size=_text_size(shipped),
-            num_warps=_positive_int(options.get("num_warps"), 4),
-            num_stages=_positive_int(options.get("num_stages"), 3),
+            size=min(max(_text_size(shipped), 1), _MAX_SIZE),
+            num_warps=_option(options.get("num_warps"), 4),
+            num_stages=_option(options.get("num_stages"), 3),
+            tiles=_tiles(payload.get("constexprs")),
         )
 
 
-def _positive_int(value: Any, default: int) -> int:
-    return value if isinstance(value, int) and value > 0 else default
+def _option(value: Any, default: int) -> int:
+    return min(value, _MAX_OPTION) if type(value) is int and value > 0 else default
+
+
+def _tiles(constexprs: Any) -> int:
+    """The product of the integer constexprs above 1 (block sizes; not flags), capped."""
+    if not isinstance(constexprs, Mapping):
+        return 1
+    product = 1
+    for value in constexprs.values():
+        if type(value) is int and value > 1:
+            product = min(product * min(value, _MAX_TILES), _MAX_TILES)
+    return product
 
 
 def _text_size(value: Any, depth: int = 0) -> int:
@@ -106,15 +156,36 @@ def _text_size(value: Any, depth: int = 0) -> int:
     return 0
 
 
+def _clamp(value: int, high: int) -> int:
+    # Features built by hand (not by ``of``) may say anything: a guess never raises.
+    return min(max(value, 1), high)
+
+
 def _log_rate(record: _Record) -> float:
     return math.log(max(record.seconds, 1e-4) / _weight(record.features))
 
 
 def _weight(f: CostFeatures) -> float:
     """How heavy a compile looks before it runs: its source's size, and the options that
-    multiply the work of the passes (software pipelining stages, warps to lay out)."""
-    stages = 1.0 + 0.25 * max(0, f.num_stages - 1)
-    return (1.0 + f.size / 2000) * stages * (1.0 + 0.1 * math.log2(f.num_warps))
+    multiply the work of the passes (software pipelining stages, warps to lay out). Tile sizes
+    are left out: they compare jobs of one family only (``_ratio``)."""
+    stages = 1.0 + 0.25 * (_clamp(f.num_stages, _MAX_OPTION) - 1)
+    warps = 1.0 + 0.1 * math.log2(_clamp(f.num_warps, _MAX_OPTION))
+    return (1.0 + _clamp(f.size, _MAX_SIZE) / 2000) * stages * warps
+
+
+def _ratio(f: CostFeatures, other: CostFeatures) -> float:
+    """How many times longer ``f`` is expected to compile than ``other``, of the same family:
+    (tiles x num_stages / num_warps) compared, damped by ``_FAMILY_EXPONENT``. Tiles count only
+    where both are known (records written before they were kept say 0)."""
+
+    def heft(g: CostFeatures) -> float:
+        return _clamp(g.num_stages, _MAX_OPTION) / _clamp(g.num_warps, _MAX_OPTION)
+
+    ratio = heft(f) / heft(other)
+    if f.tiles > 0 and other.tiles > 0:
+        ratio *= _clamp(f.tiles, _MAX_TILES) / _clamp(other.tiles, _MAX_TILES)
+    return float(ratio**_FAMILY_EXPONENT)
 
 
 @dataclass
@@ -125,26 +196,94 @@ class _Record:
     num_warps: int
     num_stages: int
     at: float  # when measured (Unix time): the newest records are kept
+    tiles: int = 0
 
     @property
     def features(self) -> CostFeatures:
-        return CostFeatures("", self.family, self.size, self.num_warps, self.num_stages)
+        return CostFeatures("", self.family, self.size, self.num_warps, self.num_stages, self.tiles)
 
     def row(self) -> list[Any]:
         seconds = round(self.seconds, 4)
-        return [seconds, self.family, self.size, self.num_warps, self.num_stages, round(self.at)]
+        return [seconds, self.family, self.size, self.num_warps, self.num_stages, round(self.at), self.tiles]
+
+    def sane(self) -> bool:
+        """Whether every field is in its range (finite, positive where it must be)."""
+        return (
+            0 <= self.seconds < _MAX_SECONDS  # False for NaN
+            and 0 < self.size <= _MAX_SIZE
+            and 0 < self.num_warps <= _MAX_OPTION
+            and 0 < self.num_stages <= _MAX_OPTION
+            and 0 <= self.tiles <= _MAX_TILES
+            and 0 <= self.at < _MAX_TIME
+        )
 
     @classmethod
     def from_row(cls, row: Any) -> _Record | None:
-        """A record from the file, or None for one that makes no sense."""
+        """A record from the file, or None for one that makes no sense. Rows have six fields,
+        or seven where the tiles are known."""
+        if not isinstance(row, list) or len(row) not in (6, 7):
+            return None
         try:
-            seconds, family, size, warps, stages, at = row
-            record = cls(float(seconds), str(family), int(size), int(warps), int(stages), float(at))
-        except (TypeError, ValueError):
+            seconds, family, size, warps, stages, at, *tiles = row
+            record = cls(
+                float(seconds),
+                family,
+                int(size),
+                int(warps),
+                int(stages),
+                float(at),
+                int(tiles[0]) if tiles else 0,
+            )
+        except (TypeError, ValueError, OverflowError):  # 10**400 is a JSON number, not a float
             return None
-        if not (0 <= record.seconds < 1e6 and record.num_warps > 0 and record.num_stages > 0):
+        return record if isinstance(family, str) and record.sane() else None
+
+
+def _read_file(path: Path) -> bytes | None:
+    """The file's bytes (blocking); None where it is absent, not a regular file, or too large."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError:
+        return None
+    with open(fd, "rb") as f:
+        # A FIFO or a device would never end (or never start) a read; a folder cannot be read.
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
-        return record
+        data = f.read(MAX_FILE_BYTES + 1)
+    return data if len(data) <= MAX_FILE_BYTES else None
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[bool]:
+    """Hold an exclusive ``flock`` on ``path`` (blocking, at most ``_LOCK_WAIT`` seconds);
+    yields whether it is held. Closing the file releases it, as does the holder's death."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        logger.debug("cannot open %s: %s", path, exc)
+        yield False
+        return
+    try:
+        deadline = time.monotonic() + _LOCK_WAIT
+        while True:
+            try:
+                # LOCK_NB and a poll, not a blocking flock: that could not be given up.
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    logger.debug("%s is held too long: saving without it", path)
+                    held = False
+                    break
+                time.sleep(0.01)
+            except OSError as exc:  # a filesystem without locks
+                logger.debug("cannot lock %s: %s", path, exc)
+                held = False
+                break
+        yield held
+    finally:
+        os.close(fd)
 
 
 class CompileCosts:
@@ -152,13 +291,15 @@ class CompileCosts:
 
     ``await expect(features)`` loads the file the first time (on the disk tier's threads);
     ``record(features, seconds)`` says whether a ``save()`` should be started (none is on its
-    way); ``save()`` merges and writes the file.
+    way); ``save()`` merges and writes the file. None of them raises (but for cancellation).
     """
 
     def __init__(self, disk: GuardedDisk) -> None:
         self._disk = disk
         self._records: dict[str, _Record] = {}
         self._families: dict[str, set[str]] = {}  # family -> keys of its records
+        # The first request seen of each family without a record: the others are scaled from it.
+        self._first_seen: dict[str, CostFeatures] = {}
         # log(seconds per weight), summed over every record: their geometric mean is the rate of
         # a kernel never seen (one slow outlier moves it less than it would move a mean).
         self._log_rates = 0.0
@@ -178,19 +319,24 @@ class CompileCosts:
         exact = self._records.get(f.key)
         if exact is not None:
             return exact.seconds
-        weight = _weight(f)
         kin = [self._records[key] for key in self._families.get(f.family, ())]
         if kin:
-            return statistics.fmean(r.seconds * weight / _weight(r.features) for r in kin)
+            return statistics.fmean(r.seconds * _ratio(f, r.features) for r in kin)
+        if len(self._first_seen) >= MAX_RECORDS:
+            self._first_seen.clear()
+        first = self._first_seen.setdefault(f.family, f)
         rate = math.exp(self._log_rates / len(self._records)) if self._records else _DEFAULT_RATE
-        return weight * rate
+        return _weight(first) * rate * _ratio(f, first)
 
     def record(self, f: CostFeatures, seconds: float) -> bool:
-        """Remember a finished compile; True when the caller should start ``save()``."""
+        """Remember a finished compile; True when the caller should start ``save()``. A time
+        or features that make no sense (NaN, a negative size) are not remembered."""
         old = self._records.get(f.key)
         if old is not None:
             seconds = (old.seconds + seconds) / 2  # damp one slow run (a busy machine)
-        record = _Record(seconds, f.family, f.size, f.num_warps, f.num_stages, time.time())
+        record = _Record(seconds, f.family, f.size, f.num_warps, f.num_stages, time.time(), f.tiles)
+        if not record.sane():
+            return False
         self._add(f.key, record)
         self._unsaved[f.key] = record
         if self._saving or not (self._disk.writable and self._disk.answered):
@@ -209,37 +355,44 @@ class CompileCosts:
 
     async def save(self) -> None:
         """Write the records not yet saved into the file (merged with what other processes
-        wrote there); records made while it writes are saved by a next round."""
+        wrote there); records made while it writes are saved by a next round. Never raises
+        but for cancellation: a save that fails is logged (at debug) and given up, since it
+        runs behind the pool's back, and an error there would stop the pool."""
         try:
             while self._unsaved:
                 batch, self._unsaved = self._unsaved, {}
                 with anyio.move_on_after(_SAVE_DEADLINE, shield=True):
-                    try:
-                        await self._disk.files.call(functools.partial(self._merge_and_write, batch))
-                    except OSError as exc:
-                        logger.debug("cannot save compile times to %s: %s", self.path, exc)
-                        return
+                    await self._disk.files.call(functools.partial(self._merge_and_write, batch))
+        except Exception as exc:
+            logger.debug("cannot save compile times to %s: %r", self.path, exc)
         finally:
             self._saving = False
 
     async def _load(self) -> None:
-        if self._loading is not None:
-            await self._loading.wait()
-            return
-        self._loading = anyio.Event()
-        try:
-            if self._disk.answered:
-                with anyio.move_on_after(_LOAD_DEADLINE):
-                    found = await self._disk.files.call(self._read)
-                    for key, record in found.items():
-                        if key not in self._records:  # measured here meanwhile: newer
-                            self._add(key, record)
-        finally:
-            self._loaded = True
-            self._loading.set()
+        # A load cancelled from outside (its request was) leaves the model unloaded: the next
+        # expect() loads again. A load past its deadline counts as done: the filesystem hangs.
+        while not self._loaded:
+            if self._loading is not None:
+                await self._loading.wait()
+                continue
+            loading = self._loading = anyio.Event()
+            try:
+                if self._disk.answered:
+                    with anyio.move_on_after(_LOAD_DEADLINE):
+                        found = await self._disk.files.call(self._read)
+                        for key, record in found.items():
+                            if key not in self._records:  # measured here meanwhile: newer
+                                self._add(key, record)
+                self._loaded = True
+            except Exception as exc:
+                logger.debug("cannot read compile times from %s: %r", self.path, exc)
+                self._loaded = True
+            finally:
+                self._loading = None
+                loading.set()
 
     def _read(self) -> dict[str, _Record]:
-        """The file's records (blocking); empty for a file that is absent or damaged."""
+        """The file's sensible records (blocking); empty for a file that is absent or damaged."""
         records = {}
         for key, row in self._read_rows().items():
             record = _Record.from_row(row)
@@ -247,35 +400,41 @@ class CompileCosts:
                 records[key] = record
         return records
 
-    def _read_rows(self) -> dict[str, list[Any]]:
-        """The file's rows as they are stored (blocking): those shaped like a record."""
-        try:
-            document = json.loads(self.path.read_bytes())
-            rows = document["records"] if document.get("format") == _FORMAT else {}
-            if not isinstance(rows, dict):
-                return {}
-        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    def _read_rows(self) -> dict[str, Any]:
+        """The file's rows as they are stored (blocking), not yet checked."""
+        data = _read_file(self.path)
+        if data is None:
             return {}
-        return {k: r for k, r in rows.items() if isinstance(k, str) and isinstance(r, list) and len(r) == 6}
+        try:
+            document = json.loads(data)
+            rows = document["records"] if document.get("format") == _FORMAT else {}
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+            return {}
+        if not isinstance(rows, dict):
+            return {}
+        return {k: r for k, r in rows.items() if isinstance(k, str)}
 
     def _merge_and_write(self, batch: dict[str, _Record]) -> None:
-        """Merge ``batch`` into the file and replace it atomically (blocking). Rows stay rows
-        (no record objects): this runs on a thread that shares the interpreter with the event
-        loop, and the less Python it runs the less it delays the loop."""
-        rows = self._read_rows()
-        rows.update((key, record.row()) for key, record in batch.items())
-        if len(rows) > MAX_RECORDS:
-            rows = dict(sorted(rows.items(), key=_row_time, reverse=True)[:MAX_RECORDS])
-        data = json.dumps({"format": _FORMAT, "records": rows}, separators=(",", ":")).encode()
-        tmp = temp_path(self.path)
-        try:
-            tmp.write_bytes(data)
-            os.replace(tmp, self.path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-
-
-def _row_time(item: tuple[str, list[Any]]) -> float:
-    at = item[1][5]
-    return float(at) if isinstance(at, (int, float)) else 0.0
+        """Merge ``batch`` into the file and replace it atomically (blocking), under the lock.
+        Rows that make no sense are dropped, not carried over."""
+        with _locked(self._disk.root / LOCK_FILE):
+            rows = {}
+            for key, row in self._read_rows().items():
+                record = _Record.from_row(row)
+                if record is not None:
+                    rows[key] = record.row()
+            rows.update((key, record.row()) for key, record in batch.items())
+            if len(rows) > MAX_RECORDS:
+                newest = sorted(rows.items(), key=lambda item: float(item[1][5]), reverse=True)
+                rows = dict(newest[:MAX_RECORDS])
+            data = json.dumps({"format": _FORMAT, "records": rows}, separators=(",", ":")).encode()
+            tmp = temp_path(self.path)
+            try:
+                with open(tmp, "xb") as f:
+                    f.write(data)
+                # A rename replaces whatever is there, a FIFO included, without opening it.
+                os.replace(tmp, self.path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise

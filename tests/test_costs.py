@@ -1,0 +1,239 @@
+"""The cost model's file, as a damaged, hostile or shared folder leaves it, and its first guess.
+
+``costs.json`` is read by every pool on the folder before its first compile, and written behind
+every compile: nothing in it may fail a compile, stall a thread or stop a pool, and processes
+that share it keep each other's records.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from conftest import subprocess_env
+from kernels_for_tests import ADD_SIG, add_kernel
+
+import acompile
+from acompile._cache import GuardedDisk
+from acompile._cache._costs import (
+    COSTS_FILE,
+    LOCK_FILE,
+    MAX_FILE_BYTES,
+    MAX_RECORDS,
+    CompileCosts,
+    CostFeatures,
+)
+
+pytestmark = pytest.mark.anyio
+
+HUGE = "1" + "0" * 400  # a JSON number no float holds
+GOOD = '[0.7,"family",1000,4,3,1700000000]'
+NONSENSE = {
+    "size_huge": f'[0.2,"family",{HUGE},4,3,1700000000]',
+    "stages_huge": f'[0.2,"family",1000,4,{HUGE},1700000000]',
+    "warps_huge": f'[0.2,"family",1000,{HUGE},3,1700000000]',
+    "at_huge": f'[0.2,"family",1000,4,3,{HUGE}]',
+    "seconds_huge": f'[{HUGE},"family",1000,4,3,1700000000]',
+    "size_negative": '[0.2,"family",-2000,4,3,1700000000]',
+    "size_more_negative": '[0.2,"family",-5000,4,3,1700000000]',
+    "size_zero": '[0.2,"family",0,4,3,1700000000]',
+    "seconds_nan": '[NaN,"family",1000,4,3,1700000000]',
+    "seconds_inf": '[Infinity,"family",1000,4,3,1700000000]',
+    "seconds_negative": '[-1.0,"family",1000,4,3,1700000000]',
+    "at_nan": '[0.2,"family",1000,4,3,NaN]',
+    "family_not_text": "[0.2,[1],1000,4,3,1700000000]",
+    "tiles_huge": f'[0.2,"family",1000,4,3,1700000000,{HUGE}]',
+}
+
+
+def features(
+    key: str, family: str = "family", size: int = 1000, warps: int = 4, stages: int = 3
+) -> CostFeatures:
+    return CostFeatures(key=key, family=family, size=size, num_warps=warps, num_stages=stages)
+
+
+def write_rows(folder: Path, rows: dict[str, str]) -> None:
+    text = ",".join(f'"{key}":{row}' for key, row in rows.items())
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / COSTS_FILE).write_text('{"format":1,"records":{' + text + "}}")
+
+
+def stored(folder: Path) -> dict[str, Any]:
+    records: dict[str, Any] = json.loads((folder / COSTS_FILE).read_text())["records"]
+    return records
+
+
+async def opened(folder: Path) -> GuardedDisk:
+    disk = GuardedDisk(folder)
+    await disk.open()
+    return disk
+
+
+async def test_rows_that_make_no_sense_are_ignored_and_not_written_back(tmp_path: Path) -> None:
+    write_rows(tmp_path, {"good": GOOD, **NONSENSE})
+    costs = CompileCosts(await opened(tmp_path))
+    assert await costs.expect(features("good")) == pytest.approx(0.7)
+    for key in NONSENSE:  # guessed from the family's sensible record, never raised
+        guess = await costs.expect(features(key))
+        assert guess == pytest.approx(0.7)
+    assert costs.record(features("new"), 1.5)
+    await costs.save()
+    assert set(stored(tmp_path)) == {"good", "new"}
+
+
+async def test_a_save_merging_a_file_with_a_huge_number_neither_raises_nor_keeps_it(tmp_path: Path) -> None:
+    # More rows than are kept, so that the save sorts them by time: one time is 10**400.
+    rows = {f"{i:016x}": '[0.1,"family",100,4,3,1700000000]' for i in range(MAX_RECORDS + 50)}
+    write_rows(tmp_path, {**rows, "huge": f'[0.1,"family",100,4,3,{HUGE}]'})
+    costs = CompileCosts(await opened(tmp_path))
+    assert costs.record(features("new"), 1.0)
+    await costs.save()  # never raises: it runs behind the pool, in its task group
+    kept = stored(tmp_path)
+    assert len(kept) == MAX_RECORDS
+    assert "new" in kept and "huge" not in kept
+
+
+async def test_a_save_that_cannot_write_gives_up_quietly(tmp_path: Path) -> None:
+    (tmp_path / COSTS_FILE).mkdir()  # a rename cannot replace a folder
+    costs = CompileCosts(await opened(tmp_path))
+    assert await costs.expect(features("k")) > 0
+    assert costs.record(features("k"), 1.0)
+    await costs.save()
+    assert (tmp_path / COSTS_FILE).is_dir()
+
+
+async def test_nonsense_times_and_features_are_not_recorded(tmp_path: Path) -> None:
+    costs = CompileCosts(await opened(tmp_path))
+    assert not costs.record(features("nan"), float("nan"))
+    assert not costs.record(features("negative"), -1.0)
+    assert not costs.record(features("size", size=-2000), 1.0)
+    assert await costs.expect(features("k", size=-2000)) > 0  # a guess, not ZeroDivisionError
+    assert await costs.expect(features("k", stages=10**400, warps=10**400)) > 0
+    assert not (tmp_path / COSTS_FILE).exists()
+
+
+async def test_a_pool_on_a_folder_with_a_nonsense_row_compiles_and_drops_it(cache_dir: Path) -> None:
+    write_rows(cache_dir, {"aaaaaaaaaaaaaaaa": '[0.2,"f",-2000,4,3,1700000000]'})
+    async with acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir) as pool:
+        kernel = await pool.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 64})
+    assert set(stored(cache_dir)) == {kernel.key[:16]}
+
+
+async def test_a_fifo_in_place_of_the_file_blocks_nothing_and_is_replaced(tmp_path: Path) -> None:
+    path = tmp_path / COSTS_FILE
+    os.mkfifo(path)
+    costs = CompileCosts(await opened(tmp_path))
+    try:
+        with anyio.fail_after(5):
+            await costs.expect(features("k"))
+            assert costs.record(features("k"), 1.5)
+            await costs.save()
+        assert stat.S_ISREG(os.stat(path).st_mode)
+        assert await CompileCosts(await opened(tmp_path)).expect(features("k")) == pytest.approx(1.5)
+    finally:
+        if stat.S_ISFIFO(os.stat(path).st_mode):
+            # Wake a reader stuck in open(): a writer that closes at once.
+            os.close(os.open(path, os.O_RDWR | os.O_NONBLOCK))
+
+
+async def test_a_file_too_large_is_not_read_and_is_replaced(tmp_path: Path) -> None:
+    filler = {f"{i:016x}": '[0.1,"family",100,4,3,1700000000]' for i in range(MAX_FILE_BYTES // 40)}
+    write_rows(tmp_path, {"k": '[9.0,"family",1000,4,3,1800000000]', **filler})
+    assert (tmp_path / COSTS_FILE).stat().st_size > MAX_FILE_BYTES
+    costs = CompileCosts(await opened(tmp_path))
+    assert await costs.expect(features("k")) != pytest.approx(9.0)
+    assert costs.record(features("new"), 1.0)
+    await costs.save()
+    assert set(stored(tmp_path)) == {"new"}
+
+
+async def test_a_load_cancelled_with_its_request_is_done_again_by_the_next(tmp_path: Path) -> None:
+    write_rows(tmp_path, {"k": GOOD})
+    costs = CompileCosts(await opened(tmp_path))
+    with anyio.move_on_after(0):  # the first request is cancelled while the file loads
+        await costs.expect(features("k"))
+    assert await costs.expect(features("k")) == pytest.approx(0.7)
+
+
+CHILD = """
+import sys, anyio
+from acompile._cache import GuardedDisk
+from acompile._cache._costs import CompileCosts, CostFeatures
+
+async def main(folder, tag, count):
+    disk = GuardedDisk(folder)
+    await disk.open()
+    costs = CompileCosts(disk)
+    for i in range(count):
+        costs.record(CostFeatures(f"{tag}{i}", "family", 1000, 4, 3), 1.0)
+        await costs.save()
+
+anyio.run(main, sys.argv[1], sys.argv[2], int(sys.argv[3]))
+"""
+
+
+def test_processes_saving_at_once_lose_no_record(tmp_path: Path) -> None:
+    count = 400
+    children = [
+        subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), tag, str(count)], env=subprocess_env())
+        for tag in "ab"
+    ]
+    assert [child.wait(timeout=120) for child in children] == [0, 0]
+    assert set(stored(tmp_path)) == {f"{tag}{i}" for tag in "ab" for i in range(count)}
+
+
+async def test_a_stuck_lock_holder_delays_a_save_a_moment_only(tmp_path: Path) -> None:
+    costs = CompileCosts(await opened(tmp_path))
+    await costs.expect(features("k"))
+    held = os.open(tmp_path / LOCK_FILE, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a holder that never lets go
+        assert costs.record(features("k"), 1.5)
+        started = time.monotonic()
+        await costs.save()
+        assert time.monotonic() - started < 2.0
+    finally:
+        os.close(held)
+    assert stored(tmp_path)["k"][0] == pytest.approx(1.5)
+
+
+def triton_payload(key: str, warps: int = 4, stages: int = 3, **constexprs: int) -> dict[str, Any]:
+    return {
+        "key": key,
+        "name": "matmul",
+        "constexprs": constexprs,
+        "options": {"num_warps": warps, "num_stages": stages},
+        "key_parts": {"kernel": "def matmul(...): ..."},
+    }
+
+
+async def test_bigger_tiles_of_a_kernel_are_expected_longer_with_or_without_a_record(tmp_path: Path) -> None:
+    small = CostFeatures.of(triton_payload("small", BLOCK_M=64, BLOCK_N=64, BLOCK_K=32), "matmul")
+    big = CostFeatures.of(triton_payload("big", BLOCK_M=128, BLOCK_N=128, BLOCK_K=32), "matmul")
+    assert small.family == big.family
+    for first, second in ((small, big), (big, small)):  # whichever is asked first
+        costs = CompileCosts(await opened(tmp_path))
+        one, two = await costs.expect(first), await costs.expect(second)
+        by_features = dict(zip((first, second), (one, two), strict=True))
+        assert by_features[big] > by_features[small]
+    # Once the small one was measured, the big one is guessed from it, longer.
+    costs = CompileCosts(await opened(tmp_path))
+    costs.record(small, 2.0)
+    assert await costs.expect(big) > 2.0
+    # More warps share a tile: shorter; more stages unroll it more: longer.
+    wide = CostFeatures.of(triton_payload("wide", warps=8, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32), "matmul")
+    deep = CostFeatures.of(triton_payload("deep", stages=5, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32), "matmul")
+    assert await costs.expect(wide) < 2.0 < await costs.expect(deep)
+    # Tile sizes are kept in the file, for the next process's guesses.
+    await costs.save()
+    again = CompileCosts(await opened(tmp_path))
+    assert await again.expect(big) == pytest.approx(await costs.expect(big))
