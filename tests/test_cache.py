@@ -170,26 +170,64 @@ async def test_a_warm_start_reads_its_entries_together_and_verifies_each(cache_d
     assert (cache["hits_disk"], cache["misses"], cache["disk_corrupt"], stats["compiled"]) == (3, 1, 1, 1)
 
 
+def _metadata_edit(edit: Any) -> Any:
+    def damage(blobs: dict[str, bytes]) -> None:
+        metadata = json.loads(blobs["json"])
+        edit(metadata)
+        blobs["json"] = json.dumps(metadata).encode()
+
+    return damage
+
+
+# Damage that a checksum recomputed over it hides (an entry written by another program), each
+# with the word the miss's log line names it by. Unless loading looks for it, each shows only
+# where it is read: at .asm, at .compiled, or at the first launch (Triton's launcher reads the
+# scratch sizes and launch flags; loading the binary compares shared and num_warps).
+INTACT_BUT_UNLOADABLE = {
+    "name-missing": ("name", _metadata_edit(lambda md: md.pop("name"))),
+    "name-null": ("name", _metadata_edit(lambda md: md.update(name=None))),
+    "num_warps-missing": ("num_warps", _metadata_edit(lambda md: md.pop("num_warps"))),
+    "num_warps-text": ("num_warps", _metadata_edit(lambda md: md.update(num_warps="x"))),
+    "num_ctas-missing": ("num_ctas", _metadata_edit(lambda md: md.pop("num_ctas"))),
+    "shared-missing": ("shared", _metadata_edit(lambda md: md.pop("shared"))),
+    "shared-float": ("shared", _metadata_edit(lambda md: md.update(shared=0.5))),
+    "scratch-null": ("global_scratch_size", _metadata_edit(lambda md: md.update(global_scratch_size=None))),
+    "launch_pdl-missing": ("launch_pdl", _metadata_edit(lambda md: md.pop("launch_pdl"))),
+    "ptx-not-utf8": ("ptx", lambda blobs: blobs.update(ptx=b"\xff\xfe" + blobs["ptx"][2:])),
+    "ttir-not-utf8": ("ttir", lambda blobs: blobs.update(ttir=b"\xc3" * 10)),
+}
+
+
+@pytest.mark.parametrize("damage", list(INTACT_BUT_UNLOADABLE))
 async def test_an_intact_entry_without_a_loadable_kernel_is_a_miss_and_is_replaced(
-    cache_dir: Path, caplog: pytest.LogCaptureFixture
+    cache_dir: Path, damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     spec = acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 64})
     async with pool(cache_dir) as p:
         good = await p.compile(spec)
     path = entry_path(cache_dir, good.key)
     entry = decode(path.read_bytes(), good.key)
-    metadata = json.loads(entry.blobs["json"])
-    del metadata["name"]
-    entry.blobs["json"] = json.dumps(metadata).encode()
+    good_json = entry.blobs["json"]
+    named, edit = INTACT_BUT_UNLOADABLE[damage]
+    edit(entry.blobs)
     path.write_bytes(entry.encode())  # its checksum holds: only loading it can tell
     async with pool(cache_dir, prestart=False) as p:
         k, tier = await p.compile_with_tier(spec)
         stats = p.stats()
-    assert tier == "compile" and k.cubin == good.cubin and k.metadata.name == "add_kernel"
+    assert tier == "compile" and k.cubin == good.cubin
     cache = stats["cache"]
     assert (cache["hits_disk"], cache["misses"], cache["disk_corrupt"]) == (0, 1, 1)
-    assert any("damaged" in r.message and "not a loadable Triton kernel" in r.message for r in caplog.records)
-    assert "name" in json.loads(decode(path.read_bytes(), good.key).blobs["json"])  # replaced
+    message = next(r.message for r in caplog.records if "damaged" in r.message)
+    assert "not a loadable Triton kernel" in message and named in message
+    # What the kernel serves works, as the kernel compiled the first time did.
+    assert k.metadata._asdict() == good.metadata._asdict() and k.metadata.name == "add_kernel"
+    assert (k.asm["ptx"], k.asm["ttir"]) == (good.asm["ptx"], good.asm["ttir"])
+    assert k.compiled.packed_metadata == good.compiled.packed_metadata
+    replaced = decode(path.read_bytes(), good.key).blobs
+    assert json.loads(replaced["json"]) == json.loads(good_json)
+    assert {ext: replaced[ext] for ext in good.asm} == {
+        ext: stage if isinstance(stage, bytes) else stage.encode() for ext, stage in good.asm.items()
+    }
 
 
 class LoopPasses:
@@ -470,3 +508,15 @@ def _raising_get(get: Any) -> Any:
         return data
 
     return checked
+
+
+@pytest.mark.parametrize("field, value", [("meta", ["a", "list"]), ("name", 7), ("backend", None)])
+def test_an_entry_whose_header_has_the_wrong_shape_is_corrupt_even_with_a_valid_checksum(
+    field: str, value: object
+) -> None:
+    # Entry.encode() computes the checksum over whatever the header holds: only the decoder's
+    # checks stand between such an entry and a backend's loader.
+    fields: dict[str, Any] = {"key": "ab" * 32, "backend": "cuda", "name": "k", "meta": {"a": 1}}
+    entry = Entry(blobs={"cubin": b"\0"}, **(fields | {field: value}))
+    with pytest.raises(CorruptEntry, match="malformed header"):
+        decode(entry.encode(), "ab" * 32)

@@ -95,6 +95,8 @@ def decode(data: bytes, expect_key: str | None = None, *, verify: bool = True) -
         key, backend, name, meta = header["key"], header["backend"], header["name"], header["meta"]
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptEntry(f"malformed header: {exc}") from None
+    if not isinstance(meta, dict) or not all(isinstance(x, str) for x in (key, backend, name)):
+        raise CorruptEntry("malformed header: key, backend and name must be text, meta an object")
     if offset != len(data):
         raise CorruptEntry(f"length mismatch: header describes {offset} bytes, entry has {len(data)}")
     if expect_key is not None and key != expect_key:
