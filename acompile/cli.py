@@ -636,7 +636,8 @@ def _resolve_key(root: Path, text: str) -> tuple[str, str]:
         found = []
     if len(found) != 1:
         what = "no entry" if not found else f"{len(found)} entries"
-        return "", f"{what} in {root} start with {text!r}"
+        verb = "starts" if len(found) <= 1 else "start"
+        return "", f"{what} in {root} {verb} with {text!r}"
     return found[0], ""
 
 

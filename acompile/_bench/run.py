@@ -19,6 +19,10 @@ with empty Triton and acompile caches; the corpus (hence Triton) is imported bef
   the cache ``acompile_cold`` filled; fails unless every kernel is a disk hit (none compiled).
 - ``warm_triton``: a fresh process on the Triton cache ``sequential`` filled (all cache hits).
 
+The report prints the bound no scheduler can beat: max(the sequential row's time / workers, its
+longest single compile, the first left out as it carries Triton's one-time costs), and each
+parallel row's time as a multiple of it.
+
 Async rows record event-loop lag (a task sleeping 1 ms in a loop: how late it wakes). Every row's
 cubins are compared with the sequential row's (``cubin≠seq``). ``cpu s`` counts the row's
 process and the workers it reaped; ``load`` is the load average before the row. ``--lifecycle``,
@@ -288,10 +292,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=default_workers(), help="default: %(default)s")
     parser.add_argument("--target", default="cuda:90", help="compile target (default: %(default)s)")
     parser.add_argument("--json", default="bench-results/bench.json", help="default: %(default)s")
-    parser.add_argument("--only", default=None, help=f"comma-separated, of: {', '.join((*ROWS, *sections))}")
+    parser.add_argument(
+        "--only",
+        default=None,
+        help=f"comma-separated, of: {', '.join((*ROWS, *sections))}; a warm row also runs the row "
+        "that fills its cache (warm_acompile: acompile_cold; warm_triton: sequential)",
+    )
     parser.add_argument("--limit", type=int, default=None, help="use only the first K specs of the corpus")
     parser.add_argument(
-        "--corpus", choices=CORPORA, default="default", help="the kernels to compile (default: %(default)s)"
+        "--corpus",
+        choices=CORPORA,
+        default="default",
+        help="the kernels to compile: default (68 requests over 12 kernels), or library (the 9 "
+        "kernels of a kernel library: norms, softmax, activations, rotary, attention, matmuls) "
+        "(default: %(default)s)",
     )
     parser.add_argument("--row-timeout", type=float, default=900.0, help="seconds before a row is killed")
     parser.add_argument("--keep", action="store_true", help="keep the rows' cache folders and logs")
@@ -303,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--redis-server", default=None, help="the redis-server of --tiers (default: on PATH)")
     for flag in _PASSTHROUGH:
-        parser.add_argument(flag, action="store_true", help=f"alone: see acompile bench {flag} --help")
+        parser.add_argument(
+            flag, action="store_true", help=f"a section run alone: acompile bench {flag} --help"
+        )
     args = parser.parse_args(argv)
     if args.workers < 1 or (args.limit is not None and args.limit < 1):
         parser.error("--workers and --limit must be at least 1")
