@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 import psutil
 import pytest
-from conftest import ROOT, TARGET, run_python
+from conftest import ROOT, TARGET, run_python, subprocess_env
 from kernels_for_tests import ADD_SIG, add_kernel, broken_kernel, scale_add_kernel, slow_to_compile_kernel
 from processes import until
 
@@ -405,3 +405,172 @@ async def test_a_farm_no_node_can_host_says_so(cluster: Cluster, tmp_path: Path)
             await pool.wait_ready()
         with pytest.raises(acompile.WorkerStartError):
             await pool.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 64})
+
+
+async def test_a_call_to_the_cluster_abandoned_by_its_caller_ends_quietly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A blocking call to Ray left behind by a deadline (``ray.kill``, ``ray.shutdown``, a slow
+    ``ray.init``) ends later in its thread: its result or error is dropped, not raised there."""
+    import threading
+
+    from acompile._farm._executor import _off_loop
+
+    raised: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+
+    def slow_failure() -> None:
+        time.sleep(0.3)
+        raise RuntimeError("the call ended after its caller left")
+
+    with anyio.move_on_after(0.05):
+        await _off_loop(time.sleep, 0.3)
+    with anyio.move_on_after(0.05):
+        await _off_loop(slow_failure)
+    assert await _off_loop(lambda: 7) == 7
+    with pytest.raises(RuntimeError, match="after its caller"):
+        await _off_loop(slow_failure)
+    await anyio.sleep(0.5)
+    assert raised == []
+
+
+async def test_actors_that_die_idle_are_replaced_and_the_next_request_runs(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    farm = acompile.RayFarm(cluster.address, runtime_env=RUNTIME_ENV)
+    async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path, preload=()) as pool:
+        await pool.wait_ready()
+
+        def kill_every_actor() -> set[int]:
+            actors = set(_farm_worker_pids())
+            assert len(actors) == 2
+            for pid in actors:
+                os.kill(pid, signal.SIGKILL)
+            return actors
+
+        # Nobody asks for anything: the farm notices and returns to size on its own.
+        first = kill_every_actor()
+        await until(
+            lambda: len(set(_farm_worker_pids()) - first) == 2 and pool.stats()["workers"]["alive"] == 2, 60
+        )
+        # A request sent at once after both die reaches dead actors first: it never ran there,
+        # so those losses are not its retry, and it runs on a replacement.
+        kill_every_actor()
+        job = acompile._workers.Job(FAKE, {"name": "k", "action": "pid"}, "k")
+        with anyio.fail_after(60):
+            pid = await pool.executor.run(job)
+        on_nodes = _node_workers()
+        stats = pool.stats()
+    assert pid in on_nodes
+    assert stats["jobs"]["failed"] == 0 and stats["jobs"]["done"] == 1, stats["jobs"]
+    assert stats["workers"]["restarts"].get("killed", 0) == 4, stats["workers"]
+
+
+async def test_a_killed_actor_takes_its_compiling_worker_along_at_once(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """However the actor dies (here SIGKILL, as the OOM killer would), the worker of its local
+    pool that is inside a long native compile goes too, at once, and so does its reaper."""
+    farm = acompile.RayFarm(cluster.address)
+    async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path) as pool:
+        await pool.wait_ready()
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(slow_compile, pool)
+                await until(lambda: pool.stats()["jobs"]["running"] == 1, 20)
+                await anyio.sleep(1.0)  # inside Triton's passes
+                workers = list(_node_workers())
+                reapers = _reapers(workers)
+                assert len(workers) == 2 and len(reapers) == 2
+                for pid in _farm_worker_pids():
+                    os.kill(pid, signal.SIGKILL)
+                killed_at = time.perf_counter()
+                await until(lambda: not [p for p in workers + reapers if _exists(p)], 10)
+                gone = time.perf_counter() - killed_at
+                scope.cancel()
+    # Without it, the compiling worker went on for the rest of its compile (~25 s here).
+    assert gone < 5.0
+
+
+_DRIVER = """
+import sys, anyio, acompile
+from kernels_for_tests import slow_to_compile_kernel
+
+async def main():
+    farm = acompile.RayFarm(sys.argv[1])
+    async with acompile.CompilePool(target=sys.argv[3], farm=farm, cache_dir=sys.argv[2]) as pool:
+        await pool.wait_ready()
+        print("READY", flush=True)
+        await pool.triton(
+            slow_to_compile_kernel, signature={"x_ptr": "*fp32", "out_ptr": "*fp32"}, constexprs={"N": 400}
+        )
+
+anyio.run(main)
+"""
+
+
+def test_a_driver_killed_mid_compile_leaves_nothing_compiling_on_the_nodes(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The pool's process SIGKILLed while its job compiles on a node: Ray ends the actors (and
+    kills their children); the worker inside the compile, and every process of the actor's local
+    pool, goes too."""
+    from acompile._farm._reaper import marked
+
+    command = [sys.executable, "-c", _DRIVER, cluster.address, str(tmp_path), TARGET]
+    driver = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    try:
+        assert driver.stdout is not None
+        for line in driver.stdout:
+            if "READY" in line:
+                break
+        time.sleep(1.5)  # the compile is inside Triton's passes on a node
+        workers = _node_workers()
+        assert len(workers) == 2
+        marks = {_mark_of(pid) for pid in workers}
+        driver.kill()
+        driver.wait(10)
+        killed_at = time.perf_counter()
+        deadline = killed_at + 15
+        while (
+            left := [p for m in marks for p in marked(m, set())] + [p for p in workers if _exists(p)]
+        ) and (time.perf_counter() < deadline):
+            time.sleep(0.05)
+        gone = time.perf_counter() - killed_at
+    finally:
+        driver.kill()
+        driver.wait()
+        if driver.stdout is not None:
+            driver.stdout.close()
+    assert not left
+    assert gone < 10.0  # the time Ray takes to end the actors, and then at once
+
+
+def _reapers(workers: list[int]) -> list[int]:
+    """The reaper of each worker's actor: the process started with the mark the worker carries."""
+    marks = {_mark_of(pid) for pid in workers}
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        line = " ".join(proc.info["cmdline"] or ())
+        if "_reaper.py" in line and any(mark in line for mark in marks):
+            found.append(proc.pid)
+    return found
+
+
+def _mark_of(pid: int) -> str:
+    """The mark of the actor whose local pool started the process ``pid``."""
+    from acompile._farm._reaper import MARK_VARIABLE
+
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        for entry in f.read().split(b"\0"):
+            name, _, value = entry.partition(b"=")
+            if name == MARK_VARIABLE.encode():
+                return value.decode()
+    raise AssertionError(f"process {pid} carries no actor's mark")
+
+
+def _exists(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

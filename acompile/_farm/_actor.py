@@ -18,20 +18,26 @@ import asyncio
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import anyio
 
 from acompile._cache._layout import logs_dir, toolchain_dir
+from acompile._farm import _reaper
 from acompile._version import __version__
 from acompile._workers import Job, WorkerPool, run_job
 
 # The native backends' payloads carry the parent's compiler command; on a node it is looked up
 # again by name (another machine keeps its compilers elsewhere), and its version checked.
 _NATIVE_WORKER = "acompile._backends._native_worker"
+# How long the reaper's first process may take to fork the reaper and exit (an interpreter's
+# start without site-packages: tens of ms).
+_REAPER_START = 30.0
 
 
 class FarmWorker:
@@ -48,6 +54,7 @@ class FarmWorker:
         self.workdir = ""
         self.cache_root = _node_cache_root()
         self.native_versions: dict[str, str] = {}
+        self.reaper: IO[bytes] | None = None  # our end of the reaper's pipe
 
     async def start(self) -> dict[str, Any]:
         """Start the local pool, wait for its worker's preload, and say who we are: the node,
@@ -55,6 +62,8 @@ class FarmWorker:
         import ray
 
         self.workdir = await anyio.to_thread.run_sync(_make_workdir)
+        # Before the pool starts any process: each one inherits the mark the reaper looks for.
+        self.reaper = await anyio.to_thread.run_sync(_start_reaper)
         config = {
             "sys_path": list(sys.path),
             "cwd": os.getcwd(),
@@ -106,6 +115,11 @@ class FarmWorker:
             return "error", exc
         return "done", result
 
+    async def watch(self) -> None:
+        """Never returns: the driver's call fails when this actor dies, which is how an idle
+        actor's death is noticed (the driver has no job on it to fail)."""
+        await asyncio.Event().wait()
+
     async def stop(self) -> None:
         """Stop the local pool (its worker and template, and their compilers) and remove the
         work folder; the driver kills the actor next."""
@@ -114,6 +128,13 @@ class FarmWorker:
             try:
                 await self.serving
             except asyncio.CancelledError:
+                pass
+        if self.reaper is not None:
+            # Its pipe closed, it looks once (the pool left nothing: it finds nothing) and exits.
+            pipe, self.reaper = self.reaper, None
+            try:
+                pipe.close()
+            except OSError:
                 pass
         if self.workdir:
             await anyio.to_thread.run_sync(lambda: shutil.rmtree(self.workdir, ignore_errors=True))
@@ -146,6 +167,29 @@ class FarmWorker:
 async def _serve(pool: WorkerPool) -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(pool.serve)
+
+
+def _start_reaper() -> IO[bytes]:
+    """Mark this process's environment (what the pool starts inherits it) and start the reaper
+    that kills whatever carries the mark once this process is gone (see ``_reaper``); returns
+    our end of its pipe."""
+    mark = uuid.uuid4().hex
+    os.environ[_reaper.MARK_VARIABLE] = mark
+    env = {k: v for k, v in os.environ.items() if k != _reaper.MARK_VARIABLE}
+    # Its stdin is the pipe: our end is close-on-exec, so only this process holds it, and its
+    # close (this process's exit, however it happens) is the reaper's signal. A session of its
+    # own: a signal to this actor's process group does not reach it.
+    process = subprocess.Popen(
+        [sys.executable, "-I", "-S", _reaper.__file__, mark, str(os.getpid())],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
+    process.wait(timeout=_REAPER_START)  # the reaper's first process exits once it has forked
+    assert process.stdin is not None
+    return process.stdin
 
 
 def _node_cache_root() -> Path:

@@ -13,6 +13,8 @@ own event loop.
 - Crash containment: an actor (or its node) that dies mid-job costs that job one retry, on
   another actor, ahead of everything queued; a second loss fails it with
   ``WorkerCrashedError``. The slot starts a replacement actor, so the farm returns to size.
+  Idle actors are watched too (a call pending on each fails when it dies) and replaced at once;
+  a job sent to an actor that was dead already never ran, and that loss is not its retry.
 - Toolchain: each actor reports what enters the cache key on its node (acompile's version,
   Triton's toolchain). A node that differs from this process is refused: its actor is stopped,
   the node is named in a warning and in ``RayFarm.stats()["refused"]``, and no actor is placed
@@ -29,11 +31,11 @@ Ray is imported by this module; ``acompile`` imports it only when a pool with a 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import socket
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,6 +83,11 @@ _CALL_LIMIT = 3.0
 _PROBE_SECONDS = 3.0
 # Starts that fail this many times in a row with no actor alive fail the queued jobs.
 _HARD_START_FAILURES = 2
+# How many times a job may be put back because its actor was dead before the job reached it.
+_SPARES = 3
+# How long after a worker's death the cluster's head records it (same host: tens of ms), with
+# the clocks' skew: a death recorded within this of a job's sending may have come first.
+_DEATH_NOTICE = 0.5
 # Ray's errors that mean "the actor, its process or its node is gone": the job is retried.
 _LOST = (
     ray.exceptions.RayActorError,
@@ -134,6 +141,7 @@ class FarmExecutor:
         self.queue = JobQueue()
         self.counters = PoolStats()
         self.refused: dict[str, str] = {}
+        self._spared: weakref.WeakKeyDictionary[Job, int] = weakref.WeakKeyDictionary()
         self.alive: dict[int, _Node] = {}  # by slot
         self.busy = 0
         self.last_activity = time.monotonic()
@@ -409,8 +417,23 @@ class FarmExecutor:
         await anyio.sleep(min(0.25 * 2 ** (failures - 1), 10.0))
 
     async def _serve(self, actor: Any, node: _Node, pid: int) -> str:
-        """Run jobs on one actor until it must be replaced; returns why."""
+        """Run jobs on one actor until it must be replaced; returns why.
+
+        The actor is watched meanwhile, idle or not (as the local pool watches its idle
+        workers): one that dies waiting for work is replaced at once, so the next request does
+        not find it dead.
+        """
         taker = Taker(lambda job: True)
+        watch = _Watch(actor)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch.run, lambda: self.queue.withdraw(taker))
+            try:
+                cause = await self._serve_jobs(actor, node, pid, taker, watch)
+            finally:
+                tg.cancel_scope.cancel()
+        return cause
+
+    async def _serve_jobs(self, actor: Any, node: _Node, pid: int, taker: Taker, watch: _Watch) -> str:
         while True:
             try:
                 job = await self.queue.get(taker)
@@ -418,17 +441,23 @@ class FarmExecutor:
                 if taker.job is not None:  # handed to us as we were leaving: pass it on
                     self.queue.put(taker.job, front=True)
                 raise
+            if watch.dead_since is not None:
+                if job is not None and job.state != "done":
+                    self.queue.put(job, front=True)  # it never ran here: its retry is not spent
+                logger.warning("the farm worker on %s died while idle; replacing it", node.address)
+                return "killed"
             if job is None or job.state == "done":
                 continue  # cancelled between being handed to us and now
-            cause = await self._run(actor, node, pid, job)
+            cause = await self._run(actor, node, pid, job, watch)
             if cause is not None:
                 return cause
 
-    async def _run(self, actor: Any, node: _Node, pid: int, job: Job) -> str | None:
+    async def _run(self, actor: Any, node: _Node, pid: int, job: Job, watch: _Watch) -> str | None:
         """Run one job on ``actor``; returns None to keep the actor, or why it is replaced."""
         job.state = "running"
         job.worker_pid = pid
         job.started_at = time.perf_counter()
+        sent_at, sent_wall = time.monotonic(), time.time()
         try:
             ref = actor.run.remote(job.backend, job.payload, job.name)
         except Exception as exc:
@@ -469,6 +498,18 @@ class FarmExecutor:
         if job.abandoned and reply is None and lost is None:
             return await self._cancel(ref, node, job)
         if lost is not None:
+            if await self._dead_before(actor, watch, sent_at, sent_wall) and self._spare(job):
+                # The actor was gone before the job reached it (or may have been): the job never
+                # ran, and its one retry is for a worker that dies running it.
+                logger.warning(
+                    "the farm worker on %s died before or as %s reached it; sending it again",
+                    node.address,
+                    job.name,
+                )
+                node.counts["lost"] += 1
+                self.counters.jobs_retried += 1
+                self.queue.put(job, front=True)
+                return "killed"
             return self._lost(node, job, lost)
         assert reply is not None
         status, value = reply
@@ -499,6 +540,30 @@ class FarmExecutor:
             logger.warning("the farm worker on %s kept running %s; replacing it", node.address, job.name)
             return "abandoned"
         return None
+
+    async def _dead_before(self, actor: Any, watch: _Watch, sent_at: float, sent_wall: float) -> bool:
+        """Whether ``actor`` was (or may have been) dead before a job was sent to it: its watch
+        had noticed, or the cluster's head recorded its death less than ``_DEATH_NOTICE`` after
+        the job was sent (the head learns of a death that long after it, so it cannot tell
+        "just before" from "just after"; both are given the benefit of the doubt)."""
+        if watch.dead_since is not None and watch.dead_since <= sent_at:
+            return True
+        try:
+            with anyio.fail_after(_CALL_LIMIT):
+                ended = await _off_loop(_actor_end_time, actor)
+        except (Exception, TimeoutError) as exc:
+            logger.debug("cannot ask when a farm worker died (%s)", exc)
+            return False
+        return ended is not None and ended < sent_wall + _DEATH_NOTICE
+
+    def _spare(self, job: Job) -> bool:
+        """Whether a job lost with an actor that was already dead may go back to the queue
+        without counting against its retry (a few times: never a loop)."""
+        spared = self._spared.get(job, 0)
+        if spared >= _SPARES:
+            return False
+        self._spared[job] = spared + 1
+        return True
 
     def _lost(self, node: _Node, job: Job, exc: BaseException) -> str:
         """The actor (or its node) died while it ran ``job``: once more elsewhere, else fail."""
@@ -535,6 +600,35 @@ class FarmExecutor:
             self.last_activity = time.monotonic()
 
 
+class _Watch:
+    """Notices an actor's death whenever it happens, with a call that returns only then."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+        self.dead_since: float | None = None  # time.monotonic() when noticed
+
+    async def run(self, on_death: Callable[[], None]) -> None:
+        try:
+            await self.actor.watch.remote()
+        except _LOST:
+            pass
+        except ray.exceptions.RayError as exc:
+            logger.debug("watching a farm worker: %s", exc)
+            return  # not a death; the job's own call will tell
+        self.dead_since = time.monotonic()
+        on_death()
+
+
+def _actor_end_time(actor: Any) -> float | None:
+    """Blocking: when the cluster's head marked ``actor`` dead (Unix time), None if alive."""
+    from ray._private import state
+
+    # A handle's id is not public; the actor table is the head's own record of its death.
+    info = state.actors(actor_id=actor._actor_id.hex())
+    ended = info.get("EndTime") if info else None
+    return ended / 1000 if ended else None
+
+
 async def _stop_actor(actor: Any, *, graceful: bool) -> None:
     """Stop an actor: let it stop its local pool (so its template, worker and compilers are
     gone when this returns), then kill it. A dead or unresponsive actor is just killed."""
@@ -558,17 +652,37 @@ async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
     For Ray's blocking calls, which wait for the cluster's head as long as it takes: an abandoned
     call in one of anyio's worker threads would hold up this process's exit (Python joins those
     threads), a daemon thread does not.
+
+    The outcome is handed over on the loop's own thread, where the future may have been
+    cancelled meanwhile (the awaiter left): then it is dropped. Setting it from this thread
+    would race that cancellation and raise ``InvalidStateError`` in the thread. A loop that is
+    closed by then (the process is leaving) gets nothing.
     """
-    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.done():
+            return  # abandoned by its awaiter
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
 
     def call() -> None:
+        result: T | None = None
+        error: BaseException | None = None
         try:
-            future.set_result(fn(*args))
+            result = fn(*args)
         except BaseException as exc:
-            future.set_exception(exc)
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is left to tell
 
     threading.Thread(target=call, name="acompile-farm", daemon=True).start()
-    return await asyncio.wrap_future(future)
+    return await future
 
 
 def _differences(here: dict[str, Any], there: dict[str, Any], prefix: str = "") -> str:

@@ -45,9 +45,11 @@ class RayFarm:
     pool's cache tiers under the same keys as local compiles. See docs/farm.md.
 
     Args:
-        address: the cluster, as ``ray.init(address=...)`` takes it: ``"auto"`` (the cluster
-            this machine belongs to), ``"host:6379"``, ``"ray://host:10001"``; ``"local"``
-            starts a Ray instance on this machine. Ignored when this process is connected to a
+        address: the cluster, as ``ray.init(address=...)`` takes it: ``"host:6379"``,
+            ``"ray://host:10001"``; ``"auto"``, by Ray's rule: ``RAY_ADDRESS`` if set (it wins
+            over any address), else the cluster most recently started with ``ray start`` on
+            this machine, whoever started it: on a shared host, give ``host:port``;
+            ``"local"`` starts a Ray instance on this machine. Ignored when this process is connected to a
             cluster already (its own ``ray.init()``): the farm uses that one.
         workers: how many compile workers (actors); default: as many as the cluster's CPUs
             allow, at ``num_cpus`` each, counted when the pool is entered.
