@@ -711,14 +711,17 @@ class CompilePool:
         its worker stopped if running): a request whose last waiter left stops its compile.
         """
         executor = self.executor
-        if flight is not None:
-            background = flight.background
         costs = self._cache.costs
         features = CostFeatures.of(payload, name)
         expected = await costs.expect(features)
+        if flight is not None:
+            # Read after the wait, not before: a caller who joined the flight meanwhile made it
+            # urgent, and had no job to promote yet. From here to the submit nothing waits, so
+            # a later caller finds ``flight.job`` queued, and promotes it.
+            background = flight.background
         job = Job(backend_module, payload, name, BACKGROUND if background else URGENT, expected)
         if flight is not None:
-            flight.job = job  # a job not yet submitted is not promoted: it is still "new"
+            flight.job = job
         result = await executor.run(job)
         if job.seconds > 0 and costs.record(features, job.seconds):
             self._cache.write_behind(costs.save)

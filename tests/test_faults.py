@@ -23,10 +23,12 @@ import anyio
 import psutil
 import pytest
 from conftest import subprocess_env
-from fake_backend import run_job
-from processes import is_template, pool_processes, until
+from fake_backend import local_executor, run_job
+from processes import gone, is_template, pool_processes, template_pids, until, worker_pids
 
 import acompile
+from acompile._workers import Job
+from acompile._workers._process import ForkedWorker
 
 pytestmark = pytest.mark.anyio
 FAKE = "fake_backend"
@@ -157,6 +159,79 @@ async def test_a_worker_stopped_by_sigstop_is_replaced_and_its_job_retried(cache
             worker.send_signal(signal.SIGSTOP)
         assert result == ["done"]
         assert p.stats()["jobs"]["retried"] == 1
+
+
+@pytest.mark.parametrize("victim", ["worker", "template"])
+async def test_a_job_submitted_as_idle_workers_are_found_dead_runs_on_their_replacements(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch, victim: str
+) -> None:
+    """Idle forked workers die (SIGKILL to one, or to the template, which takes them all), and a
+    job is submitted in the very loop iteration their exits become known, before their slots
+    catch up: the workers refuse the job and are replaced, and the job runs on a replacement
+    instead of waiting forever for a worker that is gone."""
+    async with pool(cache_dir, workers=1 if victim == "worker" else 2) as p:
+        await p.wait_ready()
+        executor = local_executor(p)
+        workers = list(executor.alive.values())
+        assert all(isinstance(w, ForkedWorker) for w in workers)
+        job = Job(FAKE, {"name": "after", "action": "echo", "value": "ran"}, "after")
+
+        def submit_as_the_last_exit_is_known(worker: ForkedWorker) -> None:
+            set_exited = worker.set_exited
+
+            def exited(code: int) -> None:
+                set_exited(code)
+                if all(w.exited.is_set() for w in workers) and job.state == "new":
+                    executor.submit(job)  # no other task has run since: no slot has caught up
+
+            monkeypatch.setattr(worker, "set_exited", exited)
+
+        for worker in workers:
+            assert isinstance(worker, ForkedWorker)
+            submit_as_the_last_exit_is_known(worker)
+        (pid,) = template_pids() if victim == "template" else [workers[0].pid]
+        os.kill(pid, signal.SIGKILL)
+        with anyio.fail_after(20):
+            await until(lambda: job.state != "new", seconds=10)
+            assert await job.outcome() == "ran"
+        await until(lambda: p.stats()["workers"]["alive"] == len(workers))
+
+
+class _DeafToSigterm:
+    """Unpickled in the worker, blocks SIGTERM there: its job is then as deaf to the SIGTERM a
+    worker gets when its template dies as a compile inside a long native call is (an LLVM pass:
+    Python runs signal handlers between bytecodes only)."""
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        return signal.pthread_sigmask, (signal.SIG_BLOCK, (signal.SIGTERM,))
+
+
+async def test_a_template_killed_mid_compile_takes_its_workers_along_and_their_jobs_retry_at_once(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    """The template is SIGKILLed while its worker compiles, deaf to signals: the worker is
+    stopped at once, not left compiling as an orphan, and its job starts again at once on a
+    worker of a new template, without being counted against it."""
+    release = tmp_path / "release"
+    async with pool(cache_dir, workers=1) as p:
+        await p.wait_ready()
+        result: list[object] = []
+
+        async def job() -> None:
+            payload = {"name": "deaf", "action": "hold", "until": str(release), "deaf": _DeafToSigterm()}
+            result.append(await run_job(p, FAKE, payload, "deaf"))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(job)
+            await until(lambda: p.stats()["jobs"]["running"] == 1)
+            (worker,) = worker_pids()
+            (template,) = template_pids()
+            os.kill(template, signal.SIGKILL)
+            await until(lambda: gone(worker), seconds=3)
+            await until(lambda: p.stats()["jobs"]["retried"] == 1 and p.stats()["jobs"]["running"] == 1)
+            release.touch()
+        assert result == ["held"]
+        assert p.stats()["jobs"]["failed"] == 0
 
 
 # --- no process outlives its job --------------------------------------------------------------

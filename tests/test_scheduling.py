@@ -13,6 +13,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -22,6 +23,7 @@ from processes import forked_and_fresh, until
 from slow_start_backend import SLOW_START
 
 import acompile
+from acompile._backends import _cpp
 from acompile._cache import GuardedDisk
 from acompile._cache._costs import COSTS_FILE, MAX_RECORDS, CompileCosts, CostFeatures
 from acompile._workers import BACKGROUND, URGENT, Job, WorkerPool
@@ -99,6 +101,64 @@ async def test_a_job_put_back_runs_before_longer_ones(cache_dir: Path, tmp_path:
             release.touch()
             await p.wakeup()
     assert order == ["running", "longer"]
+
+
+async def test_a_background_compile_a_caller_joins_before_it_is_queued_runs_urgent(
+    cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller who waits for a compile started in the background joins it while its expected
+    time is still being read (a slow cache folder): the compile is queued urgent, and runs
+    before the warm-up work queued ahead of it."""
+    release, release_warm_up = tmp_path / "release", tmp_path / "release-warm-up"
+    done: list[str] = []
+    reading, read = anyio.Event(), anyio.Event()
+    expect = CompileCosts.expect
+
+    async def slow_expect(self: CompileCosts, f: CostFeatures) -> float:
+        reading.set()
+        await read.wait()
+        return await expect(self, f)
+
+    monkeypatch.setattr(CompileCosts, "expect", slow_expect)
+    prepared: list[object] = []
+    prepare = _cpp.prepare
+
+    async def counted_prepare(*args: Any) -> Any:
+        request = await prepare(*args)
+        prepared.append(request)  # the caller joins (or starts) the flight without waiting again
+        return request
+
+    monkeypatch.setattr(_cpp, "prepare", counted_prepare)
+    spec = acompile.CppSpec('extern "C" int answer() { return 42; }')
+    async with acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir, preload=()) as p:
+        await p.wait_ready()
+        executor = local_executor(p)
+
+        async def hold(name: str, until_file: Path, lane: int, expected: float) -> None:
+            payload = {"name": name, "action": "hold", "until": str(until_file)}
+            await executor.run(Job(FAKE, payload, name, lane, expected))
+            done.append(name)
+
+        async def compile(background: bool) -> None:
+            await p.compile(spec, background=background)
+            done.append("background compile" if background else "waited-for compile")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(hold, "running", release, URGENT, 0.0)
+            await until(lambda: p.stats()["jobs"]["running"] == 1)
+            tg.start_soon(hold, "warm-up", release_warm_up, BACKGROUND, 100.0)
+            await until(lambda: p.stats()["jobs"]["queued"] == 1)
+            tg.start_soon(compile, True)
+            await reading.wait()
+            tg.start_soon(compile, False)
+            await until(lambda: len(prepared) == 2)
+            read.set()
+            await until(lambda: p.stats()["jobs"]["queued"] == 2)
+            release.touch()
+            # Behind the warm-up, the compile would wait for it: here, the warm-up is held.
+            await until(lambda: "waited-for compile" in done, seconds=30)
+            release_warm_up.touch()
+    assert done[0] == "running" and done[-1] == "warm-up", done
 
 
 @forked_and_fresh

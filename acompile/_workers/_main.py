@@ -19,6 +19,7 @@ import errno
 import importlib
 import os
 import signal
+import stat
 import sys
 import time
 import traceback
@@ -324,9 +325,42 @@ def _kill_group(pid: int, *, reaped: bool = False) -> None:
             pass
 
 
+def _close_stray_copies_of_stdio() -> None:
+    """Close every descriptor above 2 that is another copy of our stdin or stdout.
+
+    Some event loops (uvloop) start a process with its stdin and stdout as socket pairs whose
+    child ends stay open, and inheritable, under other numbers. Forked workers would inherit
+    those too: the template's stdout would then reach EOF in the pool only when its last worker
+    exits, and the pool would not see the template die while a worker compiles on.
+    """
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return  # not Linux: no template, nothing forked
+    stdio = set()
+    for fd in (0, 1):
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue
+        if stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode):
+            stdio.add((st.st_dev, st.st_ino))
+    for name in names:
+        fd = int(name)
+        if fd <= 2:
+            continue
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue  # the listing's own descriptor, closed by now
+        if (st.st_dev, st.st_ino) in stdio:
+            os.close(fd)
+
+
 def main() -> None:
     parent_pid = int(os.environ.get("ACOMPILE_PARENT_PID", "0"))
     _die_with_parent(parent_pid, template=sys.argv[1:2] == ["--template"])
+    _close_stray_copies_of_stdio()
     # Keep the protocol on private descriptors before anything can print.
     fd_in = os.dup(0)
     fd_out = os.dup(1)

@@ -394,9 +394,7 @@ class WorkerPool:
         if template is not None:
             pid, connection = await template.fork(slot, slot_config)
             worker = ForkedWorker(connection, pid, stderr_path)
-            template.workers[pid] = worker
-            if pid in template.early_exits:
-                worker.set_exited(template.early_exits.pop(pid))
+            template.adopt(worker)
             self.counters.forked += 1
         else:
             worker = await self._spawn(stderr_path)
@@ -580,12 +578,18 @@ class WorkerPool:
 
     async def _next_job(self, worker: Worker, taker: Taker) -> Job | None:
         """The next job, or None if the worker died while it waited for one (``_watch`` takes
-        its taker out of the queue). A job handed to the worker (through ``taker``) is running
-        already; one taken from the queue is still queued."""
+        its taker out of the queue, or a submitter finds it gone first: ``_deliver`` refuses). A
+        job handed to the worker (through ``taker``) is running already; one taken from the queue
+        is still queued."""
         if worker.exited.is_set():
             return None
         try:
-            return await self.queue.get(taker)
+            job = await self.queue.get(taker)
+            if job is None and not worker.exited.is_set():
+                # Refused for the epoch's end (quiesce): the cancellation lands here. Otherwise
+                # its connection broke; the worker is replaced as one that died.
+                await anyio.lowlevel.checkpoint()
+            return job
         except BaseException:
             # The epoch ended (quiesce, shutdown) as a job was handed over: it goes back first.
             if taker.job is not None and taker.job.state == "running":

@@ -107,8 +107,8 @@ class Job:
 
 class Taker:
     """An idle worker's place in the queue: ``deliver(job)`` hands it a job (and returns False
-    when the worker can no longer take one); ``job`` is the job it got, ``event`` wakes its
-    slot."""
+    when the worker can no longer take one: the job stays queued, and the taker is woken without
+    it); ``job`` is the job it got, ``event`` wakes its slot."""
 
     def __init__(self, deliver: Callable[[Job], bool]) -> None:
         self.deliver = deliver
@@ -145,6 +145,11 @@ class JobQueue:
                 taker.job = job
                 taker.event.set()
                 return
+            # Refused: its worker is gone (its exit is known, but its slot has not caught up yet)
+            # or the epoch ends. It is out of the queue now, where withdraw() no longer finds it:
+            # woken empty-handed here, its slot sees why and replaces the worker; unwoken, it
+            # would wait in get() forever, and its slot with it.
+            taker.event.set()
         self._push(job, front)
 
     def _push(self, job: Job, front: bool) -> None:
@@ -170,7 +175,8 @@ class JobQueue:
 
     async def get(self, taker: Taker) -> Job | None:
         """The next job: a queued one, or the one handed to ``taker`` while it waits; None when
-        the taker is withdrawn (its worker is gone).
+        the taker is withdrawn (its worker is gone) or refused a job (``deliver`` returned False;
+        the job stays queued for another worker).
 
         Cancelled while waiting, the taker leaves the queue; a job handed to it in the meantime
         is the caller's to deal with (it is in ``taker.job``).

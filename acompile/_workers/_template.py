@@ -144,12 +144,33 @@ class Template:
         ):
             pass
         finally:
-            # Without the template, its workers die too (parent-death signal): tell their slots,
-            # and that their jobs are not to blame.
+            # Without the template, its workers must go too: stop them, tell their slots, and
+            # that their jobs are not to blame.
             self.lost.set()
-            for worker in self.workers.values():
-                worker.stop_cause = worker.stop_cause or "template"
-                worker.set_exited(-signal.SIGKILL)
+            for worker in list(self.workers.values()):
+                self._stop_with_template(worker)
+            self.workers.clear()
+
+    def adopt(self, worker: ForkedWorker) -> None:
+        """Take a worker forked from this template into its care: its exit is reported (it may
+        have been already), and it goes when the template does (at once, if it went already)."""
+        if worker.pid in self.early_exits:
+            worker.set_exited(self.early_exits.pop(worker.pid))
+        elif self.lost.is_set():
+            self._stop_with_template(worker)
+        else:
+            self.workers[worker.pid] = worker
+
+    @staticmethod
+    def _stop_with_template(worker: ForkedWorker) -> None:
+        # Its parent-death signal is a SIGTERM, which Python handles between bytecodes only: a
+        # worker inside a long native call (an LLVM pass) would compile on, orphaned, for as
+        # long as that call lasts, and its slot would wait that long for the reply before
+        # retrying the job. A SIGKILL cannot be ignored: it is gone, though nobody is left to
+        # report its exit.
+        kill_group(worker.pid)
+        worker.stop_cause = worker.stop_cause or "template"
+        worker.set_exited(-signal.SIGKILL)
 
     async def serve_connections(self, listener: UnixListener) -> None:
         try:
@@ -205,6 +226,7 @@ class Template:
         self.forked[slot] = forked
         self.connections[slot] = connected
         returned = False
+        pid: int | None = None
         try:
             config = dict(config, address=self.address, token=self.token)
             try:
@@ -219,6 +241,7 @@ class Template:
                 while not connected[0].is_set():
                     if pid in self.early_exits:
                         code = self.early_exits.pop(pid)
+                        pid = None  # reaped: the number may be another process's by now
                         raise TransientStartError(
                             f"a forked worker {describe_exit(code)} before it connected"
                         )
@@ -233,6 +256,8 @@ class Template:
         finally:
             self.forked.pop(slot, None)
             self.connections.pop(slot, None)
+            if pid is not None and not returned and self.lost.is_set() and pid not in self.early_exits:
+                kill_group(pid)  # forked as the template died: it goes with it, as adopted ones do
             if connected[1] and not returned:
                 # Connected after this fork was given up: nobody will use the stream.
                 for _, stream in connected[1]:
