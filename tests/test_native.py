@@ -283,7 +283,8 @@ def test_a_full_disk_is_a_compile_error_and_leaves_no_file(tmp_path: Path) -> No
     publish, work, left = (json.loads(line) for line in out.stdout.splitlines()[-3:])
     assert publish[0] == "CppCompileError" and "the disk is full" in publish[1] and publish[2] == "dot"
     assert work[0] == "CppCompileError" and "the disk is full" in work[1] and work[2] == "dot"
-    assert left == ["filler"], work  # no temporary file anywhere on that disk
+    # No temporary file anywhere on that disk (the cost model's lock file is a permanent one).
+    assert left in (["filler"], ["cache/costs.json.lock", "filler"]), (left, work)
 
 
 def test_cuda_without_the_nvrtc_library_says_what_to_install() -> None:

@@ -5,6 +5,7 @@
     <root>/logs/                compiler logs too long for an error message
     <root>/toolchain/           the toolchain's identity, remembered once per machine
     <root>/costs.json           compile times per kernel, which the pool orders its queue by
+    <root>/costs.json.lock      held (flock) while a process merges its times into costs.json
     .<name>.<pid>.<token>.tmp   a writer's temporary file, next to the file it becomes
 
 Every name that starts with "." is a temporary file: readers skip it, and ``prune`` removes one a
