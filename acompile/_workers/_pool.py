@@ -416,6 +416,7 @@ class WorkerPool:
             await stop(worker)
             raise WorkerStartError(
                 f"a worker did not finish its preload within preload_timeout={self.preload_timeout:g} s"
+                + _starved(self.config)
             ) from None
         except BaseException:
             self.alive.pop(worker.pid, None)
@@ -554,7 +555,7 @@ class WorkerPool:
             if isinstance(exc, TimeoutError):
                 raise WorkerStartError(
                     "the template did not finish its preload within "
-                    f"preload_timeout={self.preload_timeout:g} s"
+                    f"preload_timeout={self.preload_timeout:g} s" + _starved(self.config)
                 ) from None
             raise
         if not isinstance(reply, _protocol.Ready):
@@ -669,7 +670,7 @@ class WorkerPool:
                 self.counters.jobs_cancelled += 1
                 return "abandoned"
             if timed_out:
-                job.finish(error=_timeout_error(job, self.max_compile_seconds or 0.0))
+                job.finish(error=_timeout_error(job, self.max_compile_seconds or 0.0, self.config))
                 self.counters.jobs_failed += 1
                 logger.warning(
                     "%s ran past max_compile_seconds=%s; stopping its worker",
@@ -797,9 +798,21 @@ def _unsendable_error(job: Job, exc: Exception) -> CompileError:
     )
 
 
-def _timeout_error(job: Job, limit: float) -> CompileTimeoutError:
+def _starved(config: dict[str, Any]) -> str:
+    """What a timeout's message adds when the workers run under SCHED_IDLE: the likely cause on a
+    busy machine, and the way out."""
+    if config.get("nice") != "idle":
+        return ""
+    return (
+        " (workers run with worker_nice='idle': on a machine whose CPUs are busy with other work "
+        "they get only the CPU time nobody else wants; worker_nice=5 gives them a share)"
+    )
+
+
+def _timeout_error(job: Job, limit: float, config: dict[str, Any]) -> CompileTimeoutError:
     return CompileTimeoutError(
-        f"compiling {job.name!r} took longer than max_compile_seconds={limit:g}; its worker was stopped",
+        f"compiling {job.name!r} took longer than max_compile_seconds={limit:g}; its worker was "
+        f"stopped{_starved(config)}",
         kernel=job.name,
         backend=short_backend(job.backend),
     )
