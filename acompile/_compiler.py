@@ -248,7 +248,9 @@ class CompilePool:
                     target=config["target"],
                     backends=list(self._preload),
                     preload=config["preload"],
-                    nice=self._worker_nice,
+                    # On the farm's nodes compiling is the job, on CPUs Ray reserved for it: the
+                    # idle policy protects this process's event loop, which is not there.
+                    nice=0 if self._worker_nice == "idle" else self._worker_nice,
                     memory_limit=self._memory_limit,
                     max_compile_seconds=self._max_compile_seconds,
                     preload_timeout=self._preload_timeout,
