@@ -193,6 +193,17 @@ INTACT_BUT_UNLOADABLE = {
     "shared-float": ("shared", _metadata_edit(lambda md: md.update(shared=0.5))),
     "scratch-null": ("global_scratch_size", _metadata_edit(lambda md: md.update(global_scratch_size=None))),
     "launch_pdl-missing": ("launch_pdl", _metadata_edit(lambda md: md.pop("launch_pdl"))),
+    "tmem_size-negative": ("tmem_size", _metadata_edit(lambda md: md.update(tmem_size=-5))),
+    "scratch_align-zero": (
+        "global_scratch_align",
+        _metadata_edit(lambda md: md.update(global_scratch_align=0)),
+    ),
+    # An entry for another target under this key: Triton's AMD backend, made for it, asserts
+    # that the arch is a name; one for another CUDA arch would load a binary this GPU can't run.
+    "target-hip": ("target", _metadata_edit(lambda md: md["target"].update(backend="hip"))),
+    "target-other-arch": ("target", _metadata_edit(lambda md: md["target"].update(arch=80))),
+    "target-arch-text": ("target", _metadata_edit(lambda md: md["target"].update(arch="90"))),
+    "target-warp_size-text": ("warp_size", _metadata_edit(lambda md: md["target"].update(warp_size="32"))),
     "ptx-not-utf8": ("ptx", lambda blobs: blobs.update(ptx=b"\xff\xfe" + blobs["ptx"][2:])),
     "ttir-not-utf8": ("ttir", lambda blobs: blobs.update(ttir=b"\xc3" * 10)),
 }

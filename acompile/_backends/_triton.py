@@ -943,7 +943,7 @@ async def load(request: TritonRequest, entry: Entry, cache_root: Path) -> Triton
     """The kernel of an entry. What can be wrong with an entry that passed its checksum (one
     written by something else than a Triton worker) is found here, not at first use (``asm``,
     ``compiled``) or at the first launch: raises ``CorruptEntry``."""
-    return TritonKernel(request, entry, _kernel_metadata(entry))
+    return TritonKernel(request, entry, _kernel_metadata(entry, request.target))
 
 
 _metadata_types: dict[tuple[str, ...], Any] = {}
@@ -983,21 +983,25 @@ _FIELD_TYPES: dict[str, frozenset[type]] = {
     "tmem_size": _OPTIONAL | _INT,
     "tensordesc_meta": _OPTIONAL | frozenset({list}),
 }
-# A launch of no warps or a negative size fails only on the GPU, as a CUDA error at launch.
+# A launch of no warps or a negative size fails only on the GPU, as a CUDA error at launch, and
+# an alignment under 1 only in the allocator the launcher hands it to. No upper bound on
+# num_warps (nor a power of two): with warp specialization it is the total of every partition's.
 _FIELD_LEAST = {
     "num_warps": 1,
     "num_ctas": 1,
     "shared": 0,
     "global_scratch_size": 0,
+    "global_scratch_align": 1,
     "profile_scratch_size": 0,
+    "tmem_size": 0,  # where present
 }
 
 
-def _kernel_metadata(entry: Entry) -> Any:
+def _kernel_metadata(entry: Entry, target: Target) -> Any:
     """Triton's metadata of a kernel, as ``CompiledKernel.__init__`` reads it from its JSON
-    file; raises ``CorruptEntry`` where the entry holds no kernel Triton could load, or holds
-    anything that would fail later: a field of the wrong type (see ``_FIELD_TYPES``), a text
-    stage that is not UTF-8."""
+    file; raises ``CorruptEntry`` where the entry holds no kernel Triton could load for
+    ``target`` (the request's), or holds anything that would fail later: a field of the wrong
+    type (see ``_FIELD_TYPES``), a text stage that is not UTF-8."""
     from triton.backends.compiler import GPUTarget
 
     try:
@@ -1005,7 +1009,15 @@ def _kernel_metadata(entry: Entry) -> Any:
         if type(metadata) is not dict:
             raise TypeError(f"metadata is a JSON {type(metadata).__name__}, not an object")
         t = metadata["target"]
-        metadata["target"] = GPUTarget(t["backend"], t["arch"], t["warp_size"])
+        backend, arch, warp_size = t["backend"], t["arch"], t["warp_size"]
+        # The key names the target, so an entry for another one is damage: its binary is not
+        # for this GPU, and Triton's backend for it may not even be made (AMD's asserts that
+        # the arch is a name). Exact types: JSON's 90.0 or "90" is no CUDA arch.
+        if backend != target.backend or type(arch) is not type(target.arch) or arch != target.arch:
+            raise ValueError(f"target is {_show(backend)}:{_show(arch)}, not the request's {target}")
+        if type(warp_size) is not int:
+            raise TypeError(f"target warp_size is {_show(warp_size)}")
+        metadata["target"] = GPUTarget(backend, arch, warp_size)
         for name, types in _FIELD_TYPES.items():
             value = metadata.get(name, _ABSENT)
             if type(value) not in types:
@@ -1013,8 +1025,9 @@ def _kernel_metadata(entry: Entry) -> Any:
                     raise KeyError(name)
                 raise TypeError(f"{name} is {_show(value)}")
         for name, least in _FIELD_LEAST.items():
-            if metadata[name] < least:
-                raise ValueError(f"{name} is {metadata[name]}")
+            value = metadata.get(name)
+            if value is not None and value < least:
+                raise ValueError(f"{name} is {value}")
         fields = tuple(sorted(metadata))
         KernelMetadata = _metadata_types.get(fields)
         if KernelMetadata is None:
@@ -1036,8 +1049,10 @@ def _kernel_metadata(entry: Entry) -> Any:
                     raise ValueError(
                         f"the {ext} stage is not UTF-8 text ({exc.reason} at byte {exc.start})"
                     ) from None
-    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
-        raise CorruptEntry(f"not a loadable Triton kernel ({type(exc).__name__}: {exc})") from None
+    except Exception as exc:
+        # Whatever Triton raises making the backend or the metadata of what the entry says
+        # (an AssertionError, say) is the entry's doing: a miss, and the kernel is compiled again.
+        raise CorruptEntry(f"not a loadable Triton kernel ({type(exc).__name__}: {exc})") from exc
     return md
 
 
