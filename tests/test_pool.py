@@ -344,3 +344,38 @@ async def test_workers_run_below_the_parent_priority(cache_dir: Path) -> None:
     async with pool(cache_dir, workers=1, worker_nice=0) as p:
         pid = await run_job(p, FAKE, {"name": "p", "action": "pid"}, "p")
         assert psutil.Process(pid).nice() == psutil.Process().nice()
+
+
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
+
+
+async def test_idle_workers_that_other_work_starves_get_a_share_and_their_jobs_run(
+    cache_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two busy loops at normal priority on every CPU, in one cpu cgroup with this process (as
+    in a container: the kernel then does not group sessions apart, so SCHED_IDLE workers get
+    only scraps of CPU; a 0.3 s computation under SCHED_IDLE took 12 s there). The pool sees
+    its template wait for a CPU and moves it, and the workers it forks, to nice +5."""
+    group = CPU_CGROUP / f"acompile-test-{os.getpid()}"
+    try:
+        group.mkdir()
+    except OSError:
+        pytest.skip("needs a cgroup v1 cpu controller it may write to")
+    root_procs = CPU_CGROUP / "cgroup.procs"
+    loops: list[psutil.Popen] = []
+    try:
+        (group / "cgroup.procs").write_text(str(os.getpid()))  # children join it too
+        loops = [psutil.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+        # Preloading Triton takes about a second of CPU: under SCHED_IDLE here, a minute or more.
+        async with acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir) as p:
+            with anyio.fail_after(30):
+                pid = await run_job(p, FAKE, {"name": "p", "action": "pid"}, "p")
+            assert os.sched_getscheduler(pid) == os.SCHED_OTHER
+            assert psutil.Process(pid).nice() == psutil.Process().nice() + 5
+        assert "running them at nice +5" in caplog.text
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+        root_procs.write_text(str(os.getpid()))
+        group.rmdir()

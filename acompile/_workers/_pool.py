@@ -51,10 +51,12 @@ from acompile._workers._process import (
     ForkedWorker,
     SpawnedWorker,
     Worker,
+    cpu_waits,
     describe_exit,
     is_stopped,
     kill_group,
     lower_priority,
+    raise_priority,
     sample_all,
     short_backend,
     stderr_tail,
@@ -80,6 +82,11 @@ _TOP_N = 10
 _HARD_START_FAILURES = 2
 # A worker stopped by a signal (SIGSTOP) this long is replaced; its job is retried.
 _STOPPED_LIMIT = 5.0
+# How often idle-policy workers are checked for starvation, how long they must have starved
+# before they get a share, and the nice value they get then.
+_STARVATION_CHECK_S = 0.5
+_STARVED_SECONDS = 2.0
+_STARVED_NICE = 5
 
 
 # --- the pool ---------------------------------------------------------------------------------
@@ -163,6 +170,7 @@ class WorkerPool:
         self._wake = anyio.Event()
         self._epoch_scope: anyio.CancelScope | None = None
         self._template: Template | None = None
+        self._preloading_template: int | None = None  # a template's pid until it is ready
         self._template_failed = False
         self._templates_started = 0
         self._template_lock = anyio.Lock()
@@ -291,6 +299,8 @@ class WorkerPool:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 tg.start_soon(self._watch_memory)
+                if self.config.get("nice") == "idle" and sys.platform.startswith("linux"):
+                    tg.start_soon(self._watch_starvation)
                 if self.idle_timeout is not None:
                     tg.start_soon(self._quiesce_when_idle, self.idle_timeout)
                 while True:
@@ -532,6 +542,7 @@ class WorkerPool:
                 await listener.aclose()
             raise
         template = Template(process, address)
+        self._preloading_template = process.pid
         try:
             await self._config_ready.wait()
             await template.stdin.send(
@@ -558,6 +569,8 @@ class WorkerPool:
                     f"preload_timeout={self.preload_timeout:g} s" + _starved(self.config)
                 ) from None
             raise
+        finally:
+            self._preloading_template = None
         if not isinstance(reply, _protocol.Ready):
             with anyio.CancelScope(shield=True):
                 await listener.aclose()
@@ -732,6 +745,49 @@ class WorkerPool:
                 self.quiesce()
             self.last_activity = time.monotonic()
 
+    async def _watch_starvation(self) -> None:
+        """Give idle-policy workers a share of the CPU once other work starves them.
+
+        Under ``SCHED_IDLE`` a worker runs only on a CPU nobody else wants. Where the machine's
+        other work (other processes at normal priority, in the same container or cgroup, where
+        the kernel does not group sessions apart) keeps every CPU busy, the template would not
+        finish its preload and jobs would not run until that work ends. When the pool's
+        processes have waited for a CPU for most of ``_STARVED_SECONDS`` while running almost
+        not at all, they (and their compilers) move to nice +5, as do the workers started
+        later: slower for the event loop's wake-ups, but compiling. It is logged, once, and not
+        undone for the pool's life.
+        """
+        last: dict[int, tuple[float, int, int]] = {}
+        starved_since: float | None = None
+        while True:
+            await anyio.sleep(_STARVATION_CHECK_S)
+            pids = [worker.pid for worker in self.alive.values()]
+            template = self._template
+            if template is not None and not template.lost.is_set():
+                pids.append(template.pid)
+            elif self._preloading_template is not None:
+                pids.append(self._preloading_template)
+            samples = await anyio.to_thread.run_sync(_cpu_waits_of, pids)
+            now = time.monotonic()
+            starved = False
+            for pid, (ran, waited) in zip(pids, samples, strict=True):
+                before = last.get(pid)
+                if before is not None:
+                    span = now - before[0]
+                    ran_s, waited_s = (ran - before[1]) / 1e9, (waited - before[2]) / 1e9
+                    starved = starved or (waited_s > 0.5 * span and ran_s < 0.25 * waited_s)
+            last = {pid: (now, *sample) for pid, sample in zip(pids, samples, strict=True)}
+            starved_since = (starved_since or now) if starved else None
+            if starved_since is not None and now - starved_since >= _STARVED_SECONDS:
+                logger.warning(
+                    "the pool's workers waited %.0f s for a CPU under worker_nice='idle' (other work "
+                    "keeps every CPU busy); running them at nice +5 from now on",
+                    now - starved_since + _STARVATION_CHECK_S,
+                )
+                self.config["nice"] = _STARVED_NICE
+                await anyio.to_thread.run_sync(_raise_priorities, pids)
+                return
+
     async def _watch_memory(self) -> None:
         """Measure every worker's memory (for stats) and stop any that passes the limit, or
         that has been stopped by a signal (SIGSTOP, SIGTSTP) for longer than _STOPPED_LIMIT:
@@ -796,6 +852,15 @@ def _unsendable_error(job: Job, exc: Exception) -> CompileError:
         backend=short_backend(job.backend),
         log=str(exc),
     )
+
+
+def _cpu_waits_of(pids: list[int]) -> list[tuple[int, int]]:
+    return [cpu_waits(pid) for pid in pids]
+
+
+def _raise_priorities(pids: list[int]) -> None:
+    for pid in pids:
+        raise_priority(pid, _STARVED_NICE)
 
 
 def _starved(config: dict[str, Any]) -> str:
