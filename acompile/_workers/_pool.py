@@ -755,7 +755,8 @@ class WorkerPool:
         processes have waited for a CPU for most of ``_STARVED_SECONDS`` while running almost
         not at all, they (and their compilers) move to nice +5, as do the workers started
         later: slower for the event loop's wake-ups, but compiling. It is logged, once, and not
-        undone for the pool's life.
+        undone for the pool's life. From then on, a pool process still under the idle policy
+        (one that was starting, and applied it to itself only after the switch) is moved too.
         """
         last: dict[int, tuple[float, int, int]] = {}
         starved_since: float | None = None
@@ -767,6 +768,9 @@ class WorkerPool:
                 pids.append(template.pid)
             elif self._preloading_template is not None:
                 pids.append(self._preloading_template)
+            if self.config.get("nice") != "idle":
+                await anyio.to_thread.run_sync(_raise_priorities, pids)
+                continue
             samples = await anyio.to_thread.run_sync(_cpu_waits_of, pids)
             now = time.monotonic()
             starved = False
@@ -786,7 +790,6 @@ class WorkerPool:
                 )
                 self.config["nice"] = _STARVED_NICE
                 await anyio.to_thread.run_sync(_raise_priorities, pids)
-                return
 
     async def _watch_memory(self) -> None:
         """Measure every worker's memory (for stats) and stop any that passes the limit, or

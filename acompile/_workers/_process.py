@@ -270,8 +270,9 @@ def raise_priority(pid: int, nice: int) -> None:
     target = os.getpriority(os.PRIO_PROCESS, 0) + nice
     for process in family:
         try:
-            os.sched_setscheduler(process.pid, os.SCHED_OTHER, os.sched_param(0))
-            os.setpriority(os.PRIO_PROCESS, process.pid, target)
+            if os.sched_getscheduler(process.pid) == os.SCHED_IDLE:
+                os.sched_setscheduler(process.pid, os.SCHED_OTHER, os.sched_param(0))
+                os.setpriority(os.PRIO_PROCESS, process.pid, target)
         except (OSError, AttributeError):
             continue
 
