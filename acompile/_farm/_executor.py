@@ -213,30 +213,7 @@ class FarmExecutor:
     def stats(self) -> ExecutorStats:
         """``CompilePool.stats()``'s ``workers`` (actors) and ``jobs``; resident memory is not
         measured on remote nodes."""
-        c = self.counters
-        return {
-            "workers": {
-                "size": self.size,
-                "alive": len(self.alive),
-                "busy": self.busy,
-                "awake": self._awake,
-                "started": c.started,
-                "forked": 0,
-                "restarts": dict(c.restarts),
-                "rss_mib": {},
-                "mean_rss_mib": None,
-            },
-            "jobs": {
-                "queued": len(self.queue),
-                "running": self.busy,
-                "done": c.jobs_done,
-                "failed": c.jobs_failed,
-                "cancelled": c.jobs_cancelled,
-                "retried": c.jobs_retried,
-            },
-            "job_seconds": list(c.job_seconds),
-            "slowest": list(c.slowest),
-        }
+        return self.counters.snapshot(self.size, len(self.alive), self.busy, self._awake, len(self.queue))
 
     def farm_stats(self) -> FarmStats:
         """What ``RayFarm.stats()`` returns while (and after) this executor serves."""

@@ -120,6 +120,33 @@ class PoolStats:
         """Count a worker stopped (or not started) for ``cause``."""
         self.restarts[cause] = self.restarts.get(cause, 0) + 1
 
+    def snapshot(self, size: int, alive: int, busy: int, awake: bool, queued: int) -> ExecutorStats:
+        """An executor's ``stats()`` from these counters and its current state."""
+        rss = {pid: round(resident / 2**20, 1) for pid, resident in self.worker_rss.items()}
+        return {
+            "workers": {
+                "size": size,
+                "alive": alive,
+                "busy": busy,
+                "awake": awake,
+                "started": self.started,
+                "forked": self.forked,
+                "restarts": dict(self.restarts),
+                "rss_mib": rss,
+                "mean_rss_mib": round(statistics.fmean(rss.values()), 1) if rss else None,
+            },
+            "jobs": {
+                "queued": queued,
+                "running": busy,
+                "done": self.jobs_done,
+                "failed": self.jobs_failed,
+                "cancelled": self.jobs_cancelled,
+                "retried": self.jobs_retried,
+            },
+            "job_seconds": list(self.job_seconds),
+            "slowest": list(self.slowest),
+        }
+
 
 class WorkerPool:
     """The local executor: a fixed number of worker slots on this machine, fed from one queue.
@@ -221,31 +248,7 @@ class WorkerPool:
     def stats(self) -> ExecutorStats:
         """The ``workers`` and ``jobs`` parts of ``CompilePool.stats()``, and the recent jobs'
         durations; resident memory is what ``_watch_memory`` last measured."""
-        c = self.counters
-        rss = {pid: round(size / 2**20, 1) for pid, size in c.worker_rss.items()}
-        return {
-            "workers": {
-                "size": self.size,
-                "alive": len(self.alive),
-                "busy": self.busy,
-                "awake": self._awake,
-                "started": c.started,
-                "forked": c.forked,
-                "restarts": dict(c.restarts),
-                "rss_mib": rss,
-                "mean_rss_mib": round(statistics.fmean(rss.values()), 1) if rss else None,
-            },
-            "jobs": {
-                "queued": len(self.queue),
-                "running": self.busy,
-                "done": c.jobs_done,
-                "failed": c.jobs_failed,
-                "cancelled": c.jobs_cancelled,
-                "retried": c.jobs_retried,
-            },
-            "job_seconds": list(c.job_seconds),
-            "slowest": list(c.slowest),
-        }
+        return self.counters.snapshot(self.size, len(self.alive), self.busy, self._awake, len(self.queue))
 
     def prepare_config_with(self, hook: Callable[[], Awaitable[dict[str, Any]]]) -> None:
         """Complete the workers' configuration with what ``hook()`` returns, computed when the
