@@ -23,7 +23,7 @@ import anyio.abc
 
 from acompile import _autotune, _pacing, _progressive
 from acompile._autotune import TunedKernel
-from acompile._backends import BACKENDS, backend_of, load_parent, worker_module
+from acompile._backends import BACKENDS, _launcher, backend_of, load_parent, worker_module
 from acompile._cache import CorruptEntry, GuardedDisk, MemoryTier, Tier, TierChain, default_cache_dir
 from acompile._cache._costs import CostFeatures
 from acompile._cache._shared import SharedTier, signing_key_from
@@ -223,6 +223,8 @@ class CompilePool:
         try:
             if self._target is None:
                 self._target = await anyio.to_thread.run_sync(local_target)
+                if self._target.backend == "cuda":
+                    _launcher.prepare()  # kernels of this pool will launch here
             await self._cache.open()
             for name in self._preload:
                 # Imports (in a thread) and one-time costs now, not in the first request.

@@ -8,12 +8,15 @@ says when asked to launch.
 from __future__ import annotations
 
 import json
+import struct
 import textwrap
 import warnings
 from pathlib import Path
 
 import anyio
 import pytest
+import triton
+import triton.language as tl
 from conftest import gpu_available, run_python
 from kernels_for_tests import ADD_SIG, add_kernel, scale_add_kernel
 from test_native import KERNELS as SAXPY_KERNELS
@@ -62,9 +65,11 @@ async def test_every_library_kernel_launched_by_the_pool_computes_what_tritons_j
     cache_dir: Path,
 ) -> None:
     torch = torch_cuda()
+    from acompile._backends import _launcher
     from acompile._bench import library
     from acompile._bench.corpus import acompile_specs
 
+    assert _launcher.module(wait=True) is not None, _launcher.problem()
     # Two identical sets of arguments (the same seed): some kernels write their inputs in place.
     ours, theirs = library.cases(seed=1), library.cases(seed=1)
     async with acompile.CompilePool(2, cache_dir=cache_dir) as pool:
@@ -72,6 +77,8 @@ async def test_every_library_kernel_launched_by_the_pool_computes_what_tritons_j
     for kernel, mine, jit in zip(kernels, ours, theirs, strict=True):
         kernel[mine.grid](*mine.args)
         jit.spec.fn[jit.grid](*jit.args, **jit.keywords())
+    # acompile's launcher launched every one of them (not Triton's, its fallback).
+    assert {k.name: k._launches.launcher for k in kernels} == {k.name: "acompile" for k in kernels}
     torch.cuda.synchronize()
     for mine, jit in zip(ours, theirs, strict=True):
         for a, b in zip(mine.outputs, jit.outputs, strict=True):
@@ -247,3 +254,113 @@ async def test_pytorch_profiler_sees_pool_kernels_by_name(cache_dir: Path) -> No
                 torch.cuda.synchronize()
     names = {e.name for e in prof.events()}
     assert any("add_kernel" in name for name in names), sorted(names)[:40]
+
+
+@triton.jit
+def _scalars_kernel(out_i, out_f, a, b, c, d, e, f, g, h, p, q, r, s):
+    tl.store(out_i + 0, a.to(tl.int64))
+    tl.store(out_i + 1, b.to(tl.int64))
+    tl.store(out_i + 2, c.to(tl.int64))
+    tl.store(out_i + 3, d.to(tl.int64))
+    tl.store(out_i + 4, e.to(tl.int64))
+    tl.store(out_i + 5, f.to(tl.int64))
+    tl.store(out_i + 6, g.to(tl.int64))
+    tl.store(out_i + 7, h.to(tl.int64, bitcast=True))
+    tl.store(out_f + 0, p.to(tl.float64))
+    tl.store(out_f + 1, q.to(tl.float64))
+    tl.store(out_f + 2, r.to(tl.float64))
+    tl.store(out_f + 3, s.to(tl.float64))
+
+
+_SCALARS_SIG = {
+    "out_i": "*i64", "out_f": "*fp64",
+    "a": "i8", "b": "i16", "c": "i32", "d": "i64", "e": "u8", "f": "u16", "g": "u32", "h": "u64",
+    "p": "fp16", "q": "bf16", "r": "fp32", "s": "fp64",
+}  # fmt: skip
+# Triton 3.6's launcher takes an i8 as an unsigned byte (0 to 255): the comparison with it uses 5.
+_SCALARS = (5, -300, -70_000, -(2**40), 200, 60_000, 4_000_000_000, 2**63 + 5, 1.5, -2.5, 3.25, 1e300)
+
+
+@pytest.mark.gpu
+async def test_acompiles_launcher_passes_every_scalar_kind_as_tritons_does(cache_dir: Path) -> None:
+    torch = torch_cuda()
+    from acompile._backends import _launcher
+
+    assert _launcher.module(wait=True) is not None, _launcher.problem()
+    async with acompile.CompilePool(1, cache_dir=cache_dir) as pool:
+        k = await pool.triton(_scalars_kernel, signature=_SCALARS_SIG)
+    k.load()
+    assert k._launches.launcher == "acompile"
+    ours_i, ours_f = (
+        torch.zeros(8, dtype=torch.int64, device="cuda"),
+        torch.zeros(4, dtype=torch.float64, device="cuda"),
+    )
+    theirs_i, theirs_f = torch.zeros_like(ours_i), torch.zeros_like(ours_f)
+    k[(1,)](ours_i, ours_f, *_SCALARS)
+    k.compiled[(1, 1, 1)](theirs_i, theirs_f, *_SCALARS)  # Triton's own launcher
+    torch.cuda.synchronize()
+    assert torch.equal(ours_i, theirs_i) and torch.equal(ours_f, theirs_f)
+    assert ours_i.tolist() == [5, -300, -70_000, -(2**40), 200, 60_000, 4_000_000_000, 2**63 + 5 - 2**64]
+    assert ours_f.tolist() == [1.5, -2.5, 3.25, 1e300]
+    k[(1,)](
+        ours_i,
+        ours_f,
+        -128,
+        -(2**15),
+        -(2**31),
+        -(2**63),
+        255,
+        2**16 - 1,
+        2**32 - 1,
+        2**64 - 1,
+        -0.0,
+        1e38,
+        -1e-30,
+        -1e-300,
+    )
+    torch.cuda.synchronize()
+    assert ours_i.tolist() == [-128, -(2**15), -(2**31), -(2**63), 255, 2**16 - 1, 2**32 - 1, -1]
+    # bf16: the float32's high half, as Triton's launcher takes it (truncated, not rounded).
+    as_f32 = struct.unpack("<f", struct.pack("<f", 1e38))[0]
+    bf16 = struct.unpack(
+        "<f", struct.pack("<I", struct.unpack("<I", struct.pack("<f", as_f32))[0] & 0xFFFF0000)
+    )[0]
+    assert ours_f.tolist() == [-0.0, bf16, struct.unpack("<f", struct.pack("<f", -1e-30))[0], -1e-300]
+
+
+@pytest.mark.gpu
+async def test_acompiles_launcher_refuses_bad_arguments_by_name_and_launches_nothing(cache_dir: Path) -> None:
+    torch = torch_cuda()
+    from acompile._backends import _launcher
+
+    assert _launcher.module(wait=True) is not None, _launcher.problem()
+    n = 4096
+    x, y = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+    out = torch.zeros_like(x)
+    async with acompile.CompilePool(1, cache_dir=cache_dir) as pool:
+        k = await pool.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 1024})
+    grid = (triton_cdiv(n, 1024),)
+    k[grid](x, y, out, n)
+    assert k._launches.launcher == "acompile"
+    with pytest.raises(
+        ValueError, match=r"argument x_ptr: pointer 0x[0-9a-f]+ is not memory the GPU can access"
+    ):
+        k[grid](x.cpu(), y, out, n)
+    with pytest.raises(
+        OverflowError, match=r"argument n: 2147483648 does not fit the kernel's i32 parameter"
+    ):
+        k[grid](x, y, out, 2**31)
+    with pytest.raises(TypeError, match=r"argument n: an integer parameter takes an int, got str"):
+        k[grid](x, y, out, "4096")
+    with pytest.raises(TypeError, match=r"argument out_ptr: a pointer parameter takes a tensor"):
+        k[grid](x, y, object(), n)
+    with pytest.raises(TypeError, match="stream must be a CUDA stream handle"):
+        k[grid](x, y, out, n, stream="default")
+    out.zero_()
+    k[(0,)](x, y, out, n)  # an empty grid launches nothing, as in Triton
+    torch.cuda.synchronize()
+    assert not out.any()
+    k[grid](x, y, out, n)  # nothing above left an error behind
+    k[lambda meta: (triton_cdiv(meta["n"], meta["BLOCK"]),)](x, y, out, n)
+    torch.cuda.synchronize()
+    assert torch.equal(out, x + y)

@@ -768,6 +768,13 @@ class TritonKernel:
     def __repr__(self) -> str:
         return f"<TritonKernel {self.name} {self.target} key={self.key[:12]}…>"
 
+    @property
+    def launcher(self) -> str | None:
+        """Whose launcher launches this kernel: ``"acompile"`` (its own, the default where it
+        takes the kernel) or ``"triton"`` (Triton's); None until the kernel is loaded."""
+        launches = self.__dict__.get("_launches")
+        return None if launches is None else launches.launcher
+
     def load(self) -> None:
         """Load the binary onto the current GPU now (otherwise the first launch does)."""
         if "_launches" in self.__dict__:
@@ -782,7 +789,7 @@ class TritonKernel:
                     "can still be cached and shipped"
                 ) from exc
             raise
-        self._launches = _Launches(self.name, self._order, self._constants, compiled)
+        self._launches = _Launches(self.name, self._triton.signature, self._constants, compiled)
 
     def __getitem__(self, grid: Any) -> Callable[..., None]:
         """``kernel[grid](*args)``: grid is 1 to 3 ints, or, as for Triton's JIT, a callable
@@ -849,30 +856,51 @@ class _Launches:
     time), which Triton is told of only when there is one.
     """
 
-    def __init__(self, name: str, order: Sequence[str], constants: Mapping[str, Any], compiled: Any) -> None:
+    def __init__(
+        self, name: str, signature: Mapping[str, str], constants: Mapping[str, Any], compiled: Any
+    ) -> None:
         from triton import knobs
         from triton.runtime.driver import driver
 
+        from acompile._backends import _launcher
+
+        order = tuple(signature)
         self.by_grid: dict[Any, Callable[..., None]] = {}
-        self._layout = (tuple(order), tuple(n in constants for n in order))
+        self._name = name
+        stream_of = driver.active.get_current_stream
+        device = driver.active.get_current_device()  # the GPU _init_handles loaded the kernel onto
+        chain = getattr(knobs, "HookChain", _NoHookChain)
+        # acompile's launcher where it takes this kernel (see _launcher), else Triton's.
+        self._fast = _launcher.kernel_for(compiled, signature, device, stream_of, knobs.runtime, chain)
+        self._layout = (order, tuple(n in constants for n in order), self._fast is not None)
         self._bound = (
             name,
             compiled.run,
             compiled.function,
             compiled.packed_metadata,
             compiled.launch_metadata,
-            driver.active.get_current_stream,
-            driver.active.get_current_device(),  # the GPU _init_handles loaded the kernel onto
+            stream_of,
+            device,
             knobs.runtime,
-            getattr(knobs, "HookChain", _NoHookChain),
+            chain,
             _grid3,
+            self._fast.launch if self._fast is not None else None,
             *(constants[n] for n in order if n in constants),
         )
         self._makers: dict[bool, Callable[..., Callable[..., None]]] = {}
 
+    @property
+    def launcher(self) -> str:
+        """Whose launcher launches this kernel: ``"acompile"`` or ``"triton"``."""
+        return "acompile" if self._fast is not None else "triton"
+
     def with_grid(self, gx: int, gy: int, gz: int) -> Callable[..., None]:
         """The launch function for a grid of three ints."""
-        return self._maker(False)(gx, gy, gz)
+        launch = self._maker(False)(gx, gy, gz)
+        if self._fast is None:
+            return launch
+        # The launcher's own (C) launch function: the Python one takes what it does not.
+        return self._fast.bind(gx, gy, gz, launch, self._name, self._name + "[grid]")  # type: ignore[no-any-return]
 
     def with_grid_function(self, grid: Callable[..., Any]) -> Callable[..., None]:
         """The launch function for a grid computed from the arguments at each launch."""
@@ -894,10 +922,14 @@ class _NoHookChain:
 
 
 @functools.lru_cache(maxsize=256)
-def _launch_code(order: tuple[str, ...], is_constant: tuple[bool, ...], grid_function: bool) -> CodeType:
+def _launch_code(
+    order: tuple[str, ...], is_constant: tuple[bool, ...], fast: bool, grid_function: bool
+) -> CodeType:
     """The compiled source of ``maker(name, launcher, ...)``, which returns the function making
     a launch function for a grid (of three ints, or a grid function). Kernels of the same
-    parameter list share it: compiling it costs a fraction of a millisecond, at first launch."""
+    parameter list share it: compiling it costs a fraction of a millisecond, at first launch.
+    With ``fast``, a launch with no hook installed goes through acompile's launcher
+    (``_l_fast(x, y, z, stream, *runtime arguments)``), else through Triton's."""
     runtime = [n for n, constant in zip(order, is_constant, strict=True) if not constant]
     # The kernel's parameter names make the launch function's, so that errors and keyword
     # arguments read as the kernel does; where one would shadow what the body uses (every
@@ -907,6 +939,7 @@ def _launch_code(order: tuple[str, ...], is_constant: tuple[bool, ...], grid_fun
     names, constant_names = iter(runtime), iter(f"_l_c{i}" for i in range(sum(is_constant)))
     args = [next(constant_names) if constant else next(names) for constant in is_constant]
     passed = "".join(f", {a}" for a in args)
+    runtime_passed = "".join(f", {n}" for n in runtime)
     params = "".join(f"{n}, " for n in runtime)
     constants = "".join(f", _l_c{i}" for i in range(sum(is_constant)))
     if grid_function:
@@ -914,9 +947,13 @@ def _launch_code(order: tuple[str, ...], is_constant: tuple[bool, ...], grid_fun
         grid_params, grid_line = "_l_grid", f"\n            _l_x, _l_y, _l_z = _l_grid3(_l_grid({{{meta}}}))"
     else:
         grid_params, grid_line = "_l_x, _l_y, _l_z", ""
+    if fast:
+        plain_launch = f"_l_fast(_l_x, _l_y, _l_z, stream{runtime_passed})"
+    else:
+        plain_launch = f"_l_run(_l_x, _l_y, _l_z, stream, _l_function, _l_packed, None, None, None{passed})"
     source = f"""
 def maker(_l_name, _l_run, _l_function, _l_packed, _l_metadata, _l_stream_of, _l_device, _l_knobs,
-          _l_chain, _l_grid3{constants}):
+          _l_chain, _l_grid3, _l_fast{constants}):
     def make({grid_params}):
         def _l_launch({params}*, stream=None):{grid_line}
             if stream is None:
@@ -926,7 +963,7 @@ def maker(_l_name, _l_run, _l_function, _l_packed, _l_metadata, _l_stream_of, _l
             if (_l_enter is None or (_l_enter.__class__ is _l_chain and not _l_enter.calls)) and (
                 _l_exit is None or (_l_exit.__class__ is _l_chain and not _l_exit.calls)
             ):
-                _l_run(_l_x, _l_y, _l_z, stream, _l_function, _l_packed, None, None, None{passed})
+                {plain_launch}
             else:
                 _l_md = _l_metadata((_l_x, _l_y, _l_z), stream{passed})
                 _l_run(_l_x, _l_y, _l_z, stream, _l_function, _l_packed, _l_md, _l_enter, _l_exit{passed})
@@ -1082,6 +1119,7 @@ class _TritonObjects:
 
     def __init__(self, request: TritonRequest, entry: Entry, metadata: Any) -> None:
         self._request = request
+        self.signature = request.signature
         self._blobs = entry.blobs
         self._metadata = metadata
         self._asm: dict[str, Any] | None = None

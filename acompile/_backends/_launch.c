@@ -1,0 +1,722 @@
+/* acompile's launcher for Triton kernels on CUDA.
+ *
+ * Triton's launcher takes, at every launch, the grid, the stream, the function, the kernel's
+ * metadata, the launch hooks, the scratch buffers and every argument, parses them, and checks
+ * the launch flags again; its Python half allocates scratch it rarely needs. Here everything
+ * that cannot change between two launches of one kernel is read once, when the kernel is
+ * loaded (`Kernel`), and a launch of a fixed grid (`Kernel.bind`) takes only the kernel's
+ * runtime arguments: a vectorcall, one pass over the arguments, cuLaunchKernelEx.
+ *
+ * Safety over speed where they meet:
+ * - `Kernel` compares the parameter list the driver reports for the loaded function
+ *   (cuFuncGetParamInfo) with the one this launcher would pass; any difference (another Triton
+ *   version's ABI, an argument kind not handled here) refuses, and the caller keeps Triton's
+ *   launcher. A driver too old to report it refuses too.
+ * - A pointer argument that is not GPU memory (a CPU tensor) is an error naming the argument,
+ *   as in Triton, never a launch that faults on the GPU.
+ * - An integer that does not fit its parameter's type is an OverflowError, not a silent wrap.
+ * - Anything this launcher does not take (an argument by name, a wrong count, an installed
+ *   launch hook) goes to the Python launch function given to `bind`, which behaves as before.
+ *
+ * The driver is opened with dlopen at the first `Kernel`: importing this module needs no GPU.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <dlfcn.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cuda.h"
+
+/* Not in every cuda.h yet; the values Triton's launcher uses. */
+#ifndef CU_LAUNCH_ATTRIBUTE_SHARED_MEMORY_MODE
+#define CU_LAUNCH_ATTRIBUTE_SHARED_MEMORY_MODE 18
+#endif
+#ifndef CU_SHARED_MEMORY_MODE_ALLOW_OVERSIZED_SHARED_MEMORY
+#define CU_SHARED_MEMORY_MODE_ALLOW_OVERSIZED_SHARED_MEMORY 3
+#endif
+
+#define MAX_PARAMS 256
+
+enum {
+  ARG_POINTER = 0,
+  ARG_I8, ARG_I16, ARG_I32, ARG_I64,
+  ARG_U8, ARG_U16, ARG_U32, ARG_U64,
+  ARG_FP16, ARG_BF16, ARG_FP32, ARG_FP64,
+  ARG_KINDS
+};
+
+static const size_t arg_size[ARG_KINDS] = {8, 1, 2, 4, 8, 1, 2, 4, 8, 2, 2, 4, 8};
+
+typedef CUresult (*ctx_get_current_t)(CUcontext *);
+typedef CUresult (*ctx_set_current_t)(CUcontext);
+typedef CUresult (*device_get_t)(CUdevice *, int);
+typedef CUresult (*primary_ctx_retain_t)(CUcontext *, CUdevice);
+typedef CUresult (*launch_kernel_ex_t)(const CUlaunchConfig *, CUfunction, void **, void **);
+typedef CUresult (*pointer_get_attribute_t)(void *, CUpointer_attribute, CUdeviceptr);
+typedef CUresult (*func_get_param_info_t)(CUfunction, size_t, size_t *, size_t *);
+typedef CUresult (*func_set_attribute_t)(CUfunction, CUfunction_attribute, int);
+typedef CUresult (*get_error_string_t)(CUresult, const char **);
+
+static struct {
+  int loaded;
+  ctx_get_current_t ctx_get_current;
+  ctx_set_current_t ctx_set_current;
+  device_get_t device_get;
+  primary_ctx_retain_t primary_ctx_retain;
+  launch_kernel_ex_t launch_kernel_ex;
+  pointer_get_attribute_t pointer_get_attribute;
+  func_get_param_info_t func_get_param_info; /* NULL before CUDA 12.4's driver */
+  func_set_attribute_t func_set_attribute;
+  get_error_string_t get_error_string;
+} cu;
+
+static PyObject *data_ptr_name, *stream_name, *enter_hook_name, *exit_hook_name, *calls_name;
+
+static int load_driver(void) {
+  if (cu.loaded)
+    return 0;
+  void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (lib == NULL) {
+    PyErr_Format(PyExc_RuntimeError, "cannot open the CUDA driver: %s", dlerror());
+    return -1;
+  }
+#define LOAD(field, symbol)                                                              \
+  cu.field = (void *)dlsym(lib, symbol);                                                 \
+  if (cu.field == NULL) {                                                                \
+    PyErr_Format(PyExc_RuntimeError, "the CUDA driver has no %s", symbol);              \
+    return -1;                                                                           \
+  }
+  LOAD(ctx_get_current, "cuCtxGetCurrent");
+  LOAD(ctx_set_current, "cuCtxSetCurrent");
+  LOAD(device_get, "cuDeviceGet");
+  LOAD(primary_ctx_retain, "cuDevicePrimaryCtxRetain");
+  LOAD(launch_kernel_ex, "cuLaunchKernelEx");
+  LOAD(pointer_get_attribute, "cuPointerGetAttribute");
+  LOAD(func_set_attribute, "cuFuncSetAttribute");
+  LOAD(get_error_string, "cuGetErrorString");
+#undef LOAD
+  cu.func_get_param_info = (func_get_param_info_t)dlsym(lib, "cuFuncGetParamInfo");
+  cu.loaded = 1;
+  return 0;
+}
+
+static PyObject *cuda_error(CUresult status, const char *what) {
+  const char *text = NULL;
+  if (cu.get_error_string == NULL || cu.get_error_string(status, &text) != CUDA_SUCCESS || text == NULL)
+    text = "unknown error";
+  PyErr_Format(PyExc_RuntimeError, "%s failed: CUDA error %d: %s", what, (int)status, text);
+  return NULL;
+}
+
+/* --- Kernel: one loaded function and what its launches share ------------------------------ */
+
+typedef struct {
+  PyObject_HEAD
+  CUfunction function;
+  int device;
+  PyObject *device_obj;   /* int: the argument of stream_of */
+  PyObject *stream_of;    /* device -> the current stream, as an int */
+  PyObject *knobs;        /* triton.knobs.runtime: the launch hooks are read at each launch */
+  PyObject *chain_type;   /* triton.knobs.HookChain, or None */
+  PyObject *names;        /* tuple of str: the runtime arguments' names, for errors */
+  Py_ssize_t nargs;       /* runtime arguments */
+  Py_ssize_t nparams;     /* the function's parameters: the arguments, then null pointers */
+  unsigned int block;
+  unsigned int num_ctas;
+  unsigned int shared;
+  int cooperative;
+  int pdl;
+  unsigned char kinds[MAX_PARAMS];
+} KernelObject;
+
+static PyTypeObject KernelType;
+
+static int kernel_traverse(KernelObject *self, visitproc visit, void *arg) {
+  Py_VISIT(self->device_obj);
+  Py_VISIT(self->stream_of);
+  Py_VISIT(self->knobs);
+  Py_VISIT(self->chain_type);
+  Py_VISIT(self->names);
+  return 0;
+}
+
+static int kernel_clear(KernelObject *self) {
+  Py_CLEAR(self->device_obj);
+  Py_CLEAR(self->stream_of);
+  Py_CLEAR(self->knobs);
+  Py_CLEAR(self->chain_type);
+  Py_CLEAR(self->names);
+  return 0;
+}
+
+static void kernel_dealloc(KernelObject *self) {
+  PyObject_GC_UnTrack(self);
+  kernel_clear(self);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Kernel(function, device, kinds, names, trailing_pointers, num_warps, num_ctas, shared,
+ *        cooperative, pdl, stream_of, knobs, chain_type) */
+static PyObject *kernel_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+  unsigned long long function;
+  int device, trailing, num_warps, num_ctas, shared, cooperative, pdl;
+  Py_buffer kinds;
+  PyObject *names, *stream_of, *knobs, *chain_type;
+  static char *keywords[] = {"function", "device", "kinds", "names", "trailing_pointers",
+                             "num_warps", "num_ctas", "shared", "cooperative", "pdl",
+                             "stream_of", "knobs", "chain_type", NULL};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Kiy*O!iiiippOOO", keywords, &function, &device,
+                                   &kinds, &PyTuple_Type, &names, &trailing, &num_warps,
+                                   &num_ctas, &shared, &cooperative, &pdl, &stream_of, &knobs,
+                                   &chain_type))
+    return NULL;
+  Py_ssize_t nargs = kinds.len;
+  const unsigned char *codes = kinds.buf;
+  if (function == 0 || nargs != PyTuple_GET_SIZE(names) || trailing < 0 ||
+      nargs + trailing > MAX_PARAMS || num_warps < 1 || num_warps > 32 || num_ctas < 1 ||
+      shared < 0 || !PyCallable_Check(stream_of)) {
+    PyBuffer_Release(&kinds);
+    PyErr_SetString(PyExc_ValueError, "Kernel: an argument is out of range");
+    return NULL;
+  }
+  for (Py_ssize_t i = 0; i < nargs; i++) {
+    if (codes[i] >= ARG_KINDS) {
+      PyBuffer_Release(&kinds);
+      PyErr_Format(PyExc_ValueError, "Kernel: unknown argument kind %d", (int)codes[i]);
+      return NULL;
+    }
+  }
+  if (load_driver() < 0) {
+    PyBuffer_Release(&kinds);
+    return NULL;
+  }
+  /* The parameters the driver reports must be those this launcher passes, one for one. */
+  if (cu.func_get_param_info == NULL) {
+    PyBuffer_Release(&kinds);
+    PyErr_SetString(PyExc_RuntimeError,
+                    "this CUDA driver cannot report a kernel's parameters (cuFuncGetParamInfo)");
+    return NULL;
+  }
+  Py_ssize_t nparams = nargs + trailing;
+  for (Py_ssize_t i = 0; i <= nparams; i++) {
+    size_t offset = 0, size = 0;
+    CUresult status = cu.func_get_param_info((CUfunction)(uintptr_t)function, (size_t)i, &offset, &size);
+    if (i == nparams) {
+      if (status == CUDA_SUCCESS) {
+        PyBuffer_Release(&kinds);
+        PyErr_Format(PyExc_RuntimeError, "the kernel has more than %zd parameters", nparams);
+        return NULL;
+      }
+      break;
+    }
+    size_t want = i < nargs ? arg_size[codes[i]] : sizeof(CUdeviceptr);
+    if (status != CUDA_SUCCESS || size != want) {
+      PyBuffer_Release(&kinds);
+      if (status != CUDA_SUCCESS)
+        return cuda_error(status, "cuFuncGetParamInfo");
+      PyErr_Format(PyExc_RuntimeError, "parameter %zd of the kernel has %zu bytes, not %zu", i,
+                   size, want);
+      return NULL;
+    }
+  }
+  KernelObject *self = (KernelObject *)type->tp_alloc(type, 0);
+  if (self == NULL) {
+    PyBuffer_Release(&kinds);
+    return NULL;
+  }
+  self->function = (CUfunction)(uintptr_t)function;
+  self->device = device;
+  self->device_obj = PyLong_FromLong(device);
+  self->stream_of = Py_NewRef(stream_of);
+  self->knobs = Py_NewRef(knobs);
+  self->chain_type = Py_NewRef(chain_type);
+  self->names = Py_NewRef(names);
+  self->nargs = nargs;
+  self->nparams = nparams;
+  self->block = 32u * (unsigned)num_warps;
+  self->num_ctas = (unsigned)num_ctas;
+  self->shared = (unsigned)shared;
+  self->cooperative = cooperative;
+  self->pdl = pdl;
+  memcpy(self->kinds, codes, (size_t)nargs);
+  PyBuffer_Release(&kinds);
+  if (self->device_obj == NULL) {
+    Py_DECREF(self);
+    return NULL;
+  }
+  return (PyObject *)self;
+}
+
+static const char *arg_name(KernelObject *k, Py_ssize_t i) {
+  const char *name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(k->names, i));
+  if (name == NULL) {
+    PyErr_Clear();
+    return "?";
+  }
+  return name;
+}
+
+static int extract_pointer(KernelObject *k, Py_ssize_t i, PyObject *obj, uint64_t *out) {
+  if (obj == Py_None) {
+    *out = 0;
+    return 0;
+  }
+  if (PyLong_Check(obj)) {
+    *out = PyLong_AsUnsignedLongLong(obj);
+    if (*out == (uint64_t)-1 && PyErr_Occurred()) {
+      PyErr_Format(PyExc_OverflowError, "argument %s: a pointer must fit 64 bits", arg_name(k, i));
+      return -1;
+    }
+  } else {
+    PyObject *value = PyObject_CallMethodNoArgs(obj, data_ptr_name);
+    if (value == NULL) {
+      if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+        return -1;
+      PyErr_Clear();
+      PyErr_Format(PyExc_TypeError,
+                   "argument %s: a pointer parameter takes a tensor (anything with data_ptr()), "
+                   "an int or None, got %.100s",
+                   arg_name(k, i), Py_TYPE(obj)->tp_name);
+      return -1;
+    }
+    if (!PyLong_Check(value)) {
+      PyErr_Format(PyExc_TypeError, "argument %s: data_ptr() returned %.100s, not an int",
+                   arg_name(k, i), Py_TYPE(value)->tp_name);
+      Py_DECREF(value);
+      return -1;
+    }
+    *out = PyLong_AsUnsignedLongLong(value);
+    Py_DECREF(value);
+    if (*out == (uint64_t)-1 && PyErr_Occurred())
+      return -1;
+  }
+  if (*out == 0)
+    return 0;
+  CUdeviceptr device_pointer;
+  CUresult status = cu.pointer_get_attribute(&device_pointer, CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
+                                             (CUdeviceptr)*out);
+  if (status == CUDA_ERROR_INVALID_VALUE) {
+    char address[32]; /* PyErr_Format has no %llx */
+    snprintf(address, sizeof(address), "0x%llx", (unsigned long long)*out);
+    PyErr_Format(PyExc_ValueError,
+                 "argument %s: pointer %s is not memory the GPU can access (a CPU tensor?)",
+                 arg_name(k, i), address);
+    return -1;
+  }
+  if (status != CUDA_SUCCESS) {
+    cuda_error(status, "cuPointerGetAttribute");
+    return -1;
+  }
+  *out = (uint64_t)device_pointer;
+  return 0;
+}
+
+static int extract_int(KernelObject *k, Py_ssize_t i, PyObject *obj, unsigned char kind, uint64_t *out) {
+  if (kind >= ARG_U8 && kind <= ARG_U64) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+      if (PyErr_ExceptionMatches(PyExc_TypeError) && !PyLong_Check(obj)) {
+        /* PyLong_AsUnsignedLongLong takes only ints: an object with __index__ goes through it */
+        PyErr_Clear();
+        PyObject *index = PyNumber_Index(obj);
+        if (index == NULL)
+          goto wrong_type;
+        v = PyLong_AsUnsignedLongLong(index);
+        Py_DECREF(index);
+        if (v == (unsigned long long)-1 && PyErr_Occurred())
+          goto overflow;
+      } else {
+        goto overflow;
+      }
+    }
+    unsigned long long limit = kind == ARG_U8 ? 0xffull : kind == ARG_U16 ? 0xffffull
+                             : kind == ARG_U32 ? 0xffffffffull : ~0ull;
+    if (v > limit)
+      goto overflow;
+    *out = 0;
+    memcpy(out, &v, arg_size[kind]); /* little-endian: the low bytes first */
+    return 0;
+  }
+  long long v = PyLong_AsLongLong(obj);
+  if (v == -1 && PyErr_Occurred()) {
+    if (PyErr_ExceptionMatches(PyExc_TypeError))
+      goto wrong_type;
+    goto overflow;
+  }
+  long long low = kind == ARG_I8 ? INT8_MIN : kind == ARG_I16 ? INT16_MIN : kind == ARG_I32 ? INT32_MIN : INT64_MIN;
+  long long high = kind == ARG_I8 ? INT8_MAX : kind == ARG_I16 ? INT16_MAX : kind == ARG_I32 ? INT32_MAX : INT64_MAX;
+  if (v < low || v > high)
+    goto overflow;
+  *out = 0;
+  memcpy(out, &v, arg_size[kind]);
+  return 0;
+wrong_type:
+  PyErr_Clear();
+  PyErr_Format(PyExc_TypeError, "argument %s: an integer parameter takes an int, got %.100s",
+               arg_name(k, i), Py_TYPE(obj)->tp_name);
+  return -1;
+overflow:
+  PyErr_Clear();
+  {
+    static const char *type_names[ARG_KINDS] = {"*", "i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64"};
+    PyErr_Format(PyExc_OverflowError, "argument %s: %R does not fit the kernel's %s parameter",
+                 arg_name(k, i), obj, type_names[kind]);
+  }
+  return -1;
+}
+
+static int extract_float(KernelObject *k, Py_ssize_t i, PyObject *obj, unsigned char kind, uint64_t *out) {
+  double v = PyFloat_AsDouble(obj);
+  if (v == -1.0 && PyErr_Occurred()) {
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError, "argument %s: a float parameter takes a number, got %.100s",
+                 arg_name(k, i), Py_TYPE(obj)->tp_name);
+    return -1;
+  }
+  *out = 0;
+  if (kind == ARG_FP64) {
+    memcpy(out, &v, 8);
+  } else if (kind == ARG_FP32) {
+    float f = (float)v;
+    memcpy(out, &f, 4);
+  } else if (kind == ARG_BF16) {
+    /* As Triton's launcher: the float's high half. */
+    float f = (float)v;
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    uint16_t half = (uint16_t)(bits >> 16);
+    memcpy(out, &half, 2);
+  } else {
+#if PY_VERSION_HEX < 0x030B0000
+    if (_PyFloat_Pack2(v, (unsigned char *)out, 1) < 0)
+      return -1;
+#else
+    if (PyFloat_Pack2(v, (char *)out, 1) < 0)
+      return -1;
+#endif
+  }
+  return 0;
+}
+
+static int hook_installed(KernelObject *k, PyObject *name) {
+  PyObject *hook = PyObject_GetAttr(k->knobs, name);
+  if (hook == NULL)
+    return -1;
+  int installed = hook != Py_None;
+  if (installed && (PyObject *)Py_TYPE(hook) == k->chain_type) {
+    PyObject *calls = PyObject_GetAttr(hook, calls_name);
+    if (calls == NULL) {
+      Py_DECREF(hook);
+      return -1;
+    }
+    Py_ssize_t n = PyObject_Length(calls);
+    Py_DECREF(calls);
+    installed = n != 0; /* -1 (an error) counts as installed: the Python path will say */
+    PyErr_Clear();
+  }
+  Py_DECREF(hook);
+  return installed;
+}
+
+static int grid_dimension(PyObject *value, unsigned int *out, const char *axis) {
+  long v = PyLong_AsLong(value);
+  if (v == -1 && PyErr_Occurred())
+    return -1;
+  if (v < 0 || v > 0x7fffffffL) {
+    PyErr_Format(PyExc_ValueError, "grid %s dimension %ld is out of range", axis, v);
+    return -1;
+  }
+  *out = (unsigned int)v;
+  return 0;
+}
+
+static PyObject *launch(KernelObject *k, unsigned int gx, unsigned int gy, unsigned int gz,
+                        PyObject *stream_obj, PyObject *const *args) {
+  uint64_t values[MAX_PARAMS];
+  void *params[MAX_PARAMS];
+  CUstream stream;
+  if (stream_obj == NULL || stream_obj == Py_None) {
+    PyObject *current = PyObject_CallOneArg(k->stream_of, k->device_obj);
+    if (current == NULL)
+      return NULL;
+    stream = (CUstream)(uintptr_t)PyLong_AsUnsignedLongLong(current);
+    Py_DECREF(current);
+  } else {
+    stream = (CUstream)(uintptr_t)PyLong_AsUnsignedLongLong(stream_obj);
+  }
+  if (PyErr_Occurred()) {
+    PyErr_SetString(PyExc_TypeError, "stream must be a CUDA stream handle (an int), or None");
+    return NULL;
+  }
+  /* As Triton's launcher: a thread with no current context gets the device's primary one. */
+  CUcontext context = NULL;
+  CUresult status = cu.ctx_get_current(&context);
+  if (status == CUDA_SUCCESS && context == NULL) {
+    CUdevice device;
+    status = cu.device_get(&device, k->device);
+    if (status == CUDA_SUCCESS)
+      status = cu.primary_ctx_retain(&context, device);
+    if (status == CUDA_SUCCESS)
+      status = cu.ctx_set_current(context);
+  }
+  if (status != CUDA_SUCCESS)
+    return cuda_error(status, "making the kernel's CUDA context current");
+  Py_ssize_t i = 0;
+  for (; i < k->nargs; i++) {
+    unsigned char kind = k->kinds[i];
+    int failed;
+    if (kind == ARG_POINTER)
+      failed = extract_pointer(k, i, args[i], &values[i]);
+    else if (kind <= ARG_U64)
+      failed = extract_int(k, i, args[i], kind, &values[i]);
+    else
+      failed = extract_float(k, i, args[i], kind, &values[i]);
+    if (failed)
+      return NULL;
+    params[i] = &values[i];
+  }
+  for (; i < k->nparams; i++) { /* scratch buffers: none (the kernel needs none) */
+    values[i] = 0;
+    params[i] = &values[i];
+  }
+  if ((unsigned long long)gx * gy * gz == 0)
+    Py_RETURN_NONE;
+  CUlaunchAttribute attributes[5];
+  CUlaunchConfig config;
+  memset(&config, 0, sizeof(config));
+  config.gridDimX = gx * k->num_ctas;
+  config.gridDimY = gy;
+  config.gridDimZ = gz;
+  config.blockDimX = k->block;
+  config.blockDimY = 1;
+  config.blockDimZ = 1;
+  config.sharedMemBytes = k->shared;
+  config.hStream = stream;
+  config.attrs = attributes;
+  unsigned int n = 0;
+  if (k->shared > 228 * 1024) {
+    memset(&attributes[n], 0, sizeof(attributes[n]));
+    attributes[n].id = (CUlaunchAttributeID)CU_LAUNCH_ATTRIBUTE_SHARED_MEMORY_MODE;
+    int mode = CU_SHARED_MEMORY_MODE_ALLOW_OVERSIZED_SHARED_MEMORY;
+    memcpy(&attributes[n++].value, &mode, sizeof(mode));
+  }
+  if (k->pdl) {
+    memset(&attributes[n], 0, sizeof(attributes[n]));
+    attributes[n].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attributes[n++].value.programmaticStreamSerializationAllowed = 1;
+  }
+  if (k->cooperative) {
+    memset(&attributes[n], 0, sizeof(attributes[n]));
+    attributes[n].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+    attributes[n++].value.cooperative = 1;
+  }
+  if (k->num_ctas != 1) {
+    memset(&attributes[n], 0, sizeof(attributes[n]));
+    attributes[n].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attributes[n].value.clusterDim.x = k->num_ctas;
+    attributes[n].value.clusterDim.y = 1;
+    attributes[n++].value.clusterDim.z = 1;
+    memset(&attributes[n], 0, sizeof(attributes[n]));
+    attributes[n].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE;
+    attributes[n++].value.clusterSchedulingPolicyPreference = CU_CLUSTER_SCHEDULING_POLICY_SPREAD;
+  }
+  config.numAttrs = n;
+  Py_BEGIN_ALLOW_THREADS;
+  status = cu.launch_kernel_ex(&config, k->function, params, NULL);
+  Py_END_ALLOW_THREADS;
+  if (status != CUDA_SUCCESS)
+    return cuda_error(status, "cuLaunchKernelEx");
+  Py_RETURN_NONE;
+}
+
+/* kernel.launch(gx, gy, gz, stream, *args): a launch of a grid computed by the caller. */
+static PyObject *kernel_launch(KernelObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 4 + self->nargs) {
+    PyErr_Format(PyExc_TypeError, "launch() takes %zd arguments, got %zd", 4 + self->nargs, nargs);
+    return NULL;
+  }
+  unsigned int gx, gy, gz;
+  if (grid_dimension(args[0], &gx, "x") < 0 || grid_dimension(args[1], &gy, "y") < 0 ||
+      grid_dimension(args[2], &gz, "z") < 0)
+    return NULL;
+  return launch(self, gx, gy, gz, args[3], args + 4);
+}
+
+static PyObject *kernel_bind(KernelObject *self, PyObject *args);
+
+static PyMethodDef kernel_methods[] = {
+    {"launch", (PyCFunction)(void (*)(void))kernel_launch, METH_FASTCALL,
+     "launch(gx, gy, gz, stream, *args): launch on a grid; stream None is the current one"},
+    {"bind", (PyCFunction)kernel_bind, METH_VARARGS,
+     "bind(gx, gy, gz, fallback, name): the launch function of a grid"},
+    {NULL}};
+
+static PyTypeObject KernelType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "acompile._launch.Kernel",
+    .tp_basicsize = sizeof(KernelObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A loaded Triton kernel, as this launcher launches it.",
+    .tp_new = kernel_new,
+    .tp_dealloc = (destructor)kernel_dealloc,
+    .tp_traverse = (traverseproc)kernel_traverse,
+    .tp_clear = (inquiry)kernel_clear,
+    .tp_methods = kernel_methods,
+};
+
+/* --- Bound: kernel[grid], a launch function of one grid ----------------------------------- */
+
+typedef struct {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  KernelObject *kernel;
+  PyObject *fallback; /* the Python launch function of the same grid */
+  PyObject *name;     /* __name__ */
+  PyObject *qualname; /* __qualname__ */
+  unsigned int gx, gy, gz;
+} BoundObject;
+
+static PyTypeObject BoundType;
+
+static PyObject *bound_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                  PyObject *kwnames) {
+  BoundObject *self = (BoundObject *)callable;
+  KernelObject *k = self->kernel;
+  Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+  PyObject *stream = NULL;
+  if (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0) {
+    PyObject *key = PyTuple_GET_ITEM(kwnames, 0);
+    if (PyTuple_GET_SIZE(kwnames) != 1 ||
+        (key != stream_name && PyUnicode_Compare(key, stream_name) != 0))
+      goto python;
+    stream = args[n];
+  }
+  if (n != k->nargs)
+    goto python; /* its message names the missing or extra arguments */
+  int enter = hook_installed(k, enter_hook_name);
+  if (enter != 0)
+    goto python_or_error;
+  int exit_ = hook_installed(k, exit_hook_name);
+  if (exit_ != 0)
+    goto python_or_error;
+  return launch(k, self->gx, self->gy, self->gz, stream, args);
+python_or_error:
+  if (PyErr_Occurred())
+    return NULL;
+python:
+  return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+}
+
+static PyObject *kernel_bind(KernelObject *self, PyObject *args) {
+  PyObject *x, *y, *z, *fallback, *name, *qualname;
+  if (!PyArg_ParseTuple(args, "OOOOUU", &x, &y, &z, &fallback, &name, &qualname))
+    return NULL;
+  unsigned int gx, gy, gz;
+  if (grid_dimension(x, &gx, "x") < 0 || grid_dimension(y, &gy, "y") < 0 ||
+      grid_dimension(z, &gz, "z") < 0)
+    return NULL;
+  if (!PyCallable_Check(fallback)) {
+    PyErr_SetString(PyExc_TypeError, "bind: fallback must be callable");
+    return NULL;
+  }
+  BoundObject *bound = PyObject_GC_New(BoundObject, &BoundType);
+  if (bound == NULL)
+    return NULL;
+  bound->vectorcall = bound_vectorcall;
+  bound->kernel = (KernelObject *)Py_NewRef(self);
+  bound->fallback = Py_NewRef(fallback);
+  bound->name = Py_NewRef(name);
+  bound->qualname = Py_NewRef(qualname);
+  bound->gx = gx;
+  bound->gy = gy;
+  bound->gz = gz;
+  PyObject_GC_Track(bound);
+  return (PyObject *)bound;
+}
+
+static int bound_traverse(BoundObject *self, visitproc visit, void *arg) {
+  Py_VISIT(self->kernel);
+  Py_VISIT(self->fallback);
+  Py_VISIT(self->name);
+  Py_VISIT(self->qualname);
+  return 0;
+}
+
+static int bound_clear(BoundObject *self) {
+  Py_CLEAR(self->kernel);
+  Py_CLEAR(self->fallback);
+  Py_CLEAR(self->name);
+  Py_CLEAR(self->qualname);
+  return 0;
+}
+
+static void bound_dealloc(BoundObject *self) {
+  PyObject_GC_UnTrack(self);
+  bound_clear(self);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *bound_repr(BoundObject *self) {
+  return PyUnicode_FromFormat("<launch %U grid=(%u, %u, %u)>", self->qualname, self->gx, self->gy,
+                              self->gz);
+}
+
+static PyObject *bound_grid(BoundObject *self, void *closure) {
+  return Py_BuildValue("(III)", self->gx, self->gy, self->gz);
+}
+
+static PyMemberDef bound_members[] = {
+    {"__name__", T_OBJECT, offsetof(BoundObject, name), READONLY, NULL},
+    {"__qualname__", T_OBJECT, offsetof(BoundObject, qualname), READONLY, NULL},
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(BoundObject, vectorcall), READONLY, NULL},
+    {NULL}};
+
+static PyGetSetDef bound_getset[] = {{"grid", (getter)bound_grid, NULL, "the grid (x, y, z)", NULL},
+                                     {NULL}};
+
+static PyTypeObject BoundType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "acompile._launch.Bound",
+    .tp_basicsize = sizeof(BoundObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "kernel[grid]: call it with the kernel's runtime arguments (and stream=).",
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(BoundObject, vectorcall),
+    .tp_dealloc = (destructor)bound_dealloc,
+    .tp_traverse = (traverseproc)bound_traverse,
+    .tp_clear = (inquiry)bound_clear,
+    .tp_repr = (reprfunc)bound_repr,
+    .tp_members = bound_members,
+    .tp_getset = bound_getset,
+};
+
+/* --- module ------------------------------------------------------------------------------- */
+
+static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_launch",
+                                        "acompile's launcher for Triton kernels on CUDA.", -1, NULL};
+
+PyMODINIT_FUNC PyInit__launch(void) {
+  data_ptr_name = PyUnicode_InternFromString("data_ptr");
+  stream_name = PyUnicode_InternFromString("stream");
+  enter_hook_name = PyUnicode_InternFromString("launch_enter_hook");
+  exit_hook_name = PyUnicode_InternFromString("launch_exit_hook");
+  calls_name = PyUnicode_InternFromString("calls");
+  if (!data_ptr_name || !stream_name || !enter_hook_name || !exit_hook_name || !calls_name)
+    return NULL;
+  if (PyType_Ready(&KernelType) < 0 || PyType_Ready(&BoundType) < 0)
+    return NULL;
+  PyObject *m = PyModule_Create(&module_def);
+  if (m == NULL)
+    return NULL;
+  if (PyModule_AddObjectRef(m, "Kernel", (PyObject *)&KernelType) < 0 ||
+      PyModule_AddIntConstant(m, "ABI", 1) < 0) {
+    Py_DECREF(m);
+    return NULL;
+  }
+  static const char *kind_names = "*,i8,i16,i32,i64,u8,u16,u32,u64,fp16,bf16,fp32,fp64";
+  if (PyModule_AddStringConstant(m, "KINDS", kind_names) < 0) {
+    Py_DECREF(m);
+    return NULL;
+  }
+  return m;
+}

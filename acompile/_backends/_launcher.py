@@ -1,0 +1,269 @@
+"""acompile's own launcher for Triton kernels on CUDA (``_launch.c``): built once per machine,
+used wherever it can launch a kernel exactly as Triton's launcher would.
+
+The C source ships with the package and is compiled the first time a process loads a kernel on
+a GPU (the C compiler and Python headers that Triton's own launcher needs are enough), into
+``<cache>/launcher/<digest>/``, keyed by the source, the Python build and the CUDA header; every
+later process imports it in well under a millisecond. The build runs in the background: a kernel
+loaded while it runs launches through Triton's launcher, which is the fallback for everything
+this one does not take:
+
+- an argument kind other than pointers, integers and floats (tuples, tensor descriptors), a
+  kernel that needs scratch memory, an instrumented kernel;
+- a kernel whose parameter list, as the driver reports it, is not the one this launcher would
+  pass (checked at load, for every kernel);
+- a machine where the build fails (the reason is logged once, at warning level).
+
+``ACOMPILE_LAUNCHER=triton`` turns it off (every launch goes through Triton's launcher).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+logger = logging.getLogger("acompile")
+
+SOURCE = Path(__file__).with_name("_launch.c")
+
+# Triton's type names -> the kinds _launch.c knows (its enum's order). As in Triton's launcher,
+# i1 and u1 travel as 32-bit ints.
+_KINDS: dict[str, int] = {
+    "i8": 1, "i16": 2, "i32": 3, "i1": 3, "i64": 4,
+    "u8": 5, "u16": 6, "u32": 7, "u1": 7, "u64": 8,
+    "fp16": 9, "bf16": 10, "fp32": 11, "f32": 11, "fp64": 12,
+}  # fmt: skip
+_POINTER = 0
+
+# Triton's kernels take two hidden pointers after their arguments (global and profile scratch);
+# the launcher passes null for both, as Triton's does for a kernel that needs neither.
+_TRAILING_POINTERS = 2
+
+_state_lock = threading.Lock()
+_module: ModuleType | None = None
+_failed: str | None = None
+_building: threading.Thread | None = None
+
+
+def enabled() -> bool:
+    return os.environ.get("ACOMPILE_LAUNCHER", "").strip().lower() not in ("triton", "0", "off")
+
+
+def module(*, wait: bool = False) -> ModuleType | None:
+    """The launcher's module, or None: turned off, not built yet (a build is started in the
+    background, or awaited with ``wait``), or it cannot be built here (see ``problem()``)."""
+    if _module is not None or not enabled():
+        return _module
+    with _state_lock:
+        if _module is None and _failed is None:
+            found = _import_built()
+            if found is None and (_building is None or not _building.is_alive()):
+                _start_build()
+            thread = _building
+        else:
+            thread = None
+    if wait and thread is not None:
+        thread.join()
+    return _module
+
+
+def prepare() -> None:
+    """Have the launcher ready soon, without waiting: import it, or start building it, on a
+    thread (the pool does this as it starts on a machine with a GPU)."""
+    if _module is None and _failed is None and enabled():
+        threading.Thread(target=module, name="acompile-launcher", daemon=True).start()
+
+
+def problem() -> str | None:
+    """Why the launcher cannot be used here, if it cannot."""
+    if not enabled():
+        return "turned off by ACOMPILE_LAUNCHER"
+    return _failed
+
+
+def kernel_for(
+    compiled: Any,
+    signature: Mapping[str, Any],
+    device: int,
+    stream_of: Callable[[int], int],
+    knobs_runtime: Any,
+    chain_type: Any,
+) -> Any:
+    """The launcher's ``Kernel`` for a loaded ``CompiledKernel``, or None where Triton's launcher
+    must launch it (why, at debug level)."""
+    built = module()
+    if built is None:
+        return None
+    metadata = compiled.metadata
+    why = _unsupported(metadata, signature)
+    if why is None:
+        names = tuple(n for n, t in signature.items() if t != "constexpr")
+        kinds = bytes(_POINTER if signature[n].startswith("*") else _KINDS[signature[n]] for n in names)
+        try:
+            return built.Kernel(
+                function=compiled.function,
+                device=device,
+                kinds=kinds,
+                names=names,
+                trailing_pointers=_TRAILING_POINTERS,
+                num_warps=metadata.num_warps,
+                num_ctas=getattr(metadata, "num_ctas", 1),
+                shared=metadata.shared,
+                cooperative=bool(getattr(metadata, "launch_cooperative_grid", False)),
+                pdl=bool(getattr(metadata, "launch_pdl", False)),
+                stream_of=stream_of,
+                knobs=knobs_runtime,
+                chain_type=chain_type,
+            )
+        except (RuntimeError, ValueError, TypeError) as exc:
+            why = str(exc)
+    logger.debug("launching %s through Triton's launcher: %s", getattr(metadata, "name", "?"), why)
+    return None
+
+
+def _unsupported(metadata: Any, signature: Mapping[str, Any]) -> str | None:
+    if getattr(getattr(metadata, "target", None), "backend", None) != "cuda":
+        return "not a CUDA kernel"
+    for field in ("global_scratch_size", "profile_scratch_size"):
+        if getattr(metadata, field, 0):
+            return f"it needs scratch memory ({field})"
+    if getattr(metadata, "tensordesc_meta", None):
+        return "it takes tensor descriptors"
+    instrumentation = getattr(metadata, "instrumentation_mode", "")
+    if instrumentation:
+        return f"it is instrumented ({instrumentation})"
+    for name, ty in signature.items():
+        if not isinstance(ty, str) or (ty != "constexpr" and not ty.startswith("*") and ty not in _KINDS):
+            return f"argument {name} has type {ty!r}"
+    return None
+
+
+# --- building -----------------------------------------------------------------------------------
+
+
+def _cuda_include() -> Path | None:
+    """The folder of Triton's CUDA headers (its wheel ships them), found without importing it."""
+    spec = importlib.util.find_spec("triton")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(next(iter(spec.submodule_search_locations))) / "backends" / "nvidia" / "include"
+    return folder if (folder / "cuda.h").is_file() else None
+
+
+def _build_dir(include: Path) -> Path:
+    from acompile._cache._disk import default_cache_dir
+
+    header = (include / "cuda.h").stat()  # a megabyte: its path, size and time stand for it
+    digest = hashlib.sha256()
+    digest.update(SOURCE.read_bytes())
+    digest.update(f"{include}|{header.st_size}|{header.st_mtime_ns}|".encode())
+    digest.update(f"{sys.version}|{sys.implementation.cache_tag}|{sysconfig.get_platform()}".encode())
+    return default_cache_dir() / "launcher" / digest.hexdigest()[:32]
+
+
+def _artifact(folder: Path) -> Path:
+    return folder / f"_launch{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+
+
+def _import_built() -> ModuleType | None:
+    """Import the launcher if this machine built it already (called under ``_state_lock``)."""
+    global _module, _failed
+    include = _cuda_include()
+    if include is None:
+        _failed = "Triton's CUDA headers are not installed"
+        return None
+    try:
+        path = _artifact(_build_dir(include))
+    except OSError as exc:
+        _failed = f"cannot read the launcher's source: {exc}"
+        return None
+    if not path.is_file():
+        return None
+    try:
+        _module = _load(path)
+    except ImportError as exc:  # damaged: build it again
+        logger.debug("rebuilding acompile's launcher: %s", exc)
+        return None
+    return _module
+
+
+def _load(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("acompile._launch", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    built = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(built)
+    if getattr(built, "ABI", None) != 1:
+        raise ImportError(f"{path} is not this version's launcher")
+    return built
+
+
+def _start_build() -> None:
+    global _building
+    _building = threading.Thread(target=_build_in_background, name="acompile-launcher-build", daemon=True)
+    _building.start()
+
+
+def _build_in_background() -> None:
+    global _module, _failed
+    try:
+        built = _load(build())
+    except (OSError, ImportError, subprocess.SubprocessError, RuntimeError) as exc:
+        with _state_lock:
+            _failed = str(exc)
+        logger.warning("acompile's launcher could not be built (%s); kernels launch through Triton's", exc)
+        return
+    with _state_lock:
+        _module = built
+
+
+def build() -> Path:
+    """Compile ``_launch.c`` for this Python into the cache (unless there already) and return
+    the extension's path. Several processes may build at once: each writes its own file and
+    renames it into place."""
+    include = _cuda_include()
+    if include is None:
+        raise RuntimeError("Triton's CUDA headers are not installed")
+    folder = _build_dir(include)
+    target = _artifact(folder)
+    if target.is_file():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        raise RuntimeError("no C compiler (set CC, or install gcc)")
+    python_include = sysconfig.get_paths()["include"]
+    with tempfile.TemporaryDirectory(dir=folder) as scratch:
+        out = Path(scratch) / target.name
+        command = [
+            *compiler.split(),
+            "-O2", "-shared", "-fPIC", "-std=gnu11", "-Wall", "-Werror=implicit-function-declaration",
+            f"-I{python_include}", f"-I{include}", str(SOURCE), "-o", str(out), "-ldl",
+        ]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"{' '.join(command[:1])} failed ({done.returncode}): {done.stderr.strip()[-2000:]}"
+            )
+        os.replace(out, target)
+    return target
+
+
+def bind(kernel: Any, grid: Sequence[int], fallback: Callable[..., None], name: str) -> Callable[..., None]:
+    """``kernel[grid]``: the launcher's launch function of a grid, falling back to ``fallback``
+    (the Python launch function of the same grid) for what it does not take."""
+    gx, gy, gz = grid
+    return kernel.bind(gx, gy, gz, fallback, name, name + "[grid]")  # type: ignore[no-any-return]

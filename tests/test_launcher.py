@@ -1,0 +1,312 @@
+"""acompile's own launcher (``acompile/_backends/_launch.c``), on a machine without a GPU.
+
+The launcher is built here for real (the C compiler and Python headers of this machine) and
+launches through a stand-in for the CUDA driver: a small shared library named ``libcuda.so.1``,
+found first through ``LD_LIBRARY_PATH`` in a fresh interpreter, that records what a launch
+passes (grid, block, shared memory, stream, attributes, each parameter's bytes) instead of
+running anything. It stands in only for what cannot exist here (a GPU and its driver); what a
+launch computes on a real GPU is checked by ``test_gpu.py`` on the GPU host, against Triton's
+own launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from acompile._backends import _launcher
+
+FAKE_DRIVER = r"""
+#include <stdint.h>
+#include <string.h>
+#include "cuda.h"
+
+static size_t sizes[300];
+static int nsizes;
+static unsigned char params[300][8];
+static int launches, fail_with;
+static CUlaunchConfig last;
+static CUlaunchAttribute attrs[8];
+
+void fake_set_params(const size_t *s, int n) { memcpy(sizes, s, n * sizeof(size_t)); nsizes = n; }
+void fake_fail_next(int code) { fail_with = code; }
+int fake_launches(void) { return launches; }
+unsigned long long fake_param(int i) { uint64_t v = 0; memcpy(&v, params[i], 8); return v; }
+unsigned fake_dim(int i) {
+  unsigned d[7] = {last.gridDimX, last.gridDimY, last.gridDimZ, last.blockDimX, last.blockDimY,
+                   last.blockDimZ, last.sharedMemBytes};
+  return d[i];
+}
+unsigned long long fake_stream(void) { return (unsigned long long)(uintptr_t)last.hStream; }
+unsigned fake_nattrs(void) { return last.numAttrs; }
+int fake_attr(int i) { return (int)attrs[i].id; }
+
+CUresult cuCtxGetCurrent(CUcontext *c) { *c = (CUcontext)1; return CUDA_SUCCESS; }
+CUresult cuCtxSetCurrent(CUcontext c) { return CUDA_SUCCESS; }
+CUresult cuDeviceGet(CUdevice *d, int o) { *d = o; return CUDA_SUCCESS; }
+CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) { *c = (CUcontext)1; return CUDA_SUCCESS; }
+CUresult cuFuncSetAttribute(CUfunction f, CUfunction_attribute a, int v) { return CUDA_SUCCESS; }
+CUresult cuGetErrorString(CUresult e, const char **s) { *s = "fake failure"; return CUDA_SUCCESS; }
+CUresult cuFuncGetParamInfo(CUfunction f, size_t i, size_t *offset, size_t *size) {
+  if ((int)i >= nsizes) return CUDA_ERROR_INVALID_VALUE;
+  *offset = 0;
+  *size = sizes[i];
+  return CUDA_SUCCESS;
+}
+/* "Device memory": addresses from 0x7f0000000000 up; anything lower is host memory. */
+CUresult cuPointerGetAttribute(void *data, CUpointer_attribute a, CUdeviceptr p) {
+  if (p < 0x7f0000000000ull) return CUDA_ERROR_INVALID_VALUE;
+  *(CUdeviceptr *)data = p;
+  return CUDA_SUCCESS;
+}
+CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernel_params, void **extra) {
+  if (fail_with) { CUresult r = fail_with; fail_with = 0; return r; }
+  launches++;
+  last = *config;
+  memcpy(attrs, config->attrs, config->numAttrs * sizeof(CUlaunchAttribute));
+  memset(params, 0, sizeof(params));
+  for (int i = 0; i < nsizes; i++) memcpy(params[i], kernel_params[i], sizes[i]);
+  return CUDA_SUCCESS;
+}
+"""
+
+SCRIPT = r"""
+import ctypes, gc, struct, sys
+from acompile._backends import _launcher
+
+launch = _launcher._load(_launcher.build())
+fake = ctypes.CDLL("libcuda.so.1")  # the stand-in: the launcher opens this same library
+fake.fake_param.restype = ctypes.c_ulonglong
+fake.fake_stream.restype = ctypes.c_ulonglong
+fake.fake_dim.restype = ctypes.c_uint
+KINDS = launch.KINDS.split(",")
+SIZES = {"*": 8, "i8": 1, "i16": 2, "i32": 4, "i64": 8, "u8": 1, "u16": 2, "u32": 4, "u64": 8,
+         "fp16": 2, "bf16": 2, "fp32": 4, "fp64": 8}
+
+
+class Chain:  # stands in for triton.knobs.HookChain
+    def __init__(self):
+        self.calls = []
+
+
+class Knobs:
+    launch_enter_hook = None
+    launch_exit_hook = None
+
+
+class Tensor:
+    def __init__(self, address):
+        self.address = address
+
+    def data_ptr(self):
+        return self.address
+
+
+streams = []
+
+
+def stream_of(device):
+    streams.append(device)
+    return 0xABC
+
+
+def kernel(types, trailing=2, **options):
+    sizes = [SIZES[t] for t in types] + [8] * trailing
+    fake.fake_set_params((ctypes.c_size_t * len(sizes))(*sizes), len(sizes))
+    settings = dict(function=0x1234, device=3, kinds=bytes(KINDS.index(t) for t in types),
+                    names=tuple(f"a{i}" for i in range(len(types))), trailing_pointers=2,
+                    num_warps=4, num_ctas=1, shared=1024, cooperative=False, pdl=False,
+                    stream_of=stream_of, knobs=Knobs, chain_type=Chain)
+    settings.update(options)
+    return launch.Kernel(**settings)
+
+
+def fallback(*args, **kwargs):
+    fallback.calls.append((args, kwargs))
+fallback.calls = []
+
+# Every kind, packed as Triton's launcher packs it.
+types = ["*", "i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64", "fp16", "bf16", "fp32", "fp64"]
+k = kernel(types)
+f = k.bind(7, 2, 1, fallback, "k", "k[grid]")
+x = Tensor(0x7F0000001000)
+values = [x, -5, -300, -70000, -(2**40), 200, 60000, 4_000_000_000, 2**64 - 1, 1.5, -2.5, 3.25, 1e300]
+f(*values)
+assert fake.fake_launches() == 1 and not fallback.calls
+raw = [fake.fake_param(i) for i in range(len(types) + 2)]
+expected = [0x7F0000001000, 0xFB, 0xFED4, (-70000) & 0xFFFFFFFF, (-(2**40)) & (2**64 - 1), 200, 60000,
+            4_000_000_000, 2**64 - 1, struct.unpack("<H", struct.pack("<e", 1.5))[0],
+            struct.unpack("<I", struct.pack("<f", -2.5))[0] >> 16, struct.unpack("<I", struct.pack("<f", 3.25))[0],
+            struct.unpack("<Q", struct.pack("<d", 1e300))[0], 0, 0]
+assert raw == expected, [hex(v) for v in raw]
+assert [fake.fake_dim(i) for i in range(7)] == [7, 2, 1, 128, 1, 1, 1024]
+assert fake.fake_stream() == 0xABC and streams == [3], streams
+assert fake.fake_nattrs() == 0
+
+# Pointers: an int, None, a tensor; host memory refused by name; no launch on any error.
+k2 = kernel(["*", "*", "i32"])
+g = k2.bind(1, 1, 1, fallback, "g", "g[grid]")
+g(0x7F0000002000, None, 1, stream=0x55)
+assert fake.fake_param(0) == 0x7F0000002000 and fake.fake_param(1) == 0 and fake.fake_stream() == 0x55
+errors = {
+    "host": lambda: g(Tensor(0x1000), None, 1),
+    "overflow": lambda: g(None, None, 2**31),
+    "negative unsigned": lambda: kernel(["u8"]).bind(1, 1, 1, fallback, "u", "u")(-1),
+    "not an int": lambda: g(None, None, "1"),
+    "not a pointer": lambda: g(object(), None, 1),
+    "bad data_ptr": lambda: g(Tensor("x"), None, 1),
+    "not a float": lambda: kernel(["fp32"]).bind(1, 1, 1, fallback, "h", "h")("x"),
+    "bad stream": lambda: g(None, None, 1, stream="s"),
+}
+seen = {}
+before = fake.fake_launches()
+for what, call in errors.items():
+    try:
+        call()
+    except Exception as exc:
+        seen[what] = f"{type(exc).__name__}: {exc}"
+assert fake.fake_launches() == before, "a refused launch reached the driver"
+assert seen["host"].startswith("ValueError: argument a0: pointer 0x1000 is not memory the GPU can access"), seen
+assert seen["overflow"] == "OverflowError: argument a2: 2147483648 does not fit the kernel's i32 parameter", seen
+assert seen["negative unsigned"] == "OverflowError: argument a0: -1 does not fit the kernel's u8 parameter", seen
+assert seen["not an int"] == "TypeError: argument a2: an integer parameter takes an int, got str", seen
+assert seen["not a pointer"].startswith("TypeError: argument a0: a pointer parameter takes a tensor"), seen
+assert seen["bad data_ptr"] == "TypeError: argument a0: data_ptr() returned str, not an int", seen
+assert seen["not a float"] == "TypeError: argument a0: a float parameter takes a number, got str", seen
+assert seen["bad stream"].startswith("TypeError: stream must be a CUDA stream handle"), seen
+
+# What the launcher does not take goes to the Python launch function, untouched.
+g(None, None, a2=1)
+g(None, None)
+g(None, None, 1, 2)
+Knobs.launch_enter_hook = Chain()  # an empty hook chain is no hook
+g(None, None, 1)
+Knobs.launch_enter_hook.calls.append(print)  # a hook: Triton's launcher must call it
+g(None, None, 1)
+Knobs.launch_enter_hook = None
+Knobs.launch_exit_hook = lambda metadata: None
+g(None, None, 1)
+Knobs.launch_exit_hook = None
+assert fallback.calls == [((None, None), {"a2": 1}), ((None, None), {}), ((None, None, 1, 2), {}),
+                          ((None, None, 1), {}), ((None, None, 1), {})], fallback.calls
+
+# An empty grid launches nothing; a cluster and cooperative launch carry their attributes.
+launched = fake.fake_launches()
+k2.bind(0, 5, 1, fallback, "g", "g")(None, None, 1)
+k2.launch(4, 0, 1, None, None, None, 1)
+assert fake.fake_launches() == launched
+k3 = kernel(["i32"], num_ctas=2, cooperative=True, pdl=True)
+k3.launch(3, 1, 1, 9, 1)
+assert [fake.fake_dim(i) for i in range(3)] == [6, 1, 1] and fake.fake_nattrs() == 4
+try:
+    k3.launch(-1, 1, 1, None, 1)
+except ValueError as exc:
+    assert "grid x dimension -1 is out of range" in str(exc)
+else:
+    raise AssertionError("a negative grid was taken")
+
+# A driver error is an error naming it, and the next launch works.
+fake.fake_fail_next(700)
+try:
+    g(None, None, 1)
+except RuntimeError as exc:
+    assert "cuLaunchKernelEx failed: CUDA error 700: fake failure" in str(exc), exc
+else:
+    raise AssertionError("a failed launch was not reported")
+g(None, None, 1)
+
+# A kernel whose parameters are not the ones this launcher passes is refused at load.
+sizes = [8, 4, 8]  # the driver reports a pointer, an i32 and only one hidden pointer
+fake.fake_set_params((ctypes.c_size_t * 3)(*sizes), 3)
+settings = dict(function=1, device=0, kinds=bytes([0, 3]), names=("p", "n"), trailing_pointers=2,
+                num_warps=4, num_ctas=1, shared=0, cooperative=False, pdl=False, stream_of=stream_of,
+                knobs=Knobs, chain_type=Chain)
+for kinds, why in ((bytes([0, 3]), "parameter 3"), (bytes([0, 4]), "parameter 1 of the kernel has 4 bytes, not 8")):
+    try:
+        launch.Kernel(**{**settings, "kinds": kinds})
+    except RuntimeError as exc:
+        assert why in str(exc) or "CUDA error" in str(exc), exc
+    else:
+        raise AssertionError("a mismatched kernel was taken")
+
+# No reference leaked or freed twice over many launches.
+t = Tensor(0x7F0000003000)
+n = 123456789
+quiet = k2.bind(1, 1, 1, lambda *args, **kwargs: None, "g", "g[grid]")
+before = (sys.getrefcount(t), sys.getrefcount(n), sys.getrefcount(fallback))
+for _ in range(10000):
+    quiet(t, t, n)
+    quiet(t, t, n=n)
+for _ in range(1000):
+    k2.bind(1, 1, 1, fallback, "g", "g[grid]")
+gc.collect()
+after = (sys.getrefcount(t), sys.getrefcount(n), sys.getrefcount(fallback))
+assert after == before, (before, after)
+print("ok", repr(f))
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    include = _launcher._cuda_include()
+    if include is None:
+        pytest.skip("Triton's CUDA headers are not installed")
+    folder = tmp_path_factory.mktemp("fake-driver")
+    (folder / "fake.c").write_text(FAKE_DRIVER)
+    subprocess.run(
+        [
+            "cc",
+            "-O1",
+            "-shared",
+            "-fPIC",
+            f"-I{include}",
+            str(folder / "fake.c"),
+            "-o",
+            str(folder / "libcuda.so.1"),
+        ],
+        check=True,
+    )
+    return folder
+
+
+def test_the_launcher_builds_here_and_passes_what_tritons_launcher_passes(
+    fake_driver: Path, tmp_path: Path
+) -> None:
+    env = {
+        **os.environ,
+        "LD_LIBRARY_PATH": f"{fake_driver}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+        "ACOMPILE_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.startswith("ok <launch k[grid] grid=(7, 2, 1)>"), done.stdout
+    assert list((tmp_path / "cache" / "launcher").glob("*/_launch*.so")), "not built into the cache"
+
+
+def test_the_launcher_is_off_where_asked_and_says_why_it_cannot_build(tmp_path: Path) -> None:
+    code = textwrap.dedent("""
+        import os, sys
+        from acompile._backends import _launcher
+        os.environ["ACOMPILE_LAUNCHER"] = "triton"
+        assert _launcher.module(wait=True) is None and _launcher.problem() == "turned off by ACOMPILE_LAUNCHER"
+        del os.environ["ACOMPILE_LAUNCHER"]
+        os.environ["CC"] = "/nonexistent/cc"
+        assert _launcher.module(wait=True) is None
+        print(_launcher.problem())
+    """)
+    env = {**os.environ, "ACOMPILE_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    if _launcher._cuda_include() is None:
+        assert "Triton's CUDA headers are not installed" in done.stdout
+    else:
+        assert "/nonexistent/cc" in done.stdout, done.stdout
+        # ...and the fallback is said once, at warning level, not raised at a launch.
+        assert "kernels launch through Triton's" in done.stderr, done.stderr
