@@ -290,6 +290,22 @@ def test_the_launcher_builds_here_and_passes_what_tritons_launcher_passes(
     assert list((tmp_path / "cache" / "launcher").glob("*/_launch*.so")), "not built into the cache"
 
 
+def test_a_damaged_launcher_in_the_cache_is_built_again(tmp_path: Path) -> None:
+    code = textwrap.dedent("""
+        import glob, os
+        from acompile._backends import _launcher
+        first = _launcher.build()
+        first.write_bytes(first.read_bytes()[:4096])  # truncated, as by a full disk
+        assert _launcher.module(wait=True) is not None, _launcher.problem()
+        print("ok")
+    """)
+    env = {**os.environ, "ACOMPILE_CACHE_DIR": str(tmp_path / "cache")}
+    if _launcher._cuda_include() is None:
+        pytest.skip("Triton's CUDA headers are not installed")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
 def test_the_launcher_is_off_where_asked_and_says_why_it_cannot_build(tmp_path: Path) -> None:
     code = textwrap.dedent("""
         import os, sys

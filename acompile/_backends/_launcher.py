@@ -19,6 +19,7 @@ this one does not take:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -178,6 +179,10 @@ def _artifact(folder: Path) -> Path:
     return folder / f"_launch{importlib.machinery.EXTENSION_SUFFIXES[0]}"
 
 
+def _checksum_path(artifact: Path) -> Path:
+    return artifact.with_name(artifact.name + ".sha256")
+
+
 def _import_built() -> ModuleType | None:
     """Import the launcher if this machine built it already (called under ``_state_lock``)."""
     global _module, _failed
@@ -192,10 +197,24 @@ def _import_built() -> ModuleType | None:
         return None
     if not path.is_file():
         return None
+    # Loading a damaged shared library can crash the process (a truncated one, with SIGBUS):
+    # it is loaded only if it is, byte for byte, what the build wrote.
+    try:
+        intact = _checksum_path(path).read_text().strip() == hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        intact = False
+    if not intact:
+        logger.debug("rebuilding acompile's launcher: %s is damaged or incomplete", path)
+        for stale in (path, _checksum_path(path)):
+            with contextlib.suppress(OSError):
+                stale.unlink()
+        return None
     try:
         _module = _load(path)
-    except ImportError as exc:  # damaged: build it again
+    except ImportError as exc:  # damaged (a truncated file, another build's): build it again
         logger.debug("rebuilding acompile's launcher: %s", exc)
+        with contextlib.suppress(OSError):
+            path.unlink()
         return None
     return _module
 
@@ -239,7 +258,7 @@ def build() -> Path:
         raise RuntimeError("Triton's CUDA headers are not installed")
     folder = _build_dir(include)
     target = _artifact(folder)
-    if target.is_file():
+    if target.is_file() and _checksum_path(target).is_file():
         return target
     folder.mkdir(parents=True, exist_ok=True)
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -258,7 +277,10 @@ def build() -> Path:
             raise RuntimeError(
                 f"{' '.join(command[:1])} failed ({done.returncode}): {done.stderr.strip()[-2000:]}"
             )
+        checksum = Path(scratch) / "sha256"
+        checksum.write_text(hashlib.sha256(out.read_bytes()).hexdigest())
         os.replace(out, target)
+        os.replace(checksum, _checksum_path(target))  # last: the library is whole before it
     return target
 
 
