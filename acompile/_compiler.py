@@ -223,8 +223,8 @@ class CompilePool:
         try:
             if self._target is None:
                 self._target = await anyio.to_thread.run_sync(local_target)
-                if self._target.backend == "cuda":
-                    _launcher.prepare()  # kernels of this pool will launch here
+            if self._target.backend == "cuda":
+                _launcher.prepare()  # where kernels of this pool may launch (a GPU driver here)
             await self._cache.open()
             for name in self._preload:
                 # Imports (in a thread) and one-time costs now, not in the first request.

@@ -83,8 +83,9 @@ def module(*, wait: bool = False) -> ModuleType | None:
 
 def prepare() -> None:
     """Have the launcher ready soon, without waiting: import it, or start building it, on a
-    thread (the pool does this as it starts on a machine with a GPU)."""
-    if _module is None and _failed is None and enabled():
+    thread. A pool for a CUDA target does this as it starts; on a machine without NVIDIA's
+    driver (a warm-up host compiling for a fleet) it does nothing."""
+    if _module is None and _failed is None and enabled() and os.path.exists("/dev/nvidiactl"):
         threading.Thread(target=module, name="acompile-launcher", daemon=True).start()
 
 
