@@ -29,13 +29,14 @@ FAKE_DRIVER = r"""
 static size_t sizes[300];
 static int nsizes;
 static unsigned char params[300][8];
-static int launches, fail_with;
+static int launches, fail_with, set_attribute_calls;
 static CUlaunchConfig last;
 static CUlaunchAttribute attrs[8];
 
 void fake_set_params(const size_t *s, int n) { memcpy(sizes, s, n * sizeof(size_t)); nsizes = n; }
 void fake_fail_next(int code) { fail_with = code; }
 int fake_launches(void) { return launches; }
+int fake_set_attribute_calls(void) { return set_attribute_calls; }
 unsigned long long fake_param(int i) { uint64_t v = 0; memcpy(&v, params[i], 8); return v; }
 unsigned fake_dim(int i) {
   unsigned d[7] = {last.gridDimX, last.gridDimY, last.gridDimZ, last.blockDimX, last.blockDimY,
@@ -50,7 +51,10 @@ CUresult cuCtxGetCurrent(CUcontext *c) { *c = (CUcontext)1; return CUDA_SUCCESS;
 CUresult cuCtxSetCurrent(CUcontext c) { return CUDA_SUCCESS; }
 CUresult cuDeviceGet(CUdevice *d, int o) { *d = o; return CUDA_SUCCESS; }
 CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) { *c = (CUcontext)1; return CUDA_SUCCESS; }
-CUresult cuFuncSetAttribute(CUfunction f, CUfunction_attribute a, int v) { return CUDA_SUCCESS; }
+CUresult cuFuncSetAttribute(CUfunction f, CUfunction_attribute a, int v) {
+  if (a == CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED && v == 1) set_attribute_calls++;
+  return CUDA_SUCCESS;
+}
 CUresult cuGetErrorString(CUresult e, const char **s) { *s = "fake failure"; return CUDA_SUCCESS; }
 CUresult cuFuncGetParamInfo(CUfunction f, size_t i, size_t *offset, size_t *size) {
   if ((int)i >= nsizes) return CUDA_ERROR_INVALID_VALUE;
@@ -210,6 +214,25 @@ except ValueError as exc:
 else:
     raise AssertionError("a negative grid was taken")
 
+# A cluster of 16 is allowed on the function first, as Triton's launcher does.
+assert fake.fake_set_attribute_calls() == 0
+kernel(["i32"], num_ctas=16)
+assert fake.fake_set_attribute_calls() == 1
+
+# An error raised by an argument's own conversion is not dressed up as a wrong type.
+class Interrupting:
+    def __index__(self):
+        raise KeyboardInterrupt
+    def __float__(self):
+        raise KeyboardInterrupt
+for types in (["i32"], ["u32"], ["fp32"]):
+    try:
+        kernel(types).launch(1, 1, 1, None, Interrupting())
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError(f"{types}: the interrupt was swallowed")
+
 # A driver error is an error naming it, and the next launch works.
 fake.fake_fail_next(700)
 try:
@@ -297,6 +320,12 @@ def test_a_damaged_launcher_in_the_cache_is_built_again(tmp_path: Path) -> None:
         first = _launcher.build()
         first.write_bytes(first.read_bytes()[:4096])  # truncated, as by a full disk
         assert _launcher.module(wait=True) is not None, _launcher.problem()
+        # A FIFO at the checksum's path: no wait on it, a rebuild (in a fresh state).
+        checksum = first.with_name(first.name + ".sha256")
+        checksum.unlink()
+        os.mkfifo(checksum)
+        _launcher._module = None
+        assert _launcher.module(wait=True) is not None, _launcher.problem()
         print("ok")
     """)
     env = {**os.environ, "ACOMPILE_CACHE_DIR": str(tmp_path / "cache")}
@@ -320,6 +349,16 @@ def test_the_launcher_is_off_where_asked_and_says_why_it_cannot_build(tmp_path: 
     env = {**os.environ, "ACOMPILE_CACHE_DIR": str(tmp_path / "cache")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
+    # A cache folder it cannot use (a name too long here) is a reason, not an error at a launch.
+    unusable = textwrap.dedent("""
+        from acompile._backends import _launcher
+        assert _launcher.module(wait=True) is None
+        print(_launcher.problem())
+    """)
+    env_long = {**os.environ, "ACOMPILE_CACHE_DIR": str(tmp_path / ("z" * 300))}
+    long = subprocess.run([sys.executable, "-c", unusable], capture_output=True, text=True, timeout=60, env=env_long)
+    assert long.returncode == 0, long.stderr[-3000:]
+    assert "File name too long" in long.stdout + long.stderr, (long.stdout, long.stderr)
     if _launcher._cuda_include() is None:
         assert "Triton's CUDA headers are not installed" in done.stdout
     else:

@@ -221,6 +221,14 @@ static PyObject *kernel_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
       return NULL;
     }
   }
+  if (num_ctas == 16) { /* as Triton's launcher: a cluster of 16 is non-portable (H100, B200) */
+    CUresult status = cu.func_set_attribute((CUfunction)(uintptr_t)function,
+                                            CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1);
+    if (status != CUDA_SUCCESS) {
+      PyBuffer_Release(&kinds);
+      return cuda_error(status, "cuFuncSetAttribute(NON_PORTABLE_CLUSTER_SIZE_ALLOWED)");
+    }
+  }
   KernelObject *self = (KernelObject *)type->tp_alloc(type, 0);
   if (self == NULL) {
     PyBuffer_Release(&kinds);
@@ -322,13 +330,13 @@ static int extract_int(KernelObject *k, Py_ssize_t i, PyObject *obj, unsigned ch
         PyErr_Clear();
         PyObject *index = PyNumber_Index(obj);
         if (index == NULL)
-          goto wrong_type;
+          goto failed;
         v = PyLong_AsUnsignedLongLong(index);
         Py_DECREF(index);
         if (v == (unsigned long long)-1 && PyErr_Occurred())
-          goto overflow;
+          goto failed;
       } else {
-        goto overflow;
+        goto failed;
       }
     }
     unsigned long long limit = kind == ARG_U8 ? 0xffull : kind == ARG_U16 ? 0xffffull
@@ -340,11 +348,8 @@ static int extract_int(KernelObject *k, Py_ssize_t i, PyObject *obj, unsigned ch
     return 0;
   }
   long long v = PyLong_AsLongLong(obj);
-  if (v == -1 && PyErr_Occurred()) {
-    if (PyErr_ExceptionMatches(PyExc_TypeError))
-      goto wrong_type;
-    goto overflow;
-  }
+  if (v == -1 && PyErr_Occurred())
+    goto failed;
   long long low = kind == ARG_I8 ? INT8_MIN : kind == ARG_I16 ? INT16_MIN : kind == ARG_I32 ? INT32_MIN : INT64_MIN;
   long long high = kind == ARG_I8 ? INT8_MAX : kind == ARG_I16 ? INT16_MAX : kind == ARG_I32 ? INT32_MAX : INT64_MAX;
   if (v < low || v > high)
@@ -352,7 +357,11 @@ static int extract_int(KernelObject *k, Py_ssize_t i, PyObject *obj, unsigned ch
   *out = 0;
   memcpy(out, &v, arg_size[kind]);
   return 0;
-wrong_type:
+failed: /* our message for a wrong type or size; any other error (an interrupt) as it is */
+  if (PyErr_ExceptionMatches(PyExc_OverflowError))
+    goto overflow;
+  if (!PyErr_ExceptionMatches(PyExc_TypeError))
+    return -1;
   PyErr_Clear();
   PyErr_Format(PyExc_TypeError, "argument %s: an integer parameter takes an int, got %.100s",
                arg_name(k, i), Py_TYPE(obj)->tp_name);
@@ -370,6 +379,8 @@ overflow:
 static int extract_float(KernelObject *k, Py_ssize_t i, PyObject *obj, unsigned char kind, uint64_t *out) {
   double v = PyFloat_AsDouble(obj);
   if (v == -1.0 && PyErr_Occurred()) {
+    if (!PyErr_ExceptionMatches(PyExc_TypeError))
+      return -1; /* an interrupt, a tensor's own error: as it is */
     PyErr_Clear();
     PyErr_Format(PyExc_TypeError, "argument %s: a float parameter takes a number, got %.100s",
                  arg_name(k, i), Py_TYPE(obj)->tp_name);

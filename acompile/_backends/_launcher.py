@@ -25,7 +25,9 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
+import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -66,11 +68,19 @@ def enabled() -> bool:
 def module(*, wait: bool = False) -> ModuleType | None:
     """The launcher's module, or None: turned off, not built yet (a build is started in the
     background, or awaited with ``wait``), or it cannot be built here (see ``problem()``)."""
+    global _failed
     if _module is not None or not enabled():
         return _module
     with _state_lock:
         if _module is None and _failed is None:
-            found = _import_built()
+            try:
+                found = _import_built()
+            except OSError as exc:  # the cache folder unreadable, a path too long
+                _failed = f"cannot use {exc.filename or 'the launcher folder'}: {exc.strerror or exc}"
+                logger.warning(
+                    "acompile's launcher cannot be used (%s); kernels launch through Triton's", _failed
+                )
+                return None
             if found is None and (_building is None or not _building.is_alive()):
                 _start_build()
             thread = _building
@@ -165,12 +175,22 @@ def _cuda_include() -> Path | None:
     return folder if (folder / "cuda.h").is_file() else None
 
 
+def _compiler() -> list[str]:
+    """The C compiler's command: ``$CC`` (which may carry flags), else cc, gcc or clang."""
+    chosen = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if chosen is None:
+        raise RuntimeError("no C compiler (set CC, or install gcc)")
+    return shlex.split(chosen)
+
+
 def _build_dir(include: Path) -> Path:
     from acompile._cache._disk import default_cache_dir
 
     header = (include / "cuda.h").stat()  # a megabyte: its path, size and time stand for it
     digest = hashlib.sha256()
     digest.update(SOURCE.read_bytes())
+    # The compiler command: a library built with other flags (a sanitizer) must not be loaded.
+    digest.update(repr((os.environ.get("CC"), os.environ.get("CFLAGS"))).encode())
     digest.update(f"{include}|{header.st_size}|{header.st_mtime_ns}|".encode())
     digest.update(f"{sys.version}|{sys.implementation.cache_tag}|{sysconfig.get_platform()}".encode())
     return default_cache_dir() / "launcher" / digest.hexdigest()[:32]
@@ -201,7 +221,8 @@ def _import_built() -> ModuleType | None:
     # Loading a damaged shared library can crash the process (a truncated one, with SIGBUS):
     # it is loaded only if it is, byte for byte, what the build wrote.
     try:
-        intact = _checksum_path(path).read_text().strip() == hashlib.sha256(path.read_bytes()).hexdigest()
+        recorded = _read_regular(_checksum_path(path), 64).decode("ascii", "replace").strip()
+        intact = recorded == hashlib.sha256(_read_regular(path, 1 << 24)).hexdigest()
     except OSError:
         intact = False
     if not intact:
@@ -218,6 +239,21 @@ def _import_built() -> ModuleType | None:
             path.unlink()
         return None
     return _module
+
+
+def _read_regular(path: Path, limit: int) -> bytes:
+    """A regular file's bytes, at most ``limit``; never waits on a FIFO or a device someone
+    left at the path (OSError instead)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        data = os.read(fd, limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise OSError(f"{path} is larger than {limit} bytes")
+    return data
 
 
 def _load(path: Path) -> ModuleType:
@@ -238,16 +274,28 @@ def _start_build() -> None:
 
 
 def _build_in_background() -> None:
-    global _module, _failed
-    try:
-        built = _load(build())
-    except (OSError, ImportError, subprocess.SubprocessError, RuntimeError) as exc:
+    global _module
+    for attempt in range(2):
+        try:
+            built = _load(build())
+        except ImportError as exc:
+            if attempt == 0:
+                continue  # another process replaced or removed it between build and load
+            _give_up(exc)
+            return
+        except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+            _give_up(exc)
+            return
         with _state_lock:
-            _failed = str(exc)
-        logger.warning("acompile's launcher could not be built (%s); kernels launch through Triton's", exc)
+            _module = built
         return
+
+
+def _give_up(exc: BaseException) -> None:
+    global _failed
     with _state_lock:
-        _module = built
+        _failed = str(exc)
+    logger.warning("acompile's launcher could not be built (%s); kernels launch through Triton's", exc)
 
 
 def build() -> Path:
@@ -262,14 +310,12 @@ def build() -> Path:
     if target.is_file() and _checksum_path(target).is_file():
         return target
     folder.mkdir(parents=True, exist_ok=True)
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if compiler is None:
-        raise RuntimeError("no C compiler (set CC, or install gcc)")
+    compiler = _compiler()
     python_include = sysconfig.get_paths()["include"]
     with tempfile.TemporaryDirectory(dir=folder) as scratch:
         out = Path(scratch) / target.name
         command = [
-            *compiler.split(),
+            *compiler,
             "-O2", "-shared", "-fPIC", "-std=gnu11", "-Wall", "-Werror=implicit-function-declaration",
             f"-I{python_include}", f"-I{include}", str(SOURCE), "-o", str(out), "-ldl",
         ]  # fmt: skip
@@ -280,8 +326,11 @@ def build() -> Path:
             )
         checksum = Path(scratch) / "sha256"
         checksum.write_text(hashlib.sha256(out.read_bytes()).hexdigest())
+        # The checksum first: a library in place always has its checksum beside it (a reader
+        # between the two renames sees the new checksum and no library, or an older one that
+        # does not match it, and builds too: never a library it would take for damaged).
+        os.replace(checksum, _checksum_path(target))
         os.replace(out, target)
-        os.replace(checksum, _checksum_path(target))  # last: the library is whole before it
     return target
 
 
