@@ -356,7 +356,9 @@ def test_the_launcher_is_off_where_asked_and_says_why_it_cannot_build(tmp_path: 
         print(_launcher.problem())
     """)
     env_long = {**os.environ, "ACOMPILE_CACHE_DIR": str(tmp_path / ("z" * 300))}
-    long = subprocess.run([sys.executable, "-c", unusable], capture_output=True, text=True, timeout=60, env=env_long)
+    long = subprocess.run(
+        [sys.executable, "-c", unusable], capture_output=True, text=True, timeout=60, env=env_long
+    )
     assert long.returncode == 0, long.stderr[-3000:]
     assert "File name too long" in long.stdout + long.stderr, (long.stdout, long.stderr)
     if _launcher._cuda_include() is None:
