@@ -1,4 +1,4 @@
-"""The worker's and the template's main loops: ``python -m acompile._workers._main [--template]``,
+"""The worker's and the template's main loops: ``acompile._workers._main [--template]`` (started by ``_pool._BOOT``),
 started by ``WorkerPool``.
 
 The worker speaks the framed protocol of ``acompile._workers._protocol`` on private copies of its stdin and
@@ -157,7 +157,7 @@ def thread_count() -> int:
 
 
 class Template:
-    """A preloaded process that forks workers (``python -m acompile._workers._main --template``).
+    """A preloaded process that forks workers (``acompile._workers._main --template``).
 
     It does a worker's whole preload once (imports, Triton's set-up, a first compile), then forks
     a worker per request: a forked worker is ready in milliseconds instead of the second a fresh
@@ -246,8 +246,8 @@ class Template:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             # A group of its own before anything else: killing its group must never reach the
-            # template's.
-            os.setsid()
+            # template's. (A group, not a session: see _pool._BOOT.)
+            os.setpgid(0, 0)
             os.close(self.worker.fd_in)
             os.close(self.worker.fd_out)
             _die_with_parent(int(config["template_pid"]))

@@ -10,7 +10,7 @@ takes jobs as soon as its worker is ready, whatever the other slots are doing.
 
 Workers are forked from a *template* (``_template``): a process that did a worker's whole preload
 once; a forked worker is ready in milliseconds. Where no template can be had (it has threads, or
-fails), workers start as fresh interpreters (``python -m acompile._workers._main``) through anyio's
+fails), workers start as fresh interpreters (``acompile._workers._main``, through ``_BOOT``) through anyio's
 process API, which take a second to preload.
 
 The slots run in *epochs*: ``quiesce()`` ends the current one (its workers are stopped, running
@@ -75,6 +75,15 @@ logger = logging.getLogger("acompile")
 # The worker imports acompile before it reads its configuration (and the parent's sys.path):
 # it must find the same acompile the parent runs.
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# A pool process's first statement makes it a process group of its own: stopping the group stops
+# the compilers it started (ptxas, nvcc, cc1plus) too, and a terminal's Ctrl-C, which goes to the
+# caller's group, is the caller's to handle. A group, not a session: where the kernel schedules
+# sessions as groups (autogroup, on in most distributions' kernels), a session of its own would
+# compete with the caller's session as an equal, whatever the policy of the tasks inside, and
+# SCHED_IDLE workers would still take a CPU from the caller's event loop for milliseconds at a
+# time. In the caller's session they yield to it at once.
+_BOOT = "import os; os.setpgid(0, 0); from acompile._workers._main import main; main()"
 _TOP_N = 10
 # Starts that fail for a lasting reason (the preload raised, the worker exited with a status)
 # this many times in a row, or for any reason this many times, with no worker alive: the queued
@@ -450,7 +459,7 @@ class WorkerPool:
         env["ACOMPILE_WORKER_NICE"] = str(self.config.get("nice", 0))
         env["ACOMPILE_PARENT_NICE"] = str(os.nice(0))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
-        return [sys.executable, "-m", "acompile._workers._main", *extra, *self.config.get("preload", ())], env
+        return [sys.executable, "-c", _BOOT, *extra, *self.config.get("preload", ())], env
 
     async def _open(self, command: list[str], env: dict[str, str], stderr_path: str) -> anyio.abc.Process:
         stderr_fd = os.open(stderr_path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
@@ -471,9 +480,7 @@ class WorkerPool:
                         stderr=stderr_fd,
                         cwd=self.config["cwd"],
                         env=env,
-                        # Its own process group: stopping it stops the compilers it started
-                        # (ptxas, nvcc, cc1plus) too, and a terminal's Ctrl-C is ours to handle.
-                        start_new_session=True,
+                        # Not a session of its own: see _BOOT.
                     )
                 lower_priority(process.pid, self.config.get("nice", 0))
                 try:

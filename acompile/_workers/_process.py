@@ -168,7 +168,11 @@ def kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
-        pass
+        # No such group: gone, or not a group leader yet (killed before its first statement).
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     except PermissionError:
         # Not a group of ours (the pid was never a group leader): the process alone.
         try:

@@ -1,6 +1,6 @@
 """The template: a preloaded process that forks workers, and the Unix socket they connect to.
 
-The template (``python -m acompile._workers._main --template``) does a worker's whole preload once,
+The template (``acompile._workers._main --template``) does a worker's whole preload once,
 then forks a worker for each ``Fork`` request: a forked worker is ready in milliseconds instead of
 the second a fresh interpreter needs. Forked workers are the template's children, not ours: it
 reaps them and reports each exit (``Exited``); each connects back to the pool's Unix socket and
