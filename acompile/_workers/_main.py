@@ -1,5 +1,5 @@
-"""The worker's and the template's main loops: ``acompile._workers._main [--template]`` (started by ``_pool._BOOT``),
-started by ``WorkerPool``.
+"""The worker's and the template's main loops: ``acompile._workers._main [--template]``, started
+by ``WorkerPool`` (through ``_pool._BOOT``).
 
 The worker speaks the framed protocol of ``acompile._workers._protocol`` on private copies of its stdin and
 stdout, and points fd 0 at /dev/null and fd 1 at fd 2, so a compiler or a kernel module that prints
