@@ -199,6 +199,55 @@ Knobs.launch_exit_hook = None
 assert fallback.calls == [((None, None), {"a2": 1}), ((None, None), {}), ((None, None, 1, 2), {}),
                           ((None, None, 1), {}), ((None, None, 1), {})], fallback.calls
 
+# A grid function: given every parameter by name in the kernel's order, constexprs included;
+# what it returns is the grid; what the launcher does not take goes to make(grid)'s function.
+made = []
+def make(grid):
+    made.append(grid)
+    return fallback
+seen_meta = []
+def grid_fn(meta):
+    seen_meta.append(list(meta.items()))
+    return (meta["a2"] + meta["BLOCK"] - 1) // meta["BLOCK"], 3
+gf = k2.bind_grid_function(grid_fn, make, (("a0", 0), ("BLOCK", (64,)), ("a1", 1), ("a2", 2)), "g", "g[grid]")
+gf(None, None, 1000)
+assert seen_meta == [[("a0", None), ("BLOCK", 64), ("a1", None), ("a2", 1000)]], seen_meta
+assert [fake.fake_dim(i) for i in range(3)] == [16, 3, 1] and fake.fake_param(2) == 1000 and not made
+class Index:
+    def __index__(self):
+        return 5
+for grid, dims in ((7, [7, 1, 1]), ([2, 2], [2, 2, 1]), ((Index(), 1, 4), [5, 1, 4])):
+    k2.bind_grid_function(lambda meta, grid=grid: grid, make, (), "g", "g[grid]")(None, None, 1)
+    assert [fake.fake_dim(i) for i in range(3)] == dims, (grid, dims)
+for grid, error in (((1, 2, 3, 4), "TypeError: grid must be an int or a tuple of 1 to 3 ints, got (1, 2, 3, 4)"),
+                    ("8", "TypeError: grid must be an int or a tuple of 1 to 3 ints, got '8'"),
+                    ((1.5,), "TypeError: grid must be an int or a tuple of 1 to 3 ints, got (1.5,)"),
+                    ((-2,), "ValueError: grid x dimension -2 is out of range")):
+    try:
+        k2.bind_grid_function(lambda meta, grid=grid: grid, make, (), "g", "g[grid]")(None, None, 1)
+    except Exception as exc:
+        assert f"{type(exc).__name__}: {exc}" == error, (grid, exc)
+    else:
+        raise AssertionError(f"grid {grid!r} was taken")
+def failing_grid(meta):
+    raise ZeroDivisionError("in the grid")
+try:
+    k2.bind_grid_function(failing_grid, make, (), "g", "g[grid]")(None, None, 1)
+except ZeroDivisionError:
+    pass
+else:
+    raise AssertionError("the grid function's error was lost")
+fallback.calls.clear()
+gf(None, None, a2=5)
+assert made == [grid_fn] and fallback.calls == [((None, None), {"a2": 5})], (made, fallback.calls)
+for meta, error in (((("a0", 9),), "ValueError"), ((("a0",),), "TypeError"), ((("a0", "x"),), "TypeError")):
+    try:
+        k2.bind_grid_function(grid_fn, make, meta, "g", "g")
+    except Exception as exc:
+        assert type(exc).__name__ == error, (meta, exc)
+    else:
+        raise AssertionError(f"meta {meta!r} was taken")
+
 # An empty grid launches nothing; a cluster and cooperative launch carry their attributes.
 launched = fake.fake_launches()
 k2.bind(0, 5, 1, fallback, "g", "g")(None, None, 1)
@@ -261,10 +310,13 @@ for kinds, why in ((bytes([0, 3]), "parameter 3"), (bytes([0, 4]), "parameter 1 
 t = Tensor(0x7F0000003000)
 n = 123456789
 quiet = k2.bind(1, 1, 1, lambda *args, **kwargs: None, "g", "g[grid]")
+quiet_grid = k2.bind_grid_function(lambda meta: (meta["a2"] % 7 + 1,), lambda grid: (lambda *a, **kw: None), (("a2", 2),), "g", "g")
 before = (sys.getrefcount(t), sys.getrefcount(n), sys.getrefcount(fallback))
 for _ in range(10000):
     quiet(t, t, n)
     quiet(t, t, n=n)
+    quiet_grid(t, t, n)
+    quiet_grid(t, t, n=n)
 for _ in range(1000):
     k2.bind(1, 1, 1, fallback, "g", "g[grid]")
 gc.collect()

@@ -556,12 +556,15 @@ static PyObject *kernel_launch(KernelObject *self, PyObject *const *args, Py_ssi
 }
 
 static PyObject *kernel_bind(KernelObject *self, PyObject *args);
+static PyObject *kernel_bind_grid_function(KernelObject *self, PyObject *args);
 
 static PyMethodDef kernel_methods[] = {
     {"launch", (PyCFunction)(void (*)(void))kernel_launch, METH_FASTCALL,
      "launch(gx, gy, gz, stream, *args): launch on a grid; stream None is the current one"},
     {"bind", (PyCFunction)kernel_bind, METH_VARARGS,
-     "bind(gx, gy, gz, fallback, name): the launch function of a grid"},
+     "bind(gx, gy, gz, fallback, name, qualname): the launch function of a grid"},
+    {"bind_grid_function", (PyCFunction)kernel_bind_grid_function, METH_VARARGS,
+     "bind_grid_function(grid, make, meta, name, qualname): the launch function of a grid function"},
     {NULL}};
 
 static PyTypeObject KernelType = {
@@ -582,13 +585,64 @@ typedef struct {
   PyObject_HEAD
   vectorcallfunc vectorcall;
   KernelObject *kernel;
-  PyObject *fallback; /* the Python launch function of the same grid */
+  PyObject *fallback; /* the Python launch function of the same grid; with a grid function,
+                         the Python function making it from the grid function */
   PyObject *name;     /* __name__ */
   PyObject *qualname; /* __qualname__ */
+  PyObject *grid_fn;  /* NULL: the grid is (gx, gy, gz) */
+  PyObject *meta;     /* with grid_fn: ((name, index of a runtime argument | (constant,)), ...) */
   unsigned int gx, gy, gz;
 } BoundObject;
 
 static PyTypeObject BoundType;
+
+/* The grid a grid function returned: an int, or a tuple or list of 1 to 3 ints. */
+static int parse_grid(PyObject *grid, unsigned int dims[3]) {
+  dims[0] = dims[1] = dims[2] = 1;
+  static const char *axes[3] = {"x", "y", "z"};
+  if (PyLong_Check(grid))
+    return grid_dimension(grid, &dims[0], "x");
+  Py_ssize_t n = PyTuple_Check(grid) ? PyTuple_GET_SIZE(grid) : PyList_Check(grid) ? PyList_GET_SIZE(grid) : 0;
+  if (n < 1 || n > 3)
+    goto wrong;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *item = PyTuple_Check(grid) ? PyTuple_GET_ITEM(grid, i) : PyList_GET_ITEM(grid, i);
+    PyObject *index = PyNumber_Index(item);
+    if (index == NULL) {
+      if (!PyErr_ExceptionMatches(PyExc_TypeError))
+        return -1;
+      PyErr_Clear();
+      goto wrong;
+    }
+    int failed = grid_dimension(index, &dims[i], axes[i]);
+    Py_DECREF(index);
+    if (failed)
+      return -1;
+  }
+  return 0;
+wrong:
+  PyErr_Format(PyExc_TypeError, "grid must be an int or a tuple of 1 to 3 ints, got %R", grid);
+  return -1;
+}
+
+/* The grid function's argument: every parameter by name (runtime arguments and constexprs),
+ * in the kernel's order, as Triton's JIT gives it. */
+static PyObject *grid_meta(BoundObject *self, PyObject *const *args) {
+  PyObject *meta = PyDict_New();
+  if (meta == NULL)
+    return NULL;
+  Py_ssize_t n = PyTuple_GET_SIZE(self->meta);
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *pair = PyTuple_GET_ITEM(self->meta, i);
+    PyObject *source = PyTuple_GET_ITEM(pair, 1);
+    PyObject *value = PyLong_Check(source) ? args[PyLong_AsSsize_t(source)] : PyTuple_GET_ITEM(source, 0);
+    if (PyDict_SetItem(meta, PyTuple_GET_ITEM(pair, 0), value) < 0) {
+      Py_DECREF(meta);
+      return NULL;
+    }
+  }
+  return meta;
+}
 
 static PyObject *bound_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
                                   PyObject *kwnames) {
@@ -611,12 +665,90 @@ static PyObject *bound_vectorcall(PyObject *callable, PyObject *const *args, siz
   int exit_ = hook_installed(k, exit_hook_name);
   if (exit_ != 0)
     goto python_or_error;
-  return launch(k, self->gx, self->gy, self->gz, stream, args);
+  if (self->grid_fn == NULL)
+    return launch(k, self->gx, self->gy, self->gz, stream, args);
+  PyObject *meta = grid_meta(self, args);
+  if (meta == NULL)
+    return NULL;
+  PyObject *grid = PyObject_CallOneArg(self->grid_fn, meta);
+  Py_DECREF(meta);
+  if (grid == NULL)
+    return NULL;
+  unsigned int dims[3];
+  int failed = parse_grid(grid, dims);
+  Py_DECREF(grid);
+  if (failed)
+    return NULL;
+  return launch(k, dims[0], dims[1], dims[2], stream, args);
 python_or_error:
   if (PyErr_Occurred())
     return NULL;
 python:
-  return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+  if (self->grid_fn == NULL)
+    return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+  PyObject *function = PyObject_CallOneArg(self->fallback, self->grid_fn);
+  if (function == NULL)
+    return NULL;
+  PyObject *result = PyObject_Vectorcall(function, args, nargsf, kwnames);
+  Py_DECREF(function);
+  return result;
+}
+
+static BoundObject *new_bound(KernelObject *kernel, PyObject *fallback, PyObject *name, PyObject *qualname) {
+  if (!PyCallable_Check(fallback)) {
+    PyErr_SetString(PyExc_TypeError, "bind: fallback must be callable");
+    return NULL;
+  }
+  BoundObject *bound = PyObject_GC_New(BoundObject, &BoundType);
+  if (bound == NULL)
+    return NULL;
+  bound->vectorcall = bound_vectorcall;
+  bound->kernel = (KernelObject *)Py_NewRef(kernel);
+  bound->fallback = Py_NewRef(fallback);
+  bound->name = Py_NewRef(name);
+  bound->qualname = Py_NewRef(qualname);
+  bound->grid_fn = NULL;
+  bound->meta = NULL;
+  bound->gx = bound->gy = bound->gz = 0;
+  return bound;
+}
+
+/* kernel.bind_grid_function(grid, make, meta, name, qualname): kernel[grid] for a grid function;
+ * make(grid) is the Python launch function it falls back to. */
+static PyObject *kernel_bind_grid_function(KernelObject *self, PyObject *args) {
+  PyObject *grid, *make, *meta, *name, *qualname;
+  if (!PyArg_ParseTuple(args, "OOO!UU", &grid, &make, &PyTuple_Type, &meta, &name, &qualname))
+    return NULL;
+  Py_ssize_t n = PyTuple_GET_SIZE(meta);
+  for (Py_ssize_t i = 0; i < n; i++) { /* checked once here, trusted at each launch */
+    PyObject *pair = PyTuple_GET_ITEM(meta, i);
+    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+      PyErr_SetString(PyExc_TypeError, "bind_grid_function: meta must hold (name, source) pairs");
+      return NULL;
+    }
+    PyObject *source = PyTuple_GET_ITEM(pair, 1);
+    if (PyLong_Check(source)) {
+      Py_ssize_t index = PyLong_AsSsize_t(source);
+      if (index < 0 || index >= self->nargs) {
+        PyErr_SetString(PyExc_ValueError, "bind_grid_function: an argument index is out of range");
+        return NULL;
+      }
+    } else if (!PyTuple_Check(source) || PyTuple_GET_SIZE(source) != 1) {
+      PyErr_SetString(PyExc_TypeError, "bind_grid_function: a source is an index or (constant,)");
+      return NULL;
+    }
+  }
+  if (!PyCallable_Check(grid)) {
+    PyErr_SetString(PyExc_TypeError, "bind_grid_function: grid must be callable");
+    return NULL;
+  }
+  BoundObject *bound = new_bound(self, make, name, qualname);
+  if (bound == NULL)
+    return NULL;
+  bound->grid_fn = Py_NewRef(grid);
+  bound->meta = Py_NewRef(meta);
+  PyObject_GC_Track(bound);
+  return (PyObject *)bound;
 }
 
 static PyObject *kernel_bind(KernelObject *self, PyObject *args) {
@@ -627,18 +759,9 @@ static PyObject *kernel_bind(KernelObject *self, PyObject *args) {
   if (grid_dimension(x, &gx, "x") < 0 || grid_dimension(y, &gy, "y") < 0 ||
       grid_dimension(z, &gz, "z") < 0)
     return NULL;
-  if (!PyCallable_Check(fallback)) {
-    PyErr_SetString(PyExc_TypeError, "bind: fallback must be callable");
-    return NULL;
-  }
-  BoundObject *bound = PyObject_GC_New(BoundObject, &BoundType);
+  BoundObject *bound = new_bound(self, fallback, name, qualname);
   if (bound == NULL)
     return NULL;
-  bound->vectorcall = bound_vectorcall;
-  bound->kernel = (KernelObject *)Py_NewRef(self);
-  bound->fallback = Py_NewRef(fallback);
-  bound->name = Py_NewRef(name);
-  bound->qualname = Py_NewRef(qualname);
   bound->gx = gx;
   bound->gy = gy;
   bound->gz = gz;
@@ -651,6 +774,8 @@ static int bound_traverse(BoundObject *self, visitproc visit, void *arg) {
   Py_VISIT(self->fallback);
   Py_VISIT(self->name);
   Py_VISIT(self->qualname);
+  Py_VISIT(self->grid_fn);
+  Py_VISIT(self->meta);
   return 0;
 }
 
@@ -659,6 +784,8 @@ static int bound_clear(BoundObject *self) {
   Py_CLEAR(self->fallback);
   Py_CLEAR(self->name);
   Py_CLEAR(self->qualname);
+  Py_CLEAR(self->grid_fn);
+  Py_CLEAR(self->meta);
   return 0;
 }
 
@@ -669,11 +796,15 @@ static void bound_dealloc(BoundObject *self) {
 }
 
 static PyObject *bound_repr(BoundObject *self) {
+  if (self->grid_fn != NULL)
+    return PyUnicode_FromFormat("<launch %U grid=%R>", self->qualname, self->grid_fn);
   return PyUnicode_FromFormat("<launch %U grid=(%u, %u, %u)>", self->qualname, self->gx, self->gy,
                               self->gz);
 }
 
 static PyObject *bound_grid(BoundObject *self, void *closure) {
+  if (self->grid_fn != NULL)
+    return Py_NewRef(self->grid_fn);
   return Py_BuildValue("(III)", self->gx, self->gy, self->gz);
 }
 
@@ -683,7 +814,7 @@ static PyMemberDef bound_members[] = {
     {"__vectorcalloffset__", T_PYSSIZET, offsetof(BoundObject, vectorcall), READONLY, NULL},
     {NULL}};
 
-static PyGetSetDef bound_getset[] = {{"grid", (getter)bound_grid, NULL, "the grid (x, y, z)", NULL},
+static PyGetSetDef bound_getset[] = {{"grid", (getter)bound_grid, NULL, "the grid (x, y, z), or the grid function", NULL},
                                      {NULL}};
 
 static PyTypeObject BoundType = {
@@ -720,7 +851,7 @@ PyMODINIT_FUNC PyInit__launch(void) {
   if (m == NULL)
     return NULL;
   if (PyModule_AddObjectRef(m, "Kernel", (PyObject *)&KernelType) < 0 ||
-      PyModule_AddIntConstant(m, "ABI", 1) < 0) {
+      PyModule_AddIntConstant(m, "ABI", 2) < 0) {
     Py_DECREF(m);
     return NULL;
   }

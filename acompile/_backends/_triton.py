@@ -865,6 +865,7 @@ class _Launches:
         from acompile._backends import _launcher
 
         order = tuple(signature)
+        self._constant_values = tuple(constants[n] for n in order if n in constants)
         self.by_grid: dict[Any, Callable[..., None]] = {}
         self._name = name
         stream_of = driver.active.get_current_stream
@@ -885,9 +886,10 @@ class _Launches:
             chain,
             _grid3,
             self._fast.launch if self._fast is not None else None,
-            *(constants[n] for n in order if n in constants),
+            *self._constant_values,
         )
         self._makers: dict[bool, Callable[..., Callable[..., None]]] = {}
+        self._meta: tuple[tuple[str, Any], ...] | None = None
 
     @property
     def launcher(self) -> str:
@@ -904,7 +906,20 @@ class _Launches:
 
     def with_grid_function(self, grid: Callable[..., Any]) -> Callable[..., None]:
         """The launch function for a grid computed from the arguments at each launch."""
-        return self._maker(True)(grid)
+        if self._fast is None:
+            return self._maker(True)(grid)
+        meta = self._meta
+        if meta is None:
+            # What the grid function is given, by name: each runtime argument's position, or a
+            # constexpr's value.
+            order, is_constant, _ = self._layout
+            runtime = iter(range(len(order)))
+            constants = iter(self._constant_values)
+            meta = self._meta = tuple(
+                (n, (next(constants),) if constant else next(runtime))
+                for n, constant in zip(order, is_constant, strict=True)
+            )
+        return self._fast.bind_grid_function(grid, self._maker(True), meta, self._name, self._name + "[grid]")  # type: ignore[no-any-return]
 
     def _maker(self, grid_function: bool) -> Callable[..., Callable[..., None]]:
         maker = self._makers.get(grid_function)
