@@ -224,7 +224,7 @@ class CompilePool:
             if self._target is None:
                 self._target = await anyio.to_thread.run_sync(local_target)
             if self._target.backend == "cuda":
-                _launcher.prepare()  # where kernels of this pool may launch (a GPU driver here)
+                _launcher.prepare()  # imported off the first launch, where a GPU driver is
             await self._cache.open()
             for name in self._preload:
                 # Imports (in a thread) and one-time costs now, not in the first request.

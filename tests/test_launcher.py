@@ -391,6 +391,9 @@ def test_the_launcher_is_off_where_asked_and_says_why_it_cannot_build(tmp_path: 
     code = textwrap.dedent("""
         import os, sys
         from acompile._backends import _launcher
+        # What a pool does as it starts: import a launcher built already, never build one.
+        assert _launcher.module(build=False) is None and _launcher._building is None
+        assert not os.path.exists(os.path.join(os.environ["ACOMPILE_CACHE_DIR"], "launcher"))
         os.environ["ACOMPILE_LAUNCHER"] = "triton"
         assert _launcher.module(wait=True) is None and _launcher.problem() == "turned off by ACOMPILE_LAUNCHER"
         del os.environ["ACOMPILE_LAUNCHER"]

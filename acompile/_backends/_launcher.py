@@ -65,9 +65,10 @@ def enabled() -> bool:
     return os.environ.get("ACOMPILE_LAUNCHER", "").strip().lower() not in ("triton", "0", "off")
 
 
-def module(*, wait: bool = False) -> ModuleType | None:
-    """The launcher's module, or None: turned off, not built yet (a build is started in the
-    background, or awaited with ``wait``), or it cannot be built here (see ``problem()``)."""
+def module(*, wait: bool = False, build: bool = True) -> ModuleType | None:
+    """The launcher's module, or None: turned off, not built yet (with ``build``, a build is
+    started in the background, or awaited with ``wait``), or it cannot be built here (see
+    ``problem()``)."""
     global _failed
     if _module is not None or not enabled():
         return _module
@@ -81,7 +82,7 @@ def module(*, wait: bool = False) -> ModuleType | None:
                     "acompile's launcher cannot be used (%s); kernels launch through Triton's", _failed
                 )
                 return None
-            if found is None and (_building is None or not _building.is_alive()):
+            if found is None and build and (_building is None or not _building.is_alive()):
                 _start_build()
             thread = _building
         else:
@@ -92,11 +93,15 @@ def module(*, wait: bool = False) -> ModuleType | None:
 
 
 def prepare() -> None:
-    """Have the launcher ready soon, without waiting: import it, or start building it, on a
-    thread. A pool for a CUDA target does this as it starts; on a machine without NVIDIA's
-    driver (a warm-up host compiling for a fleet) it does nothing."""
+    """Import the launcher on a thread if this machine built it already, so that the first
+    launch does not. A pool for a CUDA target does this as it starts, where NVIDIA's driver is
+    (not on a warm-up host compiling for a fleet). It builds nothing: a compiler running past
+    the pool's exit, in a process that may never launch a kernel, would be a process nobody
+    asked for; the first kernel loaded starts the build."""
     if _module is None and _failed is None and enabled() and os.path.exists("/dev/nvidiactl"):
-        threading.Thread(target=module, name="acompile-launcher", daemon=True).start()
+        threading.Thread(
+            target=module, kwargs={"build": False}, name="acompile-launcher", daemon=True
+        ).start()
 
 
 def problem() -> str | None:
