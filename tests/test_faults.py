@@ -424,3 +424,22 @@ async def test_a_stopped_template_is_replaced_and_the_jobs_of_its_killed_workers
                         worker.send_signal(signal.SIGKILL)
         assert sorted(outcomes) == [0, 1, 2, 3]  # type: ignore[type-var]
         assert not psutil.pid_exists(template.pid) or template.status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_ctrl_c_that_reaches_a_starting_pool_process_is_a_transient_start_failure() -> None:
+    """A new pool process is in the caller's process group until its first statement; a Ctrl-C
+    sent to that group then (a REPL, a notebook) ends its interpreter's start with status 1 and
+    a KeyboardInterrupt. That is a fault from outside, retried, not a failed pool: the text is
+    what CPython 3.11 prints for it."""
+    from acompile._workers._pool import TransientStartError, start_error
+    from acompile._workers._pool import WorkerStartError as StartError
+
+    interrupted = (
+        "Fatal Python error: init_import_site: Failed to import the site module\n"
+        "Python runtime state: initialized\nTraceback (most recent call last):\n"
+        '  File "<frozen site>", line 616, in <module>\nKeyboardInterrupt'
+    )
+    assert start_error(1, interrupted) is TransientStartError
+    assert start_error(-signal.SIGINT, "") is TransientStartError
+    assert start_error(1, "ModuleNotFoundError: No module named 'nope'") is StartError
+    assert start_error(-signal.SIGSEGV, "KeyboardInterrupt") is StartError

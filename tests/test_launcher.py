@@ -229,6 +229,13 @@ for grid, error in (((1, 2, 3, 4), "TypeError: grid must be an int or a tuple of
         assert f"{type(exc).__name__}: {exc}" == error, (grid, exc)
     else:
         raise AssertionError(f"grid {grid!r} was taken")
+class Clearing:  # changes the grid list while it is read
+    def __index__(self):
+        grid_list.clear()
+        return 2
+grid_list = [Clearing(), 3, 4]
+k2.bind_grid_function(lambda meta: grid_list, make, (), "g", "g[grid]")(None, None, 1)
+assert [fake.fake_dim(i) for i in range(3)] == [2, 3, 4]
 def failing_grid(meta):
     raise ZeroDivisionError("in the grid")
 try:

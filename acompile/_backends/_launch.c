@@ -602,13 +602,21 @@ static int parse_grid(PyObject *grid, unsigned int dims[3]) {
   static const char *axes[3] = {"x", "y", "z"};
   if (PyLong_Check(grid))
     return grid_dimension(grid, &dims[0], "x");
-  Py_ssize_t n = PyTuple_Check(grid) ? PyTuple_GET_SIZE(grid) : PyList_Check(grid) ? PyList_GET_SIZE(grid) : 0;
-  if (n < 1 || n > 3)
+  if (!PyTuple_Check(grid) && !PyList_Check(grid))
     goto wrong;
+  /* A list becomes a tuple first: an item's __index__ may change the list under the loop. */
+  PyObject *items = PySequence_Tuple(grid);
+  if (items == NULL)
+    return -1;
+  Py_ssize_t n = PyTuple_GET_SIZE(items);
+  if (n < 1 || n > 3) {
+    Py_DECREF(items);
+    goto wrong;
+  }
   for (Py_ssize_t i = 0; i < n; i++) {
-    PyObject *item = PyTuple_Check(grid) ? PyTuple_GET_ITEM(grid, i) : PyList_GET_ITEM(grid, i);
-    PyObject *index = PyNumber_Index(item);
+    PyObject *index = PyNumber_Index(PyTuple_GET_ITEM(items, i));
     if (index == NULL) {
+      Py_DECREF(items);
       if (!PyErr_ExceptionMatches(PyExc_TypeError))
         return -1;
       PyErr_Clear();
@@ -616,9 +624,12 @@ static int parse_grid(PyObject *grid, unsigned int dims[3]) {
     }
     int failed = grid_dimension(index, &dims[i], axes[i]);
     Py_DECREF(index);
-    if (failed)
+    if (failed) {
+      Py_DECREF(items);
       return -1;
+    }
   }
+  Py_DECREF(items);
   return 0;
 wrong:
   PyErr_Format(PyExc_TypeError, "grid must be an int or a tuple of 1 to 3 ints, got %R", grid);
@@ -851,7 +862,7 @@ PyMODINIT_FUNC PyInit__launch(void) {
   if (m == NULL)
     return NULL;
   if (PyModule_AddObjectRef(m, "Kernel", (PyObject *)&KernelType) < 0 ||
-      PyModule_AddIntConstant(m, "ABI", 2) < 0) {
+      PyModule_AddIntConstant(m, "ABI", 3) < 0) {
     Py_DECREF(m);
     return NULL;
   }

@@ -267,7 +267,7 @@ def _load(path: Path) -> ModuleType:
         raise ImportError(f"cannot load {path}")
     built = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(built)
-    if getattr(built, "ABI", None) != 2:
+    if getattr(built, "ABI", None) != 3:
         raise ImportError(f"{path} is not this version's launcher")
     return built
 

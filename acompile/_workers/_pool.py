@@ -431,7 +431,7 @@ class WorkerPool:
             self.alive.pop(worker.pid, None)
             code = await stop(worker)
             tail = await anyio.to_thread.run_sync(stderr_tail, stderr_path)
-            error = TransientStartError if code in EXTERNAL else WorkerStartError
+            error = start_error(code, tail)
             raise error(f"worker process {describe_exit(code)} during preload\n{tail}".rstrip()) from exc
         except TimeoutError:
             self.alive.pop(worker.pid, None)
@@ -569,7 +569,7 @@ class WorkerPool:
             if isinstance(exc, (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError)):
                 code = template.process.returncode
                 tail = await anyio.to_thread.run_sync(stderr_tail, stderr_path)
-                error = TransientStartError if code in EXTERNAL else WorkerStartError
+                error = start_error(code, tail)
                 raise error(
                     f"the template process {describe_exit(code)} during preload\n{tail}".rstrip()
                 ) from exc
@@ -849,6 +849,16 @@ class WorkerPool:
                         self.memory_limit >> 20,
                     )
                     worker.signal_kill()
+
+
+def start_error(code: int | None, tail: str) -> type[WorkerStartError]:
+    """The error of a pool process that died while it started: transient (retried) when it came
+    from outside: killed by a signal, or a Ctrl-C that reached it while its interpreter started
+    (a new process is in the caller's process group until its first statement: Python then
+    fails its start with status 1 and a KeyboardInterrupt)."""
+    if code in EXTERNAL or (code == 1 and "KeyboardInterrupt" in tail):
+        return TransientStartError
+    return WorkerStartError
 
 
 def _failure(reply: Any) -> str:
