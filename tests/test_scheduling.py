@@ -265,3 +265,30 @@ async def test_the_cost_file_keeps_the_newest_records_only(tmp_path: Path) -> No
     kept = json.loads((tmp_path / COSTS_FILE).read_text())["records"]
     assert len(kept) == MAX_RECORDS
     assert all(f"new{i}" in kept for i in range(5))
+
+
+async def test_a_gather_on_idle_workers_starts_its_longest_compile_first(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    """With a worker idle, the first request of a gather to arrive would go straight to it; the
+    gather holds its jobs until all have arrived (or 50 ms), so the one expected longest, here
+    the last given, starts first."""
+    specs = [acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": b}) for b in (64, 128, 256, 512)]
+    async with acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir) as p:
+        keys = [k.key for k in await p.gather(*specs)]
+    shutil.rmtree(cache_dir / "v1")  # compiled again below; their times, as if measured:
+    document = json.loads((cache_dir / COSTS_FILE).read_text())
+    for key, seconds in zip(keys, (0.1, 0.2, 0.3, 9.0), strict=True):
+        document["records"][key[:16]][0] = seconds
+    (cache_dir / COSTS_FILE).write_text(json.dumps(document))
+    trace = tmp_path / "trace.json"
+    async with acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir) as p:
+        await p.wait_ready()
+        async with p.trace(trace):
+            await p.gather(*specs)
+    events = json.loads(trace.read_text())["traceEvents"]
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    jobs = sorted(
+        (e for e in events if e["ph"] == "X" and tracks[e["tid"]].startswith("worker")), key=lambda e: e["ts"]
+    )
+    assert [e["args"]["key"] for e in jobs] == [keys[3], keys[2], keys[1], keys[0]]

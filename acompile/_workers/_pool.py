@@ -250,6 +250,20 @@ class WorkerPool:
         as cancelled when its slot sees it)."""
         job.abandon()
 
+    def hold_dispatch(self) -> Callable[[], None]:
+        """Queue new jobs even where workers are idle, until the returned function is called
+        (once): a batch of requests then starts longest first (see ``JobQueue.hold``)."""
+        self.queue.hold()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.queue.release()
+
+        return release
+
     def promote(self, job: Job) -> None:
         """Move a queued background job to the urgent lane."""
         self.queue.promote(job)

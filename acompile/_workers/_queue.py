@@ -125,6 +125,7 @@ class JobQueue:
         self._lanes: tuple[list[tuple[tuple[int, float, int], Job]], ...] = ([], [])
         self._sequence = itertools.count()
         self._takers: list[Taker] = []
+        self._held = 0
 
     def __len__(self) -> int:
         return sum(1 for i, lane in enumerate(self._lanes) for _, job in lane if self._live(job, i))
@@ -139,18 +140,40 @@ class JobQueue:
         its lane by expected time (``front``: a job put back, retried or quiesced, goes before
         every other of its lane)."""
         job.state = "queued"
+        if self._held or not self._hand_over(job):
+            self._push(job, front)
+
+    def _hand_over(self, job: Job) -> bool:
+        """Give ``job`` to the idle worker that waited last; False if none takes it."""
         while self._takers:
             taker = self._takers.pop()
             if taker.deliver(job):
                 taker.job = job
                 taker.event.set()
-                return
+                return True
             # Refused: its worker is gone (its exit is known, but its slot has not caught up yet)
             # or the epoch ends. It is out of the queue now, where withdraw() no longer finds it:
             # woken empty-handed here, its slot sees why and replaces the worker; unwoken, it
             # would wait in get() forever, and its slot with it.
             taker.event.set()
-        self._push(job, front)
+        return False
+
+    def hold(self) -> None:
+        """Queue what is put, even with idle workers, until ``release()``: many jobs about to
+        arrive (a ``gather``) then start longest first, not in the order they arrive."""
+        self._held += 1
+
+    def release(self) -> None:
+        """End a ``hold()``: the idle workers take the queued jobs, longest first."""
+        self._held -= 1
+        if self._held == 0:
+            while self._takers:
+                job = self.pop()
+                if job is None:
+                    break
+                if not self._hand_over(job):
+                    self._push(job, front=False)
+                    break
 
     def _push(self, job: Job, front: bool) -> None:
         sequence = next(self._sequence)
