@@ -502,7 +502,7 @@ class WorkerPool:
                 except BaseException:
                     # Cancelled right after the start: nobody else knows this process yet.
                     with anyio.CancelScope(shield=True):
-                        kill_group(process.pid)
+                        kill_group(process.pid, unreaped=True)
                         await process.wait()
                         await process.aclose()
                     raise
@@ -833,7 +833,7 @@ class WorkerPool:
                     logger.warning(
                         "the template pid %d has been stopped by a signal; replacing it", template.pid
                     )
-                    kill_group(template.pid)
+                    kill_group(template.pid, unreaped=True)
             if not workers:
                 continue
             samples = await anyio.to_thread.run_sync(sample_all, [w.pid for w in workers])

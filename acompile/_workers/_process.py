@@ -102,7 +102,7 @@ class SpawnedWorker(_WorkerBase):
 
     def signal_kill(self) -> None:
         if self.process.returncode is None:
-            kill_group(self.pid)
+            kill_group(self.pid, unreaped=True)
 
     async def wait_exit(self) -> None:
         await self.process.wait()
@@ -163,16 +163,21 @@ async def stop(worker: SpawnedWorker | ForkedWorker) -> int | None:
     return worker.returncode
 
 
-def kill_group(pid: int) -> None:
-    """SIGKILL the process group that worker pid leads (it and every compiler it started)."""
+def kill_group(pid: int, *, unreaped: bool = False) -> None:
+    """SIGKILL the process group that worker pid leads (it and every compiler it started).
+
+    ``unreaped``: the caller knows the process has not been reaped (its pid is still its own),
+    and it may not lead its group yet (a spawned process makes it at its first statement): with
+    no such group, the process alone is killed. Without it, no group means nothing to kill: the
+    pid may already be another process's."""
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
-        # No such group: gone, or not a group leader yet (killed before its first statement).
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if unreaped:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     except PermissionError:
         # Not a group of ours (the pid was never a group leader): the process alone.
         try:

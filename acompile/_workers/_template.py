@@ -290,7 +290,7 @@ async def stop_template(template: Template, *, at_once: bool = False) -> None:
     preloading, and would notice EOF only when done): kill it now, leaving costs no preload."""
     with anyio.CancelScope(shield=True):
         if at_once:
-            kill_group(template.pid)
+            kill_group(template.pid, unreaped=True)
         try:
             await template.stdin.aclose()
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
@@ -298,7 +298,7 @@ async def stop_template(template: Template, *, at_once: bool = False) -> None:
         with anyio.move_on_after(2):
             await template.process.wait()
         if template.process.returncode is None:
-            kill_group(template.pid)
+            kill_group(template.pid, unreaped=True)
             with anyio.move_on_after(5):
                 await template.process.wait()
         await template.process.aclose()
