@@ -4,8 +4,9 @@
  * metadata, the launch hooks, the scratch buffers and every argument, parses them, and checks
  * the launch flags again; its Python half allocates scratch it rarely needs. Here everything
  * that cannot change between two launches of one kernel is read once, when the kernel is
- * loaded (`Kernel`), and a launch of a fixed grid (`Kernel.bind`) takes only the kernel's
- * runtime arguments: a vectorcall, one pass over the arguments, cuLaunchKernelEx.
+ * loaded (`Kernel`), and a launch (`Kernel.bind` for a grid of ints, `Kernel.bind_grid_function`
+ * for a grid function, called here with the arguments by name) takes only the kernel's runtime
+ * arguments: a vectorcall, one pass over the arguments, cuLaunchKernelEx.
  *
  * Safety over speed where they meet:
  * - `Kernel` compares the parameter list the driver reports for the loaded function
@@ -16,7 +17,8 @@
  *   as in Triton, never a launch that faults on the GPU.
  * - An integer that does not fit its parameter's type is an OverflowError, not a silent wrap.
  * - Anything this launcher does not take (an argument by name, a wrong count, an installed
- *   launch hook) goes to the Python launch function given to `bind`, which behaves as before.
+ *   launch hook) goes to the Python launch function given to `bind` (or made by the function given
+ *   to `bind_grid_function`), which behaves as before.
  *
  * The driver is opened with dlopen at the first `Kernel`: importing this module needs no GPU.
  */

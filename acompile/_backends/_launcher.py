@@ -33,7 +33,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -326,9 +326,7 @@ def build() -> Path:
         ]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
         if done.returncode != 0:
-            raise RuntimeError(
-                f"{' '.join(command[:1])} failed ({done.returncode}): {done.stderr.strip()[-2000:]}"
-            )
+            raise RuntimeError(f"{compiler[0]} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
         checksum = Path(scratch) / "sha256"
         checksum.write_text(hashlib.sha256(out.read_bytes()).hexdigest())
         # The checksum first: a library in place always has its checksum beside it (a reader
@@ -337,10 +335,3 @@ def build() -> Path:
         os.replace(checksum, _checksum_path(target))
         os.replace(out, target)
     return target
-
-
-def bind(kernel: Any, grid: Sequence[int], fallback: Callable[..., None], name: str) -> Callable[..., None]:
-    """``kernel[grid]``: the launcher's launch function of a grid, falling back to ``fallback``
-    (the Python launch function of the same grid) for what it does not take."""
-    gx, gy, gz = grid
-    return kernel.bind(gx, gy, gz, fallback, name, name + "[grid]")  # type: ignore[no-any-return]

@@ -242,15 +242,8 @@ def cpu_waits(pid: int) -> tuple[int, int]:
     """(nanoseconds run on a CPU, nanoseconds waited for one while runnable) of a process and
     every process under it (its compilers), from /proc/PID/task/*/schedstat (Linux); zeros
     where that cannot be read."""
-    import psutil  # here: workers import this module, and need none of it
-
     ran = waited = 0
-    try:
-        family = [psutil.Process(pid)]
-        family += family[0].children(recursive=True)
-    except psutil.Error:
-        return 0, 0
-    for process in family:
+    for process in _family(pid):
         try:
             tasks = os.listdir(f"/proc/{process.pid}/task")
         except OSError:
@@ -266,18 +259,24 @@ def cpu_waits(pid: int) -> tuple[int, int]:
     return ran, waited
 
 
-def raise_priority(pid: int, nice: int) -> None:
-    """Take a process and every process under it out of ``SCHED_IDLE``, to this process's nice
-    value plus ``nice``: for idle-policy workers that other work starves."""
-    import psutil
+def _family(pid: int) -> list[Any]:
+    """A process and every process under it (its compilers, a template's forked workers), as
+    psutil processes; empty where it is gone."""
+    import psutil  # here: workers import this module, and need none of it
 
     try:
         family = [psutil.Process(pid)]
         family += family[0].children(recursive=True)
     except psutil.Error:
-        return
+        return []
+    return family
+
+
+def raise_priority(pid: int, nice: int) -> None:
+    """Take a process and every process under it out of ``SCHED_IDLE``, to this process's nice
+    value plus ``nice``: for idle-policy workers that other work starves."""
     target = os.getpriority(os.PRIO_PROCESS, 0) + nice
-    for process in family:
+    for process in _family(pid):
         try:
             if os.sched_getscheduler(process.pid) == os.SCHED_IDLE:
                 os.sched_setscheduler(process.pid, os.SCHED_OTHER, os.sched_param(0))
