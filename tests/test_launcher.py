@@ -429,3 +429,26 @@ def test_the_launcher_is_off_where_asked_and_says_why_it_cannot_build(tmp_path: 
         assert "/nonexistent/cc" in done.stdout, done.stdout
         # ...and the fallback is said once, at warning level, not raised at a launch.
         assert "kernels launch through Triton's" in done.stderr, done.stderr
+
+
+def test_the_launcher_builds_below_the_callers_priority(tmp_path: Path) -> None:
+    """The build runs in the caller's process, the first time a kernel loads (a model server's
+    start-up): its compiler runs at nice 19, below the event loop, which keeps its own."""
+    if _launcher._cuda_include() is None:
+        pytest.skip("Triton's CUDA headers are not installed")
+    seen = tmp_path / "nice.txt"
+    wrapper = tmp_path / "cc"
+    # Field 19 of /proc/PID/stat is the nice value (the name, field 2, has no spaces here).
+    wrapper.write_text(f'#!/bin/sh\ncut -d" " -f19 /proc/$$/stat > {seen}\nexec cc "$@"\n')
+    wrapper.chmod(0o755)
+    code = textwrap.dedent("""
+        import os
+        from acompile._backends import _launcher
+        assert _launcher.module(wait=True) is not None, _launcher.problem()
+        print(os.getpriority(os.PRIO_PROCESS, 0))
+    """)
+    env = {**os.environ, "ACOMPILE_CACHE_DIR": str(tmp_path / "cache"), "CC": str(wrapper)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == str(os.getpriority(os.PRIO_PROCESS, 0))  # the caller: unchanged
+    assert seen.read_text().strip() == "19"

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import anyio
@@ -361,6 +364,60 @@ async def test_pool_processes_stay_in_the_callers_session_each_a_process_group_o
         for pid in pids:
             assert os.getsid(pid) == os.getsid(0), pid
             assert os.getpgid(pid) == pid and pid != os.getpgid(0), pid
+
+
+def test_families_and_cpu_waits_cover_each_process_and_everything_under_it() -> None:
+    """The starvation guard samples every pool process and what it started (compilers, forked
+    workers) from one pass over the process table: each pid's family is it and its
+    descendants, nobody else's, and a pid that is gone has none."""
+    from acompile._workers._process import cpu_waits, families
+
+    # Two trees: a shell with a busy child and a sleeping one, and a lone sleeper.
+    tree = psutil.Popen(["sh", "-c", f"{sys.executable} -c 'while True: pass' & sleep 30 & wait"])
+    lone = psutil.Popen(["sleep", "30"])
+    gone = psutil.Popen(["true"])
+    gone.wait()
+    try:
+        deadline = time.monotonic() + 10
+        while len(tree.children()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        below = {child.pid for child in tree.children(recursive=True)}
+        assert len(below) == 2
+        time.sleep(0.3)  # the busy child runs
+        tree_family, lone_family, gone_family = families([tree.pid, lone.pid, gone.pid])
+        assert tree_family[0] == tree.pid and set(tree_family) == {tree.pid, *below}
+        assert lone_family == [lone.pid]
+        assert gone_family == []
+        (tree_ran, _), (lone_ran, _), (gone_ran, gone_waited) = cpu_waits([tree.pid, lone.pid, gone.pid])
+        assert tree_ran > 0.1e9 > lone_ran  # the busy child's CPU time counts for its tree
+        assert (gone_ran, gone_waited) == (0, 0)
+    finally:
+        for process in [*tree.children(recursive=True), tree, lone]:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        for process in (tree, lone):
+            process.wait()
+
+
+def test_a_pool_imports_nothing_once_acompile_is_imported() -> None:
+    """Whatever a pool needs is imported with acompile, never on the caller's event loop as the
+    pool starts (anyio imports its subprocess module on first use: ~5 ms of the loop)."""
+    script = (
+        "import sys, tempfile\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "import anyio, acompile\n"
+        "from fake_backend import run_job\n"
+        "async def main():\n"
+        "    before = set(sys.modules)\n"
+        "    async with acompile.CompilePool(1, preload=(), target='cuda:90', cache_dir=tempfile.mkdtemp()) as p:\n"
+        "        await run_job(p, 'fake_backend', {'name': 'p', 'action': 'pid'}, 'p')\n"
+        "        await anyio.sleep(0.6)  # the pool's watchers sample its processes\n"
+        "    print(sorted(set(sys.modules) - before))\n"
+        "anyio.run(main)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")

@@ -38,6 +38,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from acompile._workers._process import lower_this_thread
+
 logger = logging.getLogger("acompile")
 
 SOURCE = Path(__file__).with_name("_launch.c")
@@ -280,6 +282,7 @@ def _start_build() -> None:
 
 def _build_in_background() -> None:
     global _module
+    lower_this_thread()  # the compiler it runs too: the caller's event loop comes first
     for attempt in range(2):
         try:
             built = _load(build())

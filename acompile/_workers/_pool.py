@@ -37,6 +37,10 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
+# Resolved here, at import: anyio imports its subprocess module on first use, which would be on
+# the event loop, in the pool's start (~5 ms).
+from anyio import open_process
+
 from acompile._errors import (
     CompileError,
     CompileTimeoutError,
@@ -487,7 +491,7 @@ class WorkerPool:
                 # and nobody would reap it. The start takes milliseconds; the check below
                 # handles the cancellation.
                 with anyio.CancelScope(shield=True):
-                    process = await anyio.open_process(
+                    process = await open_process(
                         command,
                         stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE,
@@ -795,7 +799,7 @@ class WorkerPool:
             if self.config.get("nice") != "idle":
                 await anyio.to_thread.run_sync(_raise_priorities, pids)
                 continue
-            samples = await anyio.to_thread.run_sync(_cpu_waits_of, pids)
+            samples = await anyio.to_thread.run_sync(cpu_waits, pids)
             now = time.monotonic()
             starved = False
             for pid, (ran, waited) in zip(pids, samples, strict=True):
@@ -891,13 +895,8 @@ def _unsendable_error(job: Job, exc: Exception) -> CompileError:
     )
 
 
-def _cpu_waits_of(pids: list[int]) -> list[tuple[int, int]]:
-    return [cpu_waits(pid) for pid in pids]
-
-
 def _raise_priorities(pids: list[int]) -> None:
-    for pid in pids:
-        raise_priority(pid, _STARVED_NICE)
+    raise_priority(pids, _STARVED_NICE)
 
 
 def _starved(config: dict[str, Any]) -> str:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +23,7 @@ from acompile._workers._protocol import MessageReceiver
 
 if TYPE_CHECKING:
     from acompile._workers._template import UnixConnection
+
 
 # Signals that say "killed from outside" (an operator, an OOM killer, a chaos test) rather than
 # "the compiler crashed": a job whose worker dies of one is retried once on a fresh worker.
@@ -238,51 +241,114 @@ def describe_exit(code: int | None) -> str:
     return f"exited with status {code}"
 
 
-def cpu_waits(pid: int) -> tuple[int, int]:
-    """(nanoseconds run on a CPU, nanoseconds waited for one while runnable) of a process and
-    every process under it (its compilers), from /proc/PID/task/*/schedstat (Linux); zeros
-    where that cannot be read."""
-    ran = waited = 0
-    for process in _family(pid):
-        try:
-            tasks = os.listdir(f"/proc/{process.pid}/task")
-        except OSError:
-            continue
-        for task in tasks:
+def lower_this_thread() -> None:
+    """Put the calling thread (and the processes it starts, which inherit its nice value) at
+    nice 19, below the caller's event loop: for background work in the caller's process that
+    nothing waits for (building the launcher: kernels launch through Triton's meanwhile),
+    which would otherwise take CPU slices of several milliseconds from the loop on a small
+    machine. Not for work a request waits on: on a machine busy at normal priority, nice 19
+    gets a few percent of a CPU (Triton's key, 0.4 s of hashing, took over 30 s so). Linux
+    only (elsewhere a pid is a whole process); a thread of a shared pool must not call this."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, tid) < 19:
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+    except OSError:
+        pass
+
+
+def cpu_waits(pids: list[int]) -> list[tuple[int, int]]:
+    """For each of ``pids``: (nanoseconds run on a CPU, nanoseconds waited for one while
+    runnable) of the process and every process under it (its compilers, a template's forked
+    workers), from /proc/PID/task/*/schedstat (Linux); zeros where that cannot be read."""
+    samples = []
+    for family in families(pids):
+        ran = waited = 0
+        for member in family:
             try:
-                with open(f"/proc/{process.pid}/task/{task}/schedstat", "rb") as f:
-                    fields = f.read().split()
-                ran += int(fields[0])
-                waited += int(fields[1])
-            except (OSError, ValueError, IndexError):
+                tasks = os.listdir(f"/proc/{member}/task")
+            except OSError:
                 continue
-    return ran, waited
+            for task in tasks:
+                try:
+                    with open(f"/proc/{member}/task/{task}/schedstat", "rb") as f:
+                        fields = f.read().split()
+                    ran += int(fields[0])
+                    waited += int(fields[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+        samples.append((ran, waited))
+    return samples
 
 
-def _family(pid: int) -> list[Any]:
-    """A process and every process under it (its compilers, a template's forked workers), as
-    psutil processes; empty where it is gone."""
+def families(pids: list[int]) -> list[list[int]]:
+    """For each of ``pids``: it and every process under it, found in one pass over the process
+    table (the pool samples its processes twice a second, and a pass per process, as
+    ``psutil.Process.children`` makes, costs a sixteen-worker pool's loop thread tens of
+    milliseconds a second on a busy machine); ``[]`` for one that is gone."""
+    parents = _parent_map()
+    if parents is None:
+        return [_psutil_family(pid) for pid in pids]
+    children: dict[int, list[int]] = {}
+    for child, parent in parents.items():
+        children.setdefault(parent, []).append(child)
+    out: list[list[int]] = []
+    for pid in pids:
+        if pid not in parents:
+            out.append([])
+            continue
+        family, todo = [], [pid]
+        while todo:
+            member = todo.pop()
+            family.append(member)
+            todo.extend(children.get(member, ()))
+        out.append(family)
+    return out
+
+
+def _parent_map() -> dict[int, int] | None:
+    """{pid: parent pid} of every process, from /proc (None where there is no /proc)."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    parents = {}
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                # The name is in parentheses and may hold spaces: state, then ppid, follow ")".
+                parents[int(name)] = int(f.read().rpartition(b")")[2].split(maxsplit=2)[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return parents
+
+
+def _psutil_family(pid: int) -> list[int]:
     import psutil  # here: workers import this module, and need none of it
 
     try:
-        family = [psutil.Process(pid)]
-        family += family[0].children(recursive=True)
+        process = psutil.Process(pid)
+        return [pid, *(child.pid for child in process.children(recursive=True))]
     except psutil.Error:
         return []
-    return family
 
 
-def raise_priority(pid: int, nice: int) -> None:
-    """Take a process and every process under it out of ``SCHED_IDLE``, to this process's nice
-    value plus ``nice``: for idle-policy workers that other work starves."""
+def raise_priority(pids: list[int], nice: int) -> None:
+    """Take processes and every process under them out of ``SCHED_IDLE``, to this process's
+    nice value plus ``nice``: for idle-policy workers that other work starves."""
     target = os.getpriority(os.PRIO_PROCESS, 0) + nice
-    for process in _family(pid):
-        try:
-            if os.sched_getscheduler(process.pid) == os.SCHED_IDLE:
-                os.sched_setscheduler(process.pid, os.SCHED_OTHER, os.sched_param(0))
-                os.setpriority(os.PRIO_PROCESS, process.pid, target)
-        except (OSError, AttributeError):
-            continue
+    for family in families(pids):
+        for member in family:
+            try:
+                if os.sched_getscheduler(member) == os.SCHED_IDLE:
+                    os.sched_setscheduler(member, os.SCHED_OTHER, os.sched_param(0))
+                    os.setpriority(os.PRIO_PROCESS, member, target)
+            except (OSError, AttributeError):
+                continue
 
 
 def sample_all(pids: list[int]) -> list[tuple[int | None, bool]]:
