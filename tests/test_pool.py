@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -418,6 +419,34 @@ def test_a_pool_imports_nothing_once_acompile_is_imported() -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_an_idle_policy_worker_polls_briefly_for_its_next_job_and_one_at_normal_policy_does_not() -> None:
+    """A job sent to a sleeping worker waits for it to wake, and one under SCHED_IDLE wakes
+    late: such a worker polls its socket for _POLL_SECONDS after each job (on CPU time nothing
+    else wanted) before it sleeps. A worker at a normal policy must not (its polling would take
+    CPU from the caller's event loop), nor one that has a job waiting already."""
+    code = textwrap.dedent("""
+        import os, socket, time
+        from acompile._workers import _main
+        a, b = socket.socketpair()
+        def waited(fd):
+            t, c = time.perf_counter(), time.thread_time()
+            _main._await_next_job(fd)
+            return time.perf_counter() - t, time.thread_time() - c
+        normal = waited(a.fileno())
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        idle = waited(a.fileno())
+        b.send(b"x")
+        ready = waited(a.fileno())
+        print(*normal, *idle, *ready, _main._POLL_SECONDS)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    _, normal_cpu, idle_wall, _, _, ready_cpu, poll = map(float, out.stdout.split())
+    assert idle_wall >= poll  # nothing came: it polled to the end (wall time: load cannot shorten it)
+    # CPU time, which load does not lengthen: next to nothing at a normal policy, or with a job.
+    assert normal_cpu < 0.25 * poll and ready_cpu < 0.25 * poll
 
 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
