@@ -57,6 +57,17 @@ the tier was unreachable, refused writes, or dropped them.
 """
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: a count of at least 1 (argparse's own message names the option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command; returns its exit status."""
     try:
@@ -117,7 +128,9 @@ def _main(argv: list[str]) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     warm.add_argument("manifest", type=Path, help="a TOML file of [[kernel]] entries")
-    warm.add_argument("--workers", type=int, default=None, help="worker processes (default: usable CPUs)")
+    warm.add_argument(
+        "--workers", type=_positive_int, default=None, help="worker processes (default: usable CPUs)"
+    )
     warm.add_argument(
         "--target", default=None, help="target for kernels whose entry names none, e.g. cuda:90"
     )
@@ -605,6 +618,14 @@ def _cache_prune(args: argparse.Namespace, root: Path) -> int:
     if args.max_size is None and args.max_age is None:
         print(
             "acompile cache prune: say --max-size (e.g. 10GiB), --max-age (e.g. 30d) or both", file=sys.stderr
+        )
+        return 2
+    if args.max_size is not None and args.max_size.strip().replace(".", "", 1).isdigit():
+        # A bare number would be bytes: "--max-size 10" meant as 10 GiB would empty the cache.
+        n = args.max_size.strip()
+        print(
+            f"acompile cache prune: --max-size {n} needs a unit: e.g. {n}GiB, {n}MiB, or {n}B for bytes",
+            file=sys.stderr,
         )
         return 2
     try:

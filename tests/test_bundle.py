@@ -576,6 +576,10 @@ def test_cli_prune(cache_dir: Path) -> None:
     for bad in (["--max-age", "3x"], ["--max-size", "lots"]):
         out = acompile_cmd("cache", "prune", *bad, "--cache-dir", str(cache_dir))
         assert out.returncode == 2 and "cannot read" in out.stderr
+    # A bare number would be bytes (it would empty the cache): a unit is asked for, nothing goes.
+    out = acompile_cmd("cache", "prune", "--max-size", "10", "--cache-dir", str(cache_dir))
+    assert out.returncode == 2 and "needs a unit: e.g. 10GiB" in out.stderr
+    assert sorted(on_disk(cache_dir)) == keys
     out = acompile_cmd(
         "cache", "prune", "--max-age", "2d", "--max-size", "10GiB", "--cache-dir", str(cache_dir)
     )

@@ -117,6 +117,9 @@ def test_warmup_explains_a_bad_manifest(tmp_path: Path) -> None:
         assert message in out.stderr, (text, out.stderr)
     missing = acompile_cmd("warmup", str(tmp_path / "absent.toml"))
     assert missing.returncode == 2 and "no manifest at" in missing.stderr
+    for workers, message in (("0", "must be at least 1, got 0"), ("two", "not a whole number: 'two'")):
+        out = acompile_cmd("warmup", str(manifest), "--workers", workers)
+        assert out.returncode == 2 and f"argument --workers: {message}" in out.stderr, out.stderr
 
 
 def test_warmup_log_lines_start_on_their_own_line_under_the_progress_bar(tmp_path: Path) -> None:

@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--child"]:
         return harness.child_main(CHILDREN, argv)
-    parser = argparse.ArgumentParser(prog="acompile bench --autotune", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="acompile bench --autotune", description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=int, default=4096, help="M = N = K (a multiple of 16)")
     parser.add_argument("--workers", type=int, default=None, help="acompile's workers (default: CPUs)")
     parser.add_argument("--warmup", type=int, default=None, help="acompile: at most this many warm-ups")
