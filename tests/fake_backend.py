@@ -63,6 +63,12 @@ def compile(payload: dict[str, Any]) -> Any:
     if action == "sleep":
         time.sleep(payload["seconds"])
         return os.getpid() if payload.get("pid") else payload.get("value", "slept")
+    if action == "burn":
+        # A compile's CPU use: busy for "cpu_s" seconds of this process's own CPU time.
+        end = time.process_time() + payload["cpu_s"]
+        while time.process_time() < end:
+            pass
+        return os.getpid()
     if action == "hold":
         # Runs until the test creates the file named by "until": a job whose end the test decides,
         # for tests that need a job still running while they do something else.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from fake_backend import local_executor, run_job
 from processes import forked_and_fresh, gone, template_pids, until, worker_pids
 
 import acompile
-from acompile._workers import Job, JobCancelled
+from acompile._workers import Job, JobCancelled, WorkerPool
 
 pytestmark = pytest.mark.anyio
 FAKE = "fake_backend"
@@ -389,15 +390,30 @@ def test_families_and_cpu_waits_cover_each_process_and_everything_under_it() -> 
         assert tree_family[0] == tree.pid and set(tree_family) == {tree.pid, *below}
         assert lone_family == [lone.pid]
         assert gone_family == []
-        (tree_ran, _), (lone_ran, _), (gone_ran, gone_waited) = cpu_waits([tree.pid, lone.pid, gone.pid])
+        samples, together = cpu_waits([tree.pid, lone.pid, gone.pid])
+        (tree_ran, _), (lone_ran, _), (gone_ran, gone_waited) = samples
         assert tree_ran > 0.1e9 > lone_ran  # the busy child's CPU time counts for its tree
         assert (gone_ran, gone_waited) == (0, 0)
+        assert together == tree_ran + lone_ran  # from the same reads
+        # Families that overlap (a tree and a process in it) count each process once together.
+        busy = max(below, key=lambda pid: psutil.Process(pid).cpu_times().user)
+        (tree_ran, _), (busy_ran, _) = (overlap := cpu_waits([tree.pid, busy]))[0]
+        assert busy_ran > 0.1e9 and overlap[1] < tree_ran + busy_ran and overlap[1] >= tree_ran
     finally:
         for process in [*tree.children(recursive=True), tree, lone]:
             with contextlib.suppress(psutil.Error):
                 process.kill()
         for process in (tree, lone):
             process.wait()
+
+
+def test_a_process_table_read_while_pids_were_reused_is_walked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pid reused while the table was read can make its parent map a cycle (A's parent B, B's
+    A): each family is still finite, every pid in it once."""
+    from acompile._workers import _process
+
+    monkeypatch.setattr(_process, "_parent_map", lambda: {100: 200, 200: 100, 300: 100})
+    assert sorted(_process.families([100])[0]) == [100, 200, 300]
 
 
 def test_a_pool_imports_nothing_once_acompile_is_imported() -> None:
@@ -447,6 +463,50 @@ def test_an_idle_policy_worker_polls_briefly_for_its_next_job_and_one_at_normal_
     assert idle_wall >= poll  # nothing came: it polled to the end (wall time: load cannot shorten it)
     # CPU time, which load does not lengthen: next to nothing at a normal policy, or with a job.
     assert normal_cpu < 0.25 * poll and ready_cpu < 0.25 * poll
+
+
+@pytest.mark.parametrize("nice", [0, "idle"])
+async def test_a_preload_that_holds_a_thousand_descriptors_does_not_stop_the_pool(
+    tmp_path: Path, nice: int | str
+) -> None:
+    """The template and its forked workers wait on descriptors numbered past 1023 then (the
+    template's wake-up pipe, a worker's socket): with select() the template failed at every
+    start and no job ran."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip("needs a descriptor limit of 2048")
+    config = {"sys_path": list(sys.path), "cwd": os.getcwd(), "preload": ["many_fds_backend"], "nice": nice}
+    workers = WorkerPool(1, config, str(tmp_path), use_template=True)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(workers.serve)
+        workers.wakeup()
+        with anyio.fail_after(60):
+            pids = {await workers.run(Job("many_fds_backend", {}, f"j{i}")) for i in range(3)}
+        stats = workers.stats()["workers"]
+        tg.cancel_scope.cancel()
+    assert len(pids) == 1  # one worker ran all three: nothing crashed or was restarted
+    assert stats["forked"] == 1 and not stats["restarts"], stats
+
+
+async def test_more_idle_workers_than_cpus_busy_with_their_own_jobs_are_not_starved(
+    cache_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Six workers per CPU, each compiling: each waits for a CPU most of the time, behind the
+    others, with nothing else running. That is not starvation (the pool has every CPU), and the
+    workers stay under SCHED_IDLE instead of moving to nice +5 and competing with the loop."""
+    from acompile._sizing import usable_cpus
+
+    if usable_cpus() > 4:
+        pytest.skip("six workers per CPU: for small machines")
+    workers = 6 * usable_cpus()
+    async with pool(cache_dir, workers=workers) as p:
+        await p.wait_ready()
+        async with anyio.create_task_group() as tg:
+            for i in range(workers):
+                tg.start_soon(run_job, p, FAKE, {"name": f"b{i}", "action": "burn", "cpu_s": 0.8}, f"b{i}")
+        pids = worker_pids()
+        assert pids and all(os.sched_getscheduler(pid) == os.SCHED_IDLE for pid in pids)
+    assert "running them at nice +5" not in caplog.text
 
 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")

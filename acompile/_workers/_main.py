@@ -161,9 +161,11 @@ def _await_next_job(fd: int) -> None:
     # Asked each time: the pool may have moved a starved worker to a normal policy.
     if _SCHED_IDLE is None or os.sched_getscheduler(0) != _SCHED_IDLE:
         return
+    poller = select.poll()  # not select(): a descriptor past 1023 is out of its range
+    poller.register(fd, select.POLLIN)
     deadline = time.perf_counter() + _POLL_SECONDS
     while time.perf_counter() < deadline:
-        if select.select([fd], [], [], 0)[0]:
+        if poller.poll(0):
             return
 
 
@@ -209,10 +211,15 @@ class Template:
         os.set_blocking(wake_r, False)
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)  # the wakeup fd does the work
+        # poll(), not select(): a preload that opened a thousand files leaves these descriptors
+        # past select()'s range (1023), and the template would fail at every start.
+        poller = select.poll()
+        poller.register(self.worker.fd_in, select.POLLIN)
+        poller.register(wake_r, select.POLLIN)
         try:
             while True:
                 try:
-                    readable, _, _ = select.select([self.worker.fd_in, wake_r], [], [])
+                    readable = [fd for fd, _ in poller.poll()]
                 except InterruptedError:
                     continue
                 if wake_r in readable:

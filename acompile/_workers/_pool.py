@@ -48,6 +48,7 @@ from acompile._errors import (
     WorkerCrashedError,
     WorkerStartError,
 )
+from acompile._sizing import usable_cpus
 from acompile._workers import _protocol
 from acompile._workers._executor import ExecutorStats, run_job
 from acompile._workers._process import (
@@ -787,6 +788,7 @@ class WorkerPool:
         (one that was starting, and applied it to itself only after the switch) is moved too.
         """
         last: dict[int, tuple[float, int, int]] = {}
+        last_together: tuple[float, int] | None = None
         starved_since: float | None = None
         while True:
             await anyio.sleep(_STARVATION_CHECK_S)
@@ -799,7 +801,7 @@ class WorkerPool:
             if self.config.get("nice") != "idle":
                 await anyio.to_thread.run_sync(_raise_priorities, pids)
                 continue
-            samples = await anyio.to_thread.run_sync(cpu_waits, pids)
+            samples, ran_together = await anyio.to_thread.run_sync(cpu_waits, pids)
             now = time.monotonic()
             starved = False
             for pid, (ran, waited) in zip(pids, samples, strict=True):
@@ -808,7 +810,15 @@ class WorkerPool:
                     span = now - before[0]
                     ran_s, waited_s = (ran - before[1]) / 1e9, (waited - before[2]) / 1e9
                     starved = starved or (waited_s > 0.5 * span and ran_s < 0.25 * waited_s)
+            if last_together is not None and starved:
+                # Waiting behind each other is not starvation: more workers than CPUs, all busy,
+                # each waits most of the time. Starved is when the pool as a whole gets less
+                # than half the CPUs it could use.
+                span = now - last_together[0]
+                usable = min(len(pids), usable_cpus())
+                starved = (ran_together - last_together[1]) / 1e9 < 0.5 * usable * span
             last = {pid: (now, *sample) for pid, sample in zip(pids, samples, strict=True)}
+            last_together = (now, ran_together)
             starved_since = (starved_since or now) if starved else None
             if starved_since is not None and now - starved_since >= _STARVED_SECONDS:
                 logger.warning(

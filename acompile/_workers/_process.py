@@ -259,28 +259,40 @@ def lower_this_thread() -> None:
         pass
 
 
-def cpu_waits(pids: list[int]) -> list[tuple[int, int]]:
+def cpu_waits(pids: list[int]) -> tuple[list[tuple[int, int]], int]:
     """For each of ``pids``: (nanoseconds run on a CPU, nanoseconds waited for one while
     runnable) of the process and every process under it (its compilers, a template's forked
-    workers), from /proc/PID/task/*/schedstat (Linux); zeros where that cannot be read."""
+    workers), from /proc/PID/task/*/schedstat (Linux); zeros where that cannot be read. And the
+    nanoseconds all of them ran, each process counted once (families overlap: a template's
+    holds the workers it forked)."""
+    members: dict[int, tuple[int, int]] = {}
     samples = []
     for family in families(pids):
         ran = waited = 0
         for member in family:
-            try:
-                tasks = os.listdir(f"/proc/{member}/task")
-            except OSError:
-                continue
-            for task in tasks:
-                try:
-                    with open(f"/proc/{member}/task/{task}/schedstat", "rb") as f:
-                        fields = f.read().split()
-                    ran += int(fields[0])
-                    waited += int(fields[1])
-                except (OSError, ValueError, IndexError):
-                    continue
+            if member not in members:
+                members[member] = _schedstat(member)
+            ran += members[member][0]
+            waited += members[member][1]
         samples.append((ran, waited))
-    return samples
+    return samples, sum(ran for ran, _ in members.values())
+
+
+def _schedstat(pid: int) -> tuple[int, int]:
+    ran = waited = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0, 0
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat", "rb") as f:
+                fields = f.read().split()
+            ran += int(fields[0])
+            waited += int(fields[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return ran, waited
 
 
 def families(pids: list[int]) -> list[list[int]]:
@@ -299,11 +311,15 @@ def families(pids: list[int]) -> list[list[int]]:
         if pid not in parents:
             out.append([])
             continue
-        family, todo = [], [pid]
+        # A pid reused while the table was read can make the map a cycle: visit each pid once.
+        family, todo, seen = [], [pid], {pid}
         while todo:
             member = todo.pop()
             family.append(member)
-            todo.extend(children.get(member, ()))
+            for child in children.get(member, ()):
+                if child not in seen:
+                    seen.add(child)
+                    todo.append(child)
         out.append(family)
     return out
 
