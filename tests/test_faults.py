@@ -314,10 +314,13 @@ def test_compilers_die_with_the_parent_even_when_it_is_sigkilled(tmp_path: Path,
 def test_a_pool_left_at_once_fifty_times_reaps_every_child_while_another_thread_holds_the_gil(
     cache_dir: Path, tmp_path: Path
 ) -> None:
-    """A pool whose requests all hit the cache is left within milliseconds, often while its
-    template is being spawned; under a busy second thread the timing moves around. Every child
-    must be reaped every time (an unreaped one is a ResourceWarning and a zombie)."""
+    """A pool whose requests all hit the cache is left within milliseconds, at once or around
+    the moment its template is spawned (_PRESTART_DELAY after entry); under a busy second thread
+    the timing moves around. Every child must be reaped every time (an unreaped one is a
+    ResourceWarning and a zombie)."""
     from kernels_for_tests import add_kernel
+
+    from acompile._compiler import _PRESTART_DELAY
 
     spec = {
         "signature": {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"},
@@ -348,7 +351,7 @@ def test_a_pool_left_at_once_fifty_times_reaps_every_child_while_another_thread_
 
             with warnings.catch_warnings():
                 warnings.simplefilter("error", ResourceWarning)
-                linger = random.uniform(0, 0.02) if i % 2 else 0.0
+                linger = _PRESTART_DELAY + random.uniform(-0.01, 0.02) if i % 2 else 0.0
                 anyio.run(once, linger, backend_options={"use_uvloop": i % 3 == 0})
                 gc.collect()
             children = psutil.Process().children(recursive=True)
