@@ -227,7 +227,7 @@ class CompilePool:
         )
         self._tuner = _autotune.Tuner(self._cache)
         self._prestart = prestart
-        self._prestart_scope = anyio.CancelScope()
+        self._prestart_scope: anyio.CancelScope | None = None  # made on entry: needs the loop
         if worker_nice != "idle" and (
             isinstance(worker_nice, bool) or not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19
         ):
@@ -345,13 +345,14 @@ class CompilePool:
         self._state = "running"
         self._tg.start_soon(self._workers.serve)
         if self._prestart:
-            self._tg.start_soon(self._prestart_soon)
+            self._prestart_scope = anyio.CancelScope()
+            self._tg.start_soon(self._prestart_soon, self._prestart_scope)
         return self
 
-    async def _prestart_soon(self) -> None:
+    async def _prestart_soon(self, scope: anyio.CancelScope) -> None:
         # A miss, wait_ready() or wakeup() start the workers at once; quiesce() before this
         # fires means the caller wants none running.
-        with self._prestart_scope:
+        with scope:
             await anyio.sleep(_PRESTART_DELAY)
             if self._state == "running" and self._workers is not None:
                 self._workers.wakeup()
@@ -363,7 +364,8 @@ class CompilePool:
         tb: TracebackType | None,
     ) -> None:
         self._state = "closed"
-        self._prestart_scope.cancel()  # leaving within the delay starts no worker
+        if self._prestart_scope is not None:
+            self._prestart_scope.cancel()  # leaving within the delay starts no worker
         assert self._tg is not None
         # Entries on their way to the shared tier or the disk: let them arrive (a warm-up job that
         # ends normally wants all of them there; a failing or cancelled body, a moment).
@@ -446,7 +448,8 @@ class CompilePool:
         pool with work waiting, or asked for more, wakes by itself. For a quiet machine during
         CUDA-graph capture or latency-critical serving.
         """
-        self._prestart_scope.cancel()
+        if self._prestart_scope is not None:
+            self._prestart_scope.cancel()
         self.executor.quiesce()
 
     @contextlib.asynccontextmanager

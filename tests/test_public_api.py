@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from conftest import run_python
 
@@ -92,3 +93,16 @@ def test_a_compile_error_survives_pickling_with_its_details() -> None:
     assert type(back) is acompile.WorkerCrashedError
     assert (back.kernel, back.backend, back.exit_code, back.stderr_tail) == ("k", "triton", -11, "tail")
     assert str(back) == str(err)
+
+
+def test_a_pool_is_made_outside_an_event_loop_and_entered_in_one(tmp_path: Path) -> None:
+    """A server builds its pool at import time, before any loop runs, and enters it later."""
+    import anyio
+
+    pool = acompile.CompilePool(1, target="cuda:90", cache_dir=tmp_path, preload=())
+
+    async def enter() -> bool:
+        async with pool:
+            return pool.stats()["workers"]["awake"]
+
+    assert anyio.run(enter) is False  # left within the prestart delay: no worker started
