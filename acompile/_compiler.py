@@ -354,9 +354,10 @@ class CompilePool:
         # fires means the caller wants none running.
         with scope:
             await anyio.sleep(_PRESTART_DELAY)
-            # Asked again: a quiesce() in the loop iteration that ended the sleep cancels the
-            # scope without interrupting this task (its timer had fired already).
-            if not scope.cancel_called and self._state == "running" and self._workers is not None:
+            # Asked again: a quiesce() (or the exit) in the loop iteration that ended the sleep
+            # cancels the scope without interrupting this task (its timer had fired already).
+            if not scope.cancel_called:
+                assert self._workers is not None
                 self._workers.wakeup()
 
     async def __aexit__(

@@ -407,13 +407,21 @@ def test_families_and_cpu_waits_cover_each_process_and_everything_under_it() -> 
             process.wait()
 
 
-def test_a_process_table_read_while_pids_were_reused_is_walked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_process_table_read_while_pids_were_reused_is_walked_once() -> None:
     """A pid reused while the table was read can make its parent map a cycle (A's parent B, B's
-    A): each family is still finite, every pid in it once."""
-    from acompile._workers import _process
-
-    monkeypatch.setattr(_process, "_parent_map", lambda: {100: 200, 200: 100, 300: 100})
-    assert sorted(_process.families([100])[0]) == [100, 200, 300]
+    A): each family is still finite, every pid in it once. (In a process of its own: walked
+    without end, it would fill memory, not fail.)"""
+    code = textwrap.dedent("""
+        from acompile._workers import _process
+        _process._parent_map = lambda: {100: 200, 200: 100, 300: 100}
+        print(sorted(_process.families([100])[0]))
+    """)
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the walk of a parent map with a cycle never ended")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[100, 200, 300]"
 
 
 def test_a_pool_imports_nothing_once_acompile_is_imported() -> None:

@@ -790,6 +790,7 @@ class WorkerPool:
         last: dict[int, tuple[float, int, int]] = {}
         last_together: tuple[float, int] | None = None
         starved_since: float | None = None
+        cpus = await anyio.to_thread.run_sync(usable_cpus)  # reads the cgroup's quota files
         while True:
             await anyio.sleep(_STARVATION_CHECK_S)
             pids = [worker.pid for worker in self.alive.values()]
@@ -799,7 +800,7 @@ class WorkerPool:
             elif self._preloading_template is not None:
                 pids.append(self._preloading_template)
             if self.config.get("nice") != "idle":
-                await anyio.to_thread.run_sync(_raise_priorities, pids)
+                await anyio.to_thread.run_sync(raise_priority, pids, _STARVED_NICE)
                 continue
             samples, ran_together = await anyio.to_thread.run_sync(cpu_waits, pids)
             now = time.monotonic()
@@ -815,7 +816,7 @@ class WorkerPool:
                 # each waits most of the time. Starved is when the pool as a whole gets less
                 # than half the CPUs it could use.
                 span = now - last_together[0]
-                usable = min(len(pids), usable_cpus())
+                usable = min(len(pids), cpus)
                 starved = (ran_together - last_together[1]) / 1e9 < 0.5 * usable * span
             last = {pid: (now, *sample) for pid, sample in zip(pids, samples, strict=True)}
             last_together = (now, ran_together)
@@ -827,7 +828,7 @@ class WorkerPool:
                     now - starved_since + _STARVATION_CHECK_S,
                 )
                 self.config["nice"] = _STARVED_NICE
-                await anyio.to_thread.run_sync(_raise_priorities, pids)
+                await anyio.to_thread.run_sync(raise_priority, pids, _STARVED_NICE)
 
     async def _watch_memory(self) -> None:
         """Measure every worker's memory (for stats) and stop any that passes the limit, or
@@ -903,10 +904,6 @@ def _unsendable_error(job: Job, exc: Exception) -> CompileError:
         backend=short_backend(job.backend),
         log=str(exc),
     )
-
-
-def _raise_priorities(pids: list[int]) -> None:
-    raise_priority(pids, _STARVED_NICE)
 
 
 def _starved(config: dict[str, Any]) -> str:

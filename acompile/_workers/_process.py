@@ -298,8 +298,8 @@ def _schedstat(pid: int) -> tuple[int, int]:
 def families(pids: list[int]) -> list[list[int]]:
     """For each of ``pids``: it and every process under it, found in one pass over the process
     table (the pool samples its processes twice a second, and a pass per process, as
-    ``psutil.Process.children`` makes, costs a sixteen-worker pool's loop thread tens of
-    milliseconds a second on a busy machine); ``[]`` for one that is gone."""
+    ``psutil.Process.children`` makes, cost the caller's process tens of milliseconds of CPU a
+    second with sixteen workers on a busy machine); ``[]`` for one that is gone."""
     parents = _parent_map()
     if parents is None:
         return [_psutil_family(pid) for pid in pids]
