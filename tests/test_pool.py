@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -550,3 +552,72 @@ async def test_idle_workers_that_other_work_starves_get_a_share_and_their_jobs_r
             loop.wait()
         root_procs.write_text(str(os.getpid()))
         group.rmdir()
+
+
+async def _connection_pair() -> tuple[object, socket.socket]:
+    """A forked worker's connection, as the pool holds it, and the worker's end of it."""
+    from acompile._workers._template import WorkerConnection
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    loop = asyncio.get_running_loop()
+    _, connection = await loop.create_unix_connection(WorkerConnection, sock=ours)
+    return connection, theirs
+
+
+async def test_a_worker_connection_hands_replies_to_its_handler_in_order_and_the_rest_to_receive() -> None:
+    from acompile._workers._protocol import encode
+
+    connection, worker = await _connection_pair()
+    try:
+        worker.sendall(encode("hello"))
+        with anyio.fail_after(5):
+            assert await connection.receive() == "hello"  # no handler yet: receive() gets it
+        taken: list[int] = []
+
+        def handler(message: object) -> bool:
+            if isinstance(message, int) and message % 2 == 0:
+                taken.append(message)
+                return True
+            return False
+
+        connection.answer_with(handler)
+        # 3 is declined: 4, behind it in the same read, must wait behind it, not overtake it.
+        worker.sendall(encode(2) + encode(3) + encode(4))
+        with anyio.fail_after(5):
+            assert await connection.receive() == 3
+            assert await connection.receive() == 4
+        assert taken == [2]
+        worker.sendall(encode(6))
+        await until(lambda: taken == [2, 6], seconds=5)
+        # A big message is not decoded on the loop: it goes to receive(), which decodes it on a thread.
+        big = [8] * 100_000
+        worker.sendall(encode(big))
+        with anyio.fail_after(5):
+            assert await connection.receive() == big
+        assert taken == [2, 6]
+        # The worker's end closing inside a frame, then the end itself.
+        worker.sendall(encode(10)[:5])
+        worker.close()
+        with anyio.fail_after(5), pytest.raises(anyio.IncompleteRead):
+            await connection.receive()
+        with pytest.raises(anyio.IncompleteRead):
+            await connection.receive()  # and again: the end stays
+    finally:
+        worker.close()
+        await connection.aclose()
+
+
+async def test_a_worker_connection_out_of_sync_breaks_and_a_clean_close_ends() -> None:
+    connection, worker = await _connection_pair()
+    worker.sendall(b"\xff" * 8)  # a header announcing an impossible length
+    with anyio.fail_after(5), pytest.raises(anyio.BrokenResourceError):
+        await connection.receive()
+    worker.close()
+    await connection.aclose()
+    connection, worker = await _connection_pair()
+    worker.close()
+    with anyio.fail_after(5), pytest.raises(anyio.EndOfStream):
+        await connection.receive()
+    with pytest.raises(anyio.BrokenResourceError):
+        connection.send_nowait(b"x")
+    await connection.aclose()

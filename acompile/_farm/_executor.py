@@ -449,7 +449,7 @@ class FarmExecutor:
         lost: BaseException | None = None
         try:
             with anyio.CancelScope() as scope:
-                job.scope = scope
+                job.stopper = scope.cancel
                 if job.abandoned:
                     scope.cancel()
                 try:
@@ -468,7 +468,7 @@ class FarmExecutor:
         finally:
             self.busy -= 1
             node.busy -= 1
-            job.scope = None
+            job.stopper = None
             job.ended_at = time.perf_counter()
             job.seconds = job.ended_at - job.started_at
             self.last_activity = time.monotonic()

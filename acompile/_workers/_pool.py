@@ -20,6 +20,7 @@ next. The template outlives epochs, so waking is a matter of forks.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import heapq
 import logging
@@ -101,6 +102,15 @@ _STOPPED_LIMIT = 5.0
 _STARVATION_CHECK_S = 0.5
 _STARVED_SECONDS = 2.0
 _STARVED_NICE = 5
+# How long a worker's stream may stay open after the worker exited before the pool closes it.
+_EXITED_GRACE = 1.0
+# What a worker's stream raises when the worker is gone.
+_STREAM_ENDED = (
+    anyio.EndOfStream,
+    anyio.IncompleteRead,
+    anyio.BrokenResourceError,
+    anyio.ClosedResourceError,
+)
 
 
 # --- the pool ---------------------------------------------------------------------------------
@@ -379,13 +389,14 @@ class WorkerPool:
             self._start_error = None
             self._ready[slot].set()
             cause = "stopped"  # by quiesce() or shutdown, unless _serve says otherwise
+            taker = Taker(functools.partial(self._deliver, worker))
             try:
                 async with anyio.create_task_group() as tg:
-                    taker = Taker(functools.partial(self._deliver, worker))
                     tg.start_soon(self._watch, worker, taker)
                     cause = await self._serve(worker, taker)
                     tg.cancel_scope.cancel()
             finally:
+                self.queue.withdraw(taker)
                 self.alive.pop(worker.pid, None)
                 self.counters.worker_rss.pop(worker.pid, None)
                 code = await stop(worker)
@@ -619,99 +630,138 @@ class WorkerPool:
         logger.debug("template pid %d ready in %.3f s", template.pid, reply.preload_s)
         return template
 
-    async def _next_job(self, worker: Worker, taker: Taker) -> Job | None:
-        """The next job, or None if the worker died while it waited for one (``_watch`` takes
-        its taker out of the queue, or a submitter finds it gone first: ``_deliver`` refuses). A
-        job handed to the worker (through ``taker``) is running already; one taken from the queue
-        is still queued."""
-        if worker.exited.is_set():
-            return None
-        try:
-            job = await self.queue.get(taker)
-            if job is None and not worker.exited.is_set():
-                # Refused for the epoch's end (quiesce): the cancellation lands here. Otherwise
-                # its connection broke; the worker is replaced as one that died.
-                await anyio.lowlevel.checkpoint()
-            return job
-        except BaseException:
-            # The epoch ended (quiesce, shutdown) as a job was handed over: it goes back first.
-            if taker.job is not None and taker.job.state == "running":
-                self.queue.put(taker.job, front=True)
-            raise
+    def _take_next(self, worker: Worker, taker: Taker) -> None:
+        """An idle worker's next job: the first queued one, started now, or else the next one
+        submitted (``taker`` waits in the queue for it; ``put()`` starts it through
+        ``_deliver``)."""
+        if not self._awake:
+            return  # the epoch ends: the slot's task is cancelled where it waits
+        job = self.queue.pop()
+        if job is None:
+            self.queue.offer(taker)
+        elif not self._start(worker, job):
+            self.queue.put(job, front=True)  # the worker is gone: the slot sees its end next
 
     def _deliver(self, worker: Worker, job: Job) -> bool:
-        """Hand a job to an idle worker, in the submitter's task (``JobQueue.put``): its frame
-        leaves now where the worker can take it so, and the slot's task catches up; else that
-        task sends it. False when the worker cannot take it (it is gone, or the epoch ends)."""
-        if not self._awake or worker.exited.is_set():
+        """``taker.deliver``: start ``job`` on the idle worker, in the submitter's task (from
+        ``JobQueue.put``). False when the worker cannot take it (it is gone, or the epoch ends):
+        the job stays queued."""
+        return self._start(worker, job)
+
+    def _start(self, worker: Worker, job: Job) -> bool:
+        """Send ``job`` to ``worker`` and mark it running there; False if the worker cannot
+        take it. The worker's slot, waiting for the worker's next message, reads the reply."""
+        if not self._awake or worker.exited.is_set() or worker.job is not None:
             return False
         assert job.frame is not None
         try:
             sent = worker.send_nowait(job.frame)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             return False
-        self._started(job, worker, sent=sent)
-        return True
-
-    def _started(self, job: Job, worker: Worker, *, sent: bool) -> None:
+        if not sent:
+            assert self._tg is not None
+            self._tg.start_soon(self._send, worker, job.frame)
+        worker.job = job
         job.state = "running"
         job.worker_pid = worker.pid
         job.started_at = time.perf_counter()
-        job.sent = sent
+        job.stopper = functools.partial(self._abandoned, worker)
+        self.busy += 1
+        self.last_activity = time.monotonic()
+        if self.max_compile_seconds is not None:
+            loop = asyncio.get_running_loop()
+            worker.deadline = loop.call_later(self.max_compile_seconds, self._time_out, worker)
+        return True
+
+    @staticmethod
+    async def _send(worker: Worker, frame: bytes) -> None:
+        """Send a job's frame to a worker that cannot take it without waiting (a spawned one)."""
+        try:
+            await worker.send_bytes(frame)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass  # the worker is gone: its slot sees its end
+
+    def _abandoned(self, worker: Worker) -> None:
+        """``job.stopper``: nobody waits for the job ``worker`` runs. Stopping its process is the
+        only way to stop a compiler; the slot sees the end of its stream, and the job's flag."""
+        self.counters.jobs_cancelled += 1
+        worker.signal_kill()
+
+    @staticmethod
+    def _time_out(worker: Worker) -> None:
+        worker.timed_out = True
+        worker.signal_kill()  # its slot sees the end of its stream, and the flag
+
+    def _end_job(self, worker: Worker) -> Job | None:
+        """The job ``worker`` ran, now that it is over (answered, lost or put back), or None
+        if it ran none."""
+        job, worker.job = worker.job, None
+        if job is None:
+            return None
+        if worker.deadline is not None:
+            worker.deadline.cancel()
+            worker.deadline = None
+        job.stopper = None
+        self.busy -= 1
+        job.ended_at = time.perf_counter()
+        job.seconds = job.ended_at - job.started_at
+        self.last_activity = time.monotonic()
+        return job
 
     async def _watch(self, worker: Worker, taker: Taker) -> None:
+        """Take an exited worker out of the queue at once; if its stream stays open (a process
+        it forked holds it), close it, so that its slot sees the end."""
         await worker.wait_exit()
-        self.queue.withdraw(taker)  # if it waits for a job, it waits no more
+        self.queue.withdraw(taker)
+        await anyio.sleep(_EXITED_GRACE)
+        await worker.close()
 
     async def _serve(self, worker: Worker, taker: Taker) -> str:
-        """Run jobs on one worker until it must be replaced; returns why."""
+        """Run jobs on one worker until it must be replaced; returns why.
+
+        Jobs reach the worker without this task: a submitter starts a job on the idle worker
+        through ``taker``, and a reply, as it arrives, finishes its job and starts the next queued
+        one (``_finish``, called by the worker's connection: a job's round trip is one loop
+        iteration for the reply and one step of its caller's task). This task waits for what
+        ``_finish`` does not take: the end of the worker's stream (its death, idle or not), a
+        reply to a job nobody waits for or that ran out of time, a big reply to decode on a
+        thread. Where a worker cannot call ``_finish`` itself (a spawned one), every reply comes
+        here and this task calls it.
+        """
+        finish = functools.partial(self._finish, worker, taker)
+        worker.answer_with(finish)
+        self._take_next(worker, taker)
         while True:
-            job = await self._next_job(worker, taker)
+            try:
+                reply = await worker.receive()
+            except _STREAM_ENDED:
+                reply = None
+            except BaseException:
+                # The epoch ended (quiesce) or the pool is shutting down: the running job goes
+                # back to the front of the queue; shutdown fails what is left there.
+                self.queue.withdraw(taker)
+                job = self._end_job(worker)
+                if job is not None and job.state == "running":
+                    if job.abandoned:
+                        job.finish(error=JobCancelled(job.name))  # counted in _abandoned
+                    else:
+                        self.queue.put(job, front=True)
+                raise
+            if reply is not None and finish(reply):
+                continue
+            job = self._end_job(worker)
             if job is None:
-                code = worker.returncode
+                self.queue.withdraw(taker)
+                if reply is not None:
+                    raise RuntimeError(f"idle worker pid {worker.pid} sent {reply!r}")
+                code = await stop(worker)
                 logger.warning("idle worker pid %d %s; replacing it", worker.pid, describe_exit(code))
                 return "killed" if code in EXTERNAL else "crash"
-            if job.state != "running":
-                self._started(job, worker, sent=False)  # from the queue
-            assert job.frame is not None
-            self.busy += 1
-            self.last_activity = time.monotonic()
-            reply = None
-            timed_out = False
-            t0 = job.started_at
-            try:
-                with anyio.CancelScope() as scope:
-                    job.scope = scope
-                    if job.abandoned:
-                        scope.cancel()  # its caller left before this slot caught up
-                    if self.max_compile_seconds is not None:
-                        scope.deadline = anyio.current_time() + self.max_compile_seconds
-                    try:
-                        if not job.sent:
-                            await worker.send_bytes(job.frame)
-                        reply = await worker.receive()
-                    except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
-                        reply = None
-                # Cancelled by the deadline, not by a caller: the compile ran too long.
-                timed_out = scope.cancelled_caught and not job.abandoned
-            except BaseException:
-                # The epoch ended (quiesce) or the pool is shutting down: the job goes back to
-                # the front of the queue; shutdown fails what is left there.
-                if job.state == "running":
-                    self.queue.put(job, front=True)
-                raise
-            finally:
-                self.busy -= 1
-                job.ended_at = time.perf_counter()
-                job.scope = None
-                job.seconds = time.perf_counter() - t0
-                self.last_activity = time.monotonic()
             if job.abandoned:
-                # Every waiter left while it ran: stop the compiler by stopping its process.
+                # Every waiter left while it ran: its worker was stopped (_abandoned).
                 job.finish(error=JobCancelled(job.name))
-                self.counters.jobs_cancelled += 1
                 return "abandoned"
-            if timed_out:
+            if worker.timed_out:
                 job.finish(error=_timeout_error(job, self.max_compile_seconds or 0.0, self.config))
                 self.counters.jobs_failed += 1
                 logger.warning(
@@ -722,15 +772,31 @@ class WorkerPool:
                 return "timeout"
             if reply is None:
                 return await self._lost_during(job, worker)
-            if not isinstance(reply, (_protocol.Done, _protocol.Error)) or reply.id != job.id:
-                raise RuntimeError(f"worker answered {reply!r} while running job {job.id}")
-            self.counters.record_job(job.name, job.seconds)
-            if isinstance(reply, _protocol.Done):
-                self.counters.jobs_done += 1
-                job.finish(result=reply.result)
-            else:
-                self.counters.jobs_failed += 1
-                job.finish(error=reply.error)
+            raise RuntimeError(f"worker answered {reply!r} while running job {job.id}")
+
+    def _finish(self, worker: Worker, taker: Taker, reply: Any) -> bool:
+        """Finish the job ``worker`` runs with its ``reply`` and start the worker's next job;
+        False (nothing done) for anything but the awaited reply to a job somebody still waits
+        for, within its time: the slot's task deals with that."""
+        job = worker.job
+        if (
+            job is None
+            or job.abandoned
+            or worker.timed_out
+            or not isinstance(reply, (_protocol.Done, _protocol.Error))
+            or reply.id != job.id
+        ):
+            return False
+        self._end_job(worker)
+        self.counters.record_job(job.name, job.seconds)
+        if isinstance(reply, _protocol.Done):
+            self.counters.jobs_done += 1
+            job.finish(result=reply.result)
+        else:
+            self.counters.jobs_failed += 1
+            job.finish(error=reply.error)
+        self._take_next(worker, taker)
+        return True
 
     async def _lost_during(self, job: Job, worker: Worker) -> str:
         """The worker died while it ran job: retry or fail the job; returns the restart cause."""

@@ -14,7 +14,8 @@ import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import anyio.abc
@@ -22,17 +23,16 @@ import anyio.abc
 from acompile._workers._protocol import MessageReceiver
 
 if TYPE_CHECKING:
-    from acompile._workers._template import UnixConnection
+    import asyncio
+
+    from acompile._workers._queue import Job
+    from acompile._workers._template import WorkerConnection
 
 
 # Signals that say "killed from outside" (an operator, an OOM killer, a chaos test) rather than
 # "the compiler crashed": a job whose worker dies of one is retried once on a fresh worker.
 EXTERNAL = frozenset({-signal.SIGKILL, -signal.SIGTERM, -signal.SIGHUP, -signal.SIGINT, -signal.SIGQUIT})
 STDERR_TAIL = 64 * 1024
-
-# A forked worker's connection: what reads its messages (it may hold bytes read past the
-# hello), and the stream to send on.
-Connection = tuple[MessageReceiver, "UnixConnection"]
 
 
 def short_backend(backend: str) -> str:
@@ -66,13 +66,34 @@ class _WorkerBase:
     pid: int
     stderr_path: str
 
-    def __init__(self, receiver: MessageReceiver, send: anyio.abc.ByteSendStream) -> None:
-        self._receiver = receiver
-        self._send = send
+    def __init__(self) -> None:
         self.exited = anyio.Event()
         self.stop_cause: str | None = None
         self.started = time.monotonic()
         self.stopped_since: float | None = None
+        # The job it runs, the timer that stops it past the pool's time limit, and whether that
+        # timer fired (the pool's to set).
+        self.job: Job | None = None
+        self.deadline: asyncio.TimerHandle | None = None
+        self.timed_out = False
+
+    def answer_with(self, handler: Callable[[Any], bool]) -> bool:
+        """Offer each message to ``handler`` as it arrives, where this kind of worker can (True);
+        what it declines goes to ``receive()``. False: ``receive()`` returns every message."""
+        return False
+
+
+class SpawnedWorker(_WorkerBase):
+    """A worker started as a fresh interpreter; its pipes are its stdin and stdout."""
+
+    def __init__(self, process: anyio.abc.Process, stderr_path: str) -> None:
+        assert process.stdin is not None and process.stdout is not None
+        super().__init__()
+        self._receiver = MessageReceiver(process.stdout)
+        self._send = process.stdin
+        self.process = process
+        self.pid = process.pid
+        self.stderr_path = stderr_path
 
     async def send_bytes(self, data: bytes) -> None:
         """Send one encoded frame."""
@@ -87,17 +108,6 @@ class _WorkerBase:
     async def receive(self) -> Any:
         """The worker's next message (see ``MessageReceiver.receive`` for what it raises)."""
         return await self._receiver.receive()
-
-
-class SpawnedWorker(_WorkerBase):
-    """A worker started as a fresh interpreter; its pipes are its stdin and stdout."""
-
-    def __init__(self, process: anyio.abc.Process, stderr_path: str) -> None:
-        assert process.stdin is not None and process.stdout is not None
-        super().__init__(MessageReceiver(process.stdout), process.stdin)
-        self.process = process
-        self.pid = process.pid
-        self.stderr_path = stderr_path
 
     @property
     def returncode(self) -> int | None:
@@ -119,21 +129,31 @@ class SpawnedWorker(_WorkerBase):
 class ForkedWorker(_WorkerBase):
     """A worker forked by the template; it talks over a Unix socket it connected to us."""
 
-    def __init__(self, connection: Connection, pid: int, stderr_path: str) -> None:
-        reader, stream = connection
-        super().__init__(reader, stream)
-        self.stream = stream
+    def __init__(self, connection: WorkerConnection, pid: int, stderr_path: str) -> None:
+        super().__init__()
+        self.stream = connection
         self.pid = pid
         self.stderr_path = stderr_path
         self._returncode: int | None = None
 
-    @property
-    def returncode(self) -> int | None:
-        return self._returncode
+    async def send_bytes(self, data: bytes) -> None:
+        await self.stream.send(data)
 
     def send_nowait(self, data: bytes) -> bool:
         self.stream.send_nowait(data)
         return True
+
+    async def receive(self) -> Any:
+        """The next message the handler did not take (see ``WorkerConnection.receive``)."""
+        return await self.stream.receive()
+
+    def answer_with(self, handler: Callable[[Any], bool]) -> bool:
+        self.stream.answer_with(handler)
+        return True
+
+    @property
+    def returncode(self) -> int | None:
+        return self._returncode
 
     def set_exited(self, code: int) -> None:
         self._returncode = code
@@ -189,7 +209,11 @@ def kill_group(pid: int, *, unreaped: bool = False) -> None:
             pass
 
 
-async def close_quietly(stream: anyio.abc.AsyncResource) -> None:
+class Closable(Protocol):
+    async def aclose(self) -> None: ...
+
+
+async def close_quietly(stream: Closable) -> None:
     with anyio.CancelScope(shield=True):
         try:
             await stream.aclose()

@@ -299,8 +299,18 @@ class MessageReceiver:
                     raise anyio.IncompleteRead from None
                 raise
             self._reader.feed(data)
-        if sum(map(len, parts)) < _DECODE_INLINE_MAX:
-            return decode(parts)
-        # A big result (a large cubin and its assembly): joining its pieces and unpickling it
-        # copies it twice, a millisecond per few megabytes, which is for a thread, not the loop.
-        return await anyio.to_thread.run_sync(decode, parts)
+        return await decode_off_loop(parts)
+
+
+def small(parts: list[bytes]) -> bool:
+    """Whether a frame's body is small enough to decode on the event loop."""
+    return sum(map(len, parts)) < _DECODE_INLINE_MAX
+
+
+async def decode_off_loop(parts: list[bytes]) -> Any:
+    """A frame's body, decoded here if small, else on a thread: a big result (a large cubin and
+    its assembly) is copied twice by joining its pieces and unpickling it, a millisecond per few
+    megabytes, which is for a thread, not the loop."""
+    if small(parts):
+        return decode(parts)
+    return await anyio.to_thread.run_sync(decode, parts)

@@ -11,11 +11,11 @@ moves a job forward when somebody starts to), and within a lane the longest expe
 Longest first is what keeps a storm's end short: a long compile started last would run alone
 while every other worker idles.
 
-A worker with nothing to do waits in ``get()`` as a ``Taker``. ``put()`` gives a job straight to
-the taker that waited last (its process ran most recently, so its pages and caches are the
-warmest), in the caller's own task: the taker's ``deliver`` sends the job to its worker on the
-spot, and the worker's own task catches up while the worker already compiles. Only jobs that find
-every worker busy wait in the queue, and only they are ordered.
+A worker with nothing to do waits in the queue as a ``Taker``: in ``get()``, or without waiting,
+``offer()``ed. ``put()`` gives a job straight to the taker that waited last (its process ran most
+recently, so its pages and caches are the warmest), in the caller's own task: the taker's
+``deliver`` sends the job to its worker on the spot. Only jobs that find every worker busy wait in
+the queue, and only they are ordered.
 """
 
 from __future__ import annotations
@@ -70,11 +70,10 @@ class Job:
     queued_at: float = field(default_factory=time.perf_counter)
     started_at: float = 0.0
     ended_at: float = 0.0
-    # The scope its worker runs it in, while it runs: abandon() cancels it.
-    scope: anyio.CancelScope | None = None
+    # What stops it where it runs, while it runs (its executor sets it): abandon() calls it.
+    stopper: Callable[[], None] | None = field(default=None, repr=False)
     # The job as its executor sends it, encoded once when submitted (a retry sends it again).
     frame: bytes | None = field(default=None, repr=False)
-    sent: bool = False  # whether the frame has left for the worker that runs it
 
     def finish(self, result: Any = None, error: BaseException | None = None) -> None:
         """Set the outcome (the first call wins) and wake whoever awaits ``outcome()``."""
@@ -85,17 +84,17 @@ class Job:
         self.done.set()
 
     def abandon(self) -> None:
-        """Nobody waits any more: drop the job if queued, stop its worker if running.
+        """Nobody waits any more: drop the job if queued, stop it where it runs if running.
 
-        A job handed to a worker whose slot has not yet caught up has no scope: the flag alone
-        tells the slot to stop the worker as soon as it does.
+        A job handed to a worker whose task has not yet caught up has no stopper: the flag
+        alone tells that task to stop the worker as soon as it does.
         """
         if self.state == "queued":
             self.finish(error=JobCancelled(self.name))
         elif self.state == "running":
             self.abandoned = True
-            if self.scope is not None:
-                self.scope.cancel()
+            if self.stopper is not None:
+                self.stopper()
 
     async def outcome(self) -> Any:
         """Wait for the job to finish; its result, or raises its error."""
@@ -216,6 +215,12 @@ class JobQueue:
             if taker in self._takers:
                 self._takers.remove(taker)
         return taker.job
+
+    def offer(self, taker: Taker) -> None:
+        """Put ``taker`` in the queue without waiting: ``put()`` hands it the next job through
+        its ``deliver`` (which must start the job: nobody waits on its event), until it is
+        withdrawn. Call it only when the queue is empty (``pop()`` returned None)."""
+        self._takers.append(taker)
 
     def withdraw(self, taker: Taker) -> None:
         """Take ``taker`` out of the queue: its ``get()`` returns what it was handed, or None."""

@@ -13,6 +13,8 @@ import asyncio
 import secrets
 import signal
 import socket
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -21,55 +23,137 @@ import anyio.lowlevel
 
 from acompile._errors import WorkerStartError
 from acompile._workers import _protocol
-from acompile._workers._process import Connection, ForkedWorker, close_quietly, describe_exit, kill_group
+from acompile._workers._process import ForkedWorker, close_quietly, describe_exit, kill_group
 
 
-class UnixConnection(anyio.abc.ByteStream):
-    """A forked worker's connection, on asyncio's transport-based streams.
+class WorkerConnection(asyncio.Protocol):
+    """A forked worker's connection: frames both ways, on asyncio's (or uvloop's) transport.
+
+    Messages are read two ways. ``receive()`` awaits the next one (the hello, the preload's
+    ``Ready``, and whatever the pool's handler declines). Once the worker runs jobs, the pool
+    sets a handler (``answer_with()``): each small message is offered to it in the loop
+    iteration it arrives in, so a job's reply reaches its caller without a task in between; a
+    message it declines, a big one (decoded on a thread by ``receive()``), and the end of the
+    stream wait for ``receive()``, in the order they came.
 
     Not anyio's UNIX socket stream: that one waits on a raw socket with a reader callback that
     sets a future, and a cancellation (a deadline, an abandoned job, the pool leaving) delivered
     in the same loop iteration as the worker's reply or EOF makes that callback set a cancelled
-    future: asyncio logs an InvalidStateError "in callback". Transports have no such window.
+    future: asyncio logs an InvalidStateError "in callback". Here the waiter is only ever woken
+    if it is still waiting.
     """
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._reader = reader
-        self._writer = writer
+    def __init__(self) -> None:
+        self._transport: asyncio.Transport | None = None
+        self._frames = _protocol.FrameReader()
+        # Waiting for receive(): (decoded?, the message or its pieces), in arrival order.
+        self._inbox: deque[tuple[bool, Any]] = deque()
+        self._end: BaseException | None = None  # what receive() raises once the inbox is empty
+        self._waiter: asyncio.Future[None] | None = None
+        self._handler: Callable[[Any], bool] | None = None
+        self._paused = False
+        self._drained: asyncio.Future[None] | None = None
 
-    async def receive(self, max_bytes: int = 65536) -> bytes:
-        try:
-            data = await self._reader.read(max_bytes)
-        except OSError as exc:
-            raise anyio.BrokenResourceError from exc
-        if not data:
-            raise anyio.EndOfStream
-        return data
+    # -- asyncio's side
 
-    async def send(self, item: bytes) -> None:
-        if self._writer.is_closing():
-            raise anyio.BrokenResourceError
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        self._frames.feed(data)
         try:
-            self._writer.write(item)
-            await self._writer.drain()
-        except OSError as exc:
-            raise anyio.BrokenResourceError from exc
+            while (parts := self._frames.next_parts()) is not None:
+                self._arrived(parts)
+        except ValueError as exc:  # a header no worker writes: the stream is out of sync
+            self._ended(anyio.BrokenResourceError(str(exc)))
+            if self._transport is not None:
+                self._transport.abort()
+
+    def eof_received(self) -> bool:
+        self._ended(anyio.IncompleteRead() if self._frames.partial else anyio.EndOfStream())
+        return False  # the transport closes itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._ended(anyio.BrokenResourceError() if exc is not None else anyio.EndOfStream())
+        self._paused = False
+        self._wake_drained()
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._wake_drained()
+
+    def _arrived(self, parts: list[bytes]) -> None:
+        handler = self._handler
+        if handler is not None and not self._inbox and _protocol.small(parts):
+            message = _protocol.decode(parts)
+            if not handler(message):
+                self._inbox.append((True, message))
+        else:
+            self._inbox.append((False, parts))
+        self._wake()
+
+    def _ended(self, error: BaseException) -> None:
+        if self._end is None:
+            self._end = error
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _wake_drained(self) -> None:
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    # -- the pool's side
+
+    def answer_with(self, handler: Callable[[Any], bool]) -> None:
+        """Offer each small message to ``handler`` as it arrives; what it returns False for
+        (and what it is not offered) waits for ``receive()``."""
+        self._handler = handler
+
+    async def receive(self) -> Any:
+        """The next message not taken by the handler. Raises ``anyio.EndOfStream`` (or
+        ``anyio.IncompleteRead`` inside a frame) when the worker's end closed,
+        ``anyio.BrokenResourceError`` when the connection broke."""
+        while not self._inbox:
+            if self._end is not None:
+                raise self._end
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        decoded, item = self._inbox.popleft()
+        return item if decoded else await _protocol.decode_off_loop(item)
 
     def send_nowait(self, item: bytes) -> None:
         """Send without waiting: the transport buffers what the socket does not take at once
         (a job's frame is small; ``send()`` is for what must wait for the reader)."""
-        if self._writer.is_closing():
+        transport = self._transport
+        if transport is None or transport.is_closing():
             raise anyio.BrokenResourceError
         try:
-            self._writer.write(item)
+            transport.write(item)
         except (OSError, RuntimeError) as exc:
             raise anyio.BrokenResourceError from exc
 
-    async def send_eof(self) -> None:
-        self._writer.write_eof()
+    async def send(self, item: bytes) -> None:
+        self.send_nowait(item)
+        while self._paused:
+            self._drained = asyncio.get_running_loop().create_future()
+            try:
+                await self._drained
+            finally:
+                self._drained = None
+        await anyio.lowlevel.checkpoint()
 
     async def aclose(self) -> None:
-        self._writer.close()  # its transport closes the socket; nothing to wait for
+        if self._transport is not None:
+            self._transport.close()  # closes the socket; nothing to wait for
         await anyio.lowlevel.checkpoint()
 
 
@@ -87,11 +171,15 @@ class UnixListener:
             self.socket.close()
             raise
 
-    async def accept(self) -> UnixConnection:
+    async def accept(self) -> WorkerConnection:
         loop = asyncio.get_running_loop()
         connection, _ = await loop.sock_accept(self.socket)
-        reader, writer = await asyncio.open_unix_connection(sock=connection)
-        return UnixConnection(reader, writer)
+        try:
+            _, protocol = await loop.create_unix_connection(WorkerConnection, sock=connection)
+        except BaseException:
+            connection.close()
+            raise
+        return protocol
 
     async def aclose(self) -> None:
         self.socket.close()
@@ -110,7 +198,7 @@ class Template:
         self._receiver = _protocol.MessageReceiver(process.stdout)
         self.stdin = process.stdin
         self.forked: dict[int, tuple[anyio.Event, list[int]]] = {}
-        self.connections: dict[int, tuple[anyio.Event, list[Connection]]] = {}
+        self.connections: dict[int, tuple[anyio.Event, list[WorkerConnection]]] = {}
         self.workers: dict[int, ForkedWorker] = {}
         self.early_exits: dict[int, int] = {}
         self.lost = anyio.Event()
@@ -189,11 +277,10 @@ class Template:
             with anyio.CancelScope(shield=True):
                 await listener.aclose()
 
-    async def _introduce(self, stream: UnixConnection) -> None:
+    async def _introduce(self, stream: WorkerConnection) -> None:
         try:
             with anyio.fail_after(30):
-                reader = _protocol.MessageReceiver(stream)
-                hello = await reader.receive()
+                hello = await stream.receive()
         except Exception:
             # A worker killed right after it connected, or a stranger: that connection is lost,
             # nothing else (the fork that waits for it sees the worker exit).
@@ -209,11 +296,10 @@ class Template:
         if waiting is None:
             await close_quietly(stream)  # its fork was given up (quiesce, shutdown)
             return
-        # The reader goes along: what it buffered past the hello is the worker's next message.
-        waiting[1].append((reader, stream))
+        waiting[1].append(stream)
         waiting[0].set()
 
-    async def fork(self, slot: int, config: dict[str, Any]) -> tuple[int, Connection]:
+    async def fork(self, slot: int, config: dict[str, Any]) -> tuple[int, WorkerConnection]:
         """Fork a worker for slot and wait until it has connected back.
 
         Raises ``TransientStartError`` when the template is gone or the worker dies before it
@@ -222,7 +308,7 @@ class Template:
         if self.lost.is_set():
             raise TransientStartError("the template process is gone")
         forked: tuple[anyio.Event, list[int]] = (anyio.Event(), [])
-        connected: tuple[anyio.Event, list[Connection]] = (anyio.Event(), [])
+        connected: tuple[anyio.Event, list[WorkerConnection]] = (anyio.Event(), [])
         self.forked[slot] = forked
         self.connections[slot] = connected
         returned = False
@@ -260,7 +346,7 @@ class Template:
                 kill_group(pid)  # forked as the template died: it goes with it, as adopted ones do
             if connected[1] and not returned:
                 # Connected after this fork was given up: nobody will use the stream.
-                for _, stream in connected[1]:
+                for stream in connected[1]:
                     await close_quietly(stream)
 
 
