@@ -103,4 +103,33 @@ def compile(payload: dict[str, Any]) -> Any:
         return b"\x01" * payload["bytes"]
     if action == "unpicklable":
         return lambda: None
+    if action == "unreadable":
+        # Pickles here; rebuilding it in the pool raises (payload "bytes": its size).
+        return _Unreadable(b"\x01" * payload.get("bytes", 16))
+    if action == "garbage":
+        # Bytes on the protocol stream that are no frame: the stream is out of sync.
+        _protocol_fd_write(b"\xff" * 16)
+        time.sleep(5)
+        return "too late"
     raise ValueError(f"unknown action {action!r}")
+
+
+def _rebuild(blob: bytes) -> Any:
+    raise TypeError("this result cannot be rebuilt in the pool")
+
+
+class _Unreadable:
+    def __init__(self, blob: bytes) -> None:
+        self.blob = blob
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        return (_rebuild, (self.blob,))
+
+
+def _protocol_fd_write(data: bytes) -> None:
+    import gc
+
+    from acompile._workers._main import Worker
+
+    worker = next(o for o in gc.get_objects() if isinstance(o, Worker))
+    os.write(worker.fd_out, data)

@@ -27,7 +27,7 @@ from fake_backend import local_executor, run_job
 from processes import gone, is_template, pool_processes, template_pids, until, worker_pids
 
 import acompile
-from acompile._workers import Job
+from acompile._workers import Job, JobCancelled
 from acompile._workers._process import ForkedWorker
 
 pytestmark = pytest.mark.anyio
@@ -446,3 +446,83 @@ def test_a_ctrl_c_that_reaches_a_starting_pool_process_is_a_transient_start_fail
     assert start_error(-signal.SIGINT, "") is TransientStartError
     assert start_error(1, "ModuleNotFoundError: No module named 'nope'") is StartError
     assert start_error(-signal.SIGSEGV, "KeyboardInterrupt") is StartError
+
+
+@pytest.mark.parametrize("fork_workers", [True, False], ids=["forked", "fresh"])
+async def test_a_caller_that_leaves_while_its_dead_workers_end_is_handled_is_not_run_again(
+    cache_dir: Path, fork_workers: bool
+) -> None:
+    async with pool(cache_dir, 1, fork_workers=fork_workers) as p:
+        executor = local_executor(p)
+        await executor.wait_ready()
+        job = Job(FAKE, {"name": "j", "action": "sleep", "seconds": 3.0, "pid": True}, "j")
+        ran_on: set[int] = set()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(executor.run, job)
+            await until(lambda: job.state == "running", seconds=10)
+            assert job.worker_pid is not None
+            first = job.worker_pid
+            os.kill(first, signal.SIGKILL)
+            # The pool has seen the worker's end (the job no longer stops through it) and works
+            # out what to do with the job: its caller leaves now.
+            with anyio.fail_after(10):
+                while not (job.state == "running" and job.stopper is None):
+                    await anyio.lowlevel.checkpoint()
+            tg.cancel_scope.cancel()
+        with anyio.fail_after(5):
+            while not job.done.is_set():
+                if job.state == "running" and job.worker_pid is not None:
+                    ran_on.add(job.worker_pid)
+                await anyio.sleep(0.005)
+        assert isinstance(job.error, JobCancelled)
+        assert ran_on <= {first}, "the job ran again on a new worker nobody waited on"
+        executor.cancel(job)  # once more: counted once
+        assert executor.stats()["jobs"]["cancelled"] == 1
+        assert executor.stats()["jobs"]["retried"] == 0
+
+
+@pytest.mark.parametrize("fork_workers", [True, False], ids=["forked", "fresh"])
+@pytest.mark.parametrize("what", ["small", "big", "out of sync"])
+async def test_a_reply_the_pool_cannot_read_fails_its_job_with_the_reason_and_the_pool_goes_on(
+    cache_dir: Path, fork_workers: bool, what: str
+) -> None:
+    payload: dict[str, object] = {"name": "g", "action": "unreadable", "bytes": 16}
+    if what == "big":
+        payload["bytes"] = 1 << 20  # unpickled on a thread
+    elif what == "out of sync":
+        payload = {"name": "g", "action": "garbage"}
+    async with pool(cache_dir, 1, fork_workers=fork_workers) as p:
+        with anyio.fail_after(30), pytest.raises(acompile.WorkerCrashedError) as caught:
+            await run_job(p, FAKE, payload, "g")
+        message = str(caught.value)
+        assert "cannot be read here" in message and "'g'" in message
+        if what == "out of sync":
+            if fork_workers:
+                assert "out of sync" in message
+        else:
+            assert "this result cannot be rebuilt in the pool" in message
+        stats = local_executor(p).stats()
+        assert stats["jobs"]["failed"] == 1 and stats["jobs"]["retried"] == 0
+        with anyio.fail_after(30):
+            assert await run_job(p, FAKE, {"name": "e", "action": "echo", "value": 7}, "e") == 7
+
+
+async def test_a_quiesce_while_a_crashed_workers_job_is_handled_leaves_that_job_an_outcome(
+    cache_dir: Path,
+) -> None:
+    async with pool(cache_dir, 1) as p:
+        executor = local_executor(p)
+        await executor.wait_ready()
+        job = Job(FAKE, {"name": "j", "action": "sleep", "seconds": 1.0, "pid": True}, "j")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(executor.run, job)
+            await until(lambda: job.state == "running", seconds=10)
+            assert job.worker_pid is not None
+            os.kill(job.worker_pid, signal.SIGSEGV)  # a crash, not a kill from outside
+            with anyio.fail_after(10):
+                while not (job.state == "running" and job.stopper is None):
+                    await anyio.lowlevel.checkpoint()
+            executor.quiesce()  # while the pool works out the crash
+            with anyio.fail_after(30):
+                await job.done.wait()  # before: it stayed "running" forever, and its caller with it
+        assert job.error is None or isinstance(job.error, acompile.WorkerCrashedError)

@@ -608,9 +608,14 @@ async def test_a_worker_connection_hands_replies_to_its_handler_in_order_and_the
 
 
 async def test_a_worker_connection_out_of_sync_breaks_and_a_clean_close_ends() -> None:
+    from acompile._workers._protocol import Undecodable
+
     connection, worker = await _connection_pair()
     worker.sendall(b"\xff" * 8)  # a header announcing an impossible length
-    with anyio.fail_after(5), pytest.raises(anyio.BrokenResourceError):
+    with anyio.fail_after(5):
+        said = await connection.receive()
+    assert isinstance(said, Undecodable) and "out of sync" in said.error
+    with pytest.raises(anyio.BrokenResourceError):
         await connection.receive()
     worker.close()
     await connection.aclose()

@@ -261,8 +261,10 @@ class WorkerPool:
         return await run_job(self, job)
 
     def cancel(self, job: Job) -> None:
-        """Nobody waits for ``job``: drop it if queued; if running, stop its worker (counted
-        as cancelled when its slot sees it)."""
+        """Nobody waits for ``job``: drop it if queued; if running, stop its worker (and count
+        it cancelled, once)."""
+        if job.state == "running" and not job.abandoned:
+            self.counters.jobs_cancelled += 1
         job.abandon()
 
     def hold_dispatch(self) -> Callable[[], None]:
@@ -678,13 +680,13 @@ class WorkerPool:
         """Send a job's frame to a worker that cannot take it without waiting (a spawned one)."""
         try:
             await worker.send_bytes(frame)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
             pass  # the worker is gone: its slot sees its end
 
-    def _abandoned(self, worker: Worker) -> None:
+    @staticmethod
+    def _abandoned(worker: Worker) -> None:
         """``job.stopper``: nobody waits for the job ``worker`` runs. Stopping its process is the
         only way to stop a compiler; the slot sees the end of its stream, and the job's flag."""
-        self.counters.jobs_cancelled += 1
         worker.signal_kill()
 
     @staticmethod
@@ -741,11 +743,8 @@ class WorkerPool:
                 # back to the front of the queue; shutdown fails what is left there.
                 self.queue.withdraw(taker)
                 job = self._end_job(worker)
-                if job is not None and job.state == "running":
-                    if job.abandoned:
-                        job.finish(error=JobCancelled(job.name))  # counted in _abandoned
-                    else:
-                        self.queue.put(job, front=True)
+                if job is not None:
+                    self._put_back(job)
                 raise
             if reply is not None and finish(reply):
                 continue
@@ -753,7 +752,8 @@ class WorkerPool:
             if job is None:
                 self.queue.withdraw(taker)
                 if reply is not None:
-                    raise RuntimeError(f"idle worker pid {worker.pid} sent {reply!r}")
+                    logger.error("idle worker pid %d sent %s; replacing it", worker.pid, _described(reply))
+                    return "crash"
                 code = await stop(worker)
                 logger.warning("idle worker pid %d %s; replacing it", worker.pid, describe_exit(code))
                 return "killed" if code in EXTERNAL else "crash"
@@ -772,7 +772,23 @@ class WorkerPool:
                 return "timeout"
             if reply is None:
                 return await self._lost_during(job, worker)
-            raise RuntimeError(f"worker answered {reply!r} while running job {job.id}")
+            # Not the reply to this job: the worker (or the stream) is broken; the job fails, as
+            # if the worker crashed running it, and the worker is replaced.
+            problem = f"the worker sent {_described(reply)} instead of the reply to {job.name!r}"
+            logger.error("worker pid %d: %s; replacing it", worker.pid, problem)
+            job.finish(error=_protocol_error(job, problem))
+            self.counters.jobs_failed += 1
+            return "crash"
+
+    def _put_back(self, job: Job) -> None:
+        """A job whose worker stopped before it finished: back to the front of the queue, to run
+        again on another worker; or, if nobody waits for it any more, cancelled."""
+        if job.state != "running":
+            return
+        if job.abandoned:
+            job.finish(error=JobCancelled(job.name))
+        else:
+            self.queue.put(job, front=True)
 
     def _finish(self, worker: Worker, taker: Taker, reply: Any) -> bool:
         """Finish the job ``worker`` runs with its ``reply`` and start the worker's next job;
@@ -800,9 +816,19 @@ class WorkerPool:
 
     async def _lost_during(self, job: Job, worker: Worker) -> str:
         """The worker died while it ran job: retry or fail the job; returns the restart cause."""
+        try:
+            return await self._retry_or_fail(job, worker)
+        except BaseException:
+            self._put_back(job)  # the epoch ended meanwhile (quiesce, shutdown)
+            raise
+
+    async def _retry_or_fail(self, job: Job, worker: Worker) -> str:
         code = await stop(worker)
         # An exit nobody could report in time (its template stopped) came from outside too.
         cause = worker.stop_cause or ("killed" if code in EXTERNAL or code is None else "crash")
+        if job.abandoned:
+            job.finish(error=JobCancelled(job.name))  # its caller left meanwhile: no retry
+            return cause
         if cause == "template":
             # The template it was forked from died, and took it along: not this job's doing,
             # and not counted against it.
@@ -810,7 +836,7 @@ class WorkerPool:
             logger.warning(
                 "worker pid %d went with its template while compiling %s; retrying it", worker.pid, job.name
             )
-            self.queue.put(job, front=True)
+            self._put_back(job)
             return "killed"
         if cause == "killed" and job.external_kills == 0:
             # Not the job's fault: once more, on a fresh worker, ahead of everything else.
@@ -819,7 +845,7 @@ class WorkerPool:
             logger.warning(
                 "worker pid %d %s while compiling %s; retrying it", worker.pid, describe_exit(code), job.name
             )
-            self.queue.put(job, front=True)
+            self._put_back(job)
             return cause
         tail = await anyio.to_thread.run_sync(stderr_tail, worker.stderr_path)
         job.finish(error=_crash_error(job, code, tail, cause, self.memory_limit))
@@ -970,6 +996,18 @@ def _unsendable_error(job: Job, exc: Exception) -> CompileError:
         backend=short_backend(job.backend),
         log=str(exc),
     )
+
+
+def _described(message: Any) -> str:
+    """A message from a worker, for a log line: what it is, not what it holds."""
+    if isinstance(message, _protocol.Undecodable):
+        return f"a message that cannot be read here ({message.error})"
+    return f"an unexpected {type(message).__name__}"
+
+
+def _protocol_error(job: Job, problem: str) -> CompileError:
+    backend = short_backend(job.backend)
+    return WorkerCrashedError(problem, exit_code=None, kernel=job.name, backend=backend, stderr_tail="")
 
 
 def _starved(config: dict[str, Any]) -> str:

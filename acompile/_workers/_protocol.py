@@ -287,11 +287,22 @@ class MessageReceiver:
     def __init__(self, stream: anyio.abc.ByteReceiveStream) -> None:
         self._stream = stream
         self._reader = FrameReader()
+        self._out_of_sync: str | None = None
 
     async def receive(self) -> Any:
-        """The next frame. Raises ``anyio.EndOfStream`` (or ``anyio.IncompleteRead`` inside a
-        frame) when the other end closed, ``anyio.BrokenResourceError`` when it broke."""
-        while (parts := self._reader.next_parts()) is None:
+        """The next frame (an ``Undecodable`` if it cannot be read, or where the stream went out
+        of sync). Raises ``anyio.EndOfStream`` (or ``anyio.IncompleteRead`` inside a frame) when
+        the other end closed, ``anyio.BrokenResourceError`` when it broke or went out of sync."""
+        if self._out_of_sync is not None:
+            raise anyio.BrokenResourceError(self._out_of_sync)
+        while True:
+            try:
+                parts = self._reader.next_parts()
+            except ValueError as exc:
+                self._out_of_sync = str(exc)
+                return Undecodable(self._out_of_sync)
+            if parts is not None:
+                break
             try:
                 data = await self._stream.receive(max(self._reader.wanted(), 65536))
             except anyio.EndOfStream:
@@ -302,15 +313,31 @@ class MessageReceiver:
         return await decode_off_loop(parts)
 
 
+@dataclass(frozen=True)
+class Undecodable:
+    """Not a message: what the pool's reading gives in place of a frame it cannot unpickle (a
+    result whose class raises as it is rebuilt here, bytes that are not a pickle)."""
+
+    error: str
+
+
+def decode_or_undecodable(parts: list[bytes]) -> Any:
+    """``decode(parts)``, or an ``Undecodable`` saying why it failed."""
+    try:
+        return decode(parts)
+    except Exception as exc:
+        return Undecodable(f"{type(exc).__name__}: {exc}")
+
+
 def small(parts: list[bytes]) -> bool:
     """Whether a frame's body is small enough to decode on the event loop."""
     return sum(map(len, parts)) < _DECODE_INLINE_MAX
 
 
 async def decode_off_loop(parts: list[bytes]) -> Any:
-    """A frame's body, decoded here if small, else on a thread: a big result (a large cubin and
-    its assembly) is copied twice by joining its pieces and unpickling it, a millisecond per few
-    megabytes, which is for a thread, not the loop."""
+    """A frame's body (or an ``Undecodable``), decoded here if small, else on a thread: a big
+    result (a large cubin and its assembly) is copied twice by joining its pieces and unpickling
+    it, a millisecond per few megabytes, which is for a thread, not the loop."""
     if small(parts):
-        return decode(parts)
-    return await anyio.to_thread.run_sync(decode, parts)
+        return decode_or_undecodable(parts)
+    return await anyio.to_thread.run_sync(decode_or_undecodable, parts)

@@ -65,6 +65,7 @@ class WorkerConnection(asyncio.Protocol):
             while (parts := self._frames.next_parts()) is not None:
                 self._arrived(parts)
         except ValueError as exc:  # a header no worker writes: the stream is out of sync
+            self._inbox.append((True, _protocol.Undecodable(str(exc))))
             self._ended(anyio.BrokenResourceError(str(exc)))
             if self._transport is not None:
                 self._transport.abort()
@@ -88,7 +89,7 @@ class WorkerConnection(asyncio.Protocol):
     def _arrived(self, parts: list[bytes]) -> None:
         handler = self._handler
         if handler is not None and not self._inbox and _protocol.small(parts):
-            message = _protocol.decode(parts)
+            message = _protocol.decode_or_undecodable(parts)
             if not handler(message):
                 self._inbox.append((True, message))
         else:
