@@ -129,6 +129,21 @@ async def test_max_compile_seconds_stops_a_compiler_that_never_returns(
         assert p.stats()["workers"]["restarts"] == {"timeout": 1}
 
 
+async def test_max_compile_seconds_counts_from_each_jobs_own_start(cache_dir: Path) -> None:
+    """Jobs that each stay within the limit pass, however long their worker has been busy: one
+    worker runs three jobs of 0.6 s back to back under a 1 s limit (the limit's clock restarts
+    with each job), then a job that runs past it is stopped."""
+    async with pool(cache_dir, workers=1, max_compile_seconds=1.0) as p:
+        await p.wait_ready()
+        with anyio.fail_after(30):
+            for i in range(3):
+                payload = {"name": f"s{i}", "action": "sleep", "seconds": 0.6, "value": i}
+                assert await run_job(p, FAKE, payload, f"s{i}") == i
+            with pytest.raises(acompile.CompileTimeoutError):
+                await run_job(p, FAKE, {"name": "long", "action": "sleep", "seconds": 3600}, "long")
+        await until(lambda: p.stats()["workers"]["restarts"] == {"timeout": 1})
+
+
 async def test_prestarted_workers_start_after_the_entrys_requests_or_at_the_first_miss(
     cache_dir: Path,
 ) -> None:

@@ -399,6 +399,8 @@ class WorkerPool:
                     tg.cancel_scope.cancel()
             finally:
                 self.queue.withdraw(taker)
+                if worker.deadline is not None:
+                    worker.deadline.cancel()
                 self.alive.pop(worker.pid, None)
                 self.counters.worker_rss.pop(worker.pid, None)
                 code = await stop(worker)
@@ -670,9 +672,10 @@ class WorkerPool:
         job.stopper = functools.partial(self._abandoned, worker)
         self.busy += 1
         self.last_activity = time.monotonic()
-        if self.max_compile_seconds is not None:
+        if self.max_compile_seconds is not None and worker.deadline is None:
+            # One timer per worker, not per job: it looks at the job running when it fires.
             loop = asyncio.get_running_loop()
-            worker.deadline = loop.call_later(self.max_compile_seconds, self._time_out, worker)
+            worker.deadline = loop.call_later(self.max_compile_seconds, self._check_deadline, worker)
         return True
 
     @staticmethod
@@ -689,10 +692,20 @@ class WorkerPool:
         only way to stop a compiler; the slot sees the end of its stream, and the job's flag."""
         worker.signal_kill()
 
-    @staticmethod
-    def _time_out(worker: Worker) -> None:
-        worker.timed_out = True
-        worker.signal_kill()  # its slot sees the end of its stream, and the flag
+    def _check_deadline(self, worker: Worker) -> None:
+        """The worker's timer: stop it if its job has run past ``max_compile_seconds`` (its slot
+        sees the end of its stream, and the flag), else look again when the job would."""
+        assert self.max_compile_seconds is not None
+        worker.deadline = None
+        job = worker.job
+        if job is None:
+            return  # idle: set again at its next job
+        left = job.started_at + self.max_compile_seconds - time.perf_counter()
+        if left > 0:
+            worker.deadline = asyncio.get_running_loop().call_later(left, self._check_deadline, worker)
+        else:
+            worker.timed_out = True
+            worker.signal_kill()
 
     def _end_job(self, worker: Worker) -> Job | None:
         """The job ``worker`` ran, now that it is over (answered, lost or put back), or None
@@ -700,9 +713,6 @@ class WorkerPool:
         job, worker.job = worker.job, None
         if job is None:
             return None
-        if worker.deadline is not None:
-            worker.deadline.cancel()
-            worker.deadline = None
         job.stopper = None
         self.busy -= 1
         job.ended_at = time.perf_counter()

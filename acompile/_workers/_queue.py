@@ -20,6 +20,7 @@ the queue, and only they are ordered.
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 import time
@@ -62,7 +63,8 @@ class Job:
     state: str = "new"
     result: Any = None
     error: BaseException | None = None
-    done: anyio.Event = field(default_factory=anyio.Event)
+    # asyncio's own event (the pool runs on asyncio only): anyio's costs a backend lookup per job.
+    done: asyncio.Event = field(default_factory=asyncio.Event)
     worker_pid: int | None = None
     seconds: float = 0.0
     external_kills: int = 0
