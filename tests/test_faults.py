@@ -6,6 +6,7 @@ only fake is fake_backend's compiler, where a job must sleep on demand.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import random
@@ -526,3 +527,84 @@ async def test_a_quiesce_while_a_crashed_workers_job_is_handled_leaves_that_job_
             with anyio.fail_after(30):
                 await job.done.wait()  # before: it stayed "running" forever, and its caller with it
         assert job.error is None or isinstance(job.error, acompile.WorkerCrashedError)
+
+
+async def test_a_caller_that_leaves_while_its_crashed_workers_log_is_read_is_counted_once(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool reads a crashed worker's stderr tail (on a thread) before it fails the job; a
+    caller leaving then must end it as cancelled, counted once, not cancelled and failed. The
+    read is slowed here (and only here) to make that moment last."""
+    import acompile._workers._pool as pool_module
+
+    reading = threading.Event()
+    real_tail = pool_module.stderr_tail
+
+    def slow_tail(path: str | int) -> str:
+        reading.set()
+        time.sleep(0.3)
+        return real_tail(path)
+
+    monkeypatch.setattr(pool_module, "stderr_tail", slow_tail)
+    async with pool(cache_dir, 1) as p:
+        executor = local_executor(p)
+        await executor.wait_ready()
+        job = Job(FAKE, {"name": "j", "action": "sleep", "seconds": 3.0, "pid": True}, "j")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(executor.run, job)
+            await until(lambda: job.state == "running", seconds=10)
+            assert job.worker_pid is not None
+            os.kill(job.worker_pid, signal.SIGSEGV)
+            await until(reading.is_set, seconds=10)
+            tg.cancel_scope.cancel()
+        await until(job.done.is_set, seconds=10)
+        assert isinstance(job.error, JobCancelled)
+        jobs = executor.stats()["jobs"]
+        assert (jobs["cancelled"], jobs["failed"], jobs["done"]) == (1, 0, 0)
+
+
+# On asyncio only: uvloop gives the template a socket pair, which /proc cannot open.
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_template_whose_stream_breaks_is_stopped_and_replaced(cache_dir: Path) -> None:
+    """Bytes that are no frame on the template's stdout (something its preload left behind
+    writing there): its workers go, their jobs run again on a new template's, and the old
+    template process is stopped, not left running past the pool."""
+    async with pool(cache_dir, 2) as p:
+        executor = local_executor(p)
+        await executor.wait_ready()
+        [old] = template_pids()
+        fd = _template_stdout_of(old)
+        os.write(fd, b"\xff" * 16)  # as the template itself would
+        os.close(fd)
+        with anyio.fail_after(60):
+            results = [
+                await run_job(p, FAKE, {"name": f"e{i}", "action": "echo", "value": i}, f"e{i}")
+                for i in range(4)
+            ]
+        assert results == [0, 1, 2, 3]
+        await until(lambda: gone(old), seconds=10)
+    assert gone(old)
+
+
+def _fd_flags(pid: int | str, fd: str) -> int:
+    with open(f"/proc/{pid}/fdinfo/{fd}") as info:
+        return int(next(line for line in info if line.startswith("flags:")).split()[1], 8)
+
+
+def _template_stdout_of(pid: int) -> int:
+    """A descriptor of the pipe the template writes its messages to (its write end of a pipe
+    whose read end this process holds), opened through /proc."""
+    ours_reading = set()
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if _fd_flags("self", name) & os.O_ACCMODE == os.O_RDONLY:
+                ours_reading.add(os.readlink(f"/proc/self/fd/{name}"))
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        link = os.readlink(f"/proc/{pid}/fd/{name}")
+        if (
+            link in ours_reading
+            and link.startswith("pipe:")
+            and _fd_flags(pid, name) & os.O_ACCMODE == os.O_WRONLY
+        ):
+            return os.open(f"/proc/{pid}/fd/{name}", os.O_WRONLY)
+    raise AssertionError(f"no message pipe found in the template pid {pid}")

@@ -540,6 +540,10 @@ class WorkerPool:
         async with self._template_lock:
             if self._template is not None and not self._template.lost.is_set():
                 return self._template
+            lost, self._template = self._template, None
+            if lost is not None:
+                # Usually dead already; one whose stream broke may still run: it goes now.
+                await stop_template(lost, at_once=True)
             if self._template_failed:
                 return None
             try:
@@ -858,6 +862,9 @@ class WorkerPool:
             self._put_back(job)
             return cause
         tail = await anyio.to_thread.run_sync(stderr_tail, worker.stderr_path)
+        if job.abandoned:
+            job.finish(error=JobCancelled(job.name))  # its caller left while the tail was read
+            return cause
         job.finish(error=_crash_error(job, code, tail, cause, self.memory_limit))
         self.counters.jobs_failed += 1
         logger.error("worker pid %d %s while compiling %s", worker.pid, describe_exit(code), job.name)
