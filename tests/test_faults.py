@@ -19,8 +19,10 @@ import time
 import uuid
 import warnings
 from pathlib import Path
+from typing import Any
 
 import anyio
+import anyio.abc
 import psutil
 import pytest
 from conftest import subprocess_env
@@ -456,20 +458,14 @@ async def test_a_caller_that_leaves_while_its_dead_workers_end_is_handled_is_not
     async with pool(cache_dir, 1, fork_workers=fork_workers) as p:
         executor = local_executor(p)
         await executor.wait_ready()
-        job = Job(FAKE, {"name": "j", "action": "sleep", "seconds": 3.0, "pid": True}, "j")
         ran_on: set[int] = set()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(executor.run, job)
-            await until(lambda: job.state == "running", seconds=10)
-            assert job.worker_pid is not None
+            job = await _running_sleep_job(tg, executor, 3.0)
             first = job.worker_pid
+            assert first is not None
             os.kill(first, signal.SIGKILL)
-            # The pool has seen the worker's end (the job no longer stops through it) and works
-            # out what to do with the job: its caller leaves now.
-            with anyio.fail_after(10):
-                while not (job.state == "running" and job.stopper is None):
-                    await anyio.lowlevel.checkpoint()
-            tg.cancel_scope.cancel()
+            await _until_its_workers_end_is_being_handled(job)
+            tg.cancel_scope.cancel()  # its caller leaves now
         with anyio.fail_after(5):
             while not job.done.is_set():
                 if job.state == "running" and job.worker_pid is not None:
@@ -514,15 +510,10 @@ async def test_a_quiesce_while_a_crashed_workers_job_is_handled_leaves_that_job_
     async with pool(cache_dir, 1) as p:
         executor = local_executor(p)
         await executor.wait_ready()
-        job = Job(FAKE, {"name": "j", "action": "sleep", "seconds": 1.0, "pid": True}, "j")
         async with anyio.create_task_group() as tg:
-            tg.start_soon(executor.run, job)
-            await until(lambda: job.state == "running", seconds=10)
-            assert job.worker_pid is not None
-            os.kill(job.worker_pid, signal.SIGSEGV)  # a crash, not a kill from outside
-            with anyio.fail_after(10):
-                while not (job.state == "running" and job.stopper is None):
-                    await anyio.lowlevel.checkpoint()
+            job = await _running_sleep_job(tg, executor, 1.0)
+            _signal_its_worker(job, signal.SIGSEGV)  # a crash, not a kill from outside
+            await _until_its_workers_end_is_being_handled(job)
             executor.quiesce()  # while the pool works out the crash
             with anyio.fail_after(30):
                 await job.done.wait()  # before: it stayed "running" forever, and its caller with it
@@ -549,12 +540,9 @@ async def test_a_caller_that_leaves_while_its_crashed_workers_log_is_read_is_cou
     async with pool(cache_dir, 1) as p:
         executor = local_executor(p)
         await executor.wait_ready()
-        job = Job(FAKE, {"name": "j", "action": "sleep", "seconds": 3.0, "pid": True}, "j")
         async with anyio.create_task_group() as tg:
-            tg.start_soon(executor.run, job)
-            await until(lambda: job.state == "running", seconds=10)
-            assert job.worker_pid is not None
-            os.kill(job.worker_pid, signal.SIGSEGV)
+            job = await _running_sleep_job(tg, executor, 3.0)
+            _signal_its_worker(job, signal.SIGSEGV)
             await until(reading.is_set, seconds=10)
             tg.cancel_scope.cancel()
         await until(job.done.is_set, seconds=10)
@@ -608,3 +596,25 @@ def _template_stdout_of(pid: int) -> int:
         ):
             return os.open(f"/proc/{pid}/fd/{name}", os.O_WRONLY)
     raise AssertionError(f"no message pipe found in the template pid {pid}")
+
+
+async def _running_sleep_job(tg: anyio.abc.TaskGroup, executor: Any, seconds: float) -> Job:
+    """A job that sleeps ``seconds``, run through ``executor`` in ``tg``, once its worker runs it."""
+    job = Job(FAKE, {"name": "j", "action": "sleep", "seconds": seconds, "pid": True}, "j")
+    tg.start_soon(executor.run, job)
+    await until(lambda: job.state == "running", seconds=10)
+    assert job.worker_pid is not None
+    return job
+
+
+async def _until_its_workers_end_is_being_handled(job: Job) -> None:
+    """Until the pool has seen the end of the job's worker (the job no longer stops through it)
+    and is working out what to do with the job."""
+    with anyio.fail_after(10):
+        while not (job.state == "running" and job.stopper is None):
+            await anyio.lowlevel.checkpoint()
+
+
+def _signal_its_worker(job: Job, sig: int) -> None:
+    assert job.worker_pid is not None
+    os.kill(job.worker_pid, sig)
