@@ -426,11 +426,13 @@ def test_a_process_table_read_while_pids_were_reused_is_walked_once() -> None:
     assert out.stdout.strip() == "[100, 200, 300]"
 
 
-def test_a_pool_imports_nothing_once_acompile_is_imported() -> None:
+@pytest.mark.parametrize("runner", ["anyio.run(main)", "asyncio.run(main())"])
+def test_a_pool_imports_nothing_once_acompile_is_imported(runner: str) -> None:
     """Whatever a pool needs is imported with acompile, never on the caller's event loop as the
-    pool starts (anyio imports its subprocess module on first use: ~5 ms of the loop)."""
+    pool starts: anyio imports its subprocess module on first use (~5 ms of the loop), and its
+    asyncio backend at the first anyio call in a plain asyncio program (~10 ms)."""
     script = (
-        "import sys, tempfile\n"
+        "import asyncio, sys, tempfile\n"
         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "import anyio, acompile\n"
         "from fake_backend import run_job\n"
@@ -438,9 +440,9 @@ def test_a_pool_imports_nothing_once_acompile_is_imported() -> None:
         "    before = set(sys.modules)\n"
         "    async with acompile.CompilePool(1, preload=(), target='cuda:90', cache_dir=tempfile.mkdtemp()) as p:\n"
         "        await run_job(p, 'fake_backend', {'name': 'p', 'action': 'pid'}, 'p')\n"
-        "        await anyio.sleep(0.6)  # the pool's watchers sample its processes\n"
+        "        await asyncio.sleep(0.6)  # the pool's watchers sample its processes\n"
         "    print(sorted(set(sys.modules) - before))\n"
-        "anyio.run(main)\n"
+        f"{runner}\n"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

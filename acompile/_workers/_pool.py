@@ -42,6 +42,14 @@ import anyio.lowlevel
 # the event loop, in the pool's start (~5 ms).
 from anyio import open_process
 
+try:
+    # anyio imports its asyncio backend at the first anyio call made in a running loop: in a plain
+    # asyncio program (asyncio.run, a server framework), that is the pool's start, and ~10 ms of
+    # the loop on 2 cores. A private module: without it, the pool only pays that once.
+    import anyio._backends._asyncio
+except ImportError:  # pragma: no cover - another anyio's layout
+    pass
+
 from acompile._errors import (
     CompileError,
     CompileTimeoutError,
