@@ -155,6 +155,7 @@ class Worker:
 # CPU time nothing else wanted, and never takes a CPU from the caller or a compile at normal
 # priority.
 _POLL_SECONDS = 200e-6
+_SCHED_IDLE = getattr(os, "SCHED_IDLE", None)
 
 
 def _await_next_job(fd: int) -> None:
@@ -167,9 +168,6 @@ def _await_next_job(fd: int) -> None:
     while time.perf_counter() < deadline:
         if poller.poll(0):
             return
-
-
-_SCHED_IDLE = getattr(os, "SCHED_IDLE", None)
 
 
 def thread_count() -> int:

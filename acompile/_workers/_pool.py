@@ -399,7 +399,8 @@ class WorkerPool:
             self._start_error = None
             self._ready[slot].set()
             cause = "stopped"  # by quiesce() or shutdown, unless _serve says otherwise
-            taker = Taker(functools.partial(self._deliver, worker))
+            # A submitter starts its job on this worker, if idle, through the taker (put()).
+            taker = Taker(functools.partial(self._start, worker))
             try:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._watch, worker, taker)
@@ -649,7 +650,7 @@ class WorkerPool:
     def _take_next(self, worker: Worker, taker: Taker) -> None:
         """An idle worker's next job: the first queued one, started now, or else the next one
         submitted (``taker`` waits in the queue for it; ``put()`` starts it through
-        ``_deliver``)."""
+        ``_start``)."""
         if not self._awake:
             return  # the epoch ends: the slot's task is cancelled where it waits
         job = self.queue.pop()
@@ -658,15 +659,10 @@ class WorkerPool:
         elif not self._start(worker, job):
             self.queue.put(job, front=True)  # the worker is gone: the slot sees its end next
 
-    def _deliver(self, worker: Worker, job: Job) -> bool:
-        """``taker.deliver``: start ``job`` on the idle worker, in the submitter's task (from
-        ``JobQueue.put``). False when the worker cannot take it (it is gone, or the epoch ends):
-        the job stays queued."""
-        return self._start(worker, job)
-
     def _start(self, worker: Worker, job: Job) -> bool:
         """Send ``job`` to ``worker`` and mark it running there; False if the worker cannot
-        take it. The worker's slot, waiting for the worker's next message, reads the reply."""
+        take it (it is gone, or the epoch ends): the job stays queued. Called from the slot
+        (``_take_next``) or, as ``taker.deliver``, in a submitter's task (``JobQueue.put``)."""
         if not self._awake or worker.exited.is_set() or worker.job is not None:
             return False
         assert job.frame is not None
@@ -681,7 +677,9 @@ class WorkerPool:
         job.state = "running"
         job.worker_pid = worker.pid
         job.started_at = time.perf_counter()
-        job.stopper = functools.partial(self._abandoned, worker)
+        # Nobody waits for it any more: stopping its process is the only way to stop a compiler
+        # (the slot sees the end of its stream, and the job's flag).
+        job.stopper = worker.signal_kill
         self.busy += 1
         self.last_activity = time.monotonic()
         if self.max_compile_seconds is not None and worker.deadline is None:
@@ -697,12 +695,6 @@ class WorkerPool:
             await worker.send_bytes(frame)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
             pass  # the worker is gone: its slot sees its end
-
-    @staticmethod
-    def _abandoned(worker: Worker) -> None:
-        """``job.stopper``: nobody waits for the job ``worker`` runs. Stopping its process is the
-        only way to stop a compiler; the slot sees the end of its stream, and the job's flag."""
-        worker.signal_kill()
 
     def _check_deadline(self, worker: Worker) -> None:
         """The worker's timer: stop it if its job has run past ``max_compile_seconds`` (its slot
@@ -780,7 +772,7 @@ class WorkerPool:
                 logger.warning("idle worker pid %d %s; replacing it", worker.pid, describe_exit(code))
                 return "killed" if code in EXTERNAL else "crash"
             if job.abandoned:
-                # Every waiter left while it ran: its worker was stopped (_abandoned).
+                # Every waiter left while it ran: its worker was stopped (job.stopper).
                 job.finish(error=JobCancelled(job.name))
                 return "abandoned"
             if worker.timed_out:
