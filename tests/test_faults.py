@@ -429,7 +429,7 @@ async def test_a_stopped_template_is_replaced_and_the_jobs_of_its_killed_workers
                     if not is_template(worker):
                         worker.send_signal(signal.SIGKILL)
         assert sorted(outcomes) == [0, 1, 2, 3]  # type: ignore[type-var]
-        assert not psutil.pid_exists(template.pid) or template.status() == psutil.STATUS_ZOMBIE
+        assert gone(template.pid)
 
 
 def test_a_ctrl_c_that_reaches_a_starting_pool_process_is_a_transient_start_failure() -> None:

@@ -17,6 +17,7 @@ import pytest
 import triton
 from conftest import TARGET, subprocess_env
 from kernels_for_tests import ADD_SIG, add_kernel, broken_kernel, scale_add_kernel, slow_to_compile_kernel
+from processes import gone
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -318,8 +319,7 @@ async def test_when_every_caller_gives_up_the_compile_stops(cache_dir: Path) -> 
             # The worker that ran it is gone (the compile was stopped, not left to finish), and
             # the pool says why.
             def stopped() -> bool:
-                alive = workers[0].is_running() and workers[0].status() != psutil.STATUS_ZOMBIE
-                return not alive and p.stats()["workers"]["restarts"] == {"abandoned": 1}
+                return gone(workers[0].pid) and p.stats()["workers"]["restarts"] == {"abandoned": 1}
 
             while not stopped():  # noqa: ASYNC110 - processes have no event to wait on
                 await anyio.sleep(0.01)
