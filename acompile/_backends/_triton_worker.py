@@ -10,6 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import triton
+
+# Triton imports its code generator (and Gluon with it, ~0.1 s) at a process's first compile.
+# Imported here, it comes with the backend, which a template imports while the pool is still
+# preparing the workers' configuration, instead of after it, during the preload's compile.
+import triton.compiler.code_generator
 import triton.language as tl
 from triton import knobs
 from triton.compiler import ASTSource
