@@ -254,6 +254,35 @@ def test_bench_runs_its_rows_side_by_side_and_writes_json(tmp_path: Path) -> Non
     )
     rows = json.loads(report.read_text())["rows"]
     assert {"sequential", "acompile_cold", "warm_acompile"} <= set(rows)
+    # The loop's lag comes with the full collections that stopped it in the same window.
+    assert "full GC" in out.stdout
+    assert isinstance(rows["acompile_cold"]["lag"]["full_gc"], int)
+
+
+def test_bench_lag_probe_counts_the_full_collections_inside_its_window() -> None:
+    """A full collection stops the loop like any long step: the probe reports each one's pause,
+    and none from outside its window."""
+    import gc
+
+    import anyio
+
+    from acompile._bench import harness
+
+    async def main() -> tuple[harness.LagSamples, list[float]]:
+        async with harness.probing() as samples:
+            await anyio.sleep(0.01)
+            gc.collect()  # a full collection, on the loop's thread
+            await anyio.sleep(0.01)
+            kept = list(samples.full_gc)
+        gc.collect()  # after the window: not counted
+        return samples, kept
+
+    samples, inside = anyio.run(main)
+    assert len(inside) == 1 and inside[0] > 0
+    assert samples.full_gc == inside
+    assert harness.lag_figures(samples)["full_gc"] == 1
+    samples.clear()
+    assert samples.full_gc == [] and harness.lag_figures(samples)["full_gc_max_ms"] is None
 
 
 def test_cache_import_refuses_an_unsigned_bundle_unless_allowed(tmp_path: Path) -> None:

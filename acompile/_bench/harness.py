@@ -62,13 +62,41 @@ def latency(samples: list[float]) -> dict[str, Any]:
     }
 
 
+class LagSamples(list[float]):
+    """How late each probe woke (seconds), and the pauses of CPython's full collections
+    (generation 2) in the same window: a full collection stops every thread of the process, the
+    loop included, and on a process that has imported Triton takes 15-25 ms. It lands in a row
+    or not depending on how much the whole process allocated before, so a lag maximum is read
+    next to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.full_gc: list[float] = []
+
+    def clear(self) -> None:
+        super().clear()
+        self.full_gc.clear()
+
+
 @contextlib.asynccontextmanager
-async def probing() -> AsyncIterator[list[float]]:
+async def probing() -> AsyncIterator[LagSamples]:
     """Event-loop lag while the body of the ``async with`` runs: how late each
-    ``await anyio.sleep(0.001)`` of a probe task comes back, in seconds."""
+    ``await anyio.sleep(0.001)`` of a probe task comes back, in seconds; and the full
+    collections that ran meanwhile (``samples.full_gc``, seconds each)."""
+    import gc
+
     import anyio
 
-    samples: list[float] = []
+    samples = LagSamples()
+    started: list[float] = []
+
+    def collection(phase: str, info: dict[str, Any]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            samples.full_gc.append(time.perf_counter() - started.pop())
 
     async def probe() -> None:
         while True:
@@ -76,12 +104,25 @@ async def probing() -> AsyncIterator[list[float]]:
             await anyio.sleep(0.001)
             samples.append(time.perf_counter() - t - 0.001)
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(probe)
-        try:
-            yield samples
-        finally:
-            tg.cancel_scope.cancel()
+    gc.callbacks.append(collection)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(probe)
+            try:
+                yield samples
+            finally:
+                tg.cancel_scope.cancel()
+    finally:
+        gc.callbacks.remove(collection)
+
+
+def lag_figures(samples: LagSamples) -> dict[str, Any]:
+    """A row's lag: p50 / p99 / max, and the full collections inside the window."""
+    return {
+        **latency(samples),
+        "full_gc": len(samples.full_gc),
+        "full_gc_max_ms": ms(max(samples.full_gc), 2) if samples.full_gc else None,
+    }
 
 
 def idle_lag(seconds: float = 0.5) -> dict[str, Any]:
@@ -91,7 +132,7 @@ def idle_lag(seconds: float = 0.5) -> dict[str, Any]:
     async def measure() -> dict[str, Any]:
         async with probing() as samples:
             await anyio.sleep(seconds)
-        return latency(samples)
+        return lag_figures(samples)
 
     return anyio.run(measure)
 

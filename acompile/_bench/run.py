@@ -23,7 +23,9 @@ The report prints the bound no scheduler can beat: max(the sequential row's time
 longest single compile, the first left out as it carries Triton's one-time costs), and each
 parallel row's time as a multiple of it.
 
-Async rows record event-loop lag (a task sleeping 1 ms in a loop: how late it wakes). Every row's
+Async rows record event-loop lag (a task sleeping 1 ms in a loop: how late it wakes), and the
+full (generation 2) garbage collections CPython ran meanwhile, which stop the loop too (``full
+GC``: how many, the longest pause). Every row's
 cubins are compared with the sequential row's (``cubin≠seq``). ``cpu s`` counts the row's
 process and the workers it reaped; ``load`` is the load average before the row. ``--lifecycle``,
 ``--tiers``, ``--storm``, ``--first-launch`` and ``--autotune`` run the other sections.
@@ -135,7 +137,8 @@ async def baseline(args: argparse.Namespace) -> dict[str, Any]:
             t1 = time.perf_counter()
             await anyio.to_thread.run_sync(functools.partial(executor.shutdown, wait=True))
             extra["shutdown_s"] = time.perf_counter() - t1
-    return {"wall_s": wall, "lag": harness.latency(lag), **extra, **outcome(results, args.limit, args.corpus)}
+    lag_figures = harness.lag_figures(lag)
+    return {"wall_s": wall, "lag": lag_figures, **extra, **outcome(results, args.limit, args.corpus)}
 
 
 async def acompile_row(args: argparse.Namespace) -> dict[str, Any]:
@@ -179,7 +182,7 @@ async def acompile_row(args: argparse.Namespace) -> dict[str, Any]:
             )
     return {
         "wall_s": wall,
-        "lag": harness.latency(lag),
+        "lag": harness.lag_figures(lag),
         "stats": stats,
         "stamps": stamps,
         "assertion": "; ".join(problems) or None,
@@ -211,6 +214,13 @@ def _run_row(name: str, args: argparse.Namespace, root: Path, results: dict[str,
     return result
 
 
+def _full_gc(lag: dict[str, Any]) -> str:
+    """The full collections inside a row's lag window: how many, and the longest pause."""
+    if not lag or lag.get("full_gc") is None:
+        return "n/a"
+    return f"{lag['full_gc']} ({lag['full_gc_max_ms']:.1f} ms)" if lag["full_gc"] else "0"
+
+
 def report(results: dict[str, dict[str, Any]], machine: dict[str, Any], args: argparse.Namespace) -> str:
     """The rows as a table, then the warm starts."""
     from acompile._bench.corpus import differing
@@ -227,18 +237,20 @@ def report(results: dict[str, dict[str, Any]], machine: dict[str, Any], args: ar
         "",
     ]
     seq = results.get("sequential", {})
-    header = ["row", "wall s", "vs seq", "lag p99 ms", "lag max ms", "ok", "cubin≠seq", "cpu s", "load"]
+    header = ["row", "wall s", "vs seq", "lag p99 ms", "lag max ms", "full GC", "ok", "cubin≠seq"]
+    header += ["cpu s", "load"]
     rows = []
     for name in ROWS[:6]:
         r = results.get(name)
         if r is None or "crashed" in r:
-            rows += [[name, "CRASHED", *[""] * 7]] if r is not None else []
+            rows += [[name, "CRASHED", *[""] * 8]] if r is not None else []
             continue
         r["cubins_differing_from_sequential"] = differ = differing(r, seq) if name != "sequential" else None
         lag = r.get("lag") or {}
         speed = seq.get("wall_s", 0) / r["wall_s"] if seq.get("wall_s") else None
         cells = [harness.fmt(r["wall_s"]), harness.fmt(speed) + "x", harness.fmt(lag.get("p99_ms"))]
-        cells += [harness.fmt(lag.get("max_ms")), f"{r['ok']}/{r['specs']}", harness.fmt(differ, "d")]
+        cells += [harness.fmt(lag.get("max_ms")), _full_gc(lag), f"{r['ok']}/{r['specs']}"]
+        cells.append(harness.fmt(differ, "d"))
         rows.append([name, *cells, harness.fmt(r["cpu_s"], ".1f"), harness.fmt(r["loadavg_before"])])
     lines += [harness.table(header, rows), ""] if rows else []
     if seq.get("longest_s") and "crashed" not in seq:
