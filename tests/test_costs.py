@@ -52,6 +52,9 @@ NONSENSE = {
     "at_nan": '[0.2,"family",1000,4,3,NaN]',
     "family_not_text": "[0.2,[1],1000,4,3,1700000000]",
     "tiles_huge": f'[0.2,"family",1000,4,3,1700000000,{HUGE}]',
+    "dots_huge": f'[0.2,"family",1000,4,3,1700000000,1,{HUGE}]',
+    "dots_negative": '[0.2,"family",1000,4,3,1700000000,1,-1]',
+    "fields_too_many": '[0.2,"family",1000,4,3,1700000000,1,1,1]',
 }
 
 
@@ -206,14 +209,65 @@ async def test_a_stuck_lock_holder_delays_a_save_a_moment_only(tmp_path: Path) -
     assert stored(tmp_path)["k"][0] == pytest.approx(1.5)
 
 
-def triton_payload(key: str, warps: int = 4, stages: int = 3, **constexprs: int) -> dict[str, Any]:
+def triton_payload(
+    key: str, warps: int = 4, stages: int = 3, source: str = "def matmul(...): ...", **constexprs: int
+) -> dict[str, Any]:
     return {
         "key": key,
         "name": "matmul",
         "constexprs": constexprs,
         "options": {"num_warps": warps, "num_stages": stages},
-        "key_parts": {"kernel": "def matmul(...): ..."},
+        "kernel": {"source": source},
+        "key_parts": {"kernel": source},
     }
+
+
+# Two kernels of the same size, never compiled: one multiplies matrices, one adds vectors.
+MATMUL_SOURCE = """def matmul(a_ptr, b_ptr, c_ptr, K, BLOCK: tl.constexpr):
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    for k in range(0, K, BLOCK):
+        acc += tl.dot(tl.load(a_ptr + k), tl.load(b_ptr + k))
+    tl.store(c_ptr, acc)
+"""
+ADD_SOURCE = """def vadd(a_ptr, b_ptr, c_ptr, K, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    for k in range(0, K, BLOCK):
+        tl.store(c_ptr + offsets, tl.load(a_ptr + offsets) + tl.load(b_ptr + offsets))
+    tl.store(c_ptr, 0.0)
+"""
+
+
+async def test_a_kernel_never_compiled_with_a_dot_product_is_expected_longer(tmp_path: Path) -> None:
+    """The first guess, before any compile of either was measured: the matrix multiply (the long
+    compile of Triton) ahead of the elementwise kernel of the same size, whatever is asked first;
+    and the guess holds for the next process, which reads the dot products from the file."""
+    matmul = CostFeatures.of(triton_payload("mm", source=MATMUL_SOURCE, BLOCK=64), "matmul")
+    vadd = CostFeatures.of(triton_payload("va", source=ADD_SOURCE, BLOCK=64), "vadd")
+    assert (matmul.dots, vadd.dots) == (1, 0)
+    assert abs(matmul.size - vadd.size) < 40
+    for first, second in ((matmul, vadd), (vadd, matmul)):
+        costs = CompileCosts(await opened(tmp_path / first.key))
+        guesses = {first: await costs.expect(first), second: await costs.expect(second)}
+        assert guesses[matmul] > 2 * guesses[vadd]
+    # A record keeps the count: a new kernel with a dot is guessed from the rate they taught.
+    costs = CompileCosts(await opened(tmp_path / "saved"))
+    costs.record(matmul, 3.0)
+    costs.record(vadd, 0.3)
+    await costs.save()
+    assert stored(tmp_path / "saved")["mm"][7] == 1
+    again = CompileCosts(await opened(tmp_path / "saved"))
+    other = CostFeatures.of(triton_payload("mm2", source=MATMUL_SOURCE + "# another\n", BLOCK=64), "m2")
+    assert await again.expect(other) > 1.0
+
+
+async def test_a_small_tile_is_never_guessed_a_sliver_of_its_kin(tmp_path: Path) -> None:
+    """Part of a compile does not grow with its tiles: a config 64 times smaller than a measured
+    one of its family is expected to take more than a tenth of its time, not 1/16th."""
+    big = CostFeatures.of(triton_payload("big", BLOCK_M=256, BLOCK_N=64, BLOCK_K=64), "matmul")
+    small = CostFeatures.of(triton_payload("small", BLOCK_M=32, BLOCK_N=32, BLOCK_K=32), "matmul")
+    costs = CompileCosts(await opened(tmp_path))
+    costs.record(big, 3.0)
+    assert 0.3 < await costs.expect(small) < 3.0
 
 
 async def test_bigger_tiles_of_a_kernel_are_expected_longer_with_or_without_a_record(tmp_path: Path) -> None:

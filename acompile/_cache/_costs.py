@@ -11,17 +11,29 @@ What a job is expected to take, best answer first:
 2. the same kernel with other options (``family``: its name and source): the times of those,
    each scaled by how this job's options compare with theirs (``_ratio``);
 3. a kernel never seen: ``_weight`` of what the payload holds (the size of the source it ships,
-   ``num_stages``, ``num_warps``), in seconds per weight learned from every recorded compile.
-   The first request of such a family this model sees gets that guess; the family's later
-   requests are scaled from it by ``_ratio``, as in 2.
+   the dot products in it, ``num_stages``, ``num_warps``), in seconds per weight learned from
+   every recorded compile. The first request of such a family this model sees gets that guess;
+   the family's later requests are scaled from it by ``_ratio``, as in 2.
+
+A dot product (``tl.dot``, ``tl.dot_scaled``) is what makes a Triton compile long: its lowering
+to tensor-core instructions and the software pipeline around it. In the benchmark corpus, kernels
+with one or two take 0.7 to 2.9 s to compile for ``cuda:90`` on 2 cores, those without 0.08 to
+0.9 s, at the same source sizes; by size alone, the first guess put elementwise kernels ahead of
+the matmuls.
 
 ``_ratio`` compares two jobs of one family as the autotuner's heuristic does: the product of the
 integer constexprs (the tile sizes) times ``num_stages``, over ``num_warps``; Triton unrolls each
 warp's share of a tile over the pipeline's stages. Compile time grows a little slower than that
 product: on the autotune benchmark's 18 matmul configs (Triton for ``cuda:90``, 0.5 to 18 s), a
 fit of log(seconds) against log(product) has a slope of 0.84 to 0.88, so the ratio is raised to
-the power 0.8 (``_FAMILY_EXPONENT``). Across families tile sizes say nothing (an elementwise
-kernel's block is no matmul's), so they are not compared there.
+the power 0.8 (``_FAMILY_EXPONENT``). Part of a compile does not grow with it at all (parsing,
+the passes' fixed costs, starting ptxas): in the benchmark corpus, a 32x32x32 matmul took 0.38 s
+where a 256x64x64 one took 3.0 s on 2 cores, a sixty-fourth of the tile for an eighth of the
+time, and the plain ratio had guessed it last of 68 jobs, behind kernels of 0.06 s. So a job is
+never expected to take less than ``_FAMILY_FLOOR`` of its kin's time, and the ratio moves
+between that floor and 1 (above 1 it is the plain ratio, less the floor's share). Across
+families tile sizes say nothing (an elementwise kernel's block is no matmul's), so they are not
+compared there.
 
 Only the order matters to the queue, so a rough guess does its job: the long matmul ahead of the
 short elementwise kernel. The file is written off the loop, atomically (a reader sees the old
@@ -43,6 +55,7 @@ import json
 import logging
 import math
 import os
+import re
 import stat
 import statistics
 import time
@@ -91,6 +104,14 @@ _MAX_TIME = 1e11  # Unix time, year 5138
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
 # How compile time grows with tiles x stages / warps within a family: see the module's docstring.
 _FAMILY_EXPONENT = 0.8
+# The share of a compile's time that does not grow with its tiles: see the module's docstring.
+_FAMILY_FLOOR = 0.15
+# A kernel's weight grows by this much with one dot product in its source (see the module's
+# docstring), and as the square root of their count past one (attention has two: not twice as
+# long as a matmul); counted up to _MAX_DOTS.
+_DOT_WEIGHT = 3.0
+_MAX_DOTS = 64
+_DOT_CALL = re.compile(r"\bdot(?:_scaled)?\s*\(")
 
 
 @dataclass(frozen=True)
@@ -103,6 +124,7 @@ class CostFeatures:
     num_warps: int
     num_stages: int
     tiles: int = 0  # the product of the integer constexprs (its tile sizes); 0: not known
+    dots: int = 0  # dot products (``dot(`` calls) in the source it ships
 
     @classmethod
     def of(cls, payload: Any, name: str) -> CostFeatures:
@@ -125,6 +147,7 @@ class CostFeatures:
             num_warps=_option(options.get("num_warps"), 4),
             num_stages=_option(options.get("num_stages"), 3),
             tiles=_tiles(payload.get("constexprs")),
+            dots=min(_count_dots(shipped), _MAX_DOTS),
         )
 
 
@@ -141,6 +164,19 @@ def _tiles(constexprs: Any) -> int:
         if type(value) is int and value > 1:
             product = min(product * min(value, _MAX_TILES), _MAX_TILES)
     return product
+
+
+def _count_dots(value: Any, depth: int = 0) -> int:
+    """``dot(`` calls in the strings of a payload (its kernel's source and its callees')."""
+    if isinstance(value, str):
+        return len(_DOT_CALL.findall(value))
+    if depth > 8:
+        return 0
+    if isinstance(value, Mapping):
+        return sum(_count_dots(v, depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_count_dots(v, depth + 1) for v in value)
+    return 0
 
 
 def _text_size(value: Any, depth: int = 0) -> int:
@@ -166,18 +202,20 @@ def _log_rate(record: _Record) -> float:
 
 
 def _weight(f: CostFeatures) -> float:
-    """How heavy a compile looks before it runs: its source's size, and the options that
-    multiply the work of the passes (software pipelining stages, warps to lay out). Tile sizes
-    are left out: they compare jobs of one family only (``_ratio``)."""
+    """How heavy a compile looks before it runs: its source's size, its dot products, and the
+    options that multiply the work of the passes (software pipelining stages, warps to lay out).
+    Tile sizes are left out: they compare jobs of one family only (``_ratio``)."""
     stages = 1.0 + 0.25 * (_clamp(f.num_stages, _MAX_OPTION) - 1)
     warps = 1.0 + 0.1 * math.log2(_clamp(f.num_warps, _MAX_OPTION))
-    return (1.0 + _clamp(f.size, _MAX_SIZE) / 2000) * stages * warps
+    dots = 1.0 + _DOT_WEIGHT * math.sqrt(min(max(f.dots, 0), _MAX_DOTS))
+    return (1.0 + _clamp(f.size, _MAX_SIZE) / 2000) * stages * warps * dots
 
 
 def _ratio(f: CostFeatures, other: CostFeatures) -> float:
     """How many times longer ``f`` is expected to compile than ``other``, of the same family:
-    (tiles x num_stages / num_warps) compared, damped by ``_FAMILY_EXPONENT``. Tiles count only
-    where both are known (records written before they were kept say 0)."""
+    (tiles x num_stages / num_warps) compared, damped by ``_FAMILY_EXPONENT``, on top of the
+    share of a compile that does not grow with them (``_FAMILY_FLOOR``). Tiles count only where
+    both are known (records written before they were kept say 0)."""
 
     def heft(g: CostFeatures) -> float:
         return _clamp(g.num_stages, _MAX_OPTION) / _clamp(g.num_warps, _MAX_OPTION)
@@ -185,7 +223,7 @@ def _ratio(f: CostFeatures, other: CostFeatures) -> float:
     ratio = heft(f) / heft(other)
     if f.tiles > 0 and other.tiles > 0:
         ratio *= _clamp(f.tiles, _MAX_TILES) / _clamp(other.tiles, _MAX_TILES)
-    return float(ratio**_FAMILY_EXPONENT)
+    return float(_FAMILY_FLOOR + (1 - _FAMILY_FLOOR) * ratio**_FAMILY_EXPONENT)
 
 
 @dataclass
@@ -197,14 +235,17 @@ class _Record:
     num_stages: int
     at: float  # when measured (Unix time): the newest records are kept
     tiles: int = 0
+    dots: int = 0
 
     @property
     def features(self) -> CostFeatures:
-        return CostFeatures("", self.family, self.size, self.num_warps, self.num_stages, self.tiles)
+        f = (self.family, self.size, self.num_warps, self.num_stages, self.tiles, self.dots)
+        return CostFeatures("", *f)
 
     def row(self) -> list[Any]:
         seconds = round(self.seconds, 4)
-        return [seconds, self.family, self.size, self.num_warps, self.num_stages, round(self.at), self.tiles]
+        row = [seconds, self.family, self.size, self.num_warps, self.num_stages, round(self.at), self.tiles]
+        return [*row, self.dots] if self.dots else row
 
     def sane(self) -> bool:
         """Whether every field is in its range (finite, positive where it must be)."""
@@ -214,17 +255,18 @@ class _Record:
             and 0 < self.num_warps <= _MAX_OPTION
             and 0 < self.num_stages <= _MAX_OPTION
             and 0 <= self.tiles <= _MAX_TILES
+            and 0 <= self.dots <= _MAX_DOTS
             and 0 <= self.at < _MAX_TIME
         )
 
     @classmethod
     def from_row(cls, row: Any) -> _Record | None:
         """A record from the file, or None for one that makes no sense. Rows have six fields,
-        or seven where the tiles are known."""
-        if not isinstance(row, list) or len(row) not in (6, 7):
+        seven where the tiles are known, eight where the source has dot products."""
+        if not isinstance(row, list) or len(row) not in (6, 7, 8):
             return None
         try:
-            seconds, family, size, warps, stages, at, *tiles = row
+            seconds, family, size, warps, stages, at, *more = row
             record = cls(
                 float(seconds),
                 family,
@@ -232,7 +274,8 @@ class _Record:
                 int(warps),
                 int(stages),
                 float(at),
-                int(tiles[0]) if tiles else 0,
+                int(more[0]) if more else 0,
+                int(more[1]) if len(more) > 1 else 0,
             )
         except (TypeError, ValueError, OverflowError):  # 10**400 is a JSON number, not a float
             return None
@@ -334,7 +377,7 @@ class CompileCosts:
         old = self._records.get(f.key)
         if old is not None:
             seconds = (old.seconds + seconds) / 2  # damp one slow run (a busy machine)
-        record = _Record(seconds, f.family, f.size, f.num_warps, f.num_stages, time.time(), f.tiles)
+        record = _Record(seconds, f.family, f.size, f.num_warps, f.num_stages, time.time(), f.tiles, f.dots)
         if not record.sane():
             return False
         self._add(f.key, record)
