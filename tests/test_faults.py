@@ -27,7 +27,7 @@ import psutil
 import pytest
 from conftest import subprocess_env
 from fake_backend import local_executor, run_job
-from processes import gone, is_template, pool_processes, template_pids, until, worker_pids
+from processes import forked_and_fresh, gone, is_template, pool_processes, template_pids, until, worker_pids
 
 import acompile
 from acompile._workers import Job, JobCancelled
@@ -114,6 +114,79 @@ async def test_a_storm_of_kills_at_every_stage_costs_at_most_the_jobs_killed_twi
         await p.wakeup()
         await p.wait_ready()
         assert p.stats()["workers"]["alive"] == 2
+    assert not pool_processes()
+
+
+async def test_a_template_stopped_while_it_starts_is_replaced(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The template is stopped (SIGSTOP) before it is ready, as a ready one or a worker may be:
+    it is killed once stopped for the pool's limit (made 1 s here), and a new one forks the
+    workers; the request waiting meanwhile succeeds, long before preload_timeout (120 s)."""
+    monkeypatch.setattr("acompile._workers._pool._STOPPED_LIMIT", 1.0)
+    stopped: list[int] = []
+
+    async def stop_the_first_template() -> None:
+        while not stopped:
+            for proc in pool_processes():
+                if is_template(proc):
+                    proc.send_signal(signal.SIGSTOP)
+                    stopped.append(proc.pid)
+                    return
+            await anyio.sleep(0.002)
+
+    async with pool(cache_dir, workers=2) as p:
+        t0 = time.perf_counter()
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(stop_the_first_template)
+                value = await run_job(p, FAKE, {"name": "e", "action": "echo", "value": 7}, "e")
+        assert value == 7 and stopped
+        assert time.perf_counter() - t0 < 20
+        assert gone(stopped[0])
+        assert "stopped by a signal while it started" in caplog.text
+        assert p.stats()["workers"]["forked"] >= 1  # from the new template, not afresh
+    assert not pool_processes()
+
+
+async def test_leaving_a_pool_whose_template_is_stopped_does_not_wait_for_it(cache_dir: Path) -> None:
+    """A ready template stopped by a signal (a debugger, Ctrl-Z) cannot read the end of its
+    stream: leaving the pool continues it first, so that it exits at once and takes its workers
+    with it (it used to be waited for 2 s, then killed)."""
+    async with pool(cache_dir, workers=2) as p:
+        await p.wait_ready()
+        (template,) = [proc for proc in pool_processes() if is_template(proc)]
+        template.send_signal(signal.SIGSTOP)
+        t0 = time.perf_counter()
+    assert time.perf_counter() - t0 < 1.0
+    assert gone(template.pid)
+    assert not pool_processes()
+
+
+@forked_and_fresh
+async def test_wait_ready_raises_as_soon_as_the_pool_gives_up_on_starting_workers(
+    cache_dir: Path, fork_workers: bool
+) -> None:
+    """Every worker fails to start, slot 0's at once and slot 1's seconds later: the pool gives
+    up when the last start fails, and wait_ready() (which waits for each slot in turn) raises
+    then, instead of waiting for slot 0's next try after its back-off."""
+    async with pool(cache_dir, workers=2, fork_workers=fork_workers) as p:
+        executor = local_executor(p)
+        executor.config["preload"] = ["uneven_failing_backend"]
+        gave_up: list[float] = []
+
+        async def watch() -> None:
+            while executor._start_error is None:  # noqa: ASYNC110 - no event for it
+                await anyio.sleep(0.005)
+            gave_up.append(time.perf_counter())
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch)
+                with pytest.raises(acompile.WorkerStartError, match="cannot start"):
+                    await p.wait_ready()
+                raised = time.perf_counter()
+        assert gave_up and raised - gave_up[0] < 0.5, raised - gave_up[0]
     assert not pool_processes()
 
 

@@ -290,9 +290,17 @@ class Template:
             worker = self.worker
             worker.fd_in = worker.fd_out = fd
             worker.config = dict(worker.config, **config)
-            for module in worker.backends.values():
-                module.setup(worker.config)
             _protocol.write_message(fd, _protocol.Hello(slot, os.getpid(), config["token"]))
+            try:
+                for module in worker.backends.values():
+                    module.setup(worker.config)
+            except Exception as exc:
+                # Said as a spawned worker says it: the pool counts a start that fails for a
+                # reason of its own (and gives up when every start does), not one killed from
+                # outside, which is worth trying again as long as it takes.
+                message = f"{type(exc).__name__}: {exc}\n{stderr_tail(2)}"
+                _protocol.write_message(fd, _protocol.Failed(message, traceback.format_exc()))
+                return
             _protocol.write_message(fd, _protocol.Ready(pid=os.getpid(), preload_s=0.0, forked=True))
             worker.serve()
             code = 0

@@ -431,9 +431,12 @@ class WorkerPool:
             if self._start_error is None:
                 logger.error("workers cannot start: %s", exc)
             self._start_error = error
-            # Nothing can run until a worker starts: fail what waits instead of hanging it.
+            # Nothing can run until a worker starts: fail what waits instead of hanging it, and
+            # wake wait_ready() (which waits for every slot in turn: another one may still be
+            # starting a worker that will fail too).
             self.queue.fail_all(error)
-            self._ready[slot].set()
+            for ready in self._ready:
+                ready.set()
         else:
             reason = str(exc).splitlines()[0]
             logger.warning("worker %d failed to start (%s); starting it again", slot, reason)
@@ -944,6 +947,7 @@ class WorkerPool:
         that has been stopped by a signal (SIGSTOP, SIGTSTP) for longer than _STOPPED_LIMIT:
         a stopped worker never answers, and its job is better retried on a fresh one."""
         interval = 0.2 if self.memory_limit is not None else 1.0
+        starting: tuple[int, float] | None = None  # a template stopped while it starts, since
         while True:
             await anyio.sleep(interval)
             workers = list(self.alive.values())
@@ -958,6 +962,24 @@ class WorkerPool:
                         "the template pid %d has been stopped by a signal; replacing it", template.pid
                     )
                     kill_group(template.pid, unreaped=True)
+            preloading = self._preloading_template
+            if preloading is None:
+                starting = None
+            elif await anyio.to_thread.run_sync(is_stopped, preloading):
+                # Stopped while it starts, it would hold every request for preload_timeout: killed,
+                # its start fails as one killed from outside, and the next start begins.
+                now = time.monotonic()
+                if starting is None or starting[0] != preloading:
+                    starting = (preloading, now)
+                elif now - starting[1] >= _STOPPED_LIMIT and preloading == self._preloading_template:
+                    logger.warning(
+                        "the template pid %d has been stopped by a signal while it started; replacing it",
+                        preloading,
+                    )
+                    kill_group(preloading, unreaped=True)
+                    starting = None
+            else:
+                starting = None
             if not workers:
                 continue
             samples = await anyio.to_thread.run_sync(sample_all, [w.pid for w in workers])

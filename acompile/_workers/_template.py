@@ -10,6 +10,8 @@ introduces itself (``Hello``, with a token only our template knows).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import secrets
 import signal
 import socket
@@ -23,7 +25,7 @@ import anyio.lowlevel
 
 from acompile._errors import WorkerStartError
 from acompile._workers import _protocol
-from acompile._workers._process import ForkedWorker, close_quietly, describe_exit, kill_group
+from acompile._workers._process import EXTERNAL, ForkedWorker, close_quietly, describe_exit, kill_group
 
 
 class WorkerConnection(asyncio.Protocol):
@@ -303,8 +305,9 @@ class Template:
     async def fork(self, slot: int, config: dict[str, Any]) -> tuple[int, WorkerConnection]:
         """Fork a worker for slot and wait until it has connected back.
 
-        Raises ``TransientStartError`` when the template is gone or the worker dies before it
-        connects (both are worth another try), ``WorkerStartError`` when it never connects.
+        Raises ``TransientStartError`` when the template is gone or the worker is killed before
+        it connects (both are worth another try), ``WorkerStartError`` when it never connects
+        or ends on its own before it does.
         """
         if self.lost.is_set():
             raise TransientStartError("the template process is gone")
@@ -329,9 +332,10 @@ class Template:
                     if pid in self.early_exits:
                         code = self.early_exits.pop(pid)
                         pid = None  # reaped: the number may be another process's by now
-                        raise TransientStartError(
-                            f"a forked worker {describe_exit(code)} before it connected"
-                        )
+                        # Killed from outside (or with the template): worth another try. Any
+                        # other end is its own failure, counted towards giving up.
+                        error = TransientStartError if code in EXTERNAL else WorkerStartError
+                        raise error(f"a forked worker {describe_exit(code)} before it connected")
                     if self.lost.is_set():
                         raise TransientStartError("the template process died while a worker started")
                     with anyio.move_on_after(0.05):
@@ -378,6 +382,11 @@ async def stop_template(template: Template, *, at_once: bool = False) -> None:
     with anyio.CancelScope(shield=True):
         if at_once:
             kill_group(template.pid, unreaped=True)
+        elif template.process.returncode is None:
+            # A template stopped by a signal (SIGSTOP, a debugger) would read its EOF only once
+            # continued: leaving would wait the 2 s below, then kill it.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(template.pid, signal.SIGCONT)
         try:
             await template.stdin.aclose()
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
