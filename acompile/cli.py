@@ -336,6 +336,17 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
     progress.close()
     _print_summary(rows, elapsed, pool.cache_dir, sys.stdout)
     ok = not any(r["result"] == "failed" for r in rows)
+    # Filling the cache folder is this command's job: kernels that are not there now (a folder
+    # it could not write to, a disk that filled up) fail it, as the shared tier's do below.
+    absent = await anyio.to_thread.run_sync(_absent_from_disk, pool.cache_dir, rows)
+    if absent:
+        print(
+            f"acompile warmup: {absent} of {len({r['key'] for r in rows if 'key' in r})} kernels are not "
+            f"in the cache folder {pool.cache_dir} (see the warning above): the next process will "
+            "compile them again",
+            file=sys.stderr,
+        )
+        ok = False
     if args.shared_cache is not None:
         # Read after the pool has closed: leaving it waits for the publications in flight.
         cache = pool.stats()["cache"]
@@ -366,6 +377,15 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
             document["shared"] = shared
         args.json_path.write_text(json.dumps(document, indent=2, default=str))
     return 0 if ok else 1
+
+
+def _absent_from_disk(cache_dir: Path, rows: list[dict[str, Any]]) -> int:
+    """How many of the kernels warm-up has (compiled or found) are not in the cache folder
+    (blocking: a stat per kernel)."""
+    from acompile._cache._disk import DiskTier
+
+    disk = DiskTier(cache_dir)
+    return sum(1 for key in {r["key"] for r in rows if "key" in r} if not disk.path(key).is_file())
 
 
 async def _confirm_local_hits(pool: Any, rows: list[dict[str, Any]]) -> int:

@@ -101,6 +101,18 @@ def test_warmup_exits_non_zero_and_names_what_failed(tmp_path: Path) -> None:
     assert "FAILED bad cuda:90" in out.stdout and "no_such_thing" in out.stdout
 
 
+def test_warmup_fails_when_its_kernels_cannot_reach_the_cache_folder(tmp_path: Path) -> None:
+    """Filling the cache folder is warm-up's job: a folder it cannot write to (here, under a
+    regular file) makes it compile into memory only, and it says so and exits 1 instead of
+    reporting success with nothing on disk."""
+    (tmp_path / "a-file").write_text("")
+    cache = tmp_path / "a-file" / "cache"
+    out = acompile_cmd("warmup", str(ROOT / "examples" / "manifest.toml"), "--cache-dir", str(cache))
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "cannot be written by this process" in out.stderr and "Not a directory" in out.stderr
+    assert f"kernels are not in the cache folder {cache}" in out.stderr, out.stderr
+
+
 def test_warmup_explains_a_bad_manifest(tmp_path: Path) -> None:
     cases = {
         "[[kernel]]\nkernel = 'nowhere.py:k'\nsignature = {}\ntargets=['cuda:90']\n": "no file",

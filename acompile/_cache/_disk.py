@@ -404,8 +404,8 @@ class GuardedDisk:
             self.writable = False
             self._warn_once(
                 "read-only",
-                "cache folder %s is read-only for this process (%s): serving the entries it holds; "
-                "new compiles are kept in memory only",
+                "cache folder %s cannot be written by this process (%s): serving the entries it "
+                "holds, read-only; new compiles are kept in memory only",
                 self.root,
                 why,
             )
