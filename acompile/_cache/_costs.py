@@ -140,14 +140,16 @@ class CostFeatures:
         options = payload.get("options")
         options = options if isinstance(options, Mapping) else {}
         shipped = {k: v for k, v in payload.items() if k != "key_parts"}
+        texts = list(_texts(shipped))
+        dots = sum(len(_DOT_CALL.findall(text)) for text in texts if isinstance(text, str))
         return cls(
             key=str(payload.get("key", ""))[:16],
             family=family,
-            size=min(max(_text_size(shipped), 1), _MAX_SIZE),
+            size=min(max(sum(len(text) for text in texts), 1), _MAX_SIZE),
             num_warps=_option(options.get("num_warps"), 4),
             num_stages=_option(options.get("num_stages"), 3),
             tiles=_tiles(payload.get("constexprs")),
-            dots=min(_count_dots(shipped), _MAX_DOTS),
+            dots=min(dots, _MAX_DOTS),
         )
 
 
@@ -166,30 +168,16 @@ def _tiles(constexprs: Any) -> int:
     return product
 
 
-def _count_dots(value: Any, depth: int = 0) -> int:
-    """``dot(`` calls in the strings of a payload (its kernel's source and its callees')."""
-    if isinstance(value, str):
-        return len(_DOT_CALL.findall(value))
-    if depth > 8:
-        return 0
-    if isinstance(value, Mapping):
-        return sum(_count_dots(v, depth + 1) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_count_dots(v, depth + 1) for v in value)
-    return 0
-
-
-def _text_size(value: Any, depth: int = 0) -> int:
-    """Characters of the strings and bytes in a payload (its kernel's source, mostly)."""
+def _texts(value: Any, depth: int = 0) -> Iterator[str | bytes]:
+    """The strings and bytes in a payload: its kernel's source and its callees', mostly."""
     if isinstance(value, (str, bytes)):
-        return len(value)
-    if depth > 8:
-        return 0
-    if isinstance(value, Mapping):
-        return sum(_text_size(v, depth + 1) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_text_size(v, depth + 1) for v in value)
-    return 0
+        yield value
+    elif depth <= 8 and isinstance(value, Mapping):
+        for item in value.values():
+            yield from _texts(item, depth + 1)
+    elif depth <= 8 and isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _texts(item, depth + 1)
 
 
 def _clamp(value: int, high: int) -> int:
