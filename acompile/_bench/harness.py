@@ -113,7 +113,8 @@ async def probing() -> AsyncIterator[LagSamples]:
             finally:
                 tg.cancel_scope.cancel()
     finally:
-        gc.callbacks.remove(collection)
+        with contextlib.suppress(ValueError):  # the body may have cleared gc.callbacks
+            gc.callbacks.remove(collection)
 
 
 def lag_figures(samples: LagSamples) -> dict[str, Any]:
