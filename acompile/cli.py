@@ -338,12 +338,12 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
     ok = not any(r["result"] == "failed" for r in rows)
     # Filling the cache folder is this command's job: kernels that are not there now (a folder
     # it could not write to, a disk that filled up) fail it, as the shared tier's do below.
-    absent = await anyio.to_thread.run_sync(_absent_from_disk, pool.cache_dir, rows)
+    keys = {r["key"] for r in rows if "key" in r}
+    absent = await anyio.to_thread.run_sync(_absent_from_disk, pool.cache_dir, keys)
     if absent:
         print(
-            f"acompile warmup: {absent} of {len({r['key'] for r in rows if 'key' in r})} kernels are not "
-            f"in the cache folder {pool.cache_dir} (see the warning above): the next process will "
-            "compile them again",
+            f"acompile warmup: {absent} of {len(keys)} kernels are not in the cache folder "
+            f"{pool.cache_dir} (see the warning above): the next process will compile them again",
             file=sys.stderr,
         )
         ok = False
@@ -379,13 +379,13 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _absent_from_disk(cache_dir: Path, rows: list[dict[str, Any]]) -> int:
-    """How many of the kernels warm-up has (compiled or found) are not in the cache folder
+def _absent_from_disk(cache_dir: Path, keys: set[str]) -> int:
+    """How many of ``keys`` (the kernels warm-up compiled or found) are not in the cache folder
     (blocking: a stat per kernel)."""
     from acompile._cache._disk import DiskTier
 
     disk = DiskTier(cache_dir)
-    return sum(1 for key in {r["key"] for r in rows if "key" in r} if not disk.path(key).is_file())
+    return sum(1 for key in keys if not disk.path(key).is_file())
 
 
 async def _confirm_local_hits(pool: Any, rows: list[dict[str, Any]]) -> int:

@@ -137,8 +137,8 @@ async def baseline(args: argparse.Namespace) -> dict[str, Any]:
             t1 = time.perf_counter()
             await anyio.to_thread.run_sync(functools.partial(executor.shutdown, wait=True))
             extra["shutdown_s"] = time.perf_counter() - t1
-    lag_figures = harness.lag_figures(lag)
-    return {"wall_s": wall, "lag": lag_figures, **extra, **outcome(results, args.limit, args.corpus)}
+    row = {"wall_s": wall, "lag": harness.lag_figures(lag), **extra}
+    return {**row, **outcome(results, args.limit, args.corpus)}
 
 
 async def acompile_row(args: argparse.Namespace) -> dict[str, Any]:

@@ -17,8 +17,8 @@ What a job is expected to take, best answer first:
 
 A dot product (``tl.dot``, ``tl.dot_scaled``) is what makes a Triton compile long: its lowering
 to tensor-core instructions and the software pipeline around it. In the benchmark corpus, kernels
-with one or two take 0.7 to 2.9 s to compile for ``cuda:90`` on 2 cores, those without 0.08 to
-0.9 s, at the same source sizes; by size alone, the first guess put elementwise kernels ahead of
+with one or two take 0.3 to 3 s to compile for ``cuda:90`` on 2 cores, those without 0.06 to
+0.9 s, at similar source sizes; by size alone, the first guess put elementwise kernels ahead of
 the matmuls.
 
 ``_ratio`` compares two jobs of one family as the autotuner's heuristic does: the product of the

@@ -907,6 +907,7 @@ class WorkerPool:
             await anyio.sleep(_STARVATION_CHECK_S)
             pids = [worker.pid for worker in self.alive.values()]
             template = self._template
+            pid: int | None
             if template is not None and not template.lost.is_set():
                 pids.append(template.pid)
             elif self._preloading_template is not None:
@@ -947,39 +948,30 @@ class WorkerPool:
         that has been stopped by a signal (SIGSTOP, SIGTSTP) for longer than _STOPPED_LIMIT:
         a stopped worker never answers, and its job is better retried on a fresh one."""
         interval = 0.2 if self.memory_limit is not None else 1.0
-        starting: tuple[int, float] | None = None  # a template stopped while it starts, since
+        template_stopped: tuple[int, float] | None = None  # (its pid, stopped since)
         while True:
             await anyio.sleep(interval)
             workers = list(self.alive.values())
+            # A stopped template forks nothing, ready or still starting (it would hold every
+            # request for preload_timeout): it is replaced as a stopped worker is.
             template = self._template
+            pid: int | None
             if template is not None and not template.lost.is_set():
-                # A stopped template forks nothing: replace it as a stopped worker is replaced.
-                stopped = await anyio.to_thread.run_sync(is_stopped, template.pid)
-                now = time.monotonic()
-                template.stopped_since = (template.stopped_since or now) if stopped else None
-                if template.stopped_since is not None and now - template.stopped_since >= _STOPPED_LIMIT:
-                    logger.warning(
-                        "the template pid %d has been stopped by a signal; replacing it", template.pid
-                    )
-                    kill_group(template.pid, unreaped=True)
-            preloading = self._preloading_template
-            if preloading is None:
-                starting = None
-            elif await anyio.to_thread.run_sync(is_stopped, preloading):
-                # Stopped while it starts, it would hold every request for preload_timeout: killed,
-                # its start fails as one killed from outside, and the next start begins.
-                now = time.monotonic()
-                if starting is None or starting[0] != preloading:
-                    starting = (preloading, now)
-                elif now - starting[1] >= _STOPPED_LIMIT and preloading == self._preloading_template:
-                    logger.warning(
-                        "the template pid %d has been stopped by a signal while it started; replacing it",
-                        preloading,
-                    )
-                    kill_group(preloading, unreaped=True)
-                    starting = None
+                pid, starting = template.pid, False
             else:
-                starting = None
+                pid, starting = self._preloading_template, True
+            if pid is None or not await anyio.to_thread.run_sync(is_stopped, pid):
+                template_stopped = None
+            elif template_stopped is None or template_stopped[0] != pid:
+                template_stopped = (pid, time.monotonic())
+            elif time.monotonic() - template_stopped[1] >= _STOPPED_LIMIT:
+                logger.warning(
+                    "the template pid %d has been stopped by a signal%s; replacing it",
+                    pid,
+                    " while it started" if starting else "",
+                )
+                kill_group(pid, unreaped=True)
+                template_stopped = None
             if not workers:
                 continue
             samples = await anyio.to_thread.run_sync(sample_all, [w.pid for w in workers])

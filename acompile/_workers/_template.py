@@ -205,7 +205,6 @@ class Template:
         self.workers: dict[int, ForkedWorker] = {}
         self.early_exits: dict[int, int] = {}
         self.lost = anyio.Event()
-        self.stopped_since: float | None = None
 
     async def receive(self) -> Any:
         """The template's next message (its ``Ready``, then ``Forked`` and ``Exited``)."""
