@@ -84,6 +84,14 @@ def compile(payload: dict[str, Any]) -> Any:
         if payload.get("fail"):
             raise CompileError("flooded and failed", kernel=payload["name"], backend="fake", log="see stderr")
         return "flooded"
+    if action == "say":
+        # Words on fd 2, as a compiler's warnings; then fail, if asked, so the tail shows.
+        os.write(2, payload["words"].encode() + b"\n")
+        if payload.get("fail"):
+            raise CompileError(
+                "failed after saying something", kernel=payload["name"], backend="fake", log=""
+            )
+        return "said"
     if action == "print":
         print("a compiler that prints to stdout must not corrupt the protocol")
         return "printed"

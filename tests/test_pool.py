@@ -85,6 +85,20 @@ async def test_a_stderr_flood_never_hangs_and_its_tail_travels_with_the_error(ca
     assert "the last words of the compiler" in str(err)
 
 
+async def test_a_failed_jobs_tail_is_its_own_output_not_that_of_the_job_before_it(cache_dir: Path) -> None:
+    async with pool(cache_dir, workers=1) as p:
+        with anyio.fail_after(60):
+            said = {"name": "a", "action": "say", "words": "left behind by the job before"}
+            assert await run_job(p, FAKE, said, "a") == "said"
+            assert await run_job(p, FAKE, {"name": "q", "action": "echo", "value": 1}, "q") == 1
+            with pytest.raises(acompile.CompileError) as info:
+                await run_job(
+                    p, FAKE, {"name": "b", "action": "say", "words": "said by this job", "fail": True}, "b"
+                )
+    assert "said by this job" in info.value.stderr_tail
+    assert "left behind" not in info.value.stderr_tail
+
+
 async def test_large_results_come_back_whole(cache_dir: Path) -> None:
     async with pool(cache_dir, workers=1) as p:
         data = await run_job(p, FAKE, {"name": "b", "action": "big", "bytes": 100 * 1024 * 1024}, "b")
@@ -628,3 +642,66 @@ async def test_a_worker_connection_out_of_sync_breaks_and_a_clean_close_ends() -
     with pytest.raises(anyio.BrokenResourceError):
         connection.send_nowait(b"x")
     await connection.aclose()
+
+
+def test_every_message_reads_back_as_it_was_sent_whole_or_in_pieces() -> None:
+    from acompile._workers import _protocol as wire
+
+    messages = [
+        {"target": "cuda:90", "preload": ["x"]},
+        wire.RunJob(7, "fake_backend", {"name": "k", "value": (1, 2)}),
+        wire.Done(7, (b"\x00" * 100, "asm")),
+        wire.Done(8, ("a", "tuple", "result")),
+        wire.Error(9, acompile.CompileError("broken", kernel="k", backend="fake", log="line 1")),
+        wire.Ready(pid=1, preload_s=0.5, threads=1, forked=True),
+        wire.Exit(),
+        wire.Hello(0, 1, "token"),
+    ]
+    frames = b"".join(wire.encode(m) for m in messages)
+
+    def same(got: object, sent: object) -> bool:
+        if isinstance(sent, wire.Error):
+            return type(got) is wire.Error and got.id == sent.id and str(got.error) == str(sent.error)
+        return type(got) is type(sent) and got == sent
+
+    # The pool's side, one frame at a time and from any cut of the stream.
+    for cut in (1, 3, 8, 9, 50, len(frames)):
+        reader = wire.FrameReader()
+        got: list[object] = []
+        for at in range(0, len(frames), cut):
+            reader.feed(frames[at : at + cut])
+            while (message := reader.next()) is not None:
+                got.append(message)
+        assert len(got) == len(messages) and all(map(same, got, messages)), cut
+    # The worker's side: pieces as they come (a header split, a body split), and never a byte
+    # past its frame, so the next frame is there for the next read.
+    ours, theirs = socket.socketpair()
+    try:
+        pieces = [frames[:3], frames[3:20], frames[20:21], frames[21:]]
+
+        def write_slowly() -> None:
+            for piece in pieces:
+                theirs.sendall(piece)
+                time.sleep(0.02)
+            theirs.shutdown(socket.SHUT_WR)
+
+        import threading
+
+        writer = threading.Thread(target=write_slowly)
+        writer.start()
+        got = [wire.read_message(ours.fileno()) for _ in messages]
+        writer.join()
+        assert all(map(same, got, messages))
+        assert wire.read_message(ours.fileno()) is None  # the end, between frames
+    finally:
+        ours.close()
+        theirs.close()
+    ours, theirs = socket.socketpair()
+    try:
+        theirs.sendall(wire.encode(wire.Exit())[:5])
+        theirs.shutdown(socket.SHUT_WR)
+        with pytest.raises(EOFError):
+            wire.read_message(ours.fileno())  # the end inside a frame
+    finally:
+        ours.close()
+        theirs.close()

@@ -69,8 +69,12 @@ def _exit_template(*_: object) -> None:
 
 
 def _reset_stderr() -> None:
+    # Truncated only when something was written: a truncate is a metadata write of the file
+    # system (a couple of microseconds, more on a journaled one) on every job, and most jobs
+    # write nothing. fd 2 is opened O_APPEND: moving its offset to the end changes nothing.
     try:
-        os.ftruncate(2, 0)
+        if os.lseek(2, 0, os.SEEK_END):
+            os.ftruncate(2, 0)
     except OSError:
         pass  # fd 2 is not a regular file (run by hand): nothing to reset
 

@@ -62,7 +62,14 @@ class WorkerConnection(asyncio.Protocol):
         self._transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
-        self._frames.feed(data)
+        frames = self._frames
+        if not frames.partial and len(data) > _protocol.HEADER_SIZE:
+            # The common case, a reply that arrived whole and alone: no reassembly.
+            (length,) = _protocol.HEADER.unpack_from(data)
+            if length == len(data) - _protocol.HEADER_SIZE:
+                self._arrived([data[_protocol.HEADER_SIZE :]])
+                return
+        frames.feed(data)
         try:
             while (parts := self._frames.next_parts()) is not None:
                 self._arrived(parts)
