@@ -8,45 +8,54 @@ Importing acompile imports neither Triton nor cuda-python: backends load on firs
 
 from __future__ import annotations
 
-from acompile._autotune import Trial as Trial
-from acompile._autotune import TunedKernel as TunedKernel
-from acompile._autotune import TuneResult as TuneResult
-from acompile._backends._cpp import CppSpec as CppSpec
-from acompile._backends._cuda import CudaSpec as CudaSpec
-from acompile._backends._driver import CudaFunction as CudaFunction
-from acompile._backends._driver import CudaModule as CudaModule
-from acompile._backends._native import ObjectFile as ObjectFile
-from acompile._backends._native import SharedLibrary as SharedLibrary
-from acompile._backends._triton import TritonKernel as TritonKernel
-from acompile._backends._triton import TritonSpec as TritonSpec
-from acompile._cache._bundle import BundleReport as BundleReport
-from acompile._cache._bundle import export_bundle as export_bundle
-from acompile._cache._bundle import import_bundle as import_bundle
-from acompile._cache._explain import explain_key as explain_key
-from acompile._cache._prune import PruneReport as PruneReport
-from acompile._cache._prune import prune as prune_cache
-from acompile._compiler import CompilePool as CompilePool
-from acompile._errors import AcompileError as AcompileError
-from acompile._errors import BackendUnavailableError as BackendUnavailableError
-from acompile._errors import CompileError as CompileError
-from acompile._errors import CompileTimeoutError as CompileTimeoutError
-from acompile._errors import CppCompileError as CppCompileError
-from acompile._errors import CUDACompileError as CUDACompileError
-from acompile._errors import DeviceUnavailableError as DeviceUnavailableError
-from acompile._errors import FarmToolchainError as FarmToolchainError
-from acompile._errors import FarmUnreachableError as FarmUnreachableError
-from acompile._errors import InvalidSpecError as InvalidSpecError
-from acompile._errors import KernelNotReadyError as KernelNotReadyError
-from acompile._errors import PoolClosedError as PoolClosedError
-from acompile._errors import PoolError as PoolError
-from acompile._errors import UnknownTargetError as UnknownTargetError
-from acompile._errors import WorkerCrashedError as WorkerCrashedError
-from acompile._errors import WorkerStartError as WorkerStartError
-from acompile._farm import RayFarm as RayFarm
-from acompile._manifest import load_manifest as load_manifest
-from acompile._progressive import BackgroundKernel as BackgroundKernel
-from acompile._progressive import ProgressiveKernel as ProgressiveKernel
-from acompile._targets import Target as Target
+import typing as _typing
+
+from acompile import _lazy
+
+# In a pool's worker process, the names below are imported at the first one used (see
+# acompile._lazy); everywhere else, with the package.
+if _typing.TYPE_CHECKING or _lazy.eager(__name__):
+    from acompile._autotune import Trial as Trial
+    from acompile._autotune import TunedKernel as TunedKernel
+    from acompile._autotune import TuneResult as TuneResult
+    from acompile._backends._cpp import CppSpec as CppSpec
+    from acompile._backends._cuda import CudaSpec as CudaSpec
+    from acompile._backends._driver import CudaFunction as CudaFunction
+    from acompile._backends._driver import CudaModule as CudaModule
+    from acompile._backends._native import ObjectFile as ObjectFile
+    from acompile._backends._native import SharedLibrary as SharedLibrary
+    from acompile._backends._triton import TritonKernel as TritonKernel
+    from acompile._backends._triton import TritonSpec as TritonSpec
+    from acompile._cache._bundle import BundleReport as BundleReport
+    from acompile._cache._bundle import export_bundle as export_bundle
+    from acompile._cache._bundle import import_bundle as import_bundle
+    from acompile._cache._explain import explain_key as explain_key
+    from acompile._cache._prune import PruneReport as PruneReport
+    from acompile._cache._prune import prune as prune_cache
+    from acompile._compiler import CompilePool as CompilePool
+    from acompile._errors import AcompileError as AcompileError
+    from acompile._errors import BackendUnavailableError as BackendUnavailableError
+    from acompile._errors import CompileError as CompileError
+    from acompile._errors import CompileTimeoutError as CompileTimeoutError
+    from acompile._errors import CppCompileError as CppCompileError
+    from acompile._errors import CUDACompileError as CUDACompileError
+    from acompile._errors import DeviceUnavailableError as DeviceUnavailableError
+    from acompile._errors import FarmToolchainError as FarmToolchainError
+    from acompile._errors import FarmUnreachableError as FarmUnreachableError
+    from acompile._errors import InvalidSpecError as InvalidSpecError
+    from acompile._errors import KernelNotReadyError as KernelNotReadyError
+    from acompile._errors import PoolClosedError as PoolClosedError
+    from acompile._errors import PoolError as PoolError
+    from acompile._errors import UnknownTargetError as UnknownTargetError
+    from acompile._errors import WorkerCrashedError as WorkerCrashedError
+    from acompile._errors import WorkerStartError as WorkerStartError
+    from acompile._farm import RayFarm as RayFarm
+    from acompile._manifest import load_manifest as load_manifest
+    from acompile._progressive import BackgroundKernel as BackgroundKernel
+    from acompile._progressive import ProgressiveKernel as ProgressiveKernel
+    from acompile._targets import Target as Target
+else:
+    __getattr__ = _lazy.on_first_use(__name__)
 from acompile._version import __version__ as __version__
 
 __all__ = (

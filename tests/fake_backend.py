@@ -84,6 +84,13 @@ def compile(payload: dict[str, Any]) -> Any:
         if payload.get("fail"):
             raise CompileError("flooded and failed", kernel=payload["name"], backend="fake", log="see stderr")
         return "flooded"
+    if action == "modules":
+        # What this worker process has imported of acompile, then its public names, as a backend
+        # that uses them would (they are imported at the first one used here).
+        loaded = sorted(m for m in sys.modules if m.startswith("acompile"))
+        import acompile
+
+        return loaded, acompile.CompileError.__module__, acompile.CompilePool.__module__
     if action == "say":
         # Words on fd 2, as a compiler's warnings; then fail, if asked, so the tail shows.
         os.write(2, payload["words"].encode() + b"\n")

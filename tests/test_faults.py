@@ -103,12 +103,18 @@ async def test_a_storm_of_kills_at_every_stage_costs_at_most_the_jobs_killed_twi
             for i in range(200):
                 tg.start_soon(job, i)
         failed = [o for o in outcomes if isinstance(o, BaseException)]
+        retried = p.stats()["jobs"]["retried"]
         assert len(kills) >= 20, kills
         assert len(outcomes) == 200
-        assert len(failed) <= 2, [str(e) for e in failed]
         for err in failed:
             # Only a job whose worker was killed under it twice may fail, and it says which.
             assert isinstance(err, acompile.WorkerCrashedError) and err.kernel.startswith("job"), err
+            assert "twice" in str(err), err
+        # Each failed job was retried once first; how many kills land on a busy worker twice in
+        # a row depends on how often the killer finds one busy (more, the faster workers start),
+        # not on the pool: the kills that did not are the jobs that succeeded on a retry.
+        assert retried >= 1 and len(failed) <= retried, (len(failed), retried)
+        assert len(failed) <= len(kills) // 4, [str(e) for e in failed]
         await until(lambda: p.stats()["workers"]["alive"] == 2, seconds=20)
         await p.quiesce()
         await p.wakeup()

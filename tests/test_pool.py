@@ -65,6 +65,20 @@ async def test_worker_sees_parent_cwd_sys_path_and_environment(
     assert seen["env"] == "from-the-parent"
 
 
+@pytest.mark.parametrize("fork_workers", [True, False], ids=["forked", "spawned"])
+async def test_a_worker_imports_only_what_its_jobs_use_and_the_rest_on_first_use(
+    cache_dir: Path, fork_workers: bool
+) -> None:
+    # The pool's side of acompile (the pool, the cache tiers, the public namespace) is most of
+    # the library: a worker that imported it would pay for it at every start.
+    async with pool(cache_dir, workers=1, fork_workers=fork_workers) as p:
+        loaded, errors, compiler = await run_job(p, FAKE, {"name": "m", "action": "modules"}, "m")
+    assert "acompile._workers._main" in loaded
+    for parent_side in ("acompile._compiler", "acompile._workers._pool", "acompile._cache._chain"):
+        assert parent_side not in loaded
+    assert (errors, compiler) == ("acompile._errors", "acompile._compiler")
+
+
 async def test_output_on_stdout_does_not_corrupt_the_protocol(cache_dir: Path) -> None:
     async with pool(cache_dir, workers=1) as p:
         assert await run_job(p, FAKE, {"name": "p", "action": "print"}, "p") == "printed"
@@ -377,6 +391,7 @@ async def test_pool_processes_stay_in_the_callers_session_each_a_process_group_o
     Ctrl-C (sent to the caller's group) is the caller's to handle."""
     async with pool(cache_dir, workers=2) as p:
         pids = {await run_job(p, FAKE, {"name": f"p{i}", "action": "pid"}, f"p{i}") for i in range(4)}
+        await p.wait_ready()  # a worker forked a moment ago joins its own group as it starts
         pids.update(worker_pids(), template_pids())
         assert len(pids) >= 3, pids  # two workers and the template, at least
         for pid in pids:

@@ -162,6 +162,44 @@ async def test_a_background_compile_a_caller_joins_before_it_is_queued_runs_urge
 
 
 @forked_and_fresh
+async def test_workers_preload_while_the_parent_prepares_their_configuration(
+    tmp_path: Path, fork_workers: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the parent computes for the workers (Triton's hash of its binaries, 0.4-0.8 s the
+    first time on a machine) must not come before their preload: a template preloads while it
+    runs, and each worker it forks gets the result with its fork. A spawned worker imports its
+    backends meanwhile, and preloads with the result."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    (tmp_path / "work").mkdir()
+    monkeypatch.setenv("ACOMPILE_TEST_MARKER_DIR", str(markers))
+    config = {
+        "sys_path": list(sys.path),
+        "cwd": os.getcwd(),
+        "preload": ["preload_marker_backend"],
+        "nice": 0,
+    }
+    workers = WorkerPool(2, config, str(tmp_path / "work"), use_template=fork_workers)
+
+    async def hook() -> dict[str, Any]:
+        if fork_workers:  # the template's preload must not wait for this
+            with anyio.fail_after(30):
+                while not any(markers.iterdir()):  # noqa: ASYNC110 (polls the file system)
+                    await anyio.sleep(0.01)
+        return {"from_hook": "prepared"}
+
+    workers.prepare_config_with(hook)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(workers.serve)
+        workers.wakeup()
+        with anyio.fail_after(60):
+            said = [await workers.run(Job("preload_marker_backend", None, f"j{i}")) for i in range(4)]
+            await workers.wait_ready()
+        tg.cancel_scope.cancel()
+    assert said == ["prepared"] * 4
+
+
+@forked_and_fresh
 async def test_the_first_worker_takes_jobs_while_the_others_start(tmp_path: Path, fork_workers: bool) -> None:
     config = {"sys_path": list(sys.path), "cwd": os.getcwd(), "preload": ["slow_start_backend"], "nice": 0}
     workers = WorkerPool(3, config, str(tmp_path), use_template=fork_workers)

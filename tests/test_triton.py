@@ -15,7 +15,7 @@ import anyio.lowlevel
 import psutil
 import pytest
 import triton
-from conftest import TARGET, subprocess_env
+from conftest import TARGET, run_python, subprocess_env
 from kernels_for_tests import ADD_SIG, add_kernel, broken_kernel, scale_add_kernel, slow_to_compile_kernel
 from processes import gone
 from triton.backends.compiler import GPUTarget
@@ -139,6 +139,33 @@ async def test_a_kernel_from_source_text(cache_dir: Path) -> None:
             await p.triton(source, signature={"x_ptr": "*fp32", "n": "i32"})
         with pytest.raises(acompile.InvalidSpecError, match="does not parse"):
             await p.triton("def (:", kernel_name="x", signature={})
+
+
+def test_a_template_warms_up_without_hashing_triton_and_its_workers_take_the_parents_hash(
+    tmp_path: Path,
+) -> None:
+    """A template preloads while the parent hashes Triton's binaries (0.4-0.8 s the first time on
+    a machine): its warm-up compile must not hash them too, and the workers it forks take the
+    parent's hash from their configuration."""
+    script = textwrap.dedent(
+        f"""
+        import triton.runtime.cache as cache
+        from acompile._backends import _triton_worker as worker
+
+        def hashing():
+            raise AssertionError("the warm-up hashed Triton's binaries")
+
+        cache.triton_key = hashing
+        worker.setup({{"triton_cache_dir": {str(tmp_path)!r}}})
+        worker.preload({{"target": "cuda:90"}})
+        assert cache.triton_key is hashing
+        worker.setup({{"triton_cache_dir": {str(tmp_path)!r}, "triton_key": "the parent's"}})
+        print(cache.triton_key())
+        """
+    )
+    done = run_python(script)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "the parent's"
 
 
 def test_a_kernel_defined_in_a_script(tmp_path: Path, cache_dir: Path) -> None:

@@ -53,20 +53,32 @@ def _preload_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
 
 
 def preload(config: dict[str, Any]) -> None:
-    """Pay the one-time costs now: Triton's hash of its own binaries, the backend's set-up (MLIR
-    contexts, libdevice, ptxas's first start), by compiling a small kernel for the pool's target."""
-    from triton.runtime.cache import triton_key
+    """Pay the one-time costs now: the backend's set-up (MLIR contexts, libdevice, ptxas's first
+    start), by compiling a small kernel for the pool's target.
 
-    triton_key()
+    Triton's hash of its own binaries (``triton_key``) comes with the configuration, computed
+    once by the parent. A template is configured before the parent has it (the first time on a
+    machine, the parent hashes for 0.4-0.8 s): its warm-up compile, whose result is thrown away,
+    runs under a stand-in key, and each worker it forks gets the real one (``setup``). Hashing
+    here too would put the hash on the path to the first worker a second time.
+    """
     target = config.get("target")
     if target is None:
         return
+    import triton.runtime.cache
+
     src = ASTSource(
         _preload_kernel,
         {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
         {"BLOCK": 128},
     )
-    compiled = triton.compile(src, target=parse_target(target).to_triton(), options={"num_warps": 4})
+    key = triton.runtime.cache.triton_key
+    if not config.get("triton_key"):
+        triton.runtime.cache.triton_key = lambda: "acompile-preload"
+    try:
+        compiled = triton.compile(src, target=parse_target(target).to_triton(), options={"num_warps": 4})
+    finally:
+        triton.runtime.cache.triton_key = key
     _remove_group(compiled.metadata_group)
 
 

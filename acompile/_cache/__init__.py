@@ -13,12 +13,21 @@ implements ``Tier`` (``_tier.py``): ``get/set/delete/close`` over bytes, faults 
 
 from __future__ import annotations
 
-from acompile._cache._chain import TierChain
-from acompile._cache._disk import DiskTier, GuardedDisk, default_cache_dir
-from acompile._cache._entry import CorruptEntry, Entry
-from acompile._cache._keys import make_key
-from acompile._cache._memory import MemoryTier
-from acompile._cache._tier import LeaseTier, Tier
+import typing as _typing
+
+from acompile import _lazy
+
+# In a pool's worker process, the names below are imported at the first one used (see
+# acompile._lazy); everywhere else, with the package.
+if _typing.TYPE_CHECKING or _lazy.eager(__name__):
+    from acompile._cache._chain import TierChain
+    from acompile._cache._disk import DiskTier, GuardedDisk, default_cache_dir
+    from acompile._cache._entry import CorruptEntry, Entry
+    from acompile._cache._keys import make_key
+    from acompile._cache._memory import MemoryTier
+    from acompile._cache._tier import LeaseTier, Tier
+else:
+    __getattr__ = _lazy.on_first_use(__name__)
 
 __all__ = [
     "CorruptEntry",

@@ -15,16 +15,25 @@
 
 from __future__ import annotations
 
-from acompile._workers._executor import Executor as Executor
-from acompile._workers._executor import ExecutorStats as ExecutorStats
-from acompile._workers._executor import idle_stats as idle_stats
-from acompile._workers._executor import run_job as run_job
-from acompile._workers._pool import LocalExecutor as LocalExecutor
-from acompile._workers._pool import WorkerPool as WorkerPool
-from acompile._workers._queue import BACKGROUND as BACKGROUND
-from acompile._workers._queue import URGENT as URGENT
-from acompile._workers._queue import Job as Job
-from acompile._workers._queue import JobCancelled as JobCancelled
+import typing as _typing
+
+from acompile import _lazy
+
+# In a pool's worker process, the names below are imported at the first one used (see
+# acompile._lazy); everywhere else, with the package.
+if _typing.TYPE_CHECKING or _lazy.eager(__name__):
+    from acompile._workers._executor import Executor as Executor
+    from acompile._workers._executor import ExecutorStats as ExecutorStats
+    from acompile._workers._executor import idle_stats as idle_stats
+    from acompile._workers._executor import run_job as run_job
+    from acompile._workers._pool import LocalExecutor as LocalExecutor
+    from acompile._workers._pool import WorkerPool as WorkerPool
+    from acompile._workers._queue import BACKGROUND as BACKGROUND
+    from acompile._workers._queue import URGENT as URGENT
+    from acompile._workers._queue import Job as Job
+    from acompile._workers._queue import JobCancelled as JobCancelled
+else:
+    __getattr__ = _lazy.on_first_use(__name__)
 
 __all__ = (
     "BACKGROUND",

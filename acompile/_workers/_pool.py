@@ -224,6 +224,7 @@ class WorkerPool:
         self._config_ready = anyio.Event()
         self._config_ready.set()
         self._config_hook: Callable[[], Awaitable[dict[str, Any]]] | None = None
+        self._prepared: dict[str, Any] = {}  # what the hook returned
         self._config_started = False
         self._awake = False
         self._wake = anyio.Event()
@@ -302,14 +303,16 @@ class WorkerPool:
         """Complete the workers' configuration with what ``hook()`` returns, computed when the
         workers first start (not before: a pool whose requests all hit the cache never needs
         it). Workers start meanwhile and import their backends; they get the configuration
-        when it is complete."""
+        when it is complete. A template preloads without it (see ``_start_template``): the
+        workers it forks get it with their fork."""
         self._config_hook = hook
         self._config_ready = anyio.Event()
 
     async def _prepare_config(self) -> None:
         assert self._config_hook is not None
         try:
-            self.config.update(await self._config_hook())
+            self._prepared = await self._config_hook()
+            self.config.update(self._prepared)
         except Exception as exc:
             # Not fatal: each worker then computes what it needs itself, at some cost.
             logger.warning("cannot prepare the workers' configuration here (%s); workers will", exc)
@@ -460,7 +463,9 @@ class WorkerPool:
         t0 = time.perf_counter()
         worker: Worker
         if template is not None:
-            pid, connection = await template.fork(slot, slot_config)
+            # The template preloaded without what the hook computes; its workers get it here.
+            await self._config_ready.wait()
+            pid, connection = await template.fork(slot, dict(slot_config, **self._prepared))
             worker = ForkedWorker(connection, pid, stderr_path)
             template.adopt(worker)
             self.counters.forked += 1
@@ -502,6 +507,7 @@ class WorkerPool:
     def _command(self, *extra: str) -> tuple[list[str], dict[str, str]]:
         env = dict(os.environ)
         env["ACOMPILE_PARENT_PID"] = str(os.getpid())
+        env["ACOMPILE_WORKER"] = "1"  # imports only what its backends use (acompile._lazy)
         env["ACOMPILE_WORKER_NICE"] = str(self.config.get("nice", 0))
         env["ACOMPILE_PARENT_NICE"] = str(os.nice(0))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
@@ -604,7 +610,9 @@ class WorkerPool:
         template = Template(process, address)
         self._preloading_template = process.pid
         try:
-            await self._config_ready.wait()
+            # Sent at once, without waiting for the configuration hook (Triton's hash of its own
+            # binaries, computed in this process): the template's preload overlaps it, and each
+            # worker it forks gets the hook's result with its fork (_start_worker).
             await template.stdin.send(
                 _protocol.encode(
                     dict(self.config, triton_cache_dir=os.path.join(self.workdir, "triton-template"))
