@@ -6,7 +6,9 @@ cache or the network ever goes through it.
 
 The first frame a process gets is its configuration, a plain ``dict`` (sys.path, cwd, target,
 backends to preload, its scratch folders; see ``WorkerPool._start_worker``). Every later frame is
-one of the messages below, each a small frozen dataclass whose ``tag`` says what it is.
+one of the messages below, each a small frozen dataclass whose ``tag`` says what it is (the
+three of every job, ``RunJob``, ``Done`` and ``Error``, travel as plain tuples, rebuilt as these
+classes when read: see ``encode``).
 
 Pool to worker:
 
