@@ -62,9 +62,17 @@ def load_manifest(path: str | Path) -> list[TritonSpec]:
     """
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise InvalidSpecError(f"no manifest at {path}") from None
+    except IsADirectoryError:
+        raise InvalidSpecError(f"{path} is a folder: name a manifest file (a .toml) in it") from None
+    except UnicodeDecodeError as exc:
+        raise InvalidSpecError(
+            f"{path} is not a text file (not UTF-8: {exc.reason} at byte {exc.start})"
+        ) from None
+    except OSError as exc:
+        raise InvalidSpecError(f"cannot read the manifest {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise InvalidSpecError(f"{path} is not valid TOML: {exc}") from None
     unknown_top = set(data) - {"defaults", "kernel"}
@@ -189,7 +197,8 @@ class Recorder:
             with open(self.path, "a") as f:
                 if f.tell() == 0:
                     f.write(
-                        "# Kernels served by an acompile pool; replay with `acompile warmup <this file>`.\n"
+                        "# Kernels served by an acompile pool; replay with `acompile warmup <this file>`,\n"
+                        "# with the folders that hold their modules on PYTHONPATH.\n"
                     )
                 f.write(text)
             self._known().add(request.key)

@@ -142,7 +142,10 @@ def _main(argv: list[str]) -> int:
         'instead of local workers; needs pip install "acompile[ray]"',
     )
     warm.add_argument(
-        "--cache-dir", type=Path, default=None, help="default: $ACOMPILE_CACHE_DIR or ~/.cache/acompile"
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="default: $ACOMPILE_CACHE_DIR, else $XDG_CACHE_HOME/acompile, else ~/.cache/acompile",
     )
     warm.add_argument(
         "--json", dest="json_path", type=Path, default=None, help="also write the results as JSON"
@@ -162,8 +165,8 @@ def _main(argv: list[str]) -> int:
     )
 
     cache = sub.add_parser("cache", help="look at, move and bound the cache")
-    cache_sub = cache.add_subparsers(dest="cache_command", required=True)
-    dir_help = "default: $ACOMPILE_CACHE_DIR or ~/.cache/acompile"
+    cache_sub = cache.add_subparsers(dest="cache_command", metavar="COMMAND", required=True)
+    dir_help = "default: $ACOMPILE_CACHE_DIR, else $XDG_CACHE_HOME/acompile, else ~/.cache/acompile"
     stats = cache_sub.add_parser("stats", help="what the disk cache holds")
     stats.add_argument("--cache-dir", type=Path, default=None, help=dir_help)
 
@@ -371,11 +374,21 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
             )
             ok = False
     if args.json_path:
-        args.json_path.parent.mkdir(parents=True, exist_ok=True)
         document: dict[str, Any] = {"seconds": elapsed, "kernels": rows}
         if shared:
             document["shared"] = shared
-        args.json_path.write_text(json.dumps(document, indent=2, default=str))
+        try:
+            args.json_path.parent.mkdir(parents=True, exist_ok=True)
+            args.json_path.write_text(json.dumps(document, indent=2, default=str))
+        except OSError as exc:
+            # The warm-up itself is done (the table above says how it went): only the report
+            # could not be written.
+            print(
+                f"acompile warmup: the kernels are warmed up, but --json {args.json_path} cannot be "
+                f"written: {exc.strerror or exc}",
+                file=sys.stderr,
+            )
+            ok = False
     return 0 if ok else 1
 
 
@@ -570,10 +583,21 @@ def _cache_export(args: argparse.Namespace, root: Path) -> int:
         except AcompileError as exc:
             print(f"acompile cache export: {exc}", file=sys.stderr)
             return 2
+    if args.file.is_dir():
+        print(
+            f"acompile cache export: {args.file} is a folder: name the bundle file (a .tar.gz)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         report = anyio.run(export_bundle, root, args.file, keys)
-    except (AcompileError, OSError) as exc:
+    except AcompileError as exc:
         print(f"acompile cache export: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        # The bundle is written to a temporary file beside it, then renamed: name the bundle,
+        # not that file.
+        print(f"acompile cache export: cannot write {args.file}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     print(f"cache folder: {root}")
     print(f"bundle: {args.file}")

@@ -71,7 +71,10 @@ def main() -> int:
     parser.add_argument("--target", action="append", help="repeatable; default cuda:90 and cuda:80")
     parser.add_argument("--cache-dir", type=Path, default=None)
     args = parser.parse_args()
-    return anyio.run(warm, args.target or ["cuda:90", "cuda:80"], args.cache_dir)
+    try:
+        return anyio.run(warm, args.target or ["cuda:90", "cuda:80"], args.cache_dir)
+    except acompile.UnknownTargetError as exc:
+        parser.error(str(exc))  # one line and exit status 2, as the acompile command says it
 
 
 if __name__ == "__main__":

@@ -113,6 +113,18 @@ def test_warmup_fails_when_its_kernels_cannot_reach_the_cache_folder(tmp_path: P
     assert f"kernels are not in the cache folder {cache}" in out.stderr, out.stderr
 
 
+def test_warmup_whose_json_report_cannot_be_written_says_so_after_warming_up(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    report = tmp_path / "a-file" / "report.json"
+    out = acompile_cmd(
+        "warmup", str(ROOT / "examples" / "manifest.toml"), "--cache-dir", str(tmp_path / "cache"),
+        "--json", str(report),
+    )  # fmt: skip
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"the kernels are warmed up, but --json {report} cannot be written" in out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+
+
 def test_warmup_explains_a_bad_manifest(tmp_path: Path) -> None:
     cases = {
         "[[kernel]]\nkernel = 'nowhere.py:k'\nsignature = {}\ntargets=['cuda:90']\n": "no file",
@@ -129,6 +141,12 @@ def test_warmup_explains_a_bad_manifest(tmp_path: Path) -> None:
         assert message in out.stderr, (text, out.stderr)
     missing = acompile_cmd("warmup", str(tmp_path / "absent.toml"))
     assert missing.returncode == 2 and "no manifest at" in missing.stderr
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe[[kernel]]")
+    for path, message in ((tmp_path, "is a folder: name a manifest file"), (binary, "is not a text file")):
+        out = acompile_cmd("warmup", str(path))
+        assert out.returncode == 2 and message in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr, out.stderr
     for workers, message in (("0", "must be at least 1, got 0"), ("two", "not a whole number: 'two'")):
         out = acompile_cmd("warmup", str(manifest), "--workers", workers)
         assert out.returncode == 2 and f"argument --workers: {message}" in out.stderr, out.stderr
@@ -239,6 +257,19 @@ def test_cache_commands_refuse_a_folder_that_does_not_exist(tmp_path: Path) -> N
         out = acompile_cmd("cache", *command, "--cache-dir", str(tmp_path / "typo"))
         assert out.returncode == 2, (command, out.stdout)
         assert f"{tmp_path / 'typo'} does not exist" in out.stderr
+
+
+def test_cache_export_to_a_folder_or_an_unwritable_place_names_the_bundle(tmp_path: Path) -> None:
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "a-file").write_text("")
+    cases = (
+        (tmp_path, 2, "is a folder: name the bundle file"),
+        (tmp_path / "a-file" / "b.tar.gz", 1, "cannot write"),
+    )
+    for bundle, code, message in cases:
+        out = acompile_cmd("cache", "export", str(bundle), "--cache-dir", str(tmp_path / "cache"))
+        assert out.returncode == code and f"{bundle}" in out.stderr and message in out.stderr, out.stderr
+        assert ".tmp" not in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
 def test_cache_stats_on_an_empty_folder(tmp_path: Path) -> None:

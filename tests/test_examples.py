@@ -19,3 +19,8 @@ def test_the_warmup_example_fills_the_cache_then_finds_it_full(tmp_path: Path) -
     )
     assert again.returncode == 0, again.stderr
     assert "7 kernels for cuda:90: 0 compiled, 7 cached, 0 failed" in again.stdout
+    wrong = subprocess.run(
+        [*cmd, "--target", "cuda:12345"], capture_output=True, text=True, timeout=300, env=subprocess_env()
+    )
+    assert wrong.returncode == 2 and "unknown CUDA architecture in 'cuda:12345'" in wrong.stderr
+    assert "Traceback" not in wrong.stderr, wrong.stderr

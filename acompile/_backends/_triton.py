@@ -575,7 +575,7 @@ def _full_signature(
         else:
             raise InvalidSpecError(
                 f"missing type for parameter {name!r} of {fn.__name__}: add it to signature, "
-                f"e.g. signature={{..., {name!r}: 'i32'}}"
+                f"e.g. signature={{..., {name!r}: {_example_type(name)!r}}}"
             )
     return full, constants
 
@@ -989,6 +989,12 @@ def maker(_l_name, _l_run, _l_function, _l_packed, _l_metadata, _l_stream_of, _l
     return make
 """
     return compile(source, "<acompile launch>", "exec")
+
+
+def _example_type(name: str) -> str:
+    """A type to show for a parameter left out of a signature: a pointer for a name that reads
+    as one (``x_ptr``), else an integer."""
+    return "*fp32" if name.lower().endswith("ptr") else "i32"
 
 
 async def load(request: TritonRequest, entry: Entry, cache_root: Path) -> TritonKernel:

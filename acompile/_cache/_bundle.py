@@ -510,7 +510,11 @@ def _check_signature(reader: _BundleReader, signing_key: bytes | None, allow_uns
     reader.digests = dict(digests) if isinstance(digests, dict) else None
     if signing_key is None:
         status = "unsigned" if signature is None else "not verified (no signing key)"
-        logger.warning("importing %s without verifying it: no signing key is configured", path)
+        logger.warning(
+            "importing %s without checking who made it: no signing key is configured (each "
+            "entry's checksum is still verified)",
+            path,
+        )
         return status
     if signature is None:
         if not allow_unsigned:
