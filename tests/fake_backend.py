@@ -90,7 +90,8 @@ def compile(payload: dict[str, Any]) -> Any:
         loaded = sorted(m for m in sys.modules if m.startswith("acompile"))
         import acompile
 
-        return loaded, acompile.CompileError.__module__, acompile.CompilePool.__module__
+        names = (acompile.CompileError.__module__, acompile.CompilePool.__module__)
+        return loaded, *names, os.environ.get("ACOMPILE_WORKER")
     if action == "say":
         # Words on fd 2, as a compiler's warnings; then fail, if asked, so the tail shows.
         os.write(2, payload["words"].encode() + b"\n")
@@ -120,7 +121,7 @@ def compile(payload: dict[str, Any]) -> Any:
         return lambda: None
     if action == "unreadable":
         # Pickles here; rebuilding it in the pool raises (payload "bytes": its size).
-        return _Unreadable(b"\x01" * payload.get("bytes", 16))
+        return _Unreadable(b"\x01" * payload.get("bytes", 16), bool(payload.get("exiting")))
     if action == "garbage":
         # Bytes on the protocol stream that are no frame: the stream is out of sync.
         _protocol_fd_write(b"\xff" * 16)
@@ -129,16 +130,19 @@ def compile(payload: dict[str, Any]) -> Any:
     raise ValueError(f"unknown action {action!r}")
 
 
-def _rebuild(blob: bytes) -> Any:
+def _rebuild(blob: bytes, exiting: bool = False) -> Any:
+    if exiting:
+        raise SystemExit("this result calls exit as it is rebuilt")
     raise TypeError("this result cannot be rebuilt in the pool")
 
 
 class _Unreadable:
-    def __init__(self, blob: bytes) -> None:
+    def __init__(self, blob: bytes, exiting: bool = False) -> None:
         self.blob = blob
+        self.exiting = exiting
 
-    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
-        return (_rebuild, (self.blob,))
+    def __reduce__(self) -> tuple[Any, tuple[bytes, bool]]:
+        return (_rebuild, (self.blob, self.exiting))
 
 
 def _protocol_fd_write(data: bytes) -> None:

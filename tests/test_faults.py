@@ -558,13 +558,15 @@ async def test_a_caller_that_leaves_while_its_dead_workers_end_is_handled_is_not
 
 
 @pytest.mark.parametrize("fork_workers", [True, False], ids=["forked", "fresh"])
-@pytest.mark.parametrize("what", ["small", "big", "out of sync"])
+@pytest.mark.parametrize("what", ["small", "big", "exits", "out of sync"])
 async def test_a_reply_the_pool_cannot_read_fails_its_job_with_the_reason_and_the_pool_goes_on(
     cache_dir: Path, fork_workers: bool, what: str
 ) -> None:
     payload: dict[str, object] = {"name": "g", "action": "unreadable", "bytes": 16}
     if what == "big":
         payload["bytes"] = 1 << 20  # unpickled on a thread
+    elif what == "exits":
+        payload["exiting"] = True  # SystemExit as it is rebuilt: it must not leave the loop
     elif what == "out of sync":
         payload = {"name": "g", "action": "garbage"}
     async with pool(cache_dir, 1, fork_workers=fork_workers) as p:
@@ -575,6 +577,8 @@ async def test_a_reply_the_pool_cannot_read_fails_its_job_with_the_reason_and_th
         if what == "out of sync":
             if fork_workers:
                 assert "out of sync" in message
+        elif what == "exits":
+            assert "this result calls exit as it is rebuilt" in message
         else:
             assert "this result cannot be rebuilt in the pool" in message
         stats = local_executor(p).stats()
@@ -697,3 +701,36 @@ async def _until_its_workers_end_is_being_handled(job: Job) -> None:
 def _signal_its_worker(job: Job, sig: int) -> None:
     assert job.worker_pid is not None
     os.kill(job.worker_pid, sig)
+
+
+@pytest.mark.parametrize("fork_workers", [True, False], ids=["forked", "fresh"])
+async def test_a_work_folder_removed_or_damaged_under_the_pool_costs_no_job_and_leaving_is_clean(
+    cache_dir: Path, fork_workers: bool
+) -> None:
+    """A /tmp cleaner removes the pool's work folder, or a worker's stderr file becomes a
+    folder: the worker started next makes the folder again, or fails to start with the reason
+    (and is tried again) while the other worker goes on. It used to stop the whole pool."""
+    import shutil
+
+    async with pool(cache_dir, 2, fork_workers=fork_workers) as p:
+        executor = local_executor(p)
+        await executor.wait_ready()
+        shutil.rmtree(executor.workdir)
+        with anyio.fail_after(60):
+            with pytest.raises(acompile.WorkerCrashedError):
+                await run_job(p, FAKE, {"name": "c", "action": "crash"}, "c")
+            assert await run_job(p, FAKE, {"name": "e", "action": "echo", "value": 1}, "e") == 1
+            await until(lambda: p.stats()["workers"]["alive"] == 2, seconds=30)
+        assert Path(executor.workdir).is_dir()  # noqa: ASYNC240 (a test's check)
+        # A stderr file that is a folder: that slot cannot start; the other one serves.
+        for slot in range(2):
+            path = os.path.join(executor.workdir, f"worker-{slot}.stderr")
+            with contextlib.suppress(FileNotFoundError):  # a worker from before the removal has none
+                os.unlink(path)
+            os.mkdir(path)
+        with anyio.fail_after(60):
+            with pytest.raises(acompile.WorkerCrashedError):
+                await run_job(p, FAKE, {"name": "c2", "action": "crash"}, "c2")
+            for i in range(4):
+                assert await run_job(p, FAKE, {"name": f"e{i}", "action": "echo", "value": i}, f"e{i}") == i
+    assert not pool_processes()

@@ -72,11 +72,12 @@ async def test_a_worker_imports_only_what_its_jobs_use_and_the_rest_on_first_use
     # The pool's side of acompile (the pool, the cache tiers, the public namespace) is most of
     # the library: a worker that imported it would pay for it at every start.
     async with pool(cache_dir, workers=1, fork_workers=fork_workers) as p:
-        loaded, errors, compiler = await run_job(p, FAKE, {"name": "m", "action": "modules"}, "m")
+        loaded, errors, compiler, env = await run_job(p, FAKE, {"name": "m", "action": "modules"}, "m")
     assert "acompile._workers._main" in loaded
     for parent_side in ("acompile._compiler", "acompile._workers._pool", "acompile._cache._chain"):
         assert parent_side not in loaded
     assert (errors, compiler) == ("acompile._errors", "acompile._compiler")
+    assert env is None  # the processes a worker starts are not workers
 
 
 async def test_output_on_stdout_does_not_corrupt_the_protocol(cache_dir: Path) -> None:

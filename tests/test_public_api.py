@@ -106,3 +106,62 @@ def test_a_pool_is_made_outside_an_event_loop_and_entered_in_one(tmp_path: Path)
             return pool.stats()["workers"]["awake"]
 
     assert anyio.run(enter) is False  # left within the prestart delay: no worker started
+
+
+def test_in_a_worker_the_namespace_loads_once_for_threads_that_ask_at_once_and_again_after_a_failure() -> (
+    None
+):
+    """A pool's worker (ACOMPILE_WORKER=1) imports acompile's names at the first one used: a
+    backend's threads that ask at once all get them, and a first use that fails (out of file
+    descriptors) raises its own error, not a missing name for the rest of the process."""
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    script = """
+import importlib, sys, threading
+real = importlib.reload
+failed = []
+def flaky(module):
+    if not failed:
+        failed.append(module.__name__)
+        raise OSError(24, "Too many open files")
+    return real(module)
+importlib.reload = flaky
+import acompile, acompile._workers
+try:
+    acompile.CompileError
+except OSError as exc:
+    print("first use:", exc.errno)
+assert "acompile._compiler" not in sys.modules
+importlib.reload = real
+errors = []
+barrier = threading.Barrier(8)
+def use(i):
+    barrier.wait()
+    try:
+        if i % 2:
+            assert acompile.CompilePool.__name__ == "CompilePool"
+        else:
+            from acompile._workers import Job
+            assert Job.__name__ == "Job"
+    except BaseException as exc:
+        errors.append(repr(exc))
+threads = [threading.Thread(target=use, args=(i,)) for i in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+print("errors:", errors)
+try:
+    acompile.does_not_exist
+except AttributeError as exc:
+    print("unknown:", exc)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+        env=subprocess_env(ACOMPILE_WORKER="1"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "first use: 24" in out.stdout
+    assert "errors: []" in out.stdout, out.stdout
+    assert "unknown: module 'acompile' has no attribute 'does_not_exist'" in out.stdout

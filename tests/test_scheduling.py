@@ -200,6 +200,29 @@ async def test_workers_preload_while_the_parent_prepares_their_configuration(
 
 
 @forked_and_fresh
+async def test_a_configuration_that_never_comes_holds_the_workers_only_until_preload_timeout(
+    tmp_path: Path, fork_workers: bool
+) -> None:
+    """What the parent prepares for the workers (Triton's hash of its binaries) hangs, on a
+    stalled file system say: past preload_timeout the workers start without it (they compute
+    what they need themselves), and jobs run."""
+    config = {"sys_path": list(sys.path), "cwd": os.getcwd(), "preload": [], "nice": 0}
+    workers = WorkerPool(2, config, str(tmp_path), use_template=fork_workers, preload_timeout=1.0)
+
+    async def hook() -> dict[str, Any]:
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    workers.prepare_config_with(hook)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(workers.serve)
+        workers.wakeup()
+        with anyio.fail_after(30):
+            assert await workers.run(Job(FAKE, {"name": "j", "action": "echo", "value": 3}, "j")) == 3
+        tg.cancel_scope.cancel()
+
+
+@forked_and_fresh
 async def test_the_first_worker_takes_jobs_while_the_others_start(tmp_path: Path, fork_workers: bool) -> None:
     config = {"sys_path": list(sys.path), "cwd": os.getcwd(), "preload": ["slow_start_backend"], "nice": 0}
     workers = WorkerPool(3, config, str(tmp_path), use_template=fork_workers)

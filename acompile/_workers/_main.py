@@ -399,6 +399,9 @@ def _close_stray_copies_of_stdio() -> None:
 
 
 def main() -> None:
+    # Read by acompile._lazy as acompile was imported; the processes this one starts (a
+    # compiler, a backend's own Python) are not workers.
+    os.environ.pop("ACOMPILE_WORKER", None)
     parent_pid = int(os.environ.get("ACOMPILE_PARENT_PID", "0"))
     _die_with_parent(parent_pid, template=sys.argv[1:2] == ["--template"])
     _close_stray_copies_of_stdio()

@@ -311,11 +311,24 @@ class WorkerPool:
     async def _prepare_config(self) -> None:
         assert self._config_hook is not None
         try:
-            self._prepared = await self._config_hook()
+            # Bounded as a preload is: a hook that hangs (Triton's hash of its binaries on a
+            # stalled file system) must not hold every worker's start.
+            with anyio.fail_after(self.preload_timeout):
+                self._prepared = await self._config_hook()
             self.config.update(self._prepared)
+        except TimeoutError:
+            logger.warning(
+                "the workers' configuration took more than preload_timeout=%g s here; workers will "
+                "compute what they need themselves",
+                self.preload_timeout,
+            )
         except Exception as exc:
             # Not fatal: each worker then computes what it needs itself, at some cost.
-            logger.warning("cannot prepare the workers' configuration here (%s); workers will", exc)
+            logger.warning(
+                "cannot prepare the workers' configuration here (%s); workers will compute what they "
+                "need themselves",
+                exc,
+            )
         self._config_ready.set()
 
     def wakeup(self) -> None:
@@ -449,11 +462,24 @@ class WorkerPool:
             base = 0.05 if transient else 0.25
             await anyio.sleep(min(base * 2 ** (failures - 1), 2.0 if transient else 10.0))
 
+    def _stderr_file(self, name: str) -> str:
+        """A new, empty fd-2 file for a worker or the template in the work folder (made again
+        if something removed it: a /tmp cleaner). Read-write (the worker reads its own tail
+        back) and append-only (after the worker truncates it at a job's start, writes land at
+        the new end, not at the old offset). Raises ``WorkerStartError`` where it cannot be
+        made: that start fails, and is tried again, as any other."""
+        path = os.path.join(self.workdir, name)
+        try:
+            os.makedirs(self.workdir, mode=0o700, exist_ok=True)
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600))
+        except OSError as exc:
+            raise WorkerStartError(
+                f"cannot make the worker's stderr file {path}: {exc.strerror or exc}"
+            ) from exc
+        return path
+
     async def _start_worker(self, slot: int) -> Worker:
-        stderr_path = os.path.join(self.workdir, f"worker-{slot}.stderr")
-        # Read-write (the worker reads its own tail back) and append-only (after the worker
-        # truncates it at a job's start, writes land at the new end, not at the old offset).
-        os.close(os.open(stderr_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600))
+        stderr_path = self._stderr_file(f"worker-{slot}.stderr")
         slot_config = {
             "triton_cache_dir": os.path.join(self.workdir, f"triton-{slot}"),
             "scratch_dir": os.path.join(self.workdir, f"scratch-{slot}"),
@@ -596,10 +622,15 @@ class WorkerPool:
 
     async def _start_template(self) -> Template:
         assert self._tg is not None
-        stderr_path = os.path.join(self.workdir, "template.stderr")
+        stderr_path = self._stderr_file("template.stderr")
         self._templates_started += 1
         address = os.path.join(self.workdir, f"workers-{self._templates_started}.sock")
-        listener = UnixListener(address)
+        try:
+            listener = UnixListener(address)
+        except OSError as exc:
+            raise WorkerStartError(
+                f"cannot listen for forked workers at {address}: {exc.strerror or exc}"
+            ) from exc
         command, env = self._command("--template")
         try:
             process = await self._open(command, env, stderr_path)

@@ -359,7 +359,7 @@ def decode_or_undecodable(parts: list[bytes]) -> Any:
     """``decode(parts)``, or an ``Undecodable`` saying why it failed."""
     try:
         return decode(parts)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # a result whose rebuilding calls exit fails its job
         return Undecodable(f"{type(exc).__name__}: {exc}")
 
 

@@ -317,6 +317,11 @@ class Template:
         """
         if self.lost.is_set():
             raise TransientStartError("the template process is gone")
+        if not os.path.exists(self.address):  # noqa: ASYNC240 (one stat of a socket's path)
+            # Its socket was removed (a /tmp cleaner took the pool's work folder): no worker it
+            # forks could connect. It is given up, and a new template listens on a new socket.
+            self.lost.set()
+            raise TransientStartError(f"the template's socket {self.address} was removed")
         forked: tuple[anyio.Event, list[int]] = (anyio.Event(), [])
         connected: tuple[anyio.Event, list[WorkerConnection]] = (anyio.Event(), [])
         self.forked[slot] = forked
