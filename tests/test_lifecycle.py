@@ -297,7 +297,7 @@ def test_workers_die_with_their_parent_even_by_sigkill(tmp_path: Path, fork_work
                 3, target="cuda:90", cache_dir={str(tmp_path / "cache")!r}, preload=(), fork_workers={fork_workers}
             ) as p:
                 await p.wait_ready()
-                print("ready", flush=True)
+                print("ready", p.executor.workdir, flush=True)
                 await anyio.sleep(3600)
 
         anyio.run(main)
@@ -308,7 +308,8 @@ def test_workers_die_with_their_parent_even_by_sigkill(tmp_path: Path, fork_work
     )
     try:
         assert proc.stdout is not None
-        assert proc.stdout.readline() == "ready\n"
+        said, workdir = proc.stdout.readline().split()
+        assert said == "ready" and os.path.isdir(workdir)
         # Its workers (and the template they were forked from), from the process table.
         pids = [
             child.pid
@@ -323,6 +324,10 @@ def test_workers_die_with_their_parent_even_by_sigkill(tmp_path: Path, fork_work
         while time.monotonic() < deadline and not all(gone(pid) for pid in pids):
             time.sleep(0.01)
         assert all(gone(pid) for pid in pids), [p for p in pids if not gone(p)]
+        # The pool's process could not remove its work folder: the processes it left did.
+        while time.monotonic() < deadline and os.path.exists(workdir):
+            time.sleep(0.01)
+        assert not os.path.exists(workdir), os.listdir(workdir)
     finally:
         proc.kill()
         proc.wait()

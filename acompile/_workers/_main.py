@@ -57,9 +57,24 @@ def _die_with_parent(parent_pid: int, *, template: bool = False) -> None:
 
 
 def _kill_own_group(*_: object) -> None:
+    _remove_work_folder_of_a_dead_pool()
     if os.getpgid(0) == os.getpid():
         os.killpg(0, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _remove_work_folder_of_a_dead_pool() -> None:
+    """The pool's process, this process's parent, is gone: it was killed (SIGKILL, the OOM
+    killer) and could not remove its work folder (the workers' stderr files, the template's
+    socket). The template, or a spawned worker, removes it as it goes. Not a forked worker (its
+    parent is the template: the pool may well be alive), which drops the folder's name as it
+    starts; not a process whose pool lives (one stopped from outside)."""
+    workdir = os.environ.get("ACOMPILE_WORKDIR")
+    pool = int(os.environ.get("ACOMPILE_PARENT_PID", "0"))
+    if workdir and pool and os.getppid() != pool:
+        import shutil
+
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _exit_template(*_: object) -> None:
@@ -256,6 +271,7 @@ class Template:
                 except ChildProcessError:
                     pass
                 _kill_group(pid, reaped=True)  # what outlived it in its group
+            _remove_work_folder_of_a_dead_pool()
 
     def reap(self) -> None:
         while self.children:
@@ -283,6 +299,7 @@ class Template:
             os.setpgid(0, 0)
             os.close(self.worker.fd_in)
             os.close(self.worker.fd_out)
+            os.environ.pop("ACOMPILE_WORKDIR", None)  # the template's to remove, not ours
             _die_with_parent(int(config["template_pid"]))
             stderr = os.open(config["stderr_path"], os.O_RDWR | os.O_APPEND)
             os.dup2(stderr, 2)

@@ -534,6 +534,7 @@ class WorkerPool:
         env = dict(os.environ)
         env["ACOMPILE_PARENT_PID"] = str(os.getpid())
         env["ACOMPILE_WORKER"] = "1"  # imports only what its backends use (acompile._lazy)
+        env["ACOMPILE_WORKDIR"] = self.workdir  # removed by the process if this one is killed
         env["ACOMPILE_WORKER_NICE"] = str(self.config.get("nice", 0))
         env["ACOMPILE_PARENT_NICE"] = str(os.nice(0))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
