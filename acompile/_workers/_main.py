@@ -57,29 +57,46 @@ def _die_with_parent(parent_pid: int, *, template: bool = False) -> None:
 
 
 def _kill_own_group(*_: object) -> None:
-    _remove_work_folder_of_a_dead_pool()
+    _remove_work_folder_of_a_dead_pool(wait=_REPARENTING)
     if os.getpgid(0) == os.getpid():
         os.killpg(0, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _remove_work_folder_of_a_dead_pool() -> None:
+# How long a process whose pool seems gone looks for its re-parenting (see below).
+_REPARENTING = 0.5
+
+
+def _remove_work_folder_of_a_dead_pool(wait: float = 0.0) -> None:
     """The pool's process, this process's parent, is gone: it was killed (SIGKILL, the OOM
     killer) and could not remove its work folder (the workers' stderr files, the template's
     socket). The template, or a spawned worker, removes it as it goes. Not a forked worker (its
     parent is the template: the pool may well be alive), which drops the folder's name as it
-    starts; not a process whose pool lives (one stopped from outside)."""
+    starts; not a process whose pool lives (one stopped from outside).
+
+    ``wait``: how long to look for the re-parenting. A dying parent's closed descriptors (the
+    end of this process's input) and its death signal (sent as the thread that started this
+    process exits, while the pool's other threads may still be going) both come a moment before
+    the kernel gives this process another parent; a process stopped from outside while its pool
+    lives goes that much later."""
     workdir = os.environ.get("ACOMPILE_WORKDIR")
     pool = int(os.environ.get("ACOMPILE_PARENT_PID", "0"))
-    if workdir and pool and os.getppid() != pool:
-        import shutil
+    if not workdir or not pool:
+        return
+    deadline = time.monotonic() + wait
+    while os.getppid() == pool:
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.002)
+    import shutil
 
-        shutil.rmtree(workdir, ignore_errors=True)
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _exit_template(*_: object) -> None:
     if not Template.serving:
         _kill_own_group()  # still preloading: no worker to clean up, and a kill reads as one
+    Template.signalled = True
     raise SystemExit(1)  # through Template.serve's clean-up, which stops every worker
 
 
@@ -102,6 +119,9 @@ class Worker:
         self.fd_out = fd_out
         self.backends: dict[str, ModuleType] = {}
         self.config: dict[str, Any] = {}
+        # Its input ended without an Exit: the pool's process is gone (it stops a worker with a
+        # kill, and its template with Exit).
+        self.orphaned = False
 
     def backend(self, name: str) -> ModuleType:
         """The backend module ``name``, imported and set up on first use."""
@@ -125,6 +145,7 @@ class Worker:
                 pass
         config = _protocol.read_message(self.fd_in)
         if config is None:
+            self.orphaned = True
             return False
         self.config = config
         try:
@@ -148,6 +169,7 @@ class Worker:
             _await_next_job(self.fd_in)
             message = _protocol.read_message(self.fd_in)
             if not isinstance(message, _protocol.RunJob):
+                self.orphaned = message is None
                 return  # Exit, or EOF: the pool is done with us
             job_id, backend, payload = message.id, message.backend, message.payload
             _reset_stderr()
@@ -213,6 +235,7 @@ class Template:
     """
 
     serving = False  # set once it takes fork requests (its preload is over)
+    signalled = False  # stopped by SIGTERM: its parent's death signal, or someone else's
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
@@ -248,6 +271,7 @@ class Template:
                 if self.worker.fd_in in readable:
                     message = _protocol.read_message(self.worker.fd_in)
                     if not isinstance(message, _protocol.Fork):
+                        self.worker.orphaned = message is None
                         return  # Exit, or EOF: the pool is done with us
                     slot = message.slot
                     config = dict(message.config, template_pid=os.getpid())
@@ -271,7 +295,8 @@ class Template:
                 except ChildProcessError:
                     pass
                 _kill_group(pid, reaped=True)  # what outlived it in its group
-            _remove_work_folder_of_a_dead_pool()
+            orphaned = self.worker.orphaned or Template.signalled
+            _remove_work_folder_of_a_dead_pool(wait=_REPARENTING if orphaned else 0.0)
 
     def reap(self) -> None:
         while self.children:
@@ -442,6 +467,8 @@ def main() -> None:
             Template(worker).serve()
         else:
             worker.serve()
+    if worker.orphaned and not (template and Template.serving):  # (a serving template did it)
+        _remove_work_folder_of_a_dead_pool(wait=_REPARENTING)
     sys.stdout.flush()
     os._exit(0)
 

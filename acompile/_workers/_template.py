@@ -398,6 +398,14 @@ async def stop_template(template: Template, *, at_once: bool = False) -> None:
             # continued: leaving would wait the 2 s below, then kill it.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(template.pid, signal.SIGCONT)
+        if not at_once:
+            # Exit, then the end: a template that reads the end without an Exit takes its pool
+            # for dead, and removes the pool's work folder (the pool does that itself).
+            with (
+                anyio.move_on_after(1),
+                contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError),
+            ):
+                await template.stdin.send(_protocol.encode(_protocol.Exit()))
         try:
             await template.stdin.aclose()
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
