@@ -387,3 +387,18 @@ async def test_fault_campaign_no_job_lost_under_random_kills(cache_dir: Path) ->
     assert kills >= 20
     assert outcomes["ok"] + outcomes["killed_twice"] == jobs
     assert outcomes["ok"] >= jobs * 0.8
+
+
+async def test_a_template_told_to_exit_goes_at_once_and_leaves_the_work_folder_to_the_pool(
+    cache_dir: Path,
+) -> None:
+    """The pool sends its template Exit before closing its input. A template whose input ends
+    without one takes its pool for dead and looks for its re-parenting for 0.5 s before it goes
+    (to remove the work folder the dead pool could not): leaving a live pool must not wait for
+    that. The bound is loose (leaving an idle pool takes about 10 ms); the look alone is 0.5 s."""
+    async with pool(cache_dir, 2) as p:
+        await p.wait_ready()
+        workdir = p.executor.workdir
+        started = time.perf_counter()
+    assert time.perf_counter() - started < 0.35
+    assert not os.path.exists(workdir)  # noqa: ASYNC240 (the pool removed it as it left)

@@ -393,12 +393,12 @@ async def stop_template(template: Template, *, at_once: bool = False) -> None:
     with anyio.CancelScope(shield=True):
         if at_once:
             kill_group(template.pid, unreaped=True)
-        elif template.process.returncode is None:
-            # A template stopped by a signal (SIGSTOP, a debugger) would read its EOF only once
-            # continued: leaving would wait the 2 s below, then kill it.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(template.pid, signal.SIGCONT)
-        if not at_once:
+        else:
+            if template.process.returncode is None:
+                # A template stopped by a signal (SIGSTOP, a debugger) would read its EOF only
+                # once continued: leaving would wait the 2 s below, then kill it.
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(template.pid, signal.SIGCONT)
             # Exit, then the end: a template that reads the end without an Exit takes its pool
             # for dead, and removes the pool's work folder (the pool does that itself).
             with (
