@@ -35,6 +35,7 @@ from acompile._progressive import BackgroundKernel, ProgressiveKernel
 from acompile._sizing import default_workers, parse_size
 from acompile._targets import Target, local_target, parse_target
 from acompile._workers import BACKGROUND, URGENT, Executor, Job, JobCancelled, WorkerPool, idle_stats
+from acompile._workers._bytecode import folder_for_workers
 
 if TYPE_CHECKING:
     from acompile._backends._contract import ParentBackend, Request
@@ -290,12 +291,14 @@ class CompilePool:
                 backend = await anyio.to_thread.run_sync(load_parent, name)
                 await backend.setup(self._memo_dir, self._target)
             self._workdir = await anyio.to_thread.run_sync(lambda: tempfile.mkdtemp(prefix="acompile-"))
+            bytecode = await anyio.to_thread.run_sync(folder_for_workers, self._memo_dir)
             config = {
                 "sys_path": list(sys.path),
                 "cwd": os.getcwd(),
                 "target": str(self._target),
                 "preload": list(dict.fromkeys(worker_module(name) for name in self._preload)),
                 "nice": self._worker_nice,
+                "bytecode_dir": bytecode,
             }
             farm: Executor | None = None
             if self._farm is not None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import compileall
 import contextlib
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -78,6 +80,80 @@ async def test_a_worker_imports_only_what_its_jobs_use_and_the_rest_on_first_use
         assert parent_side not in loaded
     assert (errors, compiler) == ("acompile._errors", "acompile._compiler")
     assert env is None  # the processes a worker starts are not workers
+
+
+def _source_only_package(site: Path, name: str, value: int) -> Path:
+    """A package installed as source files only, as uv installs (without --compile-bytecode)."""
+    source = site / name / "__init__.py"
+    source.parent.mkdir(parents=True)
+    source.write_text(f"VALUE = {value}\n")
+    return source
+
+
+def _plant_bytecode(source: Path, code: str, cached: str) -> None:
+    """Bytecode of ``code`` at ``cached``, with the header of ``source`` (its modification time and
+    size), which Python checks before it runs a bytecode file instead of its source."""
+    import importlib._bootstrap_external as external
+
+    stat = source.stat()
+    compiled = compile(code, str(source), "exec")
+    data = external._code_to_timestamp_pyc(compiled, stat.st_mtime, stat.st_size)  # type: ignore[attr-defined]
+    Path(cached).write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("fork_workers", [True, False], ids=["forked", "spawned"])
+async def test_where_the_installation_has_no_bytecode_workers_keep_it_in_the_cache_and_read_it_next_time(
+    cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fork_workers: bool
+) -> None:
+    # Without bytecode beside its sources (and with PYTHONDONTWRITEBYTECODE=1, as images set it),
+    # every worker would compile Triton's sources again. Here the heavy package is one made of
+    # source files only; the check is the one made for Triton.
+    from acompile._workers import _bytecode
+
+    source = _source_only_package(tmp_path / "site", "sourceonly", 42)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setattr(_bytecode, "_HEAVY", "sourceonly")
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    job = {"name": "i", "action": "import", "module": "sourceonly"}
+    async with pool(cache_dir, workers=1, fork_workers=fork_workers) as p:
+        value, cached, prefix, dont_write = await run_job(p, FAKE, job, "i")
+    folder = cache_dir / "toolchain" / _bytecode.FOLDER
+    assert (value, prefix, dont_write) == (42, str(folder), 0)
+    assert Path(cached).is_relative_to(folder) and os.path.isfile(cached)  # noqa: ASYNC240 (a check)
+    assert not os.path.exists(source.parent / "__pycache__")  # noqa: ASYNC240 (nothing beside the sources)
+
+    # The next pool's workers read that file. Proof: bytecode of other code, put in its place with
+    # the header of the same source (modification time, size), is what they run.
+    _plant_bytecode(source, "VALUE = 43\n", cached)
+    async with pool(cache_dir, workers=1, fork_workers=fork_workers) as p:
+        assert await run_job(p, FAKE, job, "i") == (43, cached, str(folder), 0)
+
+
+async def test_an_installation_with_its_bytecode_or_a_chosen_prefix_is_left_as_it_is(
+    cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from acompile._workers import _bytecode
+
+    source = _source_only_package(tmp_path / "site", "compiled", 7)
+    assert compileall.compile_dir(source.parent, quiet=1)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setattr(_bytecode, "_HEAVY", "compiled")
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    job = {"name": "i", "action": "import", "module": "compiled"}
+    async with pool(cache_dir, workers=1) as p:
+        value, cached, prefix, _ = await run_job(p, FAKE, job, "i")
+    assert (value, prefix) == (7, None)
+    assert Path(cached).parent == source.parent / "__pycache__"
+    assert not (cache_dir / "toolchain" / _bytecode.FOLDER).exists()
+
+    # A prefix the user chose holds, even for sources without bytecode.
+    mine = tmp_path / "my-prefix"
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(mine))
+    shutil.rmtree(source.parent / "__pycache__")
+    async with pool(cache_dir, workers=1) as p:
+        assert (await run_job(p, FAKE, job, "i"))[2] == str(mine)
+    assert not (cache_dir / "toolchain" / _bytecode.FOLDER).exists()
 
 
 async def test_output_on_stdout_does_not_corrupt_the_protocol(cache_dir: Path) -> None:
@@ -492,6 +568,7 @@ def test_an_idle_policy_worker_polls_briefly_for_its_next_job_and_one_at_normal_
             t, c = time.perf_counter(), time.thread_time()
             _main._await_next_job(fd)
             return time.perf_counter() - t, time.thread_time() - c
+        waited(a.fileno())  # its first call's page faults are no poll's
         normal = waited(a.fileno())
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         idle = waited(a.fileno())

@@ -13,7 +13,12 @@ with empty Triton and acompile caches; the corpus (hence Triton) is imported bef
 - ``process_pool``: ``ProcessPoolExecutor(N)`` (spawn) through ``run_in_executor``; starting it
   is timed; each compile returns its whole asm dict.
 - ``anyio_to_process``: ``anyio.to_process.run_sync`` with a limiter of N; worker start timed.
-- ``acompile_cold``: ``CompilePool(N)`` entered inside the clock (worker start and preload timed).
+- ``acompile_cold``: ``CompilePool(N)`` entered inside the clock (worker start and preload timed),
+  on a cache folder with nothing in it: the first pool ever on the machine.
+- ``acompile_new_kernels``: the same, on a cache folder that holds what ``acompile_cold``'s pool
+  left besides kernels (its ``toolchain`` folder: Triton's key, its workers' bytecode), as any pool
+  after the first on a machine finds it: a server restarted with new kernels. None of the corpus
+  is in it.
 - ``acompile_warm_pool``: the pool entered and ``wait_ready()`` returned before the clock.
 - ``warm_acompile``: a fresh process, the default pool (workers prestarted, as users get it) on
   the cache ``acompile_cold`` filled; fails unless every kernel is a disk hit (none compiled).
@@ -49,10 +54,16 @@ from typing import Any
 
 from acompile._bench import harness
 
-ROWS = tuple("sequential threads process_pool anyio_to_process acompile_cold acompile_warm_pool".split())
+ROWS = tuple("sequential threads process_pool anyio_to_process acompile_cold acompile_new_kernels".split())
+ROWS += ("acompile_warm_pool",)
+_STORMS = len(ROWS)  # the rows of the table (the others: warm starts)
 ROWS += ("warm_acompile", "warm_triton")  # fresh processes on the caches the rows above filled
-# A warm-start row reads the cache another row filled.
-_NEEDS = {"warm_acompile": "acompile_cold", "warm_triton": "sequential"}
+# A warm-start row reads the cache another row filled; acompile_new_kernels its toolchain folder.
+_NEEDS = {
+    "warm_acompile": "acompile_cold",
+    "warm_triton": "sequential",
+    "acompile_new_kernels": "acompile_cold",
+}
 # Sections with options of their own, run alone: acompile bench --storm --help.
 _PASSTHROUGH = {
     "--storm": "storm",
@@ -142,7 +153,8 @@ async def baseline(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def acompile_row(args: argparse.Namespace) -> dict[str, Any]:
-    """``acompile_cold``, ``acompile_warm_pool`` or ``warm_acompile`` (``args.row``)."""
+    """``acompile_cold``, ``acompile_new_kernels``, ``acompile_warm_pool`` or ``warm_acompile``
+    (``args.row``)."""
     import acompile
     from acompile._bench.corpus import acompile_specs, outcome
 
@@ -192,7 +204,9 @@ async def acompile_row(args: argparse.Namespace) -> dict[str, Any]:
 
 
 CHILDREN = {"sequential": sequential, "warm_triton": sequential, **dict.fromkeys(ROWS[1:4], baseline)}
-CHILDREN |= dict.fromkeys(("acompile_cold", "acompile_warm_pool", "warm_acompile"), acompile_row)
+CHILDREN |= dict.fromkeys(
+    ("acompile_cold", "acompile_new_kernels", "acompile_warm_pool", "warm_acompile"), acompile_row
+)
 
 
 # -- the orchestrator ----------------------------------------------------------------------------
@@ -204,6 +218,13 @@ def _run_row(name: str, args: argparse.Namespace, root: Path, results: dict[str,
     if name == "warm_triton":
         extra["TRITON_CACHE_DIR"] = results["sequential"]["triton_cache_dir"]
     env = harness.child_env(folder, **extra)
+    if name == "acompile_new_kernels":
+        # What a pool leaves in its cache folder besides kernels, from acompile_cold's run.
+        from acompile._cache._layout import TOOLCHAIN
+
+        seen = Path(results["acompile_cold"]["acompile_cache_dir"]) / TOOLCHAIN
+        if seen.is_dir():
+            shutil.copytree(seen, Path(env["ACOMPILE_CACHE_DIR"]) / TOOLCHAIN, symlinks=True)
     options = {"row": name, "workers": args.workers, "target": args.target, "limit": args.limit}
     options["corpus"] = args.corpus
     options.update(
@@ -240,7 +261,7 @@ def report(results: dict[str, dict[str, Any]], machine: dict[str, Any], args: ar
     header = ["row", "wall s", "vs seq", "lag p99 ms", "lag max ms", "full GC", "ok", "cubin≠seq"]
     header += ["cpu s", "load"]
     rows = []
-    for name in ROWS[:6]:
+    for name in ROWS[:_STORMS]:
         r = results.get(name)
         if r is None or "crashed" in r:
             rows += [[name, "CRASHED", *[""] * 8]] if r is not None else []
@@ -258,7 +279,7 @@ def report(results: dict[str, dict[str, Any]], machine: dict[str, Any], args: ar
         bound = max(seq["wall_s"] / args.workers, seq["longest_s"])
         against = [
             f"{name} {results[name]['wall_s'] / bound:.2f}x"
-            for name in ("acompile_cold", "acompile_warm_pool", "process_pool", "anyio_to_process")
+            for name in (*ROWS[_STORMS - 3 : _STORMS], "process_pool", "anyio_to_process")
             if name in results and "crashed" not in results[name]
         ]
         text = f"bound = max(sequential {seq['wall_s']:.2f} s / {args.workers} workers, longest compile "
@@ -308,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         default=None,
         help=f"comma-separated, of: {', '.join((*ROWS, *sections))}; a warm row also runs the row "
-        "that fills its cache (warm_acompile: acompile_cold; warm_triton: sequential)",
+        "that fills its cache (warm_acompile and acompile_new_kernels: acompile_cold; warm_triton: "
+        "sequential)",
     )
     parser.add_argument("--limit", type=int, default=None, help="use only the first K specs of the corpus")
     parser.add_argument(

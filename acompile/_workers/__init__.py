@@ -10,7 +10,8 @@
 * ``_process``: worker process handles, stopping them, their stderr tail;
 * ``_template``: the template workers are forked from, and the socket they connect back to;
 * ``_protocol``: the framed messages between the pool, the template and the workers;
-* ``_main``: what runs in the worker and template processes.
+* ``_main``: what runs in the worker and template processes;
+* ``_bytecode``: where workers keep their imports' bytecode when the installation has none.
 """
 
 from __future__ import annotations

@@ -59,6 +59,7 @@ from acompile._errors import (
 )
 from acompile._sizing import usable_cpus
 from acompile._workers import _protocol
+from acompile._workers._bytecode import worker_environment
 from acompile._workers._executor import ExecutorStats, run_job
 from acompile._workers._process import (
     EXTERNAL,
@@ -538,6 +539,8 @@ class WorkerPool:
         env["ACOMPILE_WORKER_NICE"] = str(self.config.get("nice", 0))
         env["ACOMPILE_PARENT_NICE"] = str(os.nice(0))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+        # Their imports' bytecode, in the cache, where the installation has none (_bytecode).
+        worker_environment(env, self.config.get("bytecode_dir"))
         return [sys.executable, "-c", _BOOT, *extra, *self.config.get("preload", ())], env
 
     async def _open(self, command: list[str], env: dict[str, str], stderr_path: str) -> anyio.abc.Process:
