@@ -94,9 +94,9 @@ def compile(payload: dict[str, Any]) -> Any:
         names = (acompile.CompileError.__module__, acompile.CompilePool.__module__)
         return loaded, *names, os.environ.get("ACOMPILE_WORKER")
     if action == "import":
-        # Imports a module: its value, where Python keeps its bytecode, and the settings it did so under.
+        # Imports a module: its value, where its bytecode belongs, whether bytecode is written.
         module = importlib.import_module(payload["module"])
-        return module.VALUE, module.__cached__, sys.pycache_prefix, sys.flags.dont_write_bytecode
+        return module.VALUE, module.__cached__, sys.dont_write_bytecode
     if action == "say":
         # Words on fd 2, as a compiler's warnings; then fail, if asked, so the tail shows.
         os.write(2, payload["words"].encode() + b"\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import compileall
 import contextlib
+import importlib.util
 import os
 import resource
 import shutil
@@ -98,6 +99,7 @@ def _plant_bytecode(source: Path, code: str, cached: str) -> None:
     stat = source.stat()
     compiled = compile(code, str(source), "exec")
     data = external._code_to_timestamp_pyc(compiled, stat.st_mtime, stat.st_size)  # type: ignore[attr-defined]
+    Path(cached).parent.mkdir(parents=True, exist_ok=True)
     Path(cached).write_bytes(bytes(data))
 
 
@@ -111,23 +113,32 @@ async def test_where_the_installation_has_no_bytecode_workers_keep_it_in_the_cac
     from acompile._workers import _bytecode
 
     source = _source_only_package(tmp_path / "site", "sourceonly", 42)
+    compiled = _source_only_package(tmp_path / "site", "compiled", 7)
+    beside = importlib.util.cache_from_source(str(compiled))
+    _plant_bytecode(compiled, "VALUE = 8\n", beside)  # the installation's own bytecode, marked
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.setattr(_bytecode, "_HEAVY", "sourceonly")
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
     job = {"name": "i", "action": "import", "module": "sourceonly"}
     async with pool(cache_dir, workers=1, fork_workers=fork_workers) as p:
-        value, cached, prefix, dont_write = await run_job(p, FAKE, job, "i")
+        value, cached, dont_write = await run_job(p, FAKE, job, "i")
+        other = await run_job(p, FAKE, {**job, "module": "compiled"}, "c")
     folder = cache_dir / "toolchain" / _bytecode.FOLDER
-    assert (value, prefix, dont_write) == (42, str(folder), 0)
-    assert Path(cached).is_relative_to(folder) and os.path.isfile(cached)  # noqa: ASYNC240 (a check)
+    ours = folder / cached.lstrip(os.sep)
+    assert (value, dont_write) == (42, False)
+    assert cached == importlib.util.cache_from_source(str(source))
+    assert os.path.isfile(ours)  # noqa: ASYNC240 (a test's check)
     assert not os.path.exists(source.parent / "__pycache__")  # noqa: ASYNC240 (nothing beside the sources)
+    # Bytecode beside its source is read from there, and not written again.
+    assert other == (8, beside, False)
+    assert not os.path.exists(folder / beside.lstrip(os.sep))  # noqa: ASYNC240 (a test's check)
 
-    # The next pool's workers read that file. Proof: bytecode of other code, put in its place with
-    # the header of the same source (modification time, size), is what they run.
-    _plant_bytecode(source, "VALUE = 43\n", cached)
+    # The next pool's workers read the file in the cache. Proof: bytecode of other code, put in
+    # its place with the header of the same source (modification time, size), is what they run.
+    _plant_bytecode(source, "VALUE = 43\n", str(ours))
     async with pool(cache_dir, workers=1, fork_workers=fork_workers) as p:
-        assert await run_job(p, FAKE, job, "i") == (43, cached, str(folder), 0)
+        assert await run_job(p, FAKE, job, "i") == (43, cached, False)
 
 
 async def test_an_installation_with_its_bytecode_or_a_chosen_prefix_is_left_as_it_is(
@@ -140,11 +151,10 @@ async def test_an_installation_with_its_bytecode_or_a_chosen_prefix_is_left_as_i
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.setattr(_bytecode, "_HEAVY", "compiled")
     monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     job = {"name": "i", "action": "import", "module": "compiled"}
     async with pool(cache_dir, workers=1) as p:
-        value, cached, prefix, _ = await run_job(p, FAKE, job, "i")
-    assert (value, prefix) == (7, None)
-    assert Path(cached).parent == source.parent / "__pycache__"
+        assert await run_job(p, FAKE, job, "i") == (7, importlib.util.cache_from_source(str(source)), True)
     assert not (cache_dir / "toolchain" / _bytecode.FOLDER).exists()
 
     # A prefix the user chose holds, even for sources without bytecode.
@@ -152,7 +162,7 @@ async def test_an_installation_with_its_bytecode_or_a_chosen_prefix_is_left_as_i
     monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(mine))
     shutil.rmtree(source.parent / "__pycache__")
     async with pool(cache_dir, workers=1) as p:
-        assert (await run_job(p, FAKE, job, "i"))[2] == str(mine)
+        assert Path((await run_job(p, FAKE, job, "i"))[1]).is_relative_to(mine)
     assert not (cache_dir / "toolchain" / _bytecode.FOLDER).exists()
 
 

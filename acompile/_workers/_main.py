@@ -28,7 +28,7 @@ from types import ModuleType
 from typing import Any
 
 from acompile._errors import AcompileError, BackendUnavailableError, CompileError, bounded
-from acompile._workers import _protocol
+from acompile._workers import _bytecode, _protocol
 from acompile._workers._process import lower_priority, short_backend, stderr_tail
 
 
@@ -444,6 +444,9 @@ def main() -> None:
     # Read by acompile._lazy as acompile was imported; the processes this one starts (a
     # compiler, a backend's own Python) are not workers.
     os.environ.pop("ACOMPILE_WORKER", None)
+    bytecode = os.environ.pop(_bytecode.ENV, None)
+    if bytecode:
+        _bytecode.install(bytecode)  # before the first import of a backend
     parent_pid = int(os.environ.get("ACOMPILE_PARENT_PID", "0"))
     _die_with_parent(parent_pid, template=sys.argv[1:2] == ["--template"])
     _close_stray_copies_of_stdio()

@@ -58,8 +58,7 @@ from acompile._errors import (
     WorkerStartError,
 )
 from acompile._sizing import usable_cpus
-from acompile._workers import _protocol
-from acompile._workers._bytecode import worker_environment
+from acompile._workers import _bytecode, _protocol
 from acompile._workers._executor import ExecutorStats, run_job
 from acompile._workers._process import (
     EXTERNAL,
@@ -539,8 +538,9 @@ class WorkerPool:
         env["ACOMPILE_WORKER_NICE"] = str(self.config.get("nice", 0))
         env["ACOMPILE_PARENT_NICE"] = str(os.nice(0))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
-        # Their imports' bytecode, in the cache, where the installation has none (_bytecode).
-        worker_environment(env, self.config.get("bytecode_dir"))
+        if self.config.get("bytecode_dir"):
+            # Their imports' bytecode, in the cache, where the installation has none (_bytecode).
+            env[_bytecode.ENV] = self.config["bytecode_dir"]
         return [sys.executable, "-c", _BOOT, *extra, *self.config.get("preload", ())], env
 
     async def _open(self, command: list[str], env: dict[str, str], stderr_path: str) -> anyio.abc.Process:
