@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 from fake_backend import local_executor
 from kernels_for_tests import ADD_SIG, add_kernel, scale_add_kernel
@@ -326,6 +327,38 @@ async def test_the_cost_file_keeps_the_newest_records_only(tmp_path: Path) -> No
     kept = json.loads((tmp_path / COSTS_FILE).read_text())["records"]
     assert len(kept) == MAX_RECORDS
     assert all(f"new{i}" in kept for i in range(5))
+
+
+async def test_a_large_gather_starts_its_requests_over_several_steps_of_the_loop(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Starting a request (its task, its first step: the cache look-up) costs the event loop
+    50-80 us: a gather that started a hundred in one step would hold the loop for milliseconds.
+    The requests here are stand-ins that note the loop's step at which they start."""
+    from acompile._compiler import _SPAWN_SLICE
+
+    steps = 0
+    started: list[int] = []
+
+    async def compile(self: acompile.CompilePool, spec: Any, *, background: bool = False) -> Any:
+        started.append(steps)
+        return spec
+
+    async def tick() -> None:
+        nonlocal steps
+        while True:
+            await anyio.lowlevel.checkpoint()
+            steps += 1
+
+    monkeypatch.setattr(acompile.CompilePool, "compile", compile)
+    async with acompile.CompilePool(
+        1, target="cuda:90", cache_dir=cache_dir, preload=(), prestart=False
+    ) as p:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tick)
+            assert await p.gather(*range(4 * _SPAWN_SLICE)) == list(range(4 * _SPAWN_SLICE))
+            tg.cancel_scope.cancel()
+    assert len(set(started)) >= 4
 
 
 async def test_a_gather_on_idle_workers_starts_its_longest_compile_first(
