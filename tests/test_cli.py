@@ -287,7 +287,7 @@ def test_bench_runs_its_rows_side_by_side_and_writes_json(tmp_path: Path) -> Non
         "--workers",
         "1",
         "--only",
-        "sequential,acompile_cold,warm_acompile",
+        "sequential,acompile_new_kernels,warm_acompile",
         "--json",
         str(report),
     )
@@ -296,10 +296,28 @@ def test_bench_runs_its_rows_side_by_side_and_writes_json(tmp_path: Path) -> Non
         "sequential" in out.stdout and "acompile_cold" in out.stdout and "warm start, acompile" in out.stdout
     )
     rows = json.loads(report.read_text())["rows"]
-    assert {"sequential", "acompile_cold", "warm_acompile"} <= set(rows)
+    # acompile_new_kernels runs on what acompile_cold's pool left: that row runs first.
+    assert {"sequential", "acompile_cold", "acompile_new_kernels", "warm_acompile"} <= set(rows)
+    assert rows["acompile_new_kernels"]["ok"] == 2 and "acompile_new_kernels " in out.stdout
     # The loop's lag comes with the full collections that stopped it in the same window.
     assert "full GC" in out.stdout
     assert isinstance(rows["acompile_cold"]["lag"]["full_gc"], int)
+
+
+def test_bench_row_on_what_the_cold_row_left_is_not_run_without_it(tmp_path: Path) -> None:
+    # Run on an empty cache folder, it would be acompile_cold again under another name.
+    import argparse
+
+    from acompile._bench import run
+
+    args = argparse.Namespace(workers=1, target="cuda:90", limit=1, corpus="default", row_timeout=60.0)
+    crashed = {"acompile_cold": {"crashed": "killed"}}
+    assert "acompile_cold crashed" in run._run_row("acompile_new_kernels", args, tmp_path, crashed)["crashed"]
+    empty = tmp_path / "cold-cache"
+    empty.mkdir()
+    left_nothing = {"acompile_cold": {"acompile_cache_dir": str(empty), "wall_s": 1.0}}
+    result = run._run_row("acompile_new_kernels", args, tmp_path, left_nothing)
+    assert "left no toolchain folder" in result["crashed"]
 
 
 def test_bench_lag_probe_counts_the_full_collections_inside_its_window() -> None:

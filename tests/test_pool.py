@@ -91,14 +91,19 @@ def _source_only_package(site: Path, name: str, value: int) -> Path:
     return source
 
 
-def _plant_bytecode(source: Path, code: str, cached: str) -> None:
-    """Bytecode of ``code`` at ``cached``, with the header of ``source`` (its modification time and
-    size), which Python checks before it runs a bytecode file instead of its source."""
+def _plant_bytecode(source: Path, code: str, cached: str, *, hash_based: bool = False) -> None:
+    """Bytecode of ``code`` at ``cached``, with the header of ``source``, which Python checks
+    before it runs a bytecode file instead of its source: its modification time and size, or
+    (``hash_based``: as acompile writes its workers' files) the hash of its bytes."""
     import importlib._bootstrap_external as external
 
-    stat = source.stat()
     compiled = compile(code, str(source), "exec")
-    data = external._code_to_timestamp_pyc(compiled, stat.st_mtime, stat.st_size)  # type: ignore[attr-defined]
+    if hash_based:
+        source_hash = importlib.util.source_hash(source.read_bytes())
+        data = external._code_to_hash_pyc(compiled, source_hash, True)  # type: ignore[attr-defined]
+    else:
+        stat = source.stat()
+        data = external._code_to_timestamp_pyc(compiled, stat.st_mtime, stat.st_size)  # type: ignore[attr-defined]
     Path(cached).parent.mkdir(parents=True, exist_ok=True)
     Path(cached).write_bytes(bytes(data))
 
@@ -126,19 +131,68 @@ async def test_where_the_installation_has_no_bytecode_workers_keep_it_in_the_cac
         other = await run_job(p, FAKE, {**job, "module": "compiled"}, "c")
     folder = cache_dir / "toolchain" / _bytecode.FOLDER
     ours = folder / cached.lstrip(os.sep)
-    assert (value, dont_write) == (42, False)
+    assert (value, dont_write) == (42, True)  # left as it was: the folder is written anyway
     assert cached == importlib.util.cache_from_source(str(source))
     assert os.path.isfile(ours)  # noqa: ASYNC240 (a test's check)
     assert not os.path.exists(source.parent / "__pycache__")  # noqa: ASYNC240 (nothing beside the sources)
     # Bytecode beside its source is read from there, and not written again.
-    assert other == (8, beside, False)
+    assert other == (8, beside, True)
     assert not os.path.exists(folder / beside.lstrip(os.sep))  # noqa: ASYNC240 (a test's check)
 
     # The next pool's workers read the file in the cache. Proof: bytecode of other code, put in
-    # its place with the header of the same source (modification time, size), is what they run.
-    _plant_bytecode(source, "VALUE = 43\n", str(ours))
+    # its place with the header of the same source (the hash of its bytes), is what they run.
+    _plant_bytecode(source, "VALUE = 43\n", str(ours), hash_based=True)
     async with pool(cache_dir, workers=1, fork_workers=fork_workers) as p:
-        assert await run_job(p, FAKE, job, "i") == (43, cached, False)
+        assert await run_job(p, FAKE, job, "i") == (43, cached, True)
+
+
+def _import_with_the_workers_loader(folder: Path, site: str, module: str) -> str:
+    """Import ``module`` from ``site`` in a fresh process through the workers' bytecode loader."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {site!r})
+        from acompile._workers import _bytecode
+        _bytecode.install({str(folder)!r})
+        import {module} as module
+        print(module.VALUE)
+    """)
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, env=env)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_the_workers_bytecode_is_compiled_again_when_damaged_stale_or_no_file(tmp_path: Path) -> None:
+    """The folder outlives reinstalls and full disks: what it holds is checked against the
+    source's bytes, and anything that does not read back whole is compiled again."""
+    folder, site = tmp_path / "bytecode", tmp_path / "site"
+    source = _source_only_package(site, "mod", 1)
+    assert _import_with_the_workers_loader(folder, str(site), "mod") == "1"
+    ours = folder / importlib.util.cache_from_source(str(source)).lstrip(os.sep)
+    whole = ours.read_bytes()
+    assert not (source.parent / "__pycache__").exists()
+
+    ours.write_bytes(whole[:24])  # a write cut short (a full disk)
+    assert _import_with_the_workers_loader(folder, str(site), "mod") == "1"
+    assert ours.read_bytes() == whole
+
+    # Another source of the same size and modification time (a deploy that keeps timestamps).
+    stat = source.stat()
+    source.write_text("VALUE = 2\n")
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert _import_with_the_workers_loader(folder, str(site), "mod") == "2"
+
+    ours.unlink()
+    os.mkfifo(ours)  # not a file: read, it would block the worker for ever
+    assert _import_with_the_workers_loader(folder, str(site), "mod") == "2"
+    assert ours.is_file()
+
+    # A sys.path entry that climbs (/../..) still writes inside the folder, never beside the source.
+    shutil.rmtree(folder)
+    climbing = "/.." * 8 + str(site)
+    assert _import_with_the_workers_loader(folder, climbing, "mod") == "2"
+    assert [p.name for p in folder.rglob("*.pyc")] == [ours.name]
+    assert not (source.parent / "__pycache__").exists()
 
 
 async def test_an_installation_with_its_bytecode_or_a_chosen_prefix_is_left_as_it_is(

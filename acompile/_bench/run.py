@@ -222,9 +222,13 @@ def _run_row(name: str, args: argparse.Namespace, root: Path, results: dict[str,
         # What a pool leaves in its cache folder besides kernels, from acompile_cold's run.
         from acompile._cache._layout import TOOLCHAIN
 
-        seen = Path(results["acompile_cold"]["acompile_cache_dir"]) / TOOLCHAIN
-        if seen.is_dir():
-            shutil.copytree(seen, Path(env["ACOMPILE_CACHE_DIR"]) / TOOLCHAIN, symlinks=True)
+        cold = results.get("acompile_cold", {})
+        seen = Path(cold.get("acompile_cache_dir", root / "acompile_cold")) / TOOLCHAIN
+        if "crashed" in cold or not seen.is_dir():
+            # Run without it, the row would be acompile_cold again under another name.
+            why = "crashed" if "crashed" in cold else f"left no {TOOLCHAIN} folder"
+            return {"crashed": f"it runs on what acompile_cold's pool left, and acompile_cold {why}"}
+        shutil.copytree(seen, Path(env["ACOMPILE_CACHE_DIR"]) / TOOLCHAIN, symlinks=True)
     options = {"row": name, "workers": args.workers, "target": args.target, "limit": args.limit}
     options["corpus"] = args.corpus
     options.update(

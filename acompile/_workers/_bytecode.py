@@ -14,12 +14,12 @@ cache's toolchain folder to its workers (``ACOMPILE_BYTECODE``), and each worker
 source files through a loader (``install``) that reads a module's bytecode from its usual
 place, or else from that folder, and writes what it compiles to that folder only. The first
 workers compile the sources and write the files; every later worker on this machine and cache
-folder reads them. Python checks each file against its source (modification time and size), so
-an upgraded package is compiled again; a file two workers write at once is renamed into place
-whole. Nothing is written beside the installation's sources, and the bytecode an installation
-has is still used (which ``PYTHONPYCACHEPREFIX`` would not do: with it, Python looks in the
-prefix only, and the standard library's own files would be compiled again). The folder can be
-removed at any time.
+folder reads them. Each file there is checked against its source's hash at every import, so a
+changed source is compiled again (whatever its timestamp); a damaged file is compiled again too,
+and a file two workers write at once is renamed into place whole. Nothing is written beside the
+installation's sources, and the bytecode an installation has is still used (which
+``PYTHONPYCACHEPREFIX`` would not do: with it, Python looks in the prefix only, and the standard
+library's own files would be compiled again). The folder can be removed at any time.
 
 Left alone: an installation that has Triton's bytecode, a process that chose a prefix itself
 (``PYTHONPYCACHEPREFIX``, ``-X pycache_prefix``), and a cache folder that cannot be written.
@@ -27,11 +27,16 @@ Left alone: an installation that has Triton's bytecode, a process that chose a p
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import importlib.util
+import marshal
 import os
+import secrets
+import stat
 import sys
 from pathlib import Path
+from types import CodeType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -79,29 +84,78 @@ def folder_for_workers(memo_dir: Path, package: str | None = None) -> str | None
 
 
 class _Loader(importlib.machinery.SourceFileLoader):
-    """A source file's loader whose bytecode, where none is beside the source, is in ``folder``.
-
-    ``get_code`` (the standard one) asks ``get_data`` for the bytecode at its usual path, checks
-    it against the source, and hands what it compiles to ``set_data``."""
+    """A source file's loader that keeps its bytecode in ``folder`` where none is beside the
+    source. The files it writes there are checked against their source's hash (PEP 552), not its
+    modification time and size: the folder outlives reinstalls, and a file deployed with its
+    timestamp kept and its size unchanged must not run its old bytecode. A file there that is
+    damaged (a write cut short by a full disk), of another Python, not a regular file, or of
+    another source is compiled again and replaced."""
 
     folder = ""
 
-    def _ours(self, path: str) -> str:
-        return os.path.join(self.folder, path.lstrip(os.sep))
-
-    def get_data(self, path: str) -> bytes:
-        if not path.endswith(importlib.machinery.BYTECODE_SUFFIXES[0]):
-            return super().get_data(path)
-        try:
-            return super().get_data(path)
-        except OSError:
-            return super().get_data(self._ours(path))
+    def get_code(self, fullname: str) -> CodeType | None:
+        source_path = self.get_filename(fullname)
+        beside = importlib.util.cache_from_source(source_path)
+        if os.path.exists(beside):
+            return super().get_code(fullname)  # the installation's own, checked as Python does
+        ours = os.path.join(self.folder, os.path.normpath(beside).lstrip(os.sep))
+        source = self.get_data(source_path)
+        header = importlib.util.MAGIC_NUMBER + _CHECKED_HASH + importlib.util.source_hash(source)
+        data = _read_regular_file(ours)
+        if data is not None and data[:16] == header:
+            try:
+                code = marshal.loads(memoryview(data)[16:])
+            except (EOFError, ValueError, TypeError):
+                code = None
+            if isinstance(code, CodeType) and code.co_filename == source_path:
+                return code
+        code = self.source_to_code(source, source_path)
+        _write_whole(ours, header + marshal.dumps(code))
+        return code
 
     def set_data(self, path: str, data: Buffer, *, _mode: int = 0o666) -> None:
-        # Only bytecode is ever written through a loader; it goes to the folder, never beside
-        # the source (the standard set_data makes the missing folders, and gives up silently
-        # on a failure, as for an unwritable __pycache__).
-        super().set_data(self._ours(path), data, _mode=_mode)
+        """Never beside the installation's sources (the standard loader writes there when their
+        bytecode is stale)."""
+
+
+# PEP 552 flags: a hash-based file, checked against its source at every import.
+_CHECKED_HASH = (0b11).to_bytes(4, "little")
+
+
+def _read_regular_file(path: str) -> bytes | None:
+    """The file's bytes, or None where it is missing, unreadable or not a regular file (a FIFO
+    would block the read for ever)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with open(fd, "rb") as file:
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            return file.read()
+        except OSError:
+            return None
+
+
+def _write_whole(path: str, data: bytes) -> None:
+    """Write ``path`` whole or not at all: to a file of this process's own, every byte (a
+    short write on a full disk is an error, not a shorter file), then renamed into place, so
+    that workers writing it at once each leave a whole file. A failure leaves nothing."""
+    temporary = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        os.replace(temporary, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
 
 
 def install(folder: str) -> None:
@@ -115,7 +169,6 @@ def install(folder: str) -> None:
     ]
     sys.path_hooks.insert(0, importlib.machinery.FileFinder.path_hook(*loaders))
     sys.path_importer_cache.clear()  # the finders made at start-up, for the standard loader
-    sys.dont_write_bytecode = False  # (PYTHONDONTWRITEBYTECODE) what it writes goes to folder
 
 
 __all__ = ["ENV", "FOLDER", "folder_for_workers", "install", "lacks_bytecode"]
