@@ -107,6 +107,42 @@ async def test_helpers_and_constexpr_globals_travel_without_importing_the_module
     assert not imported_by & {str(pid) for pid in worker_pids}
 
 
+_IMPORTED_KERNEL = """
+import triton
+import triton.language as tl
+
+FACTOR = tl.constexpr({factor})
+
+
+# A repr hook defined here cannot travel: the workers import this module to get the kernel.
+@triton.jit(repr=lambda specialization: "scaled")
+def scaled(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * FACTOR, mask=offs < n)
+"""
+
+
+async def test_a_kernel_whose_module_changed_since_it_was_imported_is_refused_not_compiled_under_its_key(
+    cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = tmp_path / "changing_kernels.py"
+    module.write_text(_IMPORTED_KERNEL.format(factor="3.0"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "changing_kernels", raising=False)
+    import changing_kernels
+
+    sig = {"x_ptr": "*fp32", "n": "i32"}
+    async with pool(cache_dir, workers=1) as p:
+        k = await p.triton(changing_kernels.scaled, signature=sig, constexprs={"BLOCK": 64})
+        assert "0f40400000" in k.asm["ptx"]  # times 3.0
+        # Edited on disk while this process keeps the version it imported: a worker that imports
+        # it now gets another kernel (times 5.25), which must not be kept under this one's key.
+        module.write_text(_IMPORTED_KERNEL.format(factor="5.25"))
+        await p.quiesce()  # workers that start now import the module afresh
+        with pytest.raises(acompile.CompileError, match="changed after the calling process imported it"):
+            await p.triton(changing_kernels.scaled, signature=sig, constexprs={"BLOCK": 128})
+
+
 async def test_a_kernel_from_source_text(cache_dir: Path) -> None:
     source = textwrap.dedent(
         """

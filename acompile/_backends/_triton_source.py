@@ -71,7 +71,17 @@ def import_ref(fn: Any) -> dict[str, Any]:
     main_path = None
     if module == "__main__":
         main_path = getattr(sys.modules["__main__"], "__file__", None)
-    return {"kind": "import", "module": module, "qualname": fn.__qualname__, "main_path": main_path}
+    try:
+        cache_key = fn.cache_key  # what this process keyed; checked against the worker's import
+    except Exception:
+        cache_key = None
+    return {
+        "kind": "import",
+        "module": module,
+        "qualname": fn.__qualname__,
+        "main_path": main_path,
+        "cache_key": cache_key,
+    }
 
 
 def describe(fn: Any) -> dict[str, Any]:
@@ -209,6 +219,15 @@ def _import(ref: dict[str, Any]) -> Any:
     obj: Any = module
     for part in ref["qualname"].split("."):
         obj = getattr(obj, part)
+    expected = ref.get("cache_key")
+    if expected is not None and getattr(obj, "cache_key", expected) != expected:
+        # Compiled, it would be kept under the key of a kernel it is not.
+        raise ImportError(
+            f"{ref['qualname']} as module {module_name!r} defines it in the worker is not the kernel "
+            "the calling process has (Triton's keys differ): its source, or a global it uses, "
+            "changed after the calling process imported it. Restart that process, or pass the "
+            "kernel's source text with kernel_name="
+        )
     return obj
 
 
