@@ -43,6 +43,7 @@ from acompile._cache._explain import read_header
 from acompile._cache._layout import human_bytes, is_key, toolchain_dir
 from acompile._errors import AcompileError
 from acompile._version import __version__
+from acompile._workers._bytecode import FOLDER as BYTECODE_FOLDER
 
 WARMUP_EPILOG = """\
 columns: wait is the time a kernel queued for a free worker, compile the time a worker spent on it
@@ -567,6 +568,14 @@ def _cache_stats(root: Path) -> int:
         print("newest entries (a key's start is enough for `acompile cache explain`):")
         for _, key, name in newest:
             print(f"  {key[:16]}  {name}")
+    bytecode = toolchain_dir(root) / BYTECODE_FOLDER
+    if bytecode.is_dir():
+        files = [p for p in bytecode.rglob("*.pyc") if p.is_file()]
+        print(
+            f"workers' bytecode ({bytecode}): {len(files)} files, "
+            f"{human_bytes(sum(p.stat().st_size for p in files))}; not entries (prune leaves it): "
+            "remove it at any time"
+        )
     return 0
 
 

@@ -276,6 +276,16 @@ def test_cache_stats_on_an_empty_folder(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     out = acompile_cmd("cache", "stats", "--cache-dir", str(tmp_path / "empty"))
     assert out.returncode == 0 and "entries: 0" in out.stdout
+    assert "bytecode" not in out.stdout
+
+
+def test_cache_stats_shows_the_workers_bytecode_apart_from_the_entries(tmp_path: Path) -> None:
+    folder = tmp_path / "cache" / "toolchain" / "bytecode" / "usr" / "lib" / "pkg" / "__pycache__"
+    folder.mkdir(parents=True)
+    (folder / "mod.cpython-311.pyc").write_bytes(b"x" * 2048)
+    out = acompile_cmd("cache", "stats", "--cache-dir", str(tmp_path / "cache"))
+    assert out.returncode == 0 and "entries: 0" in out.stdout
+    assert "workers' bytecode" in out.stdout and "1 files, 2.0 KiB" in out.stdout, out.stdout
 
 
 def test_bench_runs_its_rows_side_by_side_and_writes_json(tmp_path: Path) -> None:

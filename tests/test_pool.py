@@ -195,6 +195,25 @@ def test_the_workers_bytecode_is_compiled_again_when_damaged_stale_or_no_file(tm
     assert not (source.parent / "__pycache__").exists()
 
 
+def test_a_bytecode_folder_that_cannot_be_written_to_is_still_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A cache baked read-only into an image (simulated: this test may run as root, whom a
+    # read-only mode does not stop).
+    from acompile._workers import _bytecode
+
+    _source_only_package(tmp_path / "site", "sourceonly", 1)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    (tmp_path / "memo" / _bytecode.FOLDER).mkdir(parents=True)
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: not mode & os.W_OK and access(path, mode))
+    found = _bytecode.folder_for_workers(tmp_path / "memo", "sourceonly")
+    assert found == str(tmp_path / "memo" / _bytecode.FOLDER)
+    (tmp_path / "not-a-folder").write_text("")  # nothing to read, nothing can be made there
+    assert _bytecode.folder_for_workers(tmp_path / "not-a-folder", "sourceonly") is None
+
+
 async def test_an_installation_with_its_bytecode_or_a_chosen_prefix_is_left_as_it_is(
     cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

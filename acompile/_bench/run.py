@@ -397,7 +397,9 @@ def main(argv: list[str] | None = None) -> int:
             texts.append(bench.report(document[section]))
             failed += bench.failed(document[section])
     finally:
-        if not args.keep:
+        if args.keep:
+            print(f"[bench] the rows' folders (caches, logs) are kept in {root}", file=sys.stderr)
+        else:
             shutil.rmtree(root, ignore_errors=True)
     document["report"] = text = "\n\n".join(texts)
     print(text)

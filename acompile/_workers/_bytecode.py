@@ -21,8 +21,12 @@ installation's sources, and the bytecode an installation has is still used (whic
 ``PYTHONPYCACHEPREFIX`` would not do: with it, Python looks in the prefix only, and the standard
 library's own files would be compiled again). The folder can be removed at any time.
 
-Left alone: an installation that has Triton's bytecode, a process that chose a prefix itself
-(``PYTHONPYCACHEPREFIX``, ``-X pycache_prefix``), and a cache folder that cannot be written.
+Left alone: an installation that has Triton's bytecode, and a process that chose a prefix itself
+(``PYTHONPYCACHEPREFIX``, ``-X pycache_prefix``). A folder that cannot be written to (a cache
+baked read-only into an image) is read, not written.
+
+Whoever can write the cache folder can put code in the workers this way, as they could put
+kernels in the disk tier: keep a cache folder writable only by the users of its pools.
 """
 
 from __future__ import annotations
@@ -74,11 +78,11 @@ def folder_for_workers(memo_dir: Path, package: str | None = None) -> str | None
     if not lacks_bytecode(package or _HEAVY):
         return None
     folder = memo_dir / FOLDER
-    try:
+    with contextlib.suppress(OSError):
         folder.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return None
-    if not os.access(folder, os.W_OK | os.X_OK):
+    # A folder that cannot be written to (a cache baked read-only into an image) is still read:
+    # the loader's writes there fail quietly.
+    if not folder.is_dir() or not os.access(folder, os.R_OK | os.X_OK):
         return None
     return str(folder)
 
