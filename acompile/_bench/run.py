@@ -58,6 +58,10 @@ ROWS = tuple("sequential threads process_pool anyio_to_process acompile_cold aco
 ROWS += ("acompile_warm_pool",)
 _STORMS = len(ROWS)  # the rows of the table (the others: warm starts)
 ROWS += ("warm_acompile", "warm_triton")  # fresh processes on the caches the rows above filled
+# The rows the report sets against the bound.
+_AGAINST_BOUND = tuple(
+    "acompile_cold acompile_new_kernels acompile_warm_pool process_pool anyio_to_process".split()
+)
 # A warm-start row reads the cache another row filled; acompile_new_kernels its toolchain folder.
 _NEEDS = {
     "warm_acompile": "acompile_cold",
@@ -283,7 +287,7 @@ def report(results: dict[str, dict[str, Any]], machine: dict[str, Any], args: ar
         bound = max(seq["wall_s"] / args.workers, seq["longest_s"])
         against = [
             f"{name} {results[name]['wall_s'] / bound:.2f}x"
-            for name in (*ROWS[_STORMS - 3 : _STORMS], "process_pool", "anyio_to_process")
+            for name in _AGAINST_BOUND
             if name in results and "crashed" not in results[name]
         ]
         text = f"bound = max(sequential {seq['wall_s']:.2f} s / {args.workers} workers, longest compile "
