@@ -96,7 +96,14 @@ async def test_a_storm_of_kills_at_every_stage_costs_at_most_the_jobs_killed_twi
                         victim.send_signal(signal.SIGKILL)
                         kills.append(kind)
                     except psutil.Error:
-                        pass
+                        continue
+                    if kind == "template":
+                        # Its workers went with it. The next kill waits for one of the new
+                        # template's workers: on a slow machine a new template is still starting at
+                        # every next kill, and the storm would kill starting templates only.
+                        with anyio.move_on_after(10):
+                            while not worker_pids():  # noqa: ASYNC110 (the process table)
+                                await anyio.sleep(0.01)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(killer)
@@ -113,7 +120,7 @@ async def test_a_storm_of_kills_at_every_stage_costs_at_most_the_jobs_killed_twi
         # Each failed job was retried once first; how many kills land on a busy worker twice in
         # a row depends on how often the killer finds one busy (more, the faster workers start),
         # not on the pool: the kills that did not are the jobs that succeeded on a retry.
-        assert retried >= 1 and len(failed) <= retried, (len(failed), retried)
+        assert retried >= 1 and len(failed) <= retried, (len(failed), retried, kills)
         assert len(failed) <= len(kills) // 4, [str(e) for e in failed]
         await until(lambda: p.stats()["workers"]["alive"] == 2, seconds=20)
         await p.quiesce()
