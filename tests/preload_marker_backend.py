@@ -1,12 +1,15 @@
 """A worker-side backend for tests: its preload leaves a file named by its pid in
 ``$ACOMPILE_TEST_MARKER_DIR`` (a test sees when a process preloads), and a job returns what the
-worker's configuration says under ``"from_hook"``."""
+worker's configuration says under ``"from_hook"``: in the configuration it started with, or, for
+a worker started before the pool's hook was over, in the pool's late configuration."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 from typing import Any
+
+from acompile._workers import _late
 
 _config: dict[str, Any] = {}
 
@@ -21,4 +24,6 @@ def preload(config: dict[str, Any]) -> None:
 
 
 def compile(payload: Any) -> Any:
-    return _config.get("from_hook")
+    if "from_hook" in _config:
+        return _config["from_hook"]
+    return (_late.prepared(_config, wait=True) or {}).get("from_hook")

@@ -204,6 +204,121 @@ def test_a_template_warms_up_without_hashing_triton_and_its_workers_take_the_par
     assert done.stdout.strip() == "the parent's"
 
 
+async def test_workers_compile_while_the_parent_still_hashes_triton_and_kernels_keep_tritons_hash(
+    cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first time on a machine, the parent hashes Triton's binaries for longer than a worker
+    takes to start: workers take jobs meanwhile, and each kernel still carries the hash that
+    ``triton.compile`` gives it."""
+    import threading
+
+    from acompile._backends import _triton_toolchain
+
+    hashing = threading.Event()
+    release = threading.Event()
+    own = _triton_toolchain.triton_key
+
+    def slow_key(memo_dir: Path) -> str:
+        hashing.set()
+        value = own(memo_dir)
+        release.wait(120)
+        return value
+
+    monkeypatch.setattr(_triton_toolchain, "triton_key", slow_key)
+    async with pool(cache_dir, workers=1) as p:
+        async with anyio.create_task_group() as tg:
+            got: list[Any] = []
+
+            async def compile_one() -> None:
+                got.append(await p.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 64}))
+
+            tg.start_soon(compile_one)
+            try:
+                with anyio.fail_after(60):
+                    while p.stats()["workers"]["busy"] < 1:  # noqa: ASYNC110 (a worker's state)
+                        await anyio.sleep(0.01)
+                assert hashing.is_set() and not release.is_set()
+            finally:
+                release.set()
+    ref: Any = triton_reference(add_kernel, ADD_SIG, {"BLOCK": 64}, tmp_path)
+    (k,) = got
+    assert k.metadata == ref.metadata and k.metadata.hash == ref.hash
+    assert k.cubin == ref.asm["cubin"] and k.compiled.hash == ref.hash
+
+
+def test_a_kernel_compiled_before_the_parents_key_is_compiled_once_and_takes_tritons_hash(
+    tmp_path: Path,
+) -> None:
+    """A worker that started before the parent had Triton's key compiles under a stand-in and
+    settles the kernel's hash when the key comes: one compile, the hash Triton gives it. Where
+    Triton's cache key does not have the shape that relies on, it compiles again under the
+    real key; where the parent could not compute the key, the worker computes it itself."""
+    script = textwrap.dedent(
+        f"""
+        import json, os, threading, time, anyio, triton
+        import triton.runtime.cache as cache
+        from pathlib import Path
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from acompile import Target, TritonSpec
+        from acompile._backends import _triton, _triton_worker as worker
+        from acompile._cache._entry import decode
+        from kernels_for_tests import ADD_SIG, add_kernel
+
+        tmp = Path({str(tmp_path)!r})
+        request = anyio.run(
+            _triton.prepare, TritonSpec(add_kernel, ADD_SIG, {{"BLOCK": 64}}), Target("cuda", 90), tmp / "memo"
+        )
+        payload = anyio.run(_triton.payload, request)
+        ref = triton.compile(
+            ASTSource(add_kernel, {{**ADD_SIG, "BLOCK": "constexpr"}}, {{"BLOCK": 64}}),
+            target=GPUTarget("cuda", 90, 32),
+        )
+        real_key = cache.triton_key()
+        compiles = []
+        own_compile = triton.compile
+
+        def counting(*args, **kwargs):
+            compiles.append(1)
+            return own_compile(*args, **kwargs)
+
+        triton.compile = counting
+
+        def run(late, write, delay=0.3):
+            path = tmp / f"late-{{late}}.json"
+            worker.setup({{"triton_cache_dir": str(tmp / "triton"), "late_config": str(path), "late_config_timeout": 60}})
+            def later():
+                time.sleep(delay)
+                path.with_suffix(".tmp").write_text(json.dumps(write))
+                os.replace(path.with_suffix(".tmp"), path)
+            threading.Thread(target=later).start()
+            compiles.clear()
+            entry = decode(worker.compile(payload))
+            meta = json.loads(entry.blobs["json"])
+            assert entry.meta["hash"] == meta["hash"] == ref.hash, (late, entry.meta["hash"], ref.hash)
+            assert entry.blobs["cubin"] == ref.asm["cubin"]
+            return len(compiles)
+
+        print("settled", run("a", {{"triton_key": real_key}}))
+        # the parent could not compute it: the worker computes it itself
+        print("own", run("b", {{}}))
+        # a Triton whose cache key does not begin with its triton_key(): compiled again under the
+        # real key (this one puts something before it, under the stand-in only)
+        make_key = triton.compiler.compiler.get_cache_key
+
+        def reshaped(*args, **kwargs):
+            key = make_key(*args, **kwargs)
+            return "v2:" + key if key.startswith(worker._STAND_IN) else key
+
+        triton.compiler.compiler.get_cache_key = reshaped
+        print("again", run("c", {{"triton_key": real_key}}))
+        """
+    )
+    done = run_python(script)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["settled", "1", "own", "1", "again", "2"]
+
+
 def test_a_kernel_defined_in_a_script(tmp_path: Path, cache_dir: Path) -> None:
     script = tmp_path / "my_script.py"
     script.write_text(

@@ -83,7 +83,10 @@ class ParentBackend(Protocol[SpecT, RequestT, KernelT]):
         """What the workers' ``setup``/``preload`` need from the parent, merged into their config.
 
         Called by the pool when it first starts workers (not in ``__aenter__``), for each
-        preloaded backend; may be slow (Triton hashes its binaries once per machine).
+        preloaded backend; may be slow (Triton hashes its binaries once per machine). Nothing
+        waits for it: a worker that started before it was over has none of it in the config its
+        ``setup`` gets, and reads it when a job needs it with
+        ``acompile._workers._late.prepared(config, wait=True)`` (``{}`` where it failed).
         """
         ...
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 from collections.abc import Iterator
@@ -15,7 +16,9 @@ import triton
 # Imported here, it comes with the backend, which a template imports while the pool is still
 # preparing the workers' configuration, instead of after it, during the preload's compile.
 import triton.compiler.code_generator
+import triton.compiler.compiler
 import triton.language as tl
+import triton.runtime.cache
 from triton import knobs
 from triton.compiler import ASTSource
 
@@ -24,8 +27,15 @@ from acompile._backends._triton_source import materialize
 from acompile._cache._entry import Entry
 from acompile._errors import CompileError
 from acompile._targets import parse_target
+from acompile._workers import _late as _workers_late
 
 _base_env: dict[str, str] = {}
+
+# Triton's hash of its own binaries and sources, as Triton computes it (~0.5 s of CPU).
+_TRITONS_KEY = triton.runtime.cache.triton_key
+_STAND_IN = "acompile-stand-in-triton-key"
+# The configuration of a worker started before the parent had its key (``_workers._late``).
+_late: dict[str, Any] = {}
 
 
 def setup(config: dict[str, Any]) -> None:
@@ -35,14 +45,77 @@ def setup(config: dict[str, Any]) -> None:
     os.environ["TRITON_CACHE_DIR"] = config["triton_cache_dir"]
     knobs.cache.dir = config["triton_cache_dir"]
     knobs.compilation.always_compile = True
+    _late.clear()
     if config.get("triton_key"):
         # The parent computed Triton's hash of its own binaries once (~0.5 s of CPU); take it
         # instead of paying it again here, as Triton's own preload pool does.
-        import triton.runtime.cache
-
-        value = config["triton_key"]
-        triton.runtime.cache.triton_key = lambda: value
+        _use_key(config["triton_key"])
+    elif config.get("late_config"):
+        # Started before the parent had it (the first time on a machine, hashing takes longer
+        # than a worker's start): compile meanwhile, and settle each kernel's hash (_settle).
+        _late.update(config)
     _base_env.update(os.environ)
+
+
+def _use_key(value: str) -> None:
+    triton.runtime.cache.triton_key = lambda: value
+
+
+def _parents_key(wait: bool) -> str | None:
+    """The key the parent computed, once it is there; None while it is not and ``wait`` is
+    false. Where the parent could not compute it, this worker computes it, as Triton does."""
+    prepared = _workers_late.prepared(_late, wait=wait)
+    if prepared is None:
+        return None
+    _late.clear()
+    key = prepared.get("triton_key")
+    if isinstance(key, str) and key:
+        _use_key(key)
+        return key
+    triton.runtime.cache.triton_key = _TRITONS_KEY
+    return str(_TRITONS_KEY())
+
+
+@contextlib.contextmanager
+def _under_stand_in() -> Iterator[list[str]]:
+    """Compile under a stand-in for Triton's key; yields the list of the cache keys Triton made
+    from it (one per ``triton.compile``)."""
+    keys: list[str] = []
+    make_key = triton.compiler.compiler.get_cache_key
+
+    def recording(*args: Any, **kwargs: Any) -> str:
+        key: str = make_key(*args, **kwargs)
+        keys.append(key)
+        return key
+
+    own = triton.runtime.cache.triton_key
+    triton.runtime.cache.triton_key = lambda: _STAND_IN
+    triton.compiler.compiler.get_cache_key = recording
+    try:
+        yield keys
+    finally:
+        triton.compiler.compiler.get_cache_key = make_key
+        triton.runtime.cache.triton_key = own
+
+
+def _settle(keys: list[str], stand_in_hash: str, blobs: dict[str, bytes]) -> str | None:
+    """The hash ``triton.compile`` gives this kernel under the parent's key (waited for), with
+    the metadata blob rewritten to it: Triton's hash is the SHA-256 of its cache key, which
+    begins with ``triton_key()``, and the metadata holds it once. None where Triton did not
+    compute it that way (another release): the caller compiles again under the real key."""
+    real = _parents_key(wait=True)
+    assert real is not None
+    if len(keys) != 1 or not keys[0].startswith(_STAND_IN + "-"):
+        return None
+    if hashlib.sha256(keys[0].encode()).hexdigest() != stand_in_hash:
+        return None
+    old = stand_in_hash.encode()
+    elsewhere = any(old in blob for ext, blob in blobs.items() if ext != "json")
+    if blobs.get("json", b"").count(old) != 1 or elsewhere:
+        return None
+    new = hashlib.sha256((real + keys[0][len(_STAND_IN) :]).encode()).hexdigest()
+    blobs["json"] = blobs["json"].replace(old, new.encode())
+    return new
 
 
 @triton.jit
@@ -65,8 +138,6 @@ def preload(config: dict[str, Any]) -> None:
     target = config.get("target")
     if target is None:
         return
-    import triton.runtime.cache
-
     src = ASTSource(
         _preload_kernel,
         {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
@@ -105,9 +176,15 @@ def compile(payload: dict[str, Any]) -> bytes:
     fn = materialize(payload["kernel"])
     src = ASTSource(fn, payload["signature"], payload["constexprs"], payload["attrs"] or None)
     target = parse_target(payload["target"]).to_triton()
+    deferred = bool(_late) and _parents_key(wait=False) is None
+    keys: list[str] = []
     try:
         with _environment(payload["env"]):
-            compiled = triton.compile(src, target=target, options=dict(payload["options"]))
+            if deferred:
+                with _under_stand_in() as keys:
+                    compiled = triton.compile(src, target=target, options=dict(payload["options"]))
+            else:
+                compiled = triton.compile(src, target=target, options=dict(payload["options"]))
     except Exception as exc:
         message = str(exc).strip() or type(exc).__name__
         path, saved = save_if_long(message, payload.get("log_dir"), payload["name"], payload["key"])
@@ -126,7 +203,13 @@ def compile(payload: dict[str, Any]) -> bytes:
             blobs[filename.rsplit(".", 1)[-1]] = Path(path).read_bytes()
     finally:
         _remove_group(compiled.metadata_group)
-    meta = {"hash": compiled.hash, "triton": triton.__version__, "key_parts": payload.get("key_parts", {})}
+    kernel_hash = compiled.hash
+    if deferred:
+        settled = _settle(keys, compiled.hash, blobs)
+        if settled is None:
+            return compile(payload)  # the parent's key is known now
+        kernel_hash = settled
+    meta = {"hash": kernel_hash, "triton": triton.__version__, "key_parts": payload.get("key_parts", {})}
     return Entry(key=payload["key"], backend="triton", name=payload["name"], blobs=blobs, meta=meta).encode()
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import heapq
+import json
 import logging
 import os
 import statistics
@@ -221,8 +222,6 @@ class WorkerPool:
         self._hard_start_failures = 0  # in a row, pool-wide, for a lasting reason
         self._closed = False
         self._spawn_lock = anyio.Lock()
-        self._config_ready = anyio.Event()
-        self._config_ready.set()
         self._config_hook: Callable[[], Awaitable[dict[str, Any]]] | None = None
         self._prepared: dict[str, Any] = {}  # what the hook returned
         self._config_started = False
@@ -302,11 +301,15 @@ class WorkerPool:
     def prepare_config_with(self, hook: Callable[[], Awaitable[dict[str, Any]]]) -> None:
         """Complete the workers' configuration with what ``hook()`` returns, computed when the
         workers first start (not before: a pool whose requests all hit the cache never needs
-        it). Workers start meanwhile and import their backends; they get the configuration
-        when it is complete. A template preloads without it (see ``_start_template``): the
-        workers it forks get it with their fork."""
+        it). Nothing waits for it: a template preloads, workers are forked or spawned and take
+        jobs meanwhile (the first time on a machine, Triton's hash of its binaries takes longer
+        than a worker's start). A worker started after the hook returned gets its result in its
+        configuration; one started before reads it when a job needs it (``_late.prepared``),
+        from the file written here once the hook is over (``{}`` if it failed: the worker then
+        computes what it needs itself)."""
         self._config_hook = hook
-        self._config_ready = anyio.Event()
+        self.config["late_config"] = os.path.join(self.workdir, "late-config.json")
+        self.config["late_config_timeout"] = self.preload_timeout + 10.0
 
     async def _prepare_config(self) -> None:
         assert self._config_hook is not None
@@ -329,7 +332,20 @@ class WorkerPool:
                 "need themselves",
                 exc,
             )
-        self._config_ready.set()
+        try:
+            await anyio.to_thread.run_sync(self._write_late_config, self._prepared)
+        except (OSError, TypeError, ValueError) as exc:
+            # The workers that started without it wait until late_config_timeout, then compute
+            # what they need themselves.
+            logger.warning("cannot hand the workers their configuration (%s)", exc)
+
+    def _write_late_config(self, prepared: dict[str, Any]) -> None:
+        path = self.config["late_config"]
+        os.makedirs(self.workdir, mode=0o700, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(prepared, f)
+        os.replace(tmp, path)  # whole or absent: a worker never reads half of it
 
     def wakeup(self) -> None:
         """Start the workers (if they are not running); ``wait_ready()`` waits for them."""
@@ -489,8 +505,7 @@ class WorkerPool:
         t0 = time.perf_counter()
         worker: Worker
         if template is not None:
-            # The template preloaded without what the hook computes; its workers get it here.
-            await self._config_ready.wait()
+            # What the hook computed, if it is over; if not, the worker reads it later (late_config).
             pid, connection = await template.fork(slot, dict(slot_config, **self._prepared))
             worker = ForkedWorker(connection, pid, stderr_path)
             template.adopt(worker)
@@ -500,7 +515,6 @@ class WorkerPool:
         self.alive[worker.pid] = worker
         try:
             if isinstance(worker, SpawnedWorker):
-                await self._config_ready.wait()  # the worker imports its backends meanwhile
                 await worker.send_bytes(_protocol.encode(dict(self.config, **slot_config)))
             with anyio.fail_after(self.preload_timeout):
                 reply = await worker.receive()
