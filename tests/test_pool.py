@@ -239,6 +239,52 @@ async def test_an_installation_with_its_bytecode_or_a_chosen_prefix_is_left_as_i
     assert not (cache_dir / "toolchain" / _bytecode.FOLDER).exists()
 
 
+async def test_a_worker_connecting_as_the_accept_is_cancelled_is_accepted_by_the_next_one(
+    tmp_path: Path,
+) -> None:
+    """A forked worker's connection that arrives in the same step of the loop as the
+    cancellation of the accept waiting for it (a pool quiesced or left as its workers come up)
+    stays for the next accept: it is neither lost nor accepted into the cancelled wait, which
+    asyncio's sock_accept does (InvalidStateError in the loop, and the connection leaks)."""
+    from acompile._workers._template import UnixListener
+
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    address = str(tmp_path / "workers.sock")
+    listener = UnixListener(address)
+    clients: list[socket.socket] = []
+    accepted = []
+    try:
+        for _ in range(20):
+            scope = anyio.CancelScope()
+
+            async def accept_until_cancelled(scope: anyio.CancelScope = scope) -> None:
+                with scope:
+                    accepted.append(await listener.accept())
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(accept_until_cancelled)
+                await anyio.sleep(0.01)  # it waits for a connection now
+                client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                client.connect(address)  # the listening socket is readable from here on
+                clients.append(client)
+                # Runs first in the loop's next step, the one whose poll sees the connection.
+                loop.call_soon(scope.cancel)
+            if len(accepted) < len(clients):
+                with anyio.fail_after(5):
+                    accepted.append(await listener.accept())
+    finally:
+        loop.set_exception_handler(None)
+        for connection in accepted:
+            await connection.aclose()
+        for client in clients:
+            client.close()
+        await listener.aclose()
+    assert errors == []
+    assert len(accepted) == len(clients) == 20
+
+
 async def test_output_on_stdout_does_not_corrupt_the_protocol(cache_dir: Path) -> None:
     async with pool(cache_dir, workers=1) as p:
         assert await run_job(p, FAKE, {"name": "p", "action": "print"}, "p") == "printed"

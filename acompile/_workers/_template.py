@@ -168,8 +168,14 @@ class WorkerConnection(asyncio.Protocol):
 
 
 class UnixListener:
-    """The Unix socket forked workers connect back to (accepts through asyncio's sock_accept,
-    which, unlike a raw reader callback, ignores a readiness that arrives after cancellation)."""
+    """The Unix socket forked workers connect back to.
+
+    It accepts only after waiting for readiness, never in a reader callback: asyncio's
+    ``sock_accept`` accepts in its callback, which can run after the waiting task was cancelled
+    (the readiness and the cancellation in one step of the loop); the connection it accepted is
+    then set on a cancelled future (``InvalidStateError``) and leaks. Here a readiness that comes
+    after cancellation leaves the connection in the socket's backlog, and a connection accepted
+    is returned."""
 
     def __init__(self, address: str) -> None:
         self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -183,9 +189,18 @@ class UnixListener:
 
     async def accept(self) -> WorkerConnection:
         loop = asyncio.get_running_loop()
-        connection, _ = await loop.sock_accept(self.socket)
+        while True:
+            try:
+                connection, _ = self.socket.accept()
+                break
+            except (BlockingIOError, InterruptedError):
+                await anyio.wait_readable(self.socket)
         try:
-            _, protocol = await loop.create_unix_connection(WorkerConnection, sock=connection)
+            connection.setblocking(False)
+            # Shielded: a connection accepted is handed over, to be introduced (or closed by the
+            # caller's cancellation), not dropped half made.
+            with anyio.CancelScope(shield=True):
+                _, protocol = await loop.create_unix_connection(WorkerConnection, sock=connection)
         except BaseException:
             connection.close()
             raise
