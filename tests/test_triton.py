@@ -255,7 +255,11 @@ def test_a_kernel_compiled_before_the_parents_key_is_compiled_once_and_takes_tri
     real key; where the parent could not compute the key, the worker computes it itself."""
     script = textwrap.dedent(
         f"""
-        import json, os, threading, time, anyio, triton
+        import os
+        # The reference compile must not come from the user's Triton cache: a kernel compiled
+        # there from another checkout differs in its debug information (the source's path).
+        os.environ["TRITON_CACHE_DIR"] = {str(tmp_path / "reference-cache")!r}
+        import json, threading, time, anyio, triton
         import triton.runtime.cache as cache
         from pathlib import Path
         from triton.backends.compiler import GPUTarget
