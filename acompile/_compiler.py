@@ -142,8 +142,8 @@ class CompilePool:
             (affinity and cgroup quota), keeping one for the process itself beyond four.
         target: the default target of requests, ``"cuda:90"``, ``"cuda:80"`` ...; ``None`` means
             the local GPU (a ``DeviceUnavailableError`` where there is none).
-        cache_dir: the disk cache folder; default ``$ACOMPILE_CACHE_DIR`` or
-            ``~/.cache/acompile``. Several processes may share it.
+        cache_dir: the disk cache folder; default ``$ACOMPILE_CACHE_DIR``, else
+            ``$XDG_CACHE_HOME/acompile``, else ``~/.cache/acompile``. Several processes may share it.
         memory_cache_size: how many loaded kernels the memory tier keeps (LRU).
         prestart: start (and preload) the workers soon after the pool is entered: at the first
             request that misses the cache, or once the requests made with the entry have had

@@ -1,4 +1,4 @@
-"""What identifies Triton's compilers, computed once per machine and remembered on disk.
+"""What identifies Triton's compilers, computed once per cache folder and remembered there.
 
 Two figures, both blocking (call them from a thread):
 
