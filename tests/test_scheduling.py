@@ -223,6 +223,32 @@ async def test_a_configuration_that_never_comes_does_not_hold_the_workers(
         tg.cancel_scope.cancel()
 
 
+def test_a_late_configuration_that_is_not_the_pools_reads_as_none_at_once(tmp_path: Path) -> None:
+    """What a worker reads as the pool's late configuration: the JSON object the pool wrote;
+    anything else in its place (a FIFO, a folder, garbage, a list) reads at once as nothing, and
+    so does a file that never comes, after the configuration's wait."""
+    from acompile._workers import _late
+
+    path = tmp_path / "late-config.json"
+    config = {"late_config": str(path), "late_config_timeout": 0.3}
+    assert _late.prepared(config, wait=False) is None
+    t0 = time.monotonic()
+    assert _late.prepared(config, wait=True) == {}
+    assert 0.3 <= time.monotonic() - t0 < 5
+    os.mkfifo(path)
+    assert _late.prepared(config, wait=True) == {}  # would block in open() without O_NONBLOCK
+    path.unlink()
+    path.mkdir()
+    assert _late.prepared(config, wait=True) == {}
+    path.rmdir()
+    for text in ("{not json", "[1, 2]"):
+        path.write_text(text)
+        assert _late.prepared(config, wait=True) == {}
+    path.write_text('{"triton_key": "k"}')
+    assert _late.prepared(config, wait=False) == {"triton_key": "k"}
+    assert _late.prepared({}, wait=True) == {}
+
+
 @forked_and_fresh
 async def test_the_first_worker_takes_jobs_while_the_others_start(tmp_path: Path, fork_workers: bool) -> None:
     config = {"sys_path": list(sys.path), "cwd": os.getcwd(), "preload": ["slow_start_backend"], "nice": 0}

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -244,6 +245,39 @@ async def test_workers_compile_while_the_parent_still_hashes_triton_and_kernels_
     (k,) = got
     assert k.metadata == ref.metadata and k.metadata.hash == ref.hash
     assert k.cubin == ref.asm["cubin"] and k.compiled.hash == ref.hash
+
+
+async def test_waiting_for_the_parents_key_counts_neither_against_the_time_limit_nor_as_compile_time(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that compiled before the parent had Triton's key waits for it: that wait is not
+    the job's, so ``max_compile_seconds`` does not count it, and the compile time remembered for
+    the kernel (which orders later queues) is not it."""
+    import json
+    import threading
+
+    from acompile._backends import _triton_toolchain
+    from acompile._cache._costs import COSTS_FILE
+
+    own = _triton_toolchain.triton_key
+    hashing = threading.Event()
+
+    def slow_key(memo_dir: Path) -> str:
+        hashing.set()
+        value = own(memo_dir)
+        time.sleep(4.0)
+        return value
+
+    monkeypatch.setattr(_triton_toolchain, "triton_key", slow_key)
+    async with pool(cache_dir, workers=1, max_compile_seconds=2.0) as p:
+        k = await p.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 64})
+    assert hashing.is_set() and k.cubin[:4] == b"\x7fELF"
+    records = (
+        json.loads((cache_dir / COSTS_FILE).read_text())["records"]
+        if (cache_dir / COSTS_FILE).exists()
+        else {}
+    )
+    assert all(row[0] < 2.0 for row in records.values()), records
 
 
 def test_a_kernel_compiled_before_the_parents_key_is_compiled_once_and_takes_tritons_hash(

@@ -11,6 +11,8 @@ over: ``{}`` where the hook failed or ran out of time, and the worker computes w
 from __future__ import annotations
 
 import json
+import os
+import stat
 import time
 from typing import Any
 
@@ -20,16 +22,22 @@ _POLL_S = 0.002
 def prepared(config: dict[str, Any], *, wait: bool) -> dict[str, Any] | None:
     """The hook's result: from the file named by ``config["late_config"]``; None while the file
     is not there and ``wait`` is false. Waiting ends after ``config["late_config_timeout"]``
-    seconds with ``{}`` (the pool could not write the file). A configuration without
+    seconds with ``{}`` (the pool could not write the file, or it was removed); so does a file
+    that is not a regular file or not a JSON object. A configuration without
     ``late_config`` (its worker was started by something else than a pool) reads as ``{}``."""
     path = config.get("late_config")
     if not path:
         return {}
-    deadline = time.monotonic() + float(config.get("late_config_timeout", 130.0))
+    deadline = time.monotonic() + float(config.get("late_config_timeout", 10.0))
     while True:
         try:
-            with open(path) as f:
-                value = json.load(f)
+            # Not blocking: something else than the pool's file there (a FIFO) must not hang
+            # the job; the pool writes a regular file.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return {}
+                value = json.loads(f.read())
         except FileNotFoundError:
             if not wait:
                 return None

@@ -104,6 +104,10 @@ _TOP_N = 10
 # this many times in a row, or for any reason this many times, with no worker alive: the queued
 # jobs fail with the reason instead of waiting for a worker that will not come.
 _HARD_START_FAILURES = 2
+# How long a worker that started before the pool's late configuration waits for it at most.
+_LATE_CONFIG_WAIT = 10.0
+# A job that ends this soon after the late configuration came may have waited for it.
+_LATE_MARGIN = 0.05
 # A worker stopped by a signal (SIGSTOP) this long is replaced; its job is retried.
 _STOPPED_LIMIT = 5.0
 # How often idle-policy workers are checked for starvation, how long they must have starved
@@ -224,6 +228,9 @@ class WorkerPool:
         self._spawn_lock = anyio.Lock()
         self._config_hook: Callable[[], Awaitable[dict[str, Any]]] | None = None
         self._prepared: dict[str, Any] = {}  # what the hook returned
+        # When the workers could have the hook's result (perf_counter), None until then: a job
+        # that started before may wait for it at its end (see _late_wait).
+        self._late_at: float | None = 0.0
         self._config_started = False
         self._awake = False
         self._wake = anyio.Event()
@@ -308,8 +315,11 @@ class WorkerPool:
         from the file written here once the hook is over (``{}`` if it failed: the worker then
         computes what it needs itself)."""
         self._config_hook = hook
+        self._late_at = None
         self.config["late_config"] = os.path.join(self.workdir, "late-config.json")
-        self.config["late_config_timeout"] = self.preload_timeout + 10.0
+        # A worker that finds no file by then (it could not be written, a cleaner removed it)
+        # computes what it needs itself rather than wait any longer.
+        self.config["late_config_timeout"] = min(self.preload_timeout, _LATE_CONFIG_WAIT)
 
     async def _prepare_config(self) -> None:
         assert self._config_hook is not None
@@ -334,10 +344,12 @@ class WorkerPool:
             )
         try:
             await anyio.to_thread.run_sync(self._write_late_config, self._prepared)
+            self._late_at = time.perf_counter()
         except (OSError, TypeError, ValueError) as exc:
             # The workers that started without it wait until late_config_timeout, then compute
             # what they need themselves.
             logger.warning("cannot hand the workers their configuration (%s)", exc)
+            self._late_at = time.perf_counter() + self.config["late_config_timeout"]
 
     def _write_late_config(self, prepared: dict[str, Any]) -> None:
         path = self.config["late_config"]
@@ -764,12 +776,21 @@ class WorkerPool:
         job = worker.job
         if job is None:
             return  # idle: set again at its next job
-        left = job.started_at + self.max_compile_seconds - time.perf_counter()
+        left = self._late_wait(job.started_at) + self.max_compile_seconds - time.perf_counter()
         if left > 0:
             worker.deadline = asyncio.get_running_loop().call_later(left, self._check_deadline, worker)
         else:
             worker.timed_out = True
             worker.signal_kill()
+
+    def _late_wait(self, started_at: float) -> float:
+        """When the time limit of a job started at ``started_at`` starts to count: a worker
+        that started before the late configuration was there may wait for it (Triton's hash of
+        its binaries, the first time in a cache folder), which is not the job's time."""
+        late = self._late_at
+        if late is None:
+            return time.perf_counter()  # not there yet: looked at again when the limit would be
+        return max(started_at, late)
 
     def _end_job(self, worker: Worker) -> Job | None:
         """The job ``worker`` ran, now that it is over (answered, lost or put back), or None
@@ -781,6 +802,10 @@ class WorkerPool:
         self.busy -= 1
         job.ended_at = time.perf_counter()
         job.seconds = job.ended_at - job.started_at
+        late = self._late_at
+        # Ended right after the late configuration came, having started before: its worker may
+        # have waited for it, and the time is not all the job's (a compile time to remember).
+        job.seconds_exact = late is None or late <= job.started_at or job.ended_at - late > _LATE_MARGIN
         self.last_activity = time.monotonic()
         return job
 
