@@ -51,7 +51,7 @@ def setup(config: dict[str, Any]) -> None:
         # instead of paying it again here, as Triton's own preload pool does.
         _use_key(config["triton_key"])
     elif config.get("late_config"):
-        # Started before the parent had it (the first time on a machine, hashing takes longer
+        # Started before the parent had it (the first time in a cache folder, hashing takes longer
         # than a worker's start): compile meanwhile, and settle each kernel's hash (_settle).
         _late.update(config)
     _base_env.update(os.environ)
