@@ -25,6 +25,7 @@ import functools
 import heapq
 import json
 import logging
+import math
 import os
 import statistics
 import subprocess
@@ -344,7 +345,6 @@ class WorkerPool:
             )
         try:
             await anyio.to_thread.run_sync(self._write_late_config, self._prepared)
-            self._late_at = time.perf_counter()
         except (OSError, TypeError, ValueError) as exc:
             # The workers that started without it wait until late_config_timeout, then compute
             # what they need themselves.
@@ -357,6 +357,9 @@ class WorkerPool:
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump(prepared, f)
+        # Set before any worker can read the file: the reply of a job that waited for it is
+        # then read after this (_end_job).
+        self._late_at = time.perf_counter()
         os.replace(tmp, path)  # whole or absent: a worker never reads half of it
 
     def wakeup(self) -> None:
@@ -803,9 +806,13 @@ class WorkerPool:
         job.ended_at = time.perf_counter()
         job.seconds = job.ended_at - job.started_at
         late = self._late_at
-        # Ended right after the late configuration came, having started before: its worker may
-        # have waited for it, and the time is not all the job's (a compile time to remember).
-        job.seconds_exact = late is None or late <= job.started_at or job.ended_at - late > _LATE_MARGIN
+        if late is None:
+            # Not there yet: a worker that waited for it gave up after late_config_timeout.
+            job.seconds_exact = job.seconds < self.config.get("late_config_timeout", math.inf)
+        else:
+            # Ended right after it came, having started before: its worker may have waited for
+            # it, and the time is not all the job's (a compile time to remember).
+            job.seconds_exact = late <= job.started_at or job.ended_at - late > _LATE_MARGIN
         self.last_activity = time.monotonic()
         return job
 
