@@ -107,8 +107,9 @@ _TOP_N = 10
 _HARD_START_FAILURES = 2
 # How long a worker that started before the pool's late configuration waits for it at most.
 _LATE_CONFIG_WAIT = 10.0
-# A job that ends this soon after the late configuration came may have waited for it.
-_LATE_MARGIN = 0.05
+# A job that ends this soon after the late configuration came may have waited for it (the
+# parent reads the replies of many waiting workers one after another).
+_LATE_MARGIN = 0.25
 # A worker stopped by a signal (SIGSTOP) this long is replaced; its job is retried.
 _STOPPED_LIMIT = 5.0
 # How often idle-policy workers are checked for starvation, how long they must have starved
@@ -232,6 +233,7 @@ class WorkerPool:
         # When the workers could have the hook's result (perf_counter), None until then: a job
         # that started before may wait for it at its end (see _late_wait).
         self._late_at: float | None = 0.0
+        self._config_started_at = math.inf  # when the hook started
         self._config_started = False
         self._awake = False
         self._wake = anyio.Event()
@@ -324,6 +326,7 @@ class WorkerPool:
 
     async def _prepare_config(self) -> None:
         assert self._config_hook is not None
+        self._config_started_at = time.perf_counter()
         try:
             # Bounded as a preload is: a hook that hangs (Triton's hash of its binaries on a
             # stalled file system) must not hold every worker's start.
@@ -344,8 +347,13 @@ class WorkerPool:
                 exc,
             )
         try:
-            await anyio.to_thread.run_sync(self._write_late_config, self._prepared)
-        except (OSError, TypeError, ValueError) as exc:
+            # Bounded: a write that hangs (a stalled file system) must not leave the workers'
+            # time limits counting from a moment that never comes (_late_wait).
+            with anyio.fail_after(self.config["late_config_timeout"]):
+                await anyio.to_thread.run_sync(
+                    self._write_late_config, self._prepared, abandon_on_cancel=True
+                )
+        except (OSError, TypeError, ValueError, TimeoutError) as exc:
             # The workers that started without it wait until late_config_timeout, then compute
             # what they need themselves.
             logger.warning("cannot hand the workers their configuration (%s)", exc)
@@ -792,7 +800,10 @@ class WorkerPool:
         its binaries, the first time in a cache folder), which is not the job's time."""
         late = self._late_at
         if late is None:
-            return time.perf_counter()  # not there yet: looked at again when the limit would be
+            # Not there yet: looked at again when the limit would be; never past the longest
+            # the hook and the file's write may take.
+            bound = self._config_started_at + self.preload_timeout + self.config["late_config_timeout"]
+            late = min(time.perf_counter(), bound)
         return max(started_at, late)
 
     def _end_job(self, worker: Worker) -> Job | None:
