@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -205,27 +205,35 @@ def test_a_template_warms_up_without_hashing_triton_and_its_workers_take_the_par
     assert done.stdout.strip() == "the parent's"
 
 
+def slow_triton_key(
+    monkeypatch: pytest.MonkeyPatch, hold_s: float
+) -> tuple[threading.Event, threading.Event]:
+    """Make this process's hash of Triton's binaries (the first time in a cache folder) take
+    ``hold_s`` more seconds, or until the second event returned is set; the first is set once
+    the hash has begun."""
+    from acompile._backends import _triton_toolchain
+
+    hashing, release = threading.Event(), threading.Event()
+    own = _triton_toolchain.triton_key
+
+    def slow_key(memo_dir: Path) -> str:
+        hashing.set()
+        value = own(memo_dir)
+        release.wait(hold_s)
+        return value
+
+    monkeypatch.setattr(_triton_toolchain, "triton_key", slow_key)
+    return hashing, release
+
+
 async def test_workers_compile_while_the_parent_still_hashes_triton_and_kernels_keep_tritons_hash(
     cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The first time on a machine, the parent hashes Triton's binaries for longer than a worker
     takes to start: workers take jobs meanwhile, and each kernel still carries the hash that
     ``triton.compile`` gives it."""
-    import threading
 
-    from acompile._backends import _triton_toolchain
-
-    hashing = threading.Event()
-    release = threading.Event()
-    own = _triton_toolchain.triton_key
-
-    def slow_key(memo_dir: Path) -> str:
-        hashing.set()
-        value = own(memo_dir)
-        release.wait(120)
-        return value
-
-    monkeypatch.setattr(_triton_toolchain, "triton_key", slow_key)
+    hashing, release = slow_triton_key(monkeypatch, hold_s=120)
     async with pool(cache_dir, workers=1) as p:
         async with anyio.create_task_group() as tg:
             got: list[Any] = []
@@ -254,21 +262,10 @@ async def test_waiting_for_the_parents_key_counts_neither_against_the_time_limit
     the job's, so ``max_compile_seconds`` does not count it, and the compile time remembered for
     the kernel (which orders later queues) is not it."""
     import json
-    import threading
 
-    from acompile._backends import _triton_toolchain
     from acompile._cache._costs import COSTS_FILE
 
-    own = _triton_toolchain.triton_key
-    hashing = threading.Event()
-
-    def slow_key(memo_dir: Path) -> str:
-        hashing.set()
-        value = own(memo_dir)
-        time.sleep(4.0)
-        return value
-
-    monkeypatch.setattr(_triton_toolchain, "triton_key", slow_key)
+    hashing, _ = slow_triton_key(monkeypatch, hold_s=4.0)
     async with pool(cache_dir, workers=1, max_compile_seconds=2.0) as p:
         k = await p.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 64})
     assert hashing.is_set() and k.cubin[:4] == b"\x7fELF"
