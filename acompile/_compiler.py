@@ -817,7 +817,7 @@ class CompilePool:
         if flight is not None:
             flight.job = job
         result = await executor.run(job)
-        if job.seconds > 0 and job.seconds_exact and costs.record(features, job.seconds):
+        if job.seconds > 0 and costs.record(features, job.seconds):
             self._cache.write_behind(costs.save)
         return result
 

@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from acompile._errors import CompileError
+from acompile._workers import _late
 
 if TYPE_CHECKING:
     from acompile import CompilePool
@@ -70,6 +71,13 @@ def compile(payload: dict[str, Any]) -> Any:
         while time.process_time() < end:
             pass
         return os.getpid()
+    if action == "pause":
+        # A wait that is not the job's work (as a Triton worker's for the pool's late
+        # configuration), "wait_s" long, then "work_s" of the job's own.
+        with _late.paused():
+            time.sleep(payload["wait_s"])
+        time.sleep(payload.get("work_s", 0.0))
+        return payload.get("value", "paused")
     if action == "hold":
         # Runs until the test creates the file named by "until": a job whose end the test decides,
         # for tests that need a job still running while they do something else.

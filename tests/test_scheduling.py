@@ -223,6 +223,34 @@ async def test_a_configuration_that_never_comes_does_not_hold_the_workers(
         tg.cancel_scope.cancel()
 
 
+@forked_and_fresh
+async def test_a_wait_that_is_not_the_jobs_work_counts_neither_against_its_time_limit_nor_as_its_time(
+    tmp_path: Path, fork_workers: bool
+) -> None:
+    """A worker waits inside a job for something that is not the job's work (Triton's hash of
+    its binaries, which the pool could not hand it): the job's time limit does not count the
+    wait, nor does the compile time the pool remembers for the kernel; a wait that never ends
+    still meets the limit, once it has lasted as long as preloading may."""
+    config = {"sys_path": list(sys.path), "cwd": os.getcwd(), "preload": [], "nice": 0}
+    workers = WorkerPool(
+        1, config, str(tmp_path), use_template=fork_workers, max_compile_seconds=1.0, preload_timeout=3.0
+    )
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(workers.serve)
+        workers.wakeup()
+        job = Job(FAKE, {"name": "j", "action": "pause", "wait_s": 2.0, "work_s": 0.3}, "j")
+        with anyio.fail_after(60):
+            assert await workers.run(job) == "paused"
+        assert 0.25 <= job.seconds < 1.0, job.seconds
+        hung = Job(FAKE, {"name": "hung", "action": "pause", "wait_s": 600}, "hung")
+        t0 = time.perf_counter()
+        with anyio.fail_after(60), pytest.raises(acompile.CompileTimeoutError):
+            await workers.run(hung)
+        assert 3.9 <= time.perf_counter() - t0 < 30
+        assert await workers.run(Job(FAKE, {"name": "k", "action": "echo", "value": 1}, "k")) == 1
+        tg.cancel_scope.cancel()
+
+
 def test_a_late_configuration_that_is_not_the_pools_reads_as_none_at_once(tmp_path: Path) -> None:
     """What a worker reads as the pool's late configuration: the JSON object the pool wrote;
     anything else in its place (a FIFO, a folder, garbage, a list) reads at once as nothing, and

@@ -64,16 +64,21 @@ def _use_key(value: str) -> None:
 def _parents_key(wait: bool) -> str | None:
     """The key the parent computed, once it is there; None while it is not and ``wait`` is
     false. Where the parent could not compute it, this worker computes it, as Triton does."""
-    prepared = _workers_late.prepared(_late, wait=wait)
+    prepared = _workers_late.prepared(_late, wait=False)
     if prepared is None:
-        return None
+        if not wait:
+            return None
+        with _workers_late.paused():  # not the job's time
+            prepared = _workers_late.prepared(_late, wait=True)
+            assert prepared is not None
     _late.clear()
     key = prepared.get("triton_key")
     if isinstance(key, str) and key:
         _use_key(key)
         return key
     triton.runtime.cache.triton_key = _TRITONS_KEY
-    return str(_TRITONS_KEY())
+    with _workers_late.paused():  # Triton's JIT pays it in its first compile; not this kernel's cost
+        return str(_TRITONS_KEY())
 
 
 @contextlib.contextmanager

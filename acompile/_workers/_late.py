@@ -6,17 +6,53 @@ binaries takes longer than a worker's start. A worker started after it gets the 
 its configuration; one started before finds it, when a job needs it, in the JSON file named by
 its configuration's ``late_config``, which the pool writes whole (a rename) once the hook is
 over: ``{}`` where the hook failed or ran out of time, and the worker computes what it needs.
+
+Such a wait is not the job's work: ``paused()`` tells the pool so, and the pool counts it neither
+against the job's time limit nor in the compile time it remembers for the kernel.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
 import time
+from collections.abc import Iterator
 from typing import Any
 
+from acompile._workers import _protocol
+
 _POLL_S = 0.002
+
+# (the pool's stream, the running job's id) while this worker runs a job for a pool: set by the
+# worker's loop around each job.
+report_to: tuple[int, int] | None = None
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Around a wait inside the running job that is not its work (the pool's late
+    configuration, a hash of Triton's binaries the pool could not hand over): the pool stops
+    the job's clocks meanwhile, its time limit and its compile time, up to how long preloading
+    and the late configuration may take (a wait that hangs still ends in the time limit). Out
+    of a pool's job (a test, another executor), it does nothing."""
+    report = report_to
+    if report is None:
+        yield
+        return
+    fd, job_id = report
+    _tell(fd, _protocol.Pause(job_id))
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        _tell(fd, _protocol.Resume(job_id, time.perf_counter() - started))
+
+
+def _tell(fd: int, message: _protocol.Pause | _protocol.Resume) -> None:
+    with contextlib.suppress(OSError):  # the pool is gone: the job's reply finds out
+        _protocol.write_message(fd, message)
 
 
 def prepared(config: dict[str, Any], *, wait: bool) -> dict[str, Any] | None:

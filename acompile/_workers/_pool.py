@@ -25,7 +25,6 @@ import functools
 import heapq
 import json
 import logging
-import math
 import os
 import statistics
 import subprocess
@@ -107,9 +106,8 @@ _TOP_N = 10
 _HARD_START_FAILURES = 2
 # How long a worker that started before the pool's late configuration waits for it at most.
 _LATE_CONFIG_WAIT = 10.0
-# A job that ends this soon after the late configuration came may have waited for it (the
-# parent reads the replies of many waiting workers one after another).
-_LATE_MARGIN = 0.25
+# What a worker says around a wait inside a job that is not the job's work (_pause).
+_PAUSES = (_protocol.Pause, _protocol.Resume)
 # A worker stopped by a signal (SIGSTOP) this long is replaced; its job is retried.
 _STOPPED_LIMIT = 5.0
 # How often idle-policy workers are checked for starvation, how long they must have starved
@@ -230,10 +228,6 @@ class WorkerPool:
         self._spawn_lock = anyio.Lock()
         self._config_hook: Callable[[], Awaitable[dict[str, Any]]] | None = None
         self._prepared: dict[str, Any] = {}  # what the hook returned
-        # When the workers could have the hook's result (perf_counter), None until then: a job
-        # that started before may wait for it at its end (see _late_wait).
-        self._late_at: float | None = 0.0
-        self._config_started_at = math.inf  # when the hook started
         self._config_started = False
         self._awake = False
         self._wake = anyio.Event()
@@ -318,7 +312,6 @@ class WorkerPool:
         from the file written here once the hook is over (``{}`` if it failed: the worker then
         computes what it needs itself)."""
         self._config_hook = hook
-        self._late_at = None
         self.config["late_config"] = os.path.join(self.workdir, "late-config.json")
         # A worker that finds no file by then (it could not be written, a cleaner removed it)
         # computes what it needs itself rather than wait any longer.
@@ -326,7 +319,6 @@ class WorkerPool:
 
     async def _prepare_config(self) -> None:
         assert self._config_hook is not None
-        self._config_started_at = time.perf_counter()
         try:
             # Bounded as a preload is: a hook that hangs (Triton's hash of its binaries on a
             # stalled file system) must not hold every worker's start.
@@ -347,8 +339,7 @@ class WorkerPool:
                 exc,
             )
         try:
-            # Bounded: a write that hangs (a stalled file system) must not leave the workers'
-            # time limits counting from a moment that never comes (_late_wait).
+            # Bounded: a write that hangs (a stalled file system) must not hold this task.
             with anyio.fail_after(self.config["late_config_timeout"]):
                 await anyio.to_thread.run_sync(
                     self._write_late_config, self._prepared, abandon_on_cancel=True
@@ -357,7 +348,6 @@ class WorkerPool:
             # The workers that started without it wait until late_config_timeout, then compute
             # what they need themselves.
             logger.warning("cannot hand the workers their configuration (%s)", exc)
-            self._late_at = time.perf_counter() + self.config["late_config_timeout"]
 
     def _write_late_config(self, prepared: dict[str, Any]) -> None:
         path = self.config["late_config"]
@@ -365,9 +355,6 @@ class WorkerPool:
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump(prepared, f)
-        # Set before any worker can read the file: the reply of a job that waited for it is
-        # then read after this (_end_job).
-        self._late_at = time.perf_counter()
         os.replace(tmp, path)  # whole or absent: a worker never reads half of it
 
     def wakeup(self) -> None:
@@ -760,6 +747,7 @@ class WorkerPool:
         job.state = "running"
         job.worker_pid = worker.pid
         job.started_at = time.perf_counter()
+        job.paused = 0.0  # a retried job starts its count again
         # Nobody waits for it any more: stopping its process is the only way to stop a compiler
         # (the slot sees the end of its stream, and the job's flag).
         job.stopper = worker.signal_kill
@@ -787,24 +775,23 @@ class WorkerPool:
         job = worker.job
         if job is None:
             return  # idle: set again at its next job
-        left = self._late_wait(job.started_at) + self.max_compile_seconds - time.perf_counter()
+        left = self.max_compile_seconds - self._counted(job, worker, time.perf_counter())
         if left > 0:
             worker.deadline = asyncio.get_running_loop().call_later(left, self._check_deadline, worker)
         else:
             worker.timed_out = True
             worker.signal_kill()
 
-    def _late_wait(self, started_at: float) -> float:
-        """When the time limit of a job started at ``started_at`` starts to count: a worker
-        that started before the late configuration was there may wait for it (Triton's hash of
-        its binaries, the first time in a cache folder), which is not the job's time."""
-        late = self._late_at
-        if late is None:
-            # Not there yet: looked at again when the limit would be; never past the longest
-            # the hook and the file's write may take.
-            bound = self._config_started_at + self.preload_timeout + self.config["late_config_timeout"]
-            late = min(time.perf_counter(), bound)
-        return max(started_at, late)
+    def _counted(self, job: Job, worker: Worker, now: float) -> float:
+        """How much of the running ``job``'s time until ``now`` is its own: what its worker
+        spent waiting for something else (``_late.paused``: the pool's late configuration, a
+        hash of Triton's binaries) is not, up to how long such a wait may take (preloading, and
+        the late configuration's wait), so that a wait that hangs still ends in the limit."""
+        paused = job.paused
+        if worker.paused_at is not None:
+            paused += now - worker.paused_at
+        limit = self.preload_timeout + float(self.config.get("late_config_timeout", 0.0))
+        return now - job.started_at - min(paused, limit)
 
     def _end_job(self, worker: Worker) -> Job | None:
         """The job ``worker`` ran, now that it is over (answered, lost or put back), or None
@@ -815,15 +802,8 @@ class WorkerPool:
         job.stopper = None
         self.busy -= 1
         job.ended_at = time.perf_counter()
-        job.seconds = job.ended_at - job.started_at
-        late = self._late_at
-        if late is None:
-            # Not there yet: a worker that waited for it gave up after late_config_timeout.
-            job.seconds_exact = job.seconds < self.config.get("late_config_timeout", math.inf)
-        else:
-            # Ended right after it came, having started before: its worker may have waited for
-            # it, and the time is not all the job's (a compile time to remember).
-            job.seconds_exact = late <= job.started_at or job.ended_at - late > _LATE_MARGIN
+        job.seconds = max(0.0, self._counted(job, worker, job.ended_at))
+        worker.paused_at = None
         self.last_activity = time.monotonic()
         return job
 
@@ -897,6 +877,20 @@ class WorkerPool:
             self.counters.jobs_failed += 1
             return "crash"
 
+    @staticmethod
+    def _pause(job: Job | None, worker: Worker, message: _protocol.Pause | _protocol.Resume) -> bool:
+        """A worker's ``Pause`` or ``Resume`` of its running job (``_counted``); False for one
+        that is not about the job it runs (a broken stream: the slot's task deals with it)."""
+        if job is None or message.id != job.id:
+            return False
+        if isinstance(message, _protocol.Pause):
+            worker.paused_at = time.perf_counter()
+        elif worker.paused_at is not None:
+            # The worker's own measure of its wait (this side reads its messages late when busy).
+            job.paused += max(0.0, message.seconds)
+            worker.paused_at = None
+        return True
+
     def _put_back(self, job: Job) -> None:
         """A job whose worker stopped before it finished: back to the front of the queue, to run
         again on another worker; or, if nobody waits for it any more, cancelled."""
@@ -912,6 +906,8 @@ class WorkerPool:
         False (nothing done) for anything but the awaited reply to a job somebody still waits
         for, within its time: the slot's task deals with that."""
         job = worker.job
+        if type(reply) in _PAUSES:
+            return self._pause(job, worker, reply)
         if (
             job is None
             or job.abandoned

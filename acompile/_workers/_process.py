@@ -76,6 +76,8 @@ class _WorkerBase:
         self.job: Job | None = None
         self.deadline: asyncio.TimerHandle | None = None
         self.timed_out = False
+        # When its job paused (``_late.paused``), while it is paused (the pool's to set).
+        self.paused_at: float | None = None
 
     def answer_with(self, handler: Callable[[Any], bool]) -> bool:
         """Offer each message to ``handler`` as it arrives, where this kind of worker can (True);

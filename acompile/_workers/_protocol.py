@@ -23,6 +23,9 @@ Worker to pool:
 * ``Failed(message, traceback)``: the preload raised; the process exits after this.
 * ``Done(id, result)``: the backend returned ``result`` (bytes, for a cache entry).
 * ``Error(id, error)``: the backend raised; ``error`` is a picklable ``AcompileError``.
+* ``Pause(id)`` and ``Resume(id, seconds)``, around a wait inside job ``id`` that is not its work
+  (the pool's late configuration, Triton's hash of its binaries): neither the job's time limit
+  nor the compile time the pool remembers for it counts those ``seconds`` (see ``_late.paused``).
 * ``Hello(slot, pid, token)``: a forked worker's first frame on the Unix socket it connected to
   (before its ``Ready``); ``token`` proves it was forked by our template.
 
@@ -72,6 +75,8 @@ class Tag(enum.Enum):
     FORKED = "forked"
     EXITED = "exited"
     HELLO = "hello"
+    PAUSE = "pause"
+    RESUME = "resume"
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,23 @@ class Error:
 
 
 @dataclass(frozen=True)
+class Pause:
+    """Worker to pool: job ``id`` waits for something that is not its work."""
+
+    tag: ClassVar[Tag] = Tag.PAUSE
+    id: int
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Worker to pool: job ``id``'s wait is over; it lasted ``seconds`` (the worker's clock)."""
+
+    tag: ClassVar[Tag] = Tag.RESUME
+    id: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class Fork:
     """Pool to template: fork a worker for ``slot``."""
 
@@ -166,7 +188,7 @@ class Hello:
     token: str
 
 
-Message = RunJob | Exit | Ready | Failed | Done | Error | Fork | Forked | Exited | Hello
+Message = RunJob | Exit | Ready | Failed | Done | Error | Pause | Resume | Fork | Forked | Exited | Hello
 
 
 # The three messages of every job travel as plain tuples, (their index here, *fields): a

@@ -67,9 +67,9 @@ class Job:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     worker_pid: int | None = None
     seconds: float = 0.0
-    # False where ``seconds`` may hold a wait that was not the job's: a worker that compiled
-    # before the pool's late configuration was there waited for it (``_late``).
-    seconds_exact: bool = True
+    # What its worker spent waiting for something that was not its work (``_late.paused``):
+    # not in ``seconds``.
+    paused: float = 0.0
     external_kills: int = 0
     abandoned: bool = False
     queued_at: float = field(default_factory=time.perf_counter)
