@@ -309,6 +309,10 @@ def test_bench_runs_its_rows_side_by_side_and_writes_json(tmp_path: Path) -> Non
     # acompile_new_kernels runs on what acompile_cold's pool left: that row runs first.
     assert {"sequential", "acompile_cold", "acompile_new_kernels", "warm_acompile"} <= set(rows)
     assert rows["acompile_new_kernels"]["ok"] == 2 and "acompile_new_kernels " in out.stdout
+    # The bound's longest compile: the median of three compiles of that kernel, printed.
+    samples = rows["sequential"]["longest_samples"]
+    assert len(samples) == 3 and rows["sequential"]["longest_s"] == sorted(samples)[1]
+    assert "(median of " in out.stdout
     # The loop's lag comes with the full collections that stopped it in the same window.
     assert "full GC" in out.stdout
     assert isinstance(rows["acompile_cold"]["lag"]["full_gc"], int)
