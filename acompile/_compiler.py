@@ -33,7 +33,7 @@ from acompile._errors import AcompileError, PoolClosedError, PoolError
 from acompile._manifest import Recorder
 from acompile._observe import Tracer
 from acompile._progressive import BackgroundKernel, ProgressiveKernel
-from acompile._sizing import default_workers, parse_size
+from acompile._sizing import default_workers, parse_size, usable_cpus
 from acompile._targets import Target, local_target, parse_target
 from acompile._workers import BACKGROUND, URGENT, Executor, Job, JobCancelled, WorkerPool, idle_stats
 from acompile._workers._bytecode import folder_for_workers
@@ -218,6 +218,15 @@ class CompilePool:
         if workers is not None and (not isinstance(workers, int) or workers < 1):
             raise ValueError(f"workers must be a positive integer or None, got {workers!r}")
         self._size = workers if workers is not None else default_workers()
+        if workers is not None and farm is None and workers > (cpus := usable_cpus()):
+            # Allowed (a machine shared with a changing load, a test), but rarely what is meant.
+            logger.warning(
+                "workers=%d on %d usable CPU%s: a compile keeps a CPU busy, so workers beyond "
+                "the CPUs make a storm slower, not faster, and each holds its own memory",
+                workers,
+                cpus,
+                "" if cpus == 1 else "s",
+            )
         self._target_arg = target
         self._target: Target | None = parse_target(target) if target is not None else None
         # The tiers after memory, fastest first: adding a tier is adding it here.

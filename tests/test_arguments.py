@@ -118,3 +118,20 @@ async def test_long_wrong_values_make_short_messages(cache_dir: Path) -> None:
         with pytest.raises(acompile.InvalidSpecError) as info:
             await p.triton(add_kernel, **OK, num_warps=[4] * 1_000_000)
         assert len(str(info.value)) < 400
+
+
+def test_more_workers_than_cpus_is_allowed_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pool of more workers than this process's usable CPUs runs, and says that compiles,
+    which keep a CPU busy each, will not go faster for it; one within them says nothing."""
+    from acompile._sizing import usable_cpus
+
+    cpus = usable_cpus()
+    with caplog.at_level("WARNING", logger="acompile"):
+        acompile.CompilePool(cpus, cache_dir=tmp_path)
+    assert not [r for r in caplog.records if "usable CPU" in r.getMessage()]
+    with caplog.at_level("WARNING", logger="acompile"):
+        acompile.CompilePool(cpus + 1, cache_dir=tmp_path)
+    warned = [r.getMessage() for r in caplog.records if "usable CPU" in r.getMessage()]
+    assert warned and f"workers={cpus + 1} on {cpus} usable CPU" in warned[0], warned
