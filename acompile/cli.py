@@ -505,7 +505,8 @@ def _print_summary(rows: list[dict[str, Any]], elapsed: float, cache_dir: Path, 
             print("  ".join("-" * w for w in widths), file=out)
     counts = Counter(r["result"] for r in rows)
     print(
-        f"\n{len(rows)} kernels: {counts['compiled']} compiled, {counts['cached']} cached, "
+        f"\n{len(rows)} kernel{'' if len(rows) == 1 else 's'}: {counts['compiled']} compiled, "
+        f"{counts['cached']} cached, "
         f"{counts['failed']} failed in {elapsed:.2f} s  (cache: {cache_dir})",
         file=out,
     )
@@ -586,6 +587,21 @@ def _cache_export(args: argparse.Namespace, root: Path) -> int:
     from acompile._cache._bundle import export_bundle
 
     keys: list[str] | None = None
+    if args.target is not None and args.manifest is None:
+        print(
+            "acompile cache export: --target applies with --manifest only (the target of its "
+            "kernels that name none); without a manifest every entry is exported",
+            file=sys.stderr,
+        )
+        return 2
+    folder = args.file.parent
+    if not folder.is_dir():
+        # Not made here: a mistyped path would make folders nobody asked for.
+        print(
+            f"acompile cache export: cannot write {args.file}: there is no folder {folder} (create it first)",
+            file=sys.stderr,
+        )
+        return 2
     if args.manifest is not None:
         try:
             keys = _manifest_keys(args.manifest, args.target, root)
@@ -695,14 +711,16 @@ def _cache_prune(args: argparse.Namespace, root: Path) -> int:
     return 1 if report.errors else 0
 
 
-def _resolve_key(root: Path, text: str) -> tuple[str, str]:
+def _resolve_key(root: Path, text: str) -> tuple[str, str, int]:
     """A whole key from ``text``: a key, or the unique start of one (at least 6 hexadecimal
-    digits) among the folder's entries, as ``cache stats`` prints them. Returns (key, problem)."""
+    digits) among the folder's entries, as ``cache stats`` prints them. Returns (key, problem,
+    the exit status for the problem: 1 where no entry starts so, as for an absent key; 2 for
+    what is not a key, or the start of several)."""
     if is_key(text):
-        return text, ""
+        return text, "", 0
     hexdigits = set("0123456789abcdef")
     if len(text) < 6 or not set(text) <= hexdigits:
-        return "", f"{text!r} is not a cache key (64 hexadecimal digits, or a unique start of 6 or more)"
+        return "", f"{text!r} is not a cache key (64 hexadecimal digits, or a unique start of 6 or more)", 2
     folder = DiskTier(root).path(text).parent
     try:
         found = sorted(p.name for p in folder.iterdir() if p.name.startswith(text) and is_key(p.name))
@@ -711,8 +729,8 @@ def _resolve_key(root: Path, text: str) -> tuple[str, str]:
     if len(found) != 1:
         what = "no entry" if not found else f"{len(found)} entries"
         verb = "starts" if len(found) <= 1 else "start"
-        return "", f"{what} in {root} {verb} with {text!r}"
-    return found[0], ""
+        return "", f"{what} in {root} {verb} with {text!r}", 1 if not found else 2
+    return found[0], "", 0
 
 
 def _cache_explain(args: argparse.Namespace, root: Path) -> int:
@@ -720,10 +738,10 @@ def _cache_explain(args: argparse.Namespace, root: Path) -> int:
 
     keys = []
     for text in [args.key] + ([args.against] if args.against else []):
-        key, problem = _resolve_key(root, text.strip().lower())
+        key, problem, status = _resolve_key(root, text.strip().lower())
         if problem:
             print(f"acompile cache explain: {problem}", file=sys.stderr)
-            return 2
+            return status
         keys.append(key)
 
     async def run() -> tuple[list[dict[str, Any]], list[tuple[str, list[tuple[str, object, object]]]]]:

@@ -264,12 +264,26 @@ def test_cache_export_to_a_folder_or_an_unwritable_place_names_the_bundle(tmp_pa
     (tmp_path / "a-file").write_text("")
     cases = (
         (tmp_path, 2, "is a folder: name the bundle file"),
-        (tmp_path / "a-file" / "b.tar.gz", 1, "cannot write"),
+        (tmp_path / "a-file" / "b.tar.gz", 2, "cannot write"),
+        # A missing folder is not made: a mistyped path would make folders nobody asked for.
+        (tmp_path / "no-such" / "folder" / "b.tar.gz", 2, "there is no folder"),
     )
     for bundle, code, message in cases:
         out = acompile_cmd("cache", "export", str(bundle), "--cache-dir", str(tmp_path / "cache"))
         assert out.returncode == code and f"{bundle}" in out.stderr and message in out.stderr, out.stderr
         assert ".tmp" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert not (tmp_path / "no-such").exists()
+    out = acompile_cmd(
+        "cache",
+        "export",
+        str(tmp_path / "b.tar.gz"),
+        "--target",
+        "cuda:90",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    )
+    assert out.returncode == 2 and "--target applies with --manifest only" in out.stderr, out.stderr
+    assert not (tmp_path / "b.tar.gz").exists()
 
 
 def test_cache_stats_on_an_empty_folder(tmp_path: Path) -> None:
