@@ -7,10 +7,12 @@ executor, as a request would.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import signal
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -42,8 +44,12 @@ def local_executor(pool: CompilePool) -> WorkerPool:
     return executor
 
 
+_config: dict[str, Any] = {}  # what this worker was configured with
+
+
 def setup(config: dict[str, Any]) -> None:
-    pass
+    _config.clear()
+    _config.update(config)
 
 
 def preload(config: dict[str, Any]) -> None:
@@ -72,12 +78,34 @@ def compile(payload: dict[str, Any]) -> Any:
             pass
         return os.getpid()
     if action == "pause":
-        # A wait that is not the job's work (as a Triton worker's for the pool's late
-        # configuration), "wait_s" long, then "work_s" of the job's own.
+        # "before_s" of the job's own work, a wait that is not (as a Triton worker's for the
+        # pool's late configuration) "wait_s" long, its second half in a nested block with
+        # "nested", then "work_s" of the job's own.
+        time.sleep(payload.get("before_s", 0.0))
         with _late.paused():
-            time.sleep(payload["wait_s"])
+            time.sleep(payload["wait_s"] / 2)
+            with _late.paused() if payload.get("nested") else contextlib.nullcontext():
+                time.sleep(payload["wait_s"] / 2)
         time.sleep(payload.get("work_s", 0.0))
         return payload.get("value", "paused")
+    if action == "pause_elsewhere":
+        # paused() in a thread the job leaves running: it must tell the pool nothing.
+        entered = threading.Event()
+
+        def elsewhere() -> None:
+            with _late.paused():
+                entered.set()
+                time.sleep(payload["wait_s"])
+
+        threading.Thread(target=elsewhere, daemon=True).start()
+        entered.wait()
+        return os.getpid()
+    if action == "late":
+        # What the pool's late configuration holds for this worker, as a backend reads it;
+        # "config" instead of the worker's own (a file that never comes), then "work_s".
+        value = _late.prepared(payload.get("config") or _config, wait=True)
+        time.sleep(payload.get("work_s", 0.0))
+        return value
     if action == "hold":
         # Runs until the test creates the file named by "until": a job whose end the test decides,
         # for tests that need a job still running while they do something else.

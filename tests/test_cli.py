@@ -327,6 +327,8 @@ def test_bench_runs_its_rows_side_by_side_and_writes_json(tmp_path: Path) -> Non
     samples = rows["sequential"]["longest_samples"]
     assert len(samples) == 3 and rows["sequential"]["longest_s"] == sorted(samples)[1]
     assert "(median of " in out.stdout
+    # Their time is not the sequential row's (its wall and CPU seconds leave them out).
+    assert "uncounted_s" not in rows["sequential"] and "uncounted_cpu_s" not in rows["sequential"]
     # The loop's lag comes with the full collections that stopped it in the same window.
     assert "full GC" in out.stdout
     assert isinstance(rows["acompile_cold"]["lag"]["full_gc"], int)

@@ -227,27 +227,92 @@ async def test_a_configuration_that_never_comes_does_not_hold_the_workers(
 async def test_a_wait_that_is_not_the_jobs_work_counts_neither_against_its_time_limit_nor_as_its_time(
     tmp_path: Path, fork_workers: bool
 ) -> None:
-    """A worker waits inside a job for something that is not the job's work (Triton's hash of
-    its binaries, which the pool could not hand it): the job's time limit does not count the
-    wait, nor does the compile time the pool remembers for the kernel; a wait that never ends
-    still meets the limit, once it has lasted as long as preloading may."""
+    """A worker waits inside a job for something that is not the job's work (the pool's late
+    configuration, Triton's hash of its binaries which the pool could not hand it): the job's
+    time limit does not count the wait, nor does the compile time the pool remembers for the
+    kernel; nested waits count once; a wait that never ends still meets the limit, once it has
+    lasted as long as preloading may; a wait in a thread the job left running tells the pool
+    nothing (its message would come after the job's reply)."""
     config = {"sys_path": list(sys.path), "cwd": os.getcwd(), "preload": [], "nice": 0}
     workers = WorkerPool(
         1, config, str(tmp_path), use_template=fork_workers, max_compile_seconds=1.0, preload_timeout=3.0
     )
+    checks = []
+    own_check = workers._check_deadline
+
+    def check_deadline(worker: Any) -> None:
+        checks.append(time.perf_counter())
+        own_check(worker)
+
+    workers._check_deadline = check_deadline  # type: ignore[method-assign]
+    never = str(tmp_path / "never.json")
     async with anyio.create_task_group() as tg:
         tg.start_soon(workers.serve)
         workers.wakeup()
-        job = Job(FAKE, {"name": "j", "action": "pause", "wait_s": 2.0, "work_s": 0.3}, "j")
         with anyio.fail_after(60):
-            assert await workers.run(job) == "paused"
-        assert 0.25 <= job.seconds < 1.0, job.seconds
+            assert await workers.run(Job(FAKE, {"name": "w", "action": "echo", "value": 0}, "w")) == 0
+        cases = [
+            {"action": "pause", "wait_s": 2.0, "work_s": 0.3},
+            {"action": "pause", "wait_s": 1.5, "work_s": 0.3, "nested": True},
+            {"action": "pause", "before_s": 0.7, "wait_s": 1.5},
+            # A backend reading the pool's late configuration as the contract says.
+            {"action": "late", "config": {"late_config": never, "late_config_timeout": 2.0}, "work_s": 0.3},
+        ]
+        for payload in cases:
+            job = Job(FAKE, {"name": "j", **payload}, "j")
+            checks.clear()
+            with anyio.fail_after(60):
+                await workers.run(job)
+            assert 0.25 <= job.seconds < 1.0, (payload, job.seconds)
+            # The time limit's timer waits out a pause instead of looking again and again.
+            assert len(checks) <= 3, (payload, len(checks))
+        with anyio.fail_after(60):
+            pid = await workers.run(Job(FAKE, {"name": "t", "action": "pause_elsewhere", "wait_s": 0.3}, "t"))
+            await anyio.sleep(0.5)
+            # Its worker is still the one: nothing came from it out of turn.
+            assert await workers.run(Job(FAKE, {"name": "n", "action": "pid"}, "n")) == pid
         hung = Job(FAKE, {"name": "hung", "action": "pause", "wait_s": 600}, "hung")
         t0 = time.perf_counter()
         with anyio.fail_after(60), pytest.raises(acompile.CompileTimeoutError):
             await workers.run(hung)
         assert 3.9 <= time.perf_counter() - t0 < 30
         assert await workers.run(Job(FAKE, {"name": "k", "action": "echo", "value": 1}, "k")) == 1
+        tg.cancel_scope.cancel()
+
+
+@forked_and_fresh
+async def test_a_worker_started_after_the_configuration_failed_does_not_wait_for_it(
+    tmp_path: Path, fork_workers: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the parent prepares for the workers failed, and its file could not be written
+    either: a worker started afterwards (a replacement) computes what it needs at once instead
+    of waiting late_config_timeout for a file that will never come."""
+    import signal
+
+    config = {"sys_path": list(sys.path), "cwd": os.getcwd(), "preload": [], "nice": 0}
+    workers = WorkerPool(1, config, str(tmp_path), use_template=fork_workers, preload_timeout=20.0)
+
+    async def hook() -> dict[str, Any]:
+        await anyio.sleep(1.0)  # over after the template and the first worker started
+        raise RuntimeError("no key here")
+
+    def unwritable(path: str, prepared: dict[str, Any]) -> None:
+        raise OSError(30, "Read-only file system")
+
+    workers.prepare_config_with(hook)
+    monkeypatch.setattr(workers, "_write_late_config", unwritable)
+    assert workers.config["late_config_timeout"] == 10
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(workers.serve)
+        workers.wakeup()
+        with anyio.fail_after(60):
+            first = await workers.run(Job(FAKE, {"name": "p", "action": "pid"}, "p"))
+        await until(lambda: workers.config["late_config"] == "")
+        os.kill(first, signal.SIGKILL)
+        t0 = time.perf_counter()
+        with anyio.fail_after(60):
+            assert await workers.run(Job(FAKE, {"name": "l", "action": "late"}, "l")) == {}
+        assert time.perf_counter() - t0 < 5
         tg.cancel_scope.cancel()
 
 

@@ -86,7 +86,10 @@ class ParentBackend(Protocol[SpecT, RequestT, KernelT]):
         preloaded backend; may be slow (Triton hashes its binaries once per machine). Nothing
         waits for it: a worker that started before it was over has none of it in the config its
         ``setup`` gets, and reads it when a job needs it with
-        ``acompile._workers._late.prepared(config, wait=True)`` (``{}`` where it failed).
+        ``acompile._workers._late.prepared(config, wait=True)`` (``{}`` where it failed). That
+        wait is not the job's time: ``prepared`` tells the pool, and neither the job's time limit
+        nor its remembered compile time counts it. Any other such wait inside a job (computing
+        itself what the hook could not) goes in ``with acompile._workers._late.paused():``.
         """
         ...
 

@@ -64,13 +64,9 @@ def _use_key(value: str) -> None:
 def _parents_key(wait: bool) -> str | None:
     """The key the parent computed, once it is there; None while it is not and ``wait`` is
     false. Where the parent could not compute it, this worker computes it, as Triton does."""
-    prepared = _workers_late.prepared(_late, wait=False)
+    prepared = _workers_late.prepared(_late, wait=wait)  # a wait is not the job's time
     if prepared is None:
-        if not wait:
-            return None
-        with _workers_late.paused():  # not the job's time
-            prepared = _workers_late.prepared(_late, wait=True)
-            assert prepared is not None
+        return None
     _late.clear()
     key = prepared.get("triton_key")
     if isinstance(key, str) and key:

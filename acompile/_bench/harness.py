@@ -235,8 +235,17 @@ def run_child(
         result["process_to_ready_s"] = stamps["ready"] - spawned_at
         result["process_to_imported_s"] = stamps["imported"] - spawned_at
     cpu = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
+    # What the child did after its row, for the report only (the bound's samples): not the row's.
+    process_s -= result.pop("uncounted_s", 0.0)
+    cpu -= result.pop("uncounted_cpu_s", 0.0)
     result.update(process_s=process_s, cpu_s=cpu, loadavg_before=load)
     return result
+
+
+def cpu_time() -> float:
+    """CPU seconds of this process and of the children it reaped (compilers), so far."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def child_main(children: Mapping[str, Callable[[argparse.Namespace], Any]], argv: list[str]) -> int:

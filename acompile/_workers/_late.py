@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import stat
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -25,9 +26,21 @@ from acompile._workers import _protocol
 
 _POLL_S = 0.002
 
-# (the pool's stream, the running job's id) while this worker runs a job for a pool: set by the
-# worker's loop around each job.
-report_to: tuple[int, int] | None = None
+# (the pool's stream, the running job's id, the thread running it) while this worker runs a
+# job for a pool: set by the worker's loop around each job (``reporting``).
+report_to: tuple[int, int, int] | None = None
+_depth = 0  # paused() blocks open: only the outermost one tells the pool
+
+
+@contextlib.contextmanager
+def reporting(fd: int, job_id: int) -> Iterator[None]:
+    """The worker's loop, around job ``job_id``: ``paused()`` inside it tells the pool on ``fd``."""
+    global report_to
+    report_to = (fd, job_id, threading.get_ident())
+    try:
+        yield
+    finally:
+        report_to = None
 
 
 @contextlib.contextmanager
@@ -35,18 +48,24 @@ def paused() -> Iterator[None]:
     """Around a wait inside the running job that is not its work (the pool's late
     configuration, a hash of Triton's binaries the pool could not hand over): the pool stops
     the job's clocks meanwhile, its time limit and its compile time, up to how long preloading
-    and the late configuration may take (a wait that hangs still ends in the time limit). Out
-    of a pool's job (a test, another executor), it does nothing."""
+    and the late configuration may take (a wait that hangs still ends in the time limit).
+
+    Only in the thread that runs the job, while it runs it (a message sent from elsewhere could
+    come after the job's reply, or inside another message); nested blocks count once. Out of a
+    pool's job (a test, another executor, another thread), it does nothing."""
+    global _depth
     report = report_to
-    if report is None:
+    if report is None or report[2] != threading.get_ident() or _depth:
         yield
         return
-    fd, job_id = report
+    fd, job_id, _ = report
+    _depth += 1
     _tell(fd, _protocol.Pause(job_id))
     started = time.perf_counter()
     try:
         yield
     finally:
+        _depth -= 1
         _tell(fd, _protocol.Resume(job_id, time.perf_counter() - started))
 
 
@@ -64,23 +83,30 @@ def prepared(config: dict[str, Any], *, wait: bool) -> dict[str, Any] | None:
     path = config.get("late_config")
     if not path:
         return {}
-    deadline = time.monotonic() + float(config.get("late_config_timeout", 10.0))
-    while True:
-        try:
-            # Not blocking: something else than the pool's file there (a FIFO) must not hang
-            # the job; the pool writes a regular file.
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-            with os.fdopen(fd, "rb") as f:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    return {}
-                value = json.loads(f.read())
-        except FileNotFoundError:
-            if not wait:
-                return None
+    value = _read(path)
+    if value is not None or not wait:
+        return value
+    with paused():  # not the job's time
+        deadline = time.monotonic() + float(config.get("late_config_timeout", 10.0))
+        while (value := _read(path)) is None:
             if time.monotonic() > deadline:
                 return {}
             time.sleep(_POLL_S)
-            continue
-        except (OSError, ValueError):
-            return {}
-        return value if isinstance(value, dict) else {}
+        return value
+
+
+def _read(path: str) -> dict[str, Any] | None:
+    """The file's JSON object; None while there is no file; ``{}`` for anything else."""
+    try:
+        # Not blocking: something else than the pool's file there (a FIFO) must not hang the
+        # job; the pool writes a regular file.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return {}
+            value = json.loads(f.read())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}

@@ -174,15 +174,13 @@ class Worker:
             job_id, backend, payload = message.id, message.backend, message.payload
             _reset_stderr()
             reply: _protocol.Done | _protocol.Error
-            _late.report_to = (self.fd_out, job_id)  # its waits that are not its work (paused)
             try:
-                result = self.backend(backend).compile(payload)
+                with _late.reporting(self.fd_out, job_id):  # its waits that are not its work
+                    result = self.backend(backend).compile(payload)
             except BaseException as exc:
                 reply = _protocol.Error(job_id, _as_compile_error(exc, backend, payload))
             else:
                 reply = _protocol.Done(job_id, result)
-            finally:
-                _late.report_to = None
             try:
                 _protocol.write_message(self.fd_out, reply)
             except BrokenPipeError:

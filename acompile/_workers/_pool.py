@@ -341,16 +341,20 @@ class WorkerPool:
         try:
             # Bounded: a write that hangs (a stalled file system) must not hold this task.
             with anyio.fail_after(self.config["late_config_timeout"]):
-                await anyio.to_thread.run_sync(
-                    self._write_late_config, self._prepared, abandon_on_cancel=True
-                )
+                path, prepared = self.config["late_config"], self._prepared
+                write = functools.partial(self._write_late_config, path, prepared)
+                await anyio.to_thread.run_sync(write, abandon_on_cancel=True)
         except (OSError, TypeError, ValueError, TimeoutError) as exc:
             # The workers that started without it wait until late_config_timeout, then compute
             # what they need themselves.
             logger.warning("cannot hand the workers their configuration (%s)", exc)
+        # Workers started from now on have all there is in their configuration: none looks for
+        # the file (where the hook failed and the file could not be written, each would wait
+        # late_config_timeout for it).
+        self._prepared = {**self._prepared, "late_config": ""}
+        self.config["late_config"] = ""
 
-    def _write_late_config(self, prepared: dict[str, Any]) -> None:
-        path = self.config["late_config"]
+    def _write_late_config(self, path: str, prepared: dict[str, Any]) -> None:
         os.makedirs(self.workdir, mode=0o700, exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
@@ -775,7 +779,11 @@ class WorkerPool:
         job = worker.job
         if job is None:
             return  # idle: set again at its next job
-        left = self.max_compile_seconds - self._counted(job, worker, time.perf_counter())
+        now = time.perf_counter()
+        left = self.max_compile_seconds - self._counted(job, worker, now)
+        if left > 0 and worker.paused_at is not None:
+            # Paused: nothing counts until the pause has lasted as long as it may.
+            left += max(0.0, self._pause_limit() - job.paused - (now - worker.paused_at))
         if left > 0:
             worker.deadline = asyncio.get_running_loop().call_later(left, self._check_deadline, worker)
         else:
@@ -790,8 +798,11 @@ class WorkerPool:
         paused = job.paused
         if worker.paused_at is not None:
             paused += now - worker.paused_at
-        limit = self.preload_timeout + float(self.config.get("late_config_timeout", 0.0))
-        return now - job.started_at - min(paused, limit)
+        return now - job.started_at - min(paused, self._pause_limit())
+
+    def _pause_limit(self) -> float:
+        """The longest a job's pauses count for (``_counted``)."""
+        return self.preload_timeout + float(self.config.get("late_config_timeout", 0.0))
 
     def _end_job(self, worker: Worker) -> Job | None:
         """The job ``worker`` ran, now that it is over (answered, lost or put back), or None
@@ -883,11 +894,14 @@ class WorkerPool:
         that is not about the job it runs (a broken stream: the slot's task deals with it)."""
         if job is None or message.id != job.id:
             return False
+        now = time.perf_counter()
         if isinstance(message, _protocol.Pause):
-            worker.paused_at = time.perf_counter()
+            worker.paused_at = now
         elif worker.paused_at is not None:
-            # The worker's own measure of its wait (this side reads its messages late when busy).
-            job.paused += max(0.0, message.seconds)
+            # The worker's own measure of its wait (this side reads its messages late when busy),
+            # never more than the job has run.
+            seconds = message.seconds if message.seconds >= 0 else 0.0  # NaN too
+            job.paused = min(job.paused + seconds, now - job.started_at)
             worker.paused_at = None
         return True
 
