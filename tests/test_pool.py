@@ -265,7 +265,7 @@ async def test_a_worker_connecting_as_the_accept_is_cancelled_is_accepted_by_the
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(accept_until_cancelled)
-                await anyio.sleep(0.01)  # it waits for a connection now
+                await anyio.wait_all_tasks_blocked()  # it waits for a connection now
                 client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 client.connect(address)  # the listening socket is readable from here on
                 clients.append(client)

@@ -268,9 +268,10 @@ async def test_a_wait_that_is_not_the_jobs_work_counts_neither_against_its_time_
             assert len(checks) <= 3, (payload, len(checks))
         with anyio.fail_after(60):
             pid = await workers.run(Job(FAKE, {"name": "t", "action": "pause_elsewhere", "wait_s": 0.3}, "t"))
-            await anyio.sleep(0.5)
-            # Its worker is still the one: nothing came from it out of turn.
-            assert await workers.run(Job(FAKE, {"name": "n", "action": "pid"}, "n")) == pid
+            # The next job runs while the thread's wait ends; its worker is still the one:
+            # nothing came from it out of turn.
+            next_job = {"name": "n", "action": "sleep", "seconds": 0.6, "pid": True}
+            assert await workers.run(Job(FAKE, next_job, "n")) == pid
         hung = Job(FAKE, {"name": "hung", "action": "pause", "wait_s": 600}, "hung")
         t0 = time.perf_counter()
         with anyio.fail_after(60), pytest.raises(acompile.CompileTimeoutError):
@@ -292,8 +293,10 @@ async def test_a_worker_started_after_the_configuration_failed_does_not_wait_for
     config = {"sys_path": list(sys.path), "cwd": os.getcwd(), "preload": [], "nice": 0}
     workers = WorkerPool(1, config, str(tmp_path), use_template=fork_workers, preload_timeout=20.0)
 
+    first_ran = anyio.Event()
+
     async def hook() -> dict[str, Any]:
-        await anyio.sleep(1.0)  # over after the template and the first worker started
+        await first_ran.wait()  # over after the template and the first worker started
         raise RuntimeError("no key here")
 
     def unwritable(path: str, prepared: dict[str, Any]) -> None:
@@ -307,6 +310,7 @@ async def test_a_worker_started_after_the_configuration_failed_does_not_wait_for
         workers.wakeup()
         with anyio.fail_after(60):
             first = await workers.run(Job(FAKE, {"name": "p", "action": "pid"}, "p"))
+        first_ran.set()
         await until(lambda: workers.config["late_config"] == "")
         os.kill(first, signal.SIGKILL)
         t0 = time.perf_counter()

@@ -114,7 +114,8 @@ class _Loader(importlib.machinery.SourceFileLoader):
             if isinstance(code, CodeType) and code.co_filename == source_path:
                 return code
         code = self.source_to_code(source, source_path)
-        _write_whole(ours, header + marshal.dumps(code))
+        with contextlib.suppress(OSError):  # a folder that cannot be written: compiled each time
+            write_whole(ours, header + marshal.dumps(code))
         return code
 
     def set_data(self, path: str, data: Buffer, *, _mode: int = 0o666) -> None:
@@ -142,10 +143,11 @@ def _read_regular_file(path: str) -> bytes | None:
             return None
 
 
-def _write_whole(path: str, data: bytes) -> None:
+def write_whole(path: str, data: bytes) -> None:
     """Write ``path`` whole or not at all: to a file of this process's own, every byte (a
     short write on a full disk is an error, not a shorter file), then renamed into place, so
-    that workers writing it at once each leave a whole file. A failure leaves nothing."""
+    that workers writing it at once each leave a whole file. A failure raises ``OSError`` and
+    leaves nothing."""
     temporary = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -160,6 +162,7 @@ def _write_whole(path: str, data: bytes) -> None:
     except OSError:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
+        raise
 
 
 def install(folder: str) -> None:
@@ -175,4 +178,4 @@ def install(folder: str) -> None:
     sys.path_importer_cache.clear()  # the finders made at start-up, for the standard loader
 
 
-__all__ = ["ENV", "FOLDER", "folder_for_workers", "install", "lacks_bytecode"]
+__all__ = ["ENV", "FOLDER", "folder_for_workers", "install", "lacks_bytecode", "write_whole"]

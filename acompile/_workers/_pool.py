@@ -356,10 +356,7 @@ class WorkerPool:
 
     def _write_late_config(self, path: str, prepared: dict[str, Any]) -> None:
         os.makedirs(self.workdir, mode=0o700, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(prepared, f)
-        os.replace(tmp, path)  # whole or absent: a worker never reads half of it
+        _bytecode.write_whole(path, json.dumps(prepared).encode())  # a worker never reads half
 
     def wakeup(self) -> None:
         """Start the workers (if they are not running); ``wait_ready()`` waits for them."""
