@@ -35,8 +35,16 @@ from acompile._observe import Tracer
 from acompile._progressive import BackgroundKernel, ProgressiveKernel
 from acompile._sizing import default_workers, parse_size, usable_cpus
 from acompile._targets import Target, local_target, parse_target
-from acompile._workers import BACKGROUND, URGENT, Executor, Job, JobCancelled, WorkerPool, idle_stats
-from acompile._workers._bytecode import folder_for_workers
+from acompile._workers import (
+    BACKGROUND,
+    URGENT,
+    Executor,
+    Job,
+    JobCancelled,
+    WorkerPool,
+    _bytecode,
+    idle_stats,
+)
 
 if TYPE_CHECKING:
     from acompile._backends._contract import ParentBackend, Request
@@ -305,7 +313,9 @@ class CompilePool:
                 backend = await anyio.to_thread.run_sync(load_parent, name)
                 await backend.setup(self._memo_dir, self._target)
             self._workdir = await anyio.to_thread.run_sync(lambda: tempfile.mkdtemp(prefix="acompile-"))
-            bytecode = await anyio.to_thread.run_sync(folder_for_workers, self._memo_dir)
+            bytecode, helpers = await anyio.to_thread.run_sync(
+                lambda: (_bytecode.folder_for_workers(self._memo_dir), _bytecode.helpers_for(usable_cpus()))
+            )
             config = {
                 "sys_path": list(sys.path),
                 "cwd": os.getcwd(),
@@ -313,6 +323,7 @@ class CompilePool:
                 "preload": list(dict.fromkeys(worker_module(name) for name in self._preload)),
                 "nice": self._worker_nice,
                 "bytecode_dir": bytecode,
+                "bytecode_helpers": helpers,
             }
             farm: Executor | None = None
             if self._farm is not None:

@@ -146,6 +146,100 @@ async def test_where_the_installation_has_no_bytecode_workers_keep_it_in_the_cac
         assert await run_job(p, FAKE, job, "i") == (43, cached, True)
 
 
+def _compiled_in(folder: Path, source: Path) -> bool:
+    """Whether ``folder`` holds whole, current bytecode of ``source``, as the workers' loader
+    reads it (the source's hash in its header; code of that file)."""
+    import marshal
+
+    from acompile._workers import _bytecode
+
+    ours = folder / importlib.util.cache_from_source(str(source)).lstrip(os.sep)
+    if not ours.is_file():
+        return False
+    data = ours.read_bytes()
+    if data[:16] != _bytecode._header(source.read_bytes()):
+        return False
+    return marshal.loads(data[16:]).co_filename == str(source)
+
+
+async def test_the_first_template_on_a_cache_folder_compiles_the_heavy_package_with_helpers(
+    cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first pool on a folder pays the compile of the heavy package's sources (Triton's:
+    # ~0.15 s of a template's start on a 16-core host); helpers forked by the template share
+    # it. On a machine of two CPUs there are none: here the count is set to two.
+    from acompile._workers import _bytecode
+
+    site = tmp_path / "site"
+    init = _source_only_package(site, "sourceonly", 42)
+    package = init.parent
+    # Modules the job never imports: only a helper can have compiled them.
+    (package / "big.py").write_text("".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(3000)))
+    (package / "sub").mkdir()
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "leaf.py").write_text("VALUE = 5\n")
+    (package / "broken.py").write_text("def (:\n")  # does not compile: its importer will say so
+    modules = [init, package / "big.py", package / "sub" / "__init__.py", package / "sub" / "leaf.py"]
+    monkeypatch.syspath_prepend(str(site))
+    # The template looks for the package before it has the pool's sys.path, as for Triton.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setattr(_bytecode, "_HEAVY", "sourceonly")
+    monkeypatch.setattr(_bytecode, "helpers_for", lambda cpus: 2)
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    folder = cache_dir / "toolchain" / _bytecode.FOLDER
+    job = {"name": "i", "action": "import", "module": "sourceonly"}
+    async with pool(cache_dir, workers=1, fork_workers=True) as p:
+        assert (await run_job(p, FAKE, job, "i"))[0] == 42
+        await until(lambda: all(_compiled_in(folder, source) for source in modules))
+    assert not list(folder.rglob("*broken*"))
+    assert not list(folder.rglob("*.tmp"))
+    assert not (package / "__pycache__").exists()
+    # The helpers are gone with the pool (the autouse check: none of its processes is left).
+
+    # A later template on the folder finds the package compiled and starts none.
+    before = {path: path.stat().st_mtime_ns for path in folder.rglob("*.pyc")}
+    (package / "late.py").write_text("VALUE = 6\n")  # a helper would compile this one
+    async with pool(cache_dir, workers=1, fork_workers=True) as p:
+        assert (await run_job(p, FAKE, job, "i"))[0] == 42
+    assert not _compiled_in(folder, package / "late.py")
+    assert {path: path.stat().st_mtime_ns for path in folder.rglob("*.pyc")} == before
+
+
+def test_bytecode_helpers_die_with_the_process_that_forked_them(tmp_path: Path) -> None:
+    """A template killed while its helpers compile takes them along (and their files are whole
+    or absent)."""
+    site, folder = tmp_path / "site", tmp_path / "bytecode"
+    init = _source_only_package(site, "slowpkg", 1)
+    # Long enough to compile (seconds a helper) that the helpers are still at it when their
+    # parent dies, and for a while after.
+    for n in range(6):
+        (init.parent / f"huge{n}.py").write_text(
+            "".join(f"def f{i}(x):\n    return [x + {i} for _ in range(3)]\n" for i in range(60000))
+        )
+    code = textwrap.dedent(f"""
+        import os, sys, time
+        sys.path.insert(0, {str(site)!r})
+        from acompile._workers import _bytecode
+        print(" ".join(map(str, _bytecode.precompile({str(folder)!r}, 2, "slowpkg"))), flush=True)
+        time.sleep(0.3)  # the helpers are compiling now
+        os._exit(0)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    helpers = [int(pid) for pid in out.stdout.split()]
+    assert len(helpers) == 2
+    deadline = time.monotonic() + 1.5
+    while not all(gone(pid) for pid in helpers) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert all(gone(pid) for pid in helpers)
+    for path in folder.rglob("*"):
+        if path.is_file():
+            assert path.suffix == ".pyc" or path.suffix == ".tmp"
+            if path.suffix == ".pyc":  # whole, where written
+                assert path.read_bytes()[:4] == importlib.util.MAGIC_NUMBER
+
+
 def _import_with_the_workers_loader(folder: Path, site: str, module: str) -> str:
     """Import ``module`` from ``site`` in a fresh process through the workers' bytecode loader."""
     code = textwrap.dedent(f"""

@@ -14,6 +14,7 @@ then says ``Ready``, so the first real job costs what the hundredth does.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import importlib
@@ -238,9 +239,11 @@ class Template:
     serving = False  # set once it takes fork requests (its preload is over)
     signalled = False  # stopped by SIGTERM: its parent's death signal, or someone else's
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker, helpers: list[int] | None = None) -> None:
         self.worker = worker
         self.children: set[int] = set()
+        # Its bytecode helpers (see main), if still running: reaped, never reported.
+        self.helpers: set[int] = set(helpers or ())
 
     def serve(self) -> None:
         import select
@@ -257,6 +260,7 @@ class Template:
         poller = select.poll()
         poller.register(self.worker.fd_in, select.POLLIN)
         poller.register(wake_r, select.POLLIN)
+        self.reap()  # helpers that ended before SIGCHLD was watched
         try:
             while True:
                 try:
@@ -288,6 +292,10 @@ class Template:
             # group), and reap them all: when the pool sees this process exit, every worker it
             # forked is gone.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            for pid in self.helpers:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
             for pid in self.children:
                 _kill_group(pid)
             for pid in self.children:
@@ -300,13 +308,16 @@ class Template:
             _remove_work_folder_of_a_dead_pool(wait=_REPARENTING if orphaned else 0.0)
 
     def reap(self) -> None:
-        while self.children:
+        while self.children or self.helpers:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
                 return
+            if pid in self.helpers:
+                self.helpers.discard(pid)
+                continue
             self.children.discard(pid)
             _kill_group(pid, reaped=True)  # compilers it left behind (it was killed mid-compile)
             _protocol.write_message(
@@ -446,6 +457,7 @@ def main() -> None:
     # compiler, a backend's own Python) are not workers.
     os.environ.pop("ACOMPILE_WORKER", None)
     bytecode = os.environ.pop(_bytecode.ENV, None)
+    helpers = os.environ.pop(_bytecode.HELPERS_ENV, "")
     if bytecode:
         _bytecode.install(bytecode)  # before the first import of a backend
     parent_pid = int(os.environ.get("ACOMPILE_PARENT_PID", "0"))
@@ -465,10 +477,15 @@ def main() -> None:
     lower_priority(0, niceness if niceness == "idle" else int(niceness))
     args = sys.argv[1:]
     template = args[:1] == ["--template"]
+    helping: list[int] = []
+    if template and bytecode and helpers:
+        # The first template on a cache folder compiles the heavy package's sources with help
+        # (forked here, before any thread exists, at this process's priority).
+        helping = _bytecode.precompile(bytecode, *_bytecode.parse_helpers_value(helpers))
     worker = Worker(fd_in, fd_out)
     if worker.start(args[1:] if template else args):
         if template:
-            Template(worker).serve()
+            Template(worker, helping).serve()
         else:
             worker.serve()
     if worker.orphaned and not (template and Template.serving):  # (a serving template did it)

@@ -566,6 +566,8 @@ class WorkerPool:
         if self.config.get("bytecode_dir"):
             # Their imports' bytecode, in the cache, where the installation has none (_bytecode).
             env[_bytecode.ENV] = self.config["bytecode_dir"]
+            if "--template" in extra and self.config.get("bytecode_helpers"):
+                env[_bytecode.HELPERS_ENV] = _bytecode.helpers_value(self.config["bytecode_helpers"])
         return [sys.executable, "-c", _BOOT, *extra, *self.config.get("preload", ())], env
 
     async def _open(self, command: list[str], env: dict[str, str], stderr_path: str) -> anyio.abc.Process:
