@@ -240,6 +240,82 @@ def test_bytecode_helpers_die_with_the_process_that_forked_them(tmp_path: Path) 
                 assert path.read_bytes()[:4] == importlib.util.MAGIC_NUMBER
 
 
+def _precompile_in_a_process(site: Path, folder: Path, package: str, then: str = "") -> list[int]:
+    """``_bytecode.precompile(folder, 2, package)`` in a fresh process, as a template calls it
+    (its SIGTERM handler and death signal set, the pool's work folder named); runs ``then``
+    after it, and returns the helpers' pids."""
+    code = textwrap.dedent(f"""
+        import os, sys, time
+        sys.path.insert(0, {str(site)!r})
+        from acompile._workers import _bytecode, _main
+        _main._die_with_parent(os.getppid(), template=True)
+        pids = _bytecode.precompile({str(folder)!r}, 2, {package!r})
+        print(" ".join(map(str, pids)), flush=True)
+    """) + textwrap.dedent(then)
+    env = {**os.environ, "ACOMPILE_PARENT_PID": str(os.getpid())}
+    env["ACOMPILE_WORKDIR"] = str(site.parent / "workdir")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    return [int(pid) for pid in out.stdout.split()]
+
+
+def test_bytecode_helpers_start_only_where_their_work_is_not_done(tmp_path: Path) -> None:
+    site, folder = tmp_path / "site", tmp_path / "bytecode"
+    init = _source_only_package(site, "pkg", 1)
+    largest = init.parent / "largest.py"
+    largest.write_text("".join(f"A{i} = {i}\n" for i in range(2000)))
+    (init.parent / "small.py").write_text("B = 2\n")
+    folder.mkdir()
+    wait = "for pid in pids: os.waitpid(pid, 0)\n"
+    assert len(_precompile_in_a_process(site, folder, "pkg", wait)) == 2
+    assert all(_compiled_in(folder, source) for source in (init, largest, init.parent / "small.py"))
+    assert _precompile_in_a_process(site, folder, "pkg", wait) == []  # done already
+    largest.write_text(largest.read_text() + "C = 3\n")  # an upgrade: compiled again
+    assert len(_precompile_in_a_process(site, folder, "pkg", wait)) == 2
+    assert _compiled_in(folder, largest)
+    # Where nothing they compiled could be kept (a cache baked read-only into an image; here a
+    # folder that cannot be made, which holds for root too), none start.
+    largest.write_text(largest.read_text() + "D = 4\n")
+    (tmp_path / "a-file").write_text("")
+    assert _precompile_in_a_process(site, tmp_path / "a-file" / "bytecode", "pkg", wait) == []
+    assert len(_precompile_in_a_process(site, folder, "pkg", wait)) == 2
+
+
+def test_a_bytecode_helper_stopped_with_sigterm_leaves_the_pools_work_folder(tmp_path: Path) -> None:
+    """A helper does not keep the template's SIGTERM handler, which, in a process whose parent
+    is not the pool's, would take the pool for dead and remove its work folder."""
+    site, folder = tmp_path / "site", tmp_path / "bytecode"
+    workdir = tmp_path / "workdir"
+    workdir.mkdir()
+    init = _source_only_package(site, "slowpkg", 1)
+    for n in range(2):  # seconds to compile: the helpers are still at it when signalled
+        (init.parent / f"huge{n}.py").write_text(
+            "".join(f"def f{i}(x):\n    return [x + {i} for _ in range(3)]\n" for i in range(60000))
+        )
+    then = """
+        os.kill(pids[0], 15)
+        os.waitpid(pids[0], 0)
+        print("workdir", os.path.isdir(os.environ["ACOMPILE_WORKDIR"]), flush=True)
+        os._exit(0)
+    """
+    code_then = textwrap.dedent(then)
+    env = {**os.environ, "ACOMPILE_PARENT_PID": str(os.getpid()), "ACOMPILE_WORKDIR": str(workdir)}
+    code = (
+        textwrap.dedent(f"""
+        import os, sys, time
+        sys.path.insert(0, {str(site)!r})
+        from acompile._workers import _bytecode, _main
+        _main._die_with_parent(os.getppid(), template=True)
+        pids = _bytecode.precompile({str(folder)!r}, 2, "slowpkg")
+    """)
+        + code_then
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["workdir", "True"]
+    assert workdir.is_dir()
+
+
 def _import_with_the_workers_loader(folder: Path, site: str, module: str) -> str:
     """Import ``module`` from ``site`` in a fresh process through the workers' bytecode loader."""
     code = textwrap.dedent(f"""
@@ -280,6 +356,11 @@ def test_the_workers_bytecode_is_compiled_again_when_damaged_stale_or_no_file(tm
     os.mkfifo(ours)  # not a file: read, it would block the worker for ever
     assert _import_with_the_workers_loader(folder, str(site), "mod") == "2"
     assert ours.is_file()
+
+    ours.unlink()
+    ours.mkdir()  # a folder where the file goes: compiled each time, never a failed start
+    assert _import_with_the_workers_loader(folder, str(site), "mod") == "2"
+    ours.rmdir()
 
     # A sys.path entry that climbs (/../..) still writes inside the folder, never beside the source.
     shutil.rmtree(folder)

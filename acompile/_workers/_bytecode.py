@@ -165,8 +165,9 @@ def precompile(folder: str, helpers: int, package: str | None = None) -> list[in
     ``folder``, the largest first, while this process goes on to import it: the first process
     on a cache folder (a pool's template) then finds most of its imports compiled instead of
     compiling each in turn (on a 16-core host, Triton's are ~0.15 s of a template's start).
-    Only where ``folder`` has none of the package's bytecode yet; returns the helpers' pids,
-    for the caller to reap. Each helper dies with the caller (``PR_SET_PDEATHSIG``), keeps no
+    Only where ``folder`` can be written and lacks the current bytecode of the package's
+    largest source file (helpers start there); returns the helpers' pids, for the caller to
+    reap. Each helper dies with the caller (``PR_SET_PDEATHSIG``), keeps no
     descriptor of it open, and leaves a file whole or not at all, as a worker does; a file a
     worker and a helper both write is the same file."""
     if helpers < 1 or not hasattr(os, "fork"):
@@ -178,11 +179,10 @@ def precompile(folder: str, helpers: int, package: str | None = None) -> list[in
     if spec is None or not spec.origin or not spec.submodule_search_locations:
         return []  # not installed where this process looks, or not a package of source files
     roots = list(spec.submodule_search_locations)
-    try:
-        if os.path.exists(_path_in(folder, importlib.util.cache_from_source(spec.origin))):
-            return []  # an earlier process compiled them (or is compiling them)
-    except NotImplementedError:
-        return []
+    with contextlib.suppress(OSError):
+        os.makedirs(folder, exist_ok=True)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return []  # read-only (baked into an image): what they compiled would be thrown away
     sources: list[tuple[int, str]] = []
     for root in roots:
         for where, folders, files in os.walk(root):
@@ -190,28 +190,60 @@ def precompile(folder: str, helpers: int, package: str | None = None) -> list[in
             for name in files:
                 if name.endswith(".py"):
                     path = os.path.join(where, name)
-                    with contextlib.suppress(OSError):
-                        sources.append((os.stat(path).st_size, path))
+                    with contextlib.suppress(OSError, NotImplementedError):
+                        if not os.path.exists(importlib.util.cache_from_source(path)):
+                            sources.append((os.stat(path).st_size, path))  # none beside it
     sources.sort(reverse=True)
+    if not sources or _compiled(folder, sources[0][1]):
+        # Helpers start with the largest file: where it is compiled, for its current source, an
+        # earlier process's helpers did this (a package upgraded since, or a first template
+        # stopped before its helpers got far, is compiled again).
+        return []
+    import signal
+
     pids = []
     caller = os.getpid()
-    for share in range(min(helpers, len(sources))):
-        try:
-            pid = os.fork()
-        except OSError:
-            break
-        if pid == 0:
-            _helper([path for _, path in sources[share::helpers]], folder, caller)  # never returns
-        pids.append(pid)
+    # SIGTERM waits until a helper has dropped the caller's handler (see _helper).
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        for share in range(min(helpers, len(sources))):
+            try:
+                pid = os.fork()
+            except OSError:
+                break
+            if pid == 0:
+                _helper([path for _, path in sources[share::helpers]], folder, caller)  # never returns
+            pids.append(pid)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     return pids
+
+
+def _compiled(folder: str, source_path: str) -> bool:
+    """Whether ``folder`` holds bytecode of ``source_path``'s current source."""
+    try:
+        ours = _path_in(folder, importlib.util.cache_from_source(source_path))
+        with open(source_path, "rb") as file:
+            header = _header(file.read())
+    except (OSError, NotImplementedError):
+        return False
+    existing = _read_regular_file(ours)
+    return existing is not None and existing[:16] == header
 
 
 def _helper(paths: list[str], folder: str, caller: int) -> None:
     code = 0
     try:
+        import signal
+
+        # Not the template's handlers: its SIGTERM handler would clean up after a pool it
+        # believes dead (its parent is not the pool's process) and remove the pool's folder.
+        # (SIGTERM is blocked from before the fork until now.)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.environ.pop("ACOMPILE_WORKDIR", None)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         if sys.platform.startswith("linux"):
             import ctypes
-            import signal
 
             with contextlib.suppress(OSError, AttributeError):
                 ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
@@ -224,15 +256,10 @@ def _helper(paths: list[str], folder: str, caller: int) -> None:
         os.closerange(3, 1 << 16)
         for path in paths:
             try:
-                beside = importlib.util.cache_from_source(path)
-                if os.path.exists(beside):
-                    continue
-                ours = _path_in(folder, beside)
-                with open(path, "rb") as file:
-                    source = file.read()
-                existing = _read_regular_file(ours)
-                if existing is None or existing[:16] != _header(source):
-                    _compile_into(ours, source, path)
+                if not _compiled(folder, path):
+                    with open(path, "rb") as file:
+                        source = file.read()
+                    _compile_into(_path_in(folder, importlib.util.cache_from_source(path)), source, path)
             except Exception:  # a file that does not compile is the importer's to report
                 pass
     except BaseException:
@@ -248,13 +275,16 @@ def _read_regular_file(path: str) -> bytes | None:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
-    with open(fd, "rb") as file:
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None
-            return file.read()
-        except OSError:
+    try:
+        # Checked before the descriptor becomes a file object: open() of a folder's raises.
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
+        with open(fd, "rb", closefd=False) as file:
+            return file.read()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def write_whole(path: str, data: bytes) -> None:
