@@ -182,7 +182,7 @@ def _main(argv: list[str]) -> int:
     export.add_argument("--cache-dir", type=Path, default=None, help=dir_help)
 
     imp = cache_sub.add_parser("import", help="load a bundle into the cache, verifying every entry")
-    imp.add_argument("file", type=Path)
+    imp.add_argument("file", type=Path, help="the bundle to load (a .tar.gz, as export writes it)")
     imp.add_argument("--cache-dir", type=Path, default=None, help=dir_help)
     imp.add_argument(
         "--allow-unsigned",
@@ -202,7 +202,7 @@ def _main(argv: list[str]) -> int:
     prune.add_argument("--cache-dir", type=Path, default=None, help=dir_help)
 
     explain = cache_sub.add_parser("explain", help="what an entry's key was computed from")
-    explain.add_argument("key")
+    explain.add_argument("key", help="an entry's key, or the start of one (at least 6 hexadecimal digits)")
     explain.add_argument("--against", default=None, help="another key: show only the factors that differ")
     explain.add_argument("--cache-dir", type=Path, default=None, help=dir_help)
 
@@ -619,6 +619,9 @@ def _cache_export(args: argparse.Namespace, root: Path) -> int:
     except AcompileError as exc:
         print(f"acompile cache export: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # a signing key ($ACOMPILE_SIGNING_KEY) under 16 bytes
+        print(f"acompile cache export: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         # The bundle is written to a temporary file beside it, then renamed: name the bundle,
         # not that file.

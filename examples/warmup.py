@@ -63,7 +63,12 @@ async def warm(targets: list[str], cache_dir: Path | None) -> int:
         f"{len(todo)} kernels for {', '.join(targets)}: {stats['compiled']} compiled, {cached} cached, "
         f"{len(failed)} failed in {time.perf_counter() - t0:.2f} s (cache: {pool.cache_dir})"
     )
-    return 1 if failed else 0
+    # Filling the cache is this script's job: a compile that could not be written there (a
+    # read-only or full folder; the pool said why in a warning) is a failure too.
+    unsaved = stats["compiled"] - stats["cache"]["disk_writes"]
+    if unsaved > 0:
+        print(f"{unsaved} compiled kernels are not in the cache folder {pool.cache_dir}", file=sys.stderr)
+    return 1 if failed or unsaved > 0 else 0
 
 
 def main() -> int:

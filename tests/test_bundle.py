@@ -528,6 +528,17 @@ def test_cli_export_import_and_their_exit_codes(cache_dir: Path, tmp_path: Path)
     out = acompile_cmd("cache", "export", str(path), "--cache-dir", str(cache_dir))
     assert out.returncode == 1 and "exported 2 entries" in out.stdout and f"left out {key}" in out.stderr
 
+    # A signing key too short to sign with: one line and 2, as import and warmup say it.
+    out = subprocess.run(
+        [sys.executable, "-m", "acompile.cli", "cache", "export", str(path), "--cache-dir", str(cache_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**subprocess_env(), "ACOMPILE_SIGNING_KEY": "short"},
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "at least 16 bytes" in out.stderr and out.stderr.startswith("acompile cache export:")
+
 
 def test_cli_export_of_a_manifest_takes_its_kernels_only(cache_dir: Path, tmp_path: Path) -> None:
     from kernels_for_tests import ADD_SIG, add_kernel

@@ -24,3 +24,12 @@ def test_the_warmup_example_fills_the_cache_then_finds_it_full(tmp_path: Path) -
     )
     assert wrong.returncode == 2 and "unknown CUDA architecture in 'cuda:12345'" in wrong.stderr
     assert "Traceback" not in wrong.stderr, wrong.stderr
+    # A cache folder that cannot be made: compiled, but nothing filled, which is a failure.
+    (tmp_path / "a-file").write_text("")
+    nowhere = [sys.executable, str(ROOT / "examples" / "warmup.py"), "--target", "cuda:90"]
+    nowhere += ["--cache-dir", str(tmp_path / "a-file" / "cache")]
+    unsaved = subprocess.run(nowhere, capture_output=True, text=True, timeout=300, env=subprocess_env())
+    assert unsaved.returncode == 1, unsaved.stderr
+    assert (
+        "7 compiled" in unsaved.stdout and "7 compiled kernels are not in the cache folder" in unsaved.stderr
+    )
