@@ -51,9 +51,11 @@ async def acompile_side(args: argparse.Namespace) -> dict[str, Any]:
     """Pool entry -> every kernel of the library launched once, on the default pool."""
     import torch
 
+    imported = time.time()
     cases = library.cases()
     torch.cuda.synchronize()
     t1 = time.perf_counter()
+    set_up = _set_up(args, imported)
     with _profiling(args) as profile:
         async with acompile.CompilePool() as pool:
             kernels = await pool.gather(*acompile_specs(which="library"))
@@ -77,6 +79,7 @@ async def acompile_side(args: argparse.Namespace) -> dict[str, Any]:
         launcher_build.module(wait=True)
     return {
         "launcher": {c.spec.name: k.launcher for c, k in zip(cases, kernels, strict=True)},
+        **set_up,
         "after_setup_s": after,
         "from_start_s": from_start,
         "exit_s": exit_s,
@@ -90,9 +93,11 @@ def triton_side(args: argparse.Namespace) -> dict[str, Any]:
     """Every kernel of the library launched once through Triton's JIT, its cache warm."""
     import torch
 
+    imported = time.time()
     cases = library.cases()
     torch.cuda.synchronize()
     t1 = time.perf_counter()
+    set_up = _set_up(args, imported)
     with _profiling(args) as profile:
         for case in cases:
             case.spec.fn[case.grid](*case.args, **case.keywords())
@@ -101,11 +106,18 @@ def triton_side(args: argparse.Namespace) -> dict[str, Any]:
     launches = {c.spec.name: _launcher(c.spec.fn, c.grid, c.args, c.keywords()) for c in cases}
     return {
         "grid_us": _grid_costs(cases, args.launches),
+        **set_up,
         "after_setup_s": after,
         "from_start_s": from_start,
         "host_us": _host_costs(launches, args.launches),
         "profile": profile.get("text"),
     }
+
+
+def _set_up(args: argparse.Namespace, imported: float) -> dict[str, float]:
+    """The set-up's parts, the same on both sides: the process's start and imports (PyTorch,
+    Triton, acompile, the library), then the launch arguments on the GPU (the CUDA context)."""
+    return {"imports_s": imported - args.t0, "arguments_s": time.time() - imported}
 
 
 def _launcher(kernel: Any, grid: Any, args: tuple[Any, ...], keywords: dict[str, Any]) -> Callable[[], Any]:
@@ -220,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         measured = runs[side][1 : args.repeat + 1]
         medians[side] = {
             key: statistics.median(r[key] for r in measured) * 1000
-            for key in ("after_setup_s", "from_start_s", "exit_s")
+            for key in ("imports_s", "arguments_s", "after_setup_s", "from_start_s", "exit_s")
             if key in measured[0]
         }
         host[side] = {n: statistics.median(r["host_us"][n] for r in measured) for n in names}
@@ -238,6 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"  acompile / Triton: after set-up {ours['after_setup_s'] / theirs['after_setup_s']:.2f}x, "
         f"from interpreter start {ours['from_start_s'] / theirs['from_start_s']:.2f}x"
+    )
+    print(
+        "  set-up, the same on both sides (start and imports; launch arguments and CUDA context): "
+        f"acompile's processes {ours['imports_s']:.1f} + {ours['arguments_s']:.1f} ms, "
+        f"Triton's {theirs['imports_s']:.1f} + {theirs['arguments_s']:.1f} ms"
     )
     print(
         f"\nhost cost of one kernel[grid](*args), µs (median of batches of {_BATCH}, "
