@@ -313,9 +313,7 @@ class CompilePool:
                 backend = await anyio.to_thread.run_sync(load_parent, name)
                 await backend.setup(self._memo_dir, self._target)
             self._workdir = await anyio.to_thread.run_sync(lambda: tempfile.mkdtemp(prefix="acompile-"))
-            bytecode, helpers = await anyio.to_thread.run_sync(
-                lambda: (_bytecode.folder_for_workers(self._memo_dir), _bytecode.helpers_for(usable_cpus()))
-            )
+            bytecode, helpers = await anyio.to_thread.run_sync(self._bytecode_plan)
             config = {
                 "sys_path": list(sys.path),
                 "cwd": os.getcwd(),
@@ -376,6 +374,15 @@ class CompilePool:
             self._prestart_scope = anyio.CancelScope()
             self._tg.start_soon(self._prestart_soon, self._prestart_scope)
         return self
+
+    def _bytecode_plan(self) -> tuple[str | None, str]:
+        """Where the workers keep their imports' bytecode (None: where the installation does),
+        and the help their first template gets to compile Triton's (only for a pool that
+        preloads Triton). Blocking: a look along sys.path, the cgroup's CPU quota."""
+        folder = _bytecode.folder_for_workers(self._memo_dir)
+        if folder is None or "triton" not in self._preload:
+            return folder, ""
+        return folder, _bytecode.helpers_env(_bytecode.helpers_for(usable_cpus()))
 
     async def _prestart_soon(self, scope: anyio.CancelScope) -> None:
         # A miss, wait_ready() or wakeup() start the workers at once; quiesce() before this

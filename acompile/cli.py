@@ -602,6 +602,13 @@ def _cache_export(args: argparse.Namespace, root: Path) -> int:
             file=sys.stderr,
         )
         return 2
+    from acompile._cache._shared import signing_key_from
+
+    try:
+        signing_key_from(None)  # $ACOMPILE_SIGNING_KEY, which signs the bundle
+    except ValueError as exc:  # under 16 bytes
+        print(f"acompile cache export: {exc}", file=sys.stderr)
+        return 2
     if args.manifest is not None:
         try:
             keys = _manifest_keys(args.manifest, args.target, root)
@@ -619,9 +626,6 @@ def _cache_export(args: argparse.Namespace, root: Path) -> int:
     except AcompileError as exc:
         print(f"acompile cache export: {exc}", file=sys.stderr)
         return 1
-    except ValueError as exc:  # a signing key ($ACOMPILE_SIGNING_KEY) under 16 bytes
-        print(f"acompile cache export: {exc}", file=sys.stderr)
-        return 2
     except OSError as exc:
         # The bundle is written to a temporary file beside it, then renamed: name the bundle,
         # not that file.

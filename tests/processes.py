@@ -35,9 +35,20 @@ def is_template(proc: psutil.Process) -> bool:
         return False
 
 
+def is_bytecode_helper(proc: psutil.Process) -> bool:
+    # A template's bytecode helpers (forked, so with its command line) rename themselves.
+    from acompile._workers._bytecode import HELPER_NAME
+
+    try:
+        return proc.name() == HELPER_NAME
+    except psutil.Error:
+        return False
+
+
 def worker_pids() -> list[int]:
-    """The workers alive under this process, from the process table (the template aside)."""
-    return [p.pid for p in pool_processes() if not is_template(p)]
+    """The workers alive under this process, from the process table (the template and its
+    bytecode helpers aside: pool_processes() has them all, for the check that none is left)."""
+    return [p.pid for p in pool_processes() if not is_template(p) and not is_bytecode_helper(p)]
 
 
 def template_pids() -> list[int]:

@@ -6,6 +6,8 @@ import asyncio
 import compileall
 import contextlib
 import importlib.util
+import json
+import marshal
 import os
 import resource
 import shutil
@@ -162,12 +164,33 @@ def _compiled_in(folder: Path, source: Path) -> bool:
     return marshal.loads(data[16:]).co_filename == str(source)
 
 
+def _slow_package(site: Path, name: str, files: int) -> Path:
+    """A source-only package whose modules take a helper seconds to compile."""
+    init = _source_only_package(site, name, 1)
+    for n in range(files):
+        (init.parent / f"huge{n}.py").write_text(
+            "".join(f"def f{i}(x):\n    return [x + {i} for _ in range(3)]\n" for i in range(60000))
+        )
+    return init
+
+
+def _helpers_of_templates() -> list[psutil.Process]:
+    from acompile._workers import _bytecode
+
+    found = []
+    for template in template_pids():
+        with contextlib.suppress(psutil.Error):
+            found += [c for c in psutil.Process(template).children() if c.name() == _bytecode.HELPER_NAME]
+    return found
+
+
 async def test_the_first_template_on_a_cache_folder_compiles_the_heavy_package_with_helpers(
     cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The first pool on a folder pays the compile of the heavy package's sources (Triton's:
     # ~0.15 s of a template's start on a 16-core host); helpers forked by the template share
-    # it. On a machine of two CPUs there are none: here the count is set to two.
+    # it. On a machine of two CPUs there are none: here the count is set to two. The pool
+    # preloads Triton (helpers are for a pool that does); the heavy package is a stand-in.
     from acompile._workers import _bytecode
 
     site = tmp_path / "site"
@@ -181,82 +204,107 @@ async def test_the_first_template_on_a_cache_folder_compiles_the_heavy_package_w
     (package / "broken.py").write_text("def (:\n")  # does not compile: its importer will say so
     modules = [init, package / "big.py", package / "sub" / "__init__.py", package / "sub" / "leaf.py"]
     monkeypatch.syspath_prepend(str(site))
-    # The template looks for the package before it has the pool's sys.path, as for Triton.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
     monkeypatch.setattr(_bytecode, "_HEAVY", "sourceonly")
     monkeypatch.setattr(_bytecode, "helpers_for", lambda cpus: 2)
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
     folder = cache_dir / "toolchain" / _bytecode.FOLDER
     job = {"name": "i", "action": "import", "module": "sourceonly"}
-    async with pool(cache_dir, workers=1, fork_workers=True) as p:
+    kw = {"target": "cuda:90", "cache_dir": cache_dir, "preload": ("triton",)}
+    async with acompile.CompilePool(1, **kw) as p:  # type: ignore[arg-type]
         assert (await run_job(p, FAKE, job, "i"))[0] == 42
-        await until(lambda: all(_compiled_in(folder, source) for source in modules))
+        # Once every helper has ended well, the template leaves a stamp of the sources done.
+        await until(lambda: list(folder.glob("helped-*")), seconds=30)
+        assert not _helpers_of_templates()  # reaped by the template, not counted as workers
+    assert all(_compiled_in(folder, source) for source in modules)
     assert not list(folder.rglob("*broken*"))
     assert not list(folder.rglob("*.tmp"))
     assert not (package / "__pycache__").exists()
-    # The helpers are gone with the pool (the autouse check: none of its processes is left).
-
-    # A later template on the folder finds the package compiled and starts none.
+    # The next pool's template finds the stamp: nothing compiled again.
     before = {path: path.stat().st_mtime_ns for path in folder.rglob("*.pyc")}
-    (package / "late.py").write_text("VALUE = 6\n")  # a helper would compile this one
-    async with pool(cache_dir, workers=1, fork_workers=True) as p:
+    async with acompile.CompilePool(1, **kw) as p:  # type: ignore[arg-type]
         assert (await run_job(p, FAKE, job, "i"))[0] == 42
-    assert not _compiled_in(folder, package / "late.py")
     assert {path: path.stat().st_mtime_ns for path in folder.rglob("*.pyc")} == before
 
 
-def test_bytecode_helpers_die_with_the_process_that_forked_them(tmp_path: Path) -> None:
-    """A template killed while its helpers compile takes them along (and their files are whole
-    or absent)."""
-    site, folder = tmp_path / "site", tmp_path / "bytecode"
-    init = _source_only_package(site, "slowpkg", 1)
-    # Long enough to compile (seconds a helper) that the helpers are still at it when their
-    # parent dies, and for a while after.
-    for n in range(6):
-        (init.parent / f"huge{n}.py").write_text(
-            "".join(f"def f{i}(x):\n    return [x + {i} for _ in range(3)]\n" for i in range(60000))
-        )
-    code = textwrap.dedent(f"""
-        import os, sys, time
-        sys.path.insert(0, {str(site)!r})
-        from acompile._workers import _bytecode
-        print(" ".join(map(str, _bytecode.precompile({str(folder)!r}, 2, "slowpkg"))), flush=True)
-        time.sleep(0.3)  # the helpers are compiling now
-        os._exit(0)
-    """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
-    assert out.returncode == 0, out.stderr
-    helpers = [int(pid) for pid in out.stdout.split()]
-    assert len(helpers) == 2
-    deadline = time.monotonic() + 1.5
-    while not all(gone(pid) for pid in helpers) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert all(gone(pid) for pid in helpers)
-    for path in folder.rglob("*"):
-        if path.is_file():
-            assert path.suffix == ".pyc" or path.suffix == ".tmp"
-            if path.suffix == ".pyc":  # whole, where written
-                assert path.read_bytes()[:4] == importlib.util.MAGIC_NUMBER
+async def test_bytecode_helpers_are_only_for_a_pool_that_preloads_triton_and_only_as_it_says(
+    cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from acompile._workers import _bytecode
+
+    site = tmp_path / "site"
+    _slow_package(site, "sourceonly", 2)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(_bytecode, "_HEAVY", "sourceonly")
+    monkeypatch.setattr(_bytecode, "helpers_for", lambda cpus: 2)
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    triton = acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir)
+    folder, helpers = triton._bytecode_plan()
+    assert folder and json.loads(helpers) == {"count": 2, "roots": [str(site / "sourceonly")]}
+    # A pool of C++ or CUDA only never imports Triton in its workers: no help for it.
+    assert pool(cache_dir)._bytecode_plan() == (folder, "")
+    # Nor does a value left in this process's environment reach its template.
+    monkeypatch.setenv(_bytecode.HELPERS_ENV, helpers)
+    async with pool(cache_dir, workers=1, fork_workers=True) as p:
+        await p.wait_ready()
+        await anyio.sleep(0.3)  # helpers, had any started, would compile for seconds
+        assert not _helpers_of_templates()
+    assert not list(Path(folder).glob("helped-*"))  # noqa: ASYNC240 (a test's check)
 
 
-def _precompile_in_a_process(site: Path, folder: Path, package: str, then: str = "") -> list[int]:
-    """``_bytecode.precompile(folder, 2, package)`` in a fresh process, as a template calls it
-    (its SIGTERM handler and death signal set, the pool's work folder named); runs ``then``
-    after it, and returns the helpers' pids."""
+def _precompile_in_a_process(
+    site: Path, folder: Path, package: str, then: str = "", *, said: list[str] | None = None
+) -> list[int]:
+    """``_bytecode.precompile`` of two helpers for ``package`` in a fresh process, as a template
+    calls it (its SIGTERM handler and death signal set, the pool's work folder, ``workdir``
+    beside ``site``, named); runs ``then`` after it, and returns the helpers' pids (and in
+    ``said`` what ``then`` printed)."""
     code = textwrap.dedent(f"""
         import os, sys, time
         sys.path.insert(0, {str(site)!r})
         from acompile._workers import _bytecode, _main
         _main._die_with_parent(os.getppid(), template=True)
-        pids = _bytecode.precompile({str(folder)!r}, 2, {package!r})
+        helping = _bytecode.precompile({str(folder)!r}, _bytecode.helpers_env(2, {package!r}))
+        pids = sorted(helping.pids) if helping else []
         print(" ".join(map(str, pids)), flush=True)
     """) + textwrap.dedent(then)
     env = {**os.environ, "ACOMPILE_PARENT_PID": str(os.getpid())}
     env["ACOMPILE_WORKDIR"] = str(site.parent / "workdir")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
-    return [int(pid) for pid in out.stdout.split()]
+    first, *rest = out.stdout.splitlines()
+    if said is not None:
+        said += rest
+    return [int(pid) for pid in first.split()]
+
+
+# As a template reaps its helpers: each end reported, the stamp written once all ended well.
+_REAP = """
+    for pid in pids:
+        _, status = os.waitpid(pid, 0)
+        helping.ended(pid, status)
+"""
+
+
+def test_bytecode_helpers_die_with_the_process_that_forked_them(tmp_path: Path) -> None:
+    """A template killed while its helpers compile takes them along (and their files are whole
+    or absent)."""
+    site, folder = tmp_path / "site", tmp_path / "bytecode"
+    _slow_package(site, "slowpkg", 6)  # seconds a helper: at it when their parent dies, and after
+    then = """
+        time.sleep(0.3)  # the helpers are compiling now
+        os._exit(0)
+    """
+    helpers = _precompile_in_a_process(site, folder, "slowpkg", then)
+    assert len(helpers) == 2
+    deadline = time.monotonic() + 1.5
+    while not all(gone(pid) for pid in helpers) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert all(gone(pid) for pid in helpers)
+    for path in folder.rglob("*.pyc"):  # whole, where written
+        assert marshal.loads(path.read_bytes()[16:]).co_filename.startswith(str(site))
+    assert not list(folder.glob("helped-*"))  # not done: the next template starts them again
 
 
 def test_bytecode_helpers_start_only_where_their_work_is_not_done(tmp_path: Path) -> None:
@@ -264,56 +312,40 @@ def test_bytecode_helpers_start_only_where_their_work_is_not_done(tmp_path: Path
     init = _source_only_package(site, "pkg", 1)
     largest = init.parent / "largest.py"
     largest.write_text("".join(f"A{i} = {i}\n" for i in range(2000)))
-    (init.parent / "small.py").write_text("B = 2\n")
-    folder.mkdir()
-    wait = "for pid in pids: os.waitpid(pid, 0)\n"
-    assert len(_precompile_in_a_process(site, folder, "pkg", wait)) == 2
-    assert all(_compiled_in(folder, source) for source in (init, largest, init.parent / "small.py"))
-    assert _precompile_in_a_process(site, folder, "pkg", wait) == []  # done already
-    largest.write_text(largest.read_text() + "C = 3\n")  # an upgrade: compiled again
-    assert len(_precompile_in_a_process(site, folder, "pkg", wait)) == 2
-    assert _compiled_in(folder, largest)
+    small = init.parent / "small.py"
+    small.write_text("B = 2\n")
+    # Helpers stopped before the end (a first template that went early) leave no stamp.
+    killed = _REAP.replace("for pid in pids:", "for pid in pids:\n        os.kill(pid, 9)")
+    assert len(_precompile_in_a_process(site, folder, "pkg", killed)) == 2
+    assert not list(folder.glob("helped-*"))
+    assert len(_precompile_in_a_process(site, folder, "pkg", _REAP)) == 2
+    assert all(_compiled_in(folder, source) for source in (init, largest, small))
+    assert _precompile_in_a_process(site, folder, "pkg", _REAP) == []  # done already
+    small.write_text("B = 3\n")  # an upgrade, of any file: compiled again
+    assert len(_precompile_in_a_process(site, folder, "pkg", _REAP)) == 2
+    assert _compiled_in(folder, small)
     # Where nothing they compiled could be kept (a cache baked read-only into an image; here a
     # folder that cannot be made, which holds for root too), none start.
-    largest.write_text(largest.read_text() + "D = 4\n")
     (tmp_path / "a-file").write_text("")
-    assert _precompile_in_a_process(site, tmp_path / "a-file" / "bytecode", "pkg", wait) == []
-    assert len(_precompile_in_a_process(site, folder, "pkg", wait)) == 2
+    assert _precompile_in_a_process(site, tmp_path / "a-file" / "bytecode", "pkg", _REAP) == []
 
 
 def test_a_bytecode_helper_stopped_with_sigterm_leaves_the_pools_work_folder(tmp_path: Path) -> None:
     """A helper does not keep the template's SIGTERM handler, which, in a process whose parent
     is not the pool's, would take the pool for dead and remove its work folder."""
     site, folder = tmp_path / "site", tmp_path / "bytecode"
-    workdir = tmp_path / "workdir"
-    workdir.mkdir()
-    init = _source_only_package(site, "slowpkg", 1)
-    for n in range(2):  # seconds to compile: the helpers are still at it when signalled
-        (init.parent / f"huge{n}.py").write_text(
-            "".join(f"def f{i}(x):\n    return [x + {i} for _ in range(3)]\n" for i in range(60000))
-        )
+    (tmp_path / "workdir").mkdir()
+    _slow_package(site, "slowpkg", 2)  # seconds to compile: at it when signalled
     then = """
         os.kill(pids[0], 15)
-        os.waitpid(pids[0], 0)
-        print("workdir", os.path.isdir(os.environ["ACOMPILE_WORKDIR"]), flush=True)
+        _, status = os.waitpid(pids[0], 0)
+        print("workdir", os.path.isdir(os.environ["ACOMPILE_WORKDIR"]), os.WTERMSIG(status), flush=True)
         os._exit(0)
     """
-    code_then = textwrap.dedent(then)
-    env = {**os.environ, "ACOMPILE_PARENT_PID": str(os.getpid()), "ACOMPILE_WORKDIR": str(workdir)}
-    code = (
-        textwrap.dedent(f"""
-        import os, sys, time
-        sys.path.insert(0, {str(site)!r})
-        from acompile._workers import _bytecode, _main
-        _main._die_with_parent(os.getppid(), template=True)
-        pids = _bytecode.precompile({str(folder)!r}, 2, "slowpkg")
-    """)
-        + code_then
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["workdir", "True"]
-    assert workdir.is_dir()
+    said: list[str] = []
+    assert len(_precompile_in_a_process(site, folder, "slowpkg", then, said=said)) == 2
+    assert said == [f"workdir True {signal.SIGTERM.value}"]
+    assert (tmp_path / "workdir").is_dir()
 
 
 def _import_with_the_workers_loader(folder: Path, site: str, module: str) -> str:

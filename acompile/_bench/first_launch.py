@@ -15,6 +15,9 @@ arguments on the GPU (which also creates the CUDA context). Then the clock start
 
 After a synchronize the clock stops: reported as "after set-up", and as "from interpreter start"
 (the whole process up to that point). acompile's pool exit follows and is reported on its own.
+The set-up is reported in two parts, the same work on both sides: the process's start and
+imports (on acompile's side, the event loop's start too), then the launch arguments (and with
+them the CUDA context).
 
 Then, in the same process, the host cost of one ``kernel[grid](*args)`` for each kernel: after a
 warm-up, ``--launches`` launches in batches with a synchronize between batches (outside the
@@ -54,8 +57,8 @@ async def acompile_side(args: argparse.Namespace) -> dict[str, Any]:
     imported = time.time()
     cases = library.cases()
     torch.cuda.synchronize()
-    t1 = time.perf_counter()
     set_up = _set_up(args, imported)
+    t1 = time.perf_counter()
     with _profiling(args) as profile:
         async with acompile.CompilePool() as pool:
             kernels = await pool.gather(*acompile_specs(which="library"))
@@ -96,8 +99,8 @@ def triton_side(args: argparse.Namespace) -> dict[str, Any]:
     imported = time.time()
     cases = library.cases()
     torch.cuda.synchronize()
-    t1 = time.perf_counter()
     set_up = _set_up(args, imported)
+    t1 = time.perf_counter()
     with _profiling(args) as profile:
         for case in cases:
             case.spec.fn[case.grid](*case.args, **case.keywords())

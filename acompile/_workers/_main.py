@@ -239,11 +239,11 @@ class Template:
     serving = False  # set once it takes fork requests (its preload is over)
     signalled = False  # stopped by SIGTERM: its parent's death signal, or someone else's
 
-    def __init__(self, worker: Worker, helpers: list[int] | None = None) -> None:
+    def __init__(self, worker: Worker, helping: _bytecode.Helping | None = None) -> None:
         self.worker = worker
         self.children: set[int] = set()
-        # Its bytecode helpers (see main), if still running: reaped, never reported.
-        self.helpers: set[int] = set(helpers or ())
+        # Its bytecode helpers (see main) still running: reaped, never reported as workers.
+        self.helping = helping
 
     def serve(self) -> None:
         import select
@@ -292,10 +292,11 @@ class Template:
             # group), and reap them all: when the pool sees this process exit, every worker it
             # forked is gone.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            for pid in self.helpers:
+            for pid in list(self.helping.pids if self.helping else ()):
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
+                    _, status = os.waitpid(pid, 0)
+                    self.helping.ended(pid, status)  # type: ignore[union-attr]
             for pid in self.children:
                 _kill_group(pid)
             for pid in self.children:
@@ -308,15 +309,15 @@ class Template:
             _remove_work_folder_of_a_dead_pool(wait=_REPARENTING if orphaned else 0.0)
 
     def reap(self) -> None:
-        while self.children or self.helpers:
+        while self.children or (self.helping and self.helping.pids):
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
                 return
-            if pid in self.helpers:
-                self.helpers.discard(pid)
+            if self.helping and pid in self.helping.pids:
+                self.helping.ended(pid, status)
                 continue
             self.children.discard(pid)
             _kill_group(pid, reaped=True)  # compilers it left behind (it was killed mid-compile)
@@ -477,11 +478,11 @@ def main() -> None:
     lower_priority(0, niceness if niceness == "idle" else int(niceness))
     args = sys.argv[1:]
     template = args[:1] == ["--template"]
-    helping: list[int] = []
+    helping = None
     if template and bytecode and helpers:
         # The first template on a cache folder compiles the heavy package's sources with help
         # (forked here, before any thread exists, at this process's priority).
-        helping = _bytecode.precompile(bytecode, *_bytecode.parse_helpers_value(helpers))
+        helping = _bytecode.precompile(bytecode, helpers)
     worker = Worker(fd_in, fd_out)
     if worker.start(args[1:] if template else args):
         if template:

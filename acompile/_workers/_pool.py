@@ -563,11 +563,14 @@ class WorkerPool:
         env["ACOMPILE_WORKER_NICE"] = str(self.config.get("nice", 0))
         env["ACOMPILE_PARENT_NICE"] = str(os.nice(0))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+        # Only what this pool says (not what this process's own environment may hold).
+        env.pop(_bytecode.ENV, None)
+        env.pop(_bytecode.HELPERS_ENV, None)
         if self.config.get("bytecode_dir"):
             # Their imports' bytecode, in the cache, where the installation has none (_bytecode).
             env[_bytecode.ENV] = self.config["bytecode_dir"]
             if "--template" in extra and self.config.get("bytecode_helpers"):
-                env[_bytecode.HELPERS_ENV] = _bytecode.helpers_value(self.config["bytecode_helpers"])
+                env[_bytecode.HELPERS_ENV] = self.config["bytecode_helpers"]
         return [sys.executable, "-c", _BOOT, *extra, *self.config.get("preload", ())], env
 
     async def _open(self, command: list[str], env: dict[str, str], stderr_path: str) -> anyio.abc.Process:
