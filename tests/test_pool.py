@@ -244,6 +244,16 @@ async def test_bytecode_helpers_are_only_for_a_pool_that_preloads_triton_and_onl
     assert folder and json.loads(helpers) == {"count": 2, "roots": [str(site / "sourceonly")]}
     # A pool of C++ or CUDA only never imports Triton in its workers: no help for it.
     assert pool(cache_dir)._bytecode_plan() == (folder, "")
+    # A value that is not one the pool writes starts nothing (and never fails the template).
+    for odd in (
+        "",
+        "2",
+        "{",
+        '{"count": 1e400, "roots": ["x"]}',
+        '{"count": 2}',
+        '{"count": -1, "roots": ["x"]}',
+    ):
+        assert _bytecode.precompile(str(tmp_path / "odd"), odd) is None, odd
     # Nor does a value left in this process's environment reach its template.
     monkeypatch.setenv(_bytecode.HELPERS_ENV, helpers)
     async with pool(cache_dir, workers=1, fork_workers=True) as p:
@@ -318,6 +328,13 @@ def test_bytecode_helpers_start_only_where_their_work_is_not_done(tmp_path: Path
     killed = _REAP.replace("for pid in pids:", "for pid in pids:\n        os.kill(pid, 9)")
     assert len(_precompile_in_a_process(site, folder, "pkg", killed)) == 2
     assert not list(folder.glob("helped-*"))
+    # Nor do helpers that could not write their files (a full disk; a file where a folder goes).
+    blocker = folder / importlib.util.cache_from_source(str(init)).lstrip(os.sep)
+    blocker.parent.parent.mkdir(parents=True, exist_ok=True)
+    blocker.parent.write_text("")
+    assert len(_precompile_in_a_process(site, folder, "pkg", _REAP)) == 2
+    assert not list(folder.glob("helped-*"))
+    blocker.parent.unlink()
     assert len(_precompile_in_a_process(site, folder, "pkg", _REAP)) == 2
     assert all(_compiled_in(folder, source) for source in (init, largest, small))
     assert _precompile_in_a_process(site, folder, "pkg", _REAP) == []  # done already

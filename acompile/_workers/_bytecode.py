@@ -211,7 +211,7 @@ def precompile(folder: str, value: str) -> Helping | None:
     try:
         plan = json.loads(value)
         count, roots = int(plan["count"]), [str(root) for root in plan["roots"]]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, OverflowError):
         return None
     if count < 1 or not roots:
         return None
@@ -290,10 +290,15 @@ def _helper(paths: list[str], folder: str, caller: int) -> None:
                 with open(path, "rb") as file:
                     source = file.read()
                 ours = _path_in(folder, importlib.util.cache_from_source(path))
-                if _current_code(ours, source, path) is None:
-                    _compile_into(ours, source, path)
-            except Exception:  # a file that does not compile is the importer's to report
-                pass
+                if _current_code(ours, source, path) is not None:
+                    continue
+                compiled = compile(source, path, "exec", dont_inherit=True)
+            except Exception:  # a file that does not read or compile is the importer's to report
+                continue
+            try:
+                write_whole(ours, _header(source) + marshal.dumps(compiled))
+            except OSError:
+                code = 1  # not done (a full disk, a file where a folder goes): no stamp
     except BaseException:
         code = 1
     finally:
