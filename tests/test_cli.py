@@ -311,7 +311,7 @@ def test_bench_runs_its_rows_side_by_side_and_writes_json(tmp_path: Path) -> Non
         "--workers",
         "1",
         "--only",
-        "sequential,acompile_new_kernels,warm_acompile",
+        "sequential,acompile_new_kernels,warm_acompile,warm_triton",
         "--json",
         str(report),
     )
@@ -319,6 +319,8 @@ def test_bench_runs_its_rows_side_by_side_and_writes_json(tmp_path: Path) -> Non
     assert (
         "sequential" in out.stdout and "acompile_cold" in out.stdout and "warm start, acompile" in out.stdout
     )
+    # The warm starts side by side, as a ratio too (the one the targets are written against).
+    assert "warm start, acompile / Triton: " in out.stdout and "x all kernels ready" in out.stdout
     rows = json.loads(report.read_text())["rows"]
     # acompile_new_kernels runs on what acompile_cold's pool left: that row runs first.
     assert {"sequential", "acompile_cold", "acompile_new_kernels", "warm_acompile"} <= set(rows)

@@ -304,7 +304,7 @@ def report(results: dict[str, dict[str, Any]], machine: dict[str, Any], args: ar
         "",
     ]
     seq = results.get("sequential", {})
-    header = ["row", "wall s", "vs seq", "lag p99 ms", "lag max ms", "full GC", "ok", "cubin≠seq"]
+    header = ["row", "wall s", "speed-up", "lag p99 ms", "lag max ms", "full GC", "ok", "cubin≠seq"]
     header += ["cpu s", "load"]
     rows = []
     for name in ROWS[:_STORMS]:
@@ -345,6 +345,12 @@ def report(results: dict[str, dict[str, Any]], machine: dict[str, Any], args: ar
             f"interpreter start -> all {r['process_to_ready_s'] * 1000:.0f} ms (imports done at "
             f"{r['process_to_imported_s'] * 1000:.0f} ms); ok {r['ok']}/{r['specs']}"
             + (f"; ASSERTION FAILED: {r['assertion']}" if r.get("assertion") else "")
+        )
+    ours, theirs = results.get("warm_acompile", {}), results.get("warm_triton", {})
+    if ours.get("wall_s") and theirs.get("wall_s") and "crashed" not in ours and "crashed" not in theirs:
+        lines.append(
+            f"warm start, acompile / Triton: {ours['wall_s'] / theirs['wall_s']:.3f}x all kernels ready, "
+            f"{ours['process_to_ready_s'] / theirs['process_to_ready_s']:.2f}x from interpreter start"
         )
     bad = {k: r for k, r in results.items() if r.get("errors")}
     return "\n".join(
