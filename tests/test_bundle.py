@@ -408,8 +408,20 @@ async def test_prune_removes_stale_temporary_files_and_leaves_libraries(cache_di
     (lib / f"{keys[0]}.so").write_bytes(b"\x7fELF")
     orphan = lib / f"{'c' * 64}.so"
     orphan.write_bytes(b"\x7fELF....")
+    # The workers' bytecode writer's, where a process killed mid-write (a bytecode helper) left
+    # one, deep in its folder's tree; the bytecode itself stays.
+    pycache = cache_dir / "toolchain" / "bytecode" / "site" / "pkg" / "__pycache__"
+    pycache.mkdir(parents=True)
+    stale_pyc = pycache / "mod.cpython-311.pyc.4242.0123abcd.tmp"
+    fresh_pyc = pycache / "mod.cpython-311.pyc.4243.0123abce.tmp"
+    pyc = pycache / "mod.cpython-311.pyc"
+    for path in (stale_pyc, fresh_pyc, pyc):
+        path.write_bytes(b"x")
+        os.utime(path, (old, old))
+    os.utime(fresh_pyc)
     report = await prune(cache_dir, max_age_s=DAY)
-    assert report.temp_files_removed == 1 and not stale.exists() and fresh.exists()
+    assert report.temp_files_removed == 2 and not stale.exists() and fresh.exists()
+    assert not stale_pyc.exists() and fresh_pyc.exists() and pyc.exists()
     assert (report.orphan_libs, report.orphan_lib_bytes) == (1, 8) and orphan.exists()
     assert "outlived their entries (left in place)" in report.summary()
     with pytest.raises(ValueError):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +15,7 @@ import anyio.to_thread
 from acompile._cache import _layout
 from acompile._cache._disk import DiskTier
 from acompile._cache._layout import human_bytes, plural
+from acompile._workers._bytecode import FOLDER as BYTECODE_FOLDER
 
 
 @dataclass
@@ -148,32 +151,41 @@ def _prune(
     return report
 
 
+# The workers' bytecode writer's temporary files (``_bytecode.write_whole``): a process killed
+# while it wrote one (a bytecode helper, with its template) leaves it in the folder's tree.
+_BYTECODE_TEMP = re.compile(r".+\.pyc\.[0-9]+\.[0-9a-f]{8}\.tmp")
+
+
 def _remove_stale_temps(disk: DiskTier, now: float, report: PruneReport) -> None:
     # Writers' temporary files: the disk tier's (v1/<xx>/.<key>...tmp), native libraries'
-    # (lib/.<key>.so.<pid>.<token>) and the toolchain memo's (toolchain/.<name>.<pid>.<token>).
+    # (lib/.<key>.so.<pid>.<token>), the toolchain memo's (toolchain/.<name>.<pid>.<token>) and
+    # the workers' bytecode's (toolchain/bytecode/.../<name>.pyc.<pid>.<token>.tmp).
     folders: list[Path] = []
     entries = _layout.entries_dir(disk.root)
     if entries.is_dir():
         folders += [sub for sub in entries.iterdir() if sub.is_dir()]
     folders += [_layout.lib_dir(disk.root), _layout.toolchain_dir(disk.root)]
+    temps: list[Path] = []
     for folder in folders:
         try:
-            names = [p for p in folder.iterdir() if _layout.is_temp(p)]
+            temps += [p for p in folder.iterdir() if _layout.is_temp(p)]
         except OSError:
             continue
-        for temp in names:
-            try:
-                st = temp.lstat()
-                if not temp.is_file() or now - st.st_mtime < _layout.STALE_TEMP_S:
-                    continue
-                if not report.dry_run:
-                    temp.unlink()
-            except FileNotFoundError:
+    for where, _, files in os.walk(_layout.toolchain_dir(disk.root) / BYTECODE_FOLDER):
+        temps += [Path(where, name) for name in files if _BYTECODE_TEMP.fullmatch(name)]
+    for temp in temps:
+        try:
+            st = temp.lstat()
+            if not temp.is_file() or now - st.st_mtime < _layout.STALE_TEMP_S:
                 continue
-            except OSError as exc:
-                report.errors.append(f"{temp}: {exc}")
-                continue
-            report.temp_files_removed += 1
+            if not report.dry_run:
+                temp.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            report.errors.append(f"{temp}: {exc}")
+            continue
+        report.temp_files_removed += 1
 
 
 def _count_orphan_libs(disk: DiskTier, report: PruneReport) -> None:
