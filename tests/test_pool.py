@@ -257,8 +257,9 @@ async def test_bytecode_helpers_are_only_for_a_pool_that_preloads_triton_and_onl
     # Nor does a value left in this process's environment reach its template.
     monkeypatch.setenv(_bytecode.HELPERS_ENV, helpers)
     async with pool(cache_dir, workers=1, fork_workers=True) as p:
+        # A template forks its helpers before it preloads: had it any, they would be compiling
+        # (for seconds) once its workers are ready.
         await p.wait_ready()
-        await anyio.sleep(0.3)  # helpers, had any started, would compile for seconds
         assert not _helpers_of_templates()
     assert not list(Path(folder).glob("helped-*"))  # noqa: ASYNC240 (a test's check)
 

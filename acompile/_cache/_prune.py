@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +14,7 @@ import anyio.to_thread
 from acompile._cache import _layout
 from acompile._cache._disk import DiskTier
 from acompile._cache._layout import human_bytes, plural
-from acompile._workers._bytecode import FOLDER as BYTECODE_FOLDER
+from acompile._workers import _bytecode
 
 
 @dataclass
@@ -151,11 +150,6 @@ def _prune(
     return report
 
 
-# The workers' bytecode writer's temporary files (``_bytecode.write_whole``): a process killed
-# while it wrote one (a bytecode helper, with its template) leaves it in the folder's tree.
-_BYTECODE_TEMP = re.compile(r".+\.pyc\.[0-9]+\.[0-9a-f]{8}\.tmp")
-
-
 def _remove_stale_temps(disk: DiskTier, now: float, report: PruneReport) -> None:
     # Writers' temporary files: the disk tier's (v1/<xx>/.<key>...tmp), native libraries'
     # (lib/.<key>.so.<pid>.<token>), the toolchain memo's (toolchain/.<name>.<pid>.<token>) and
@@ -171,8 +165,9 @@ def _remove_stale_temps(disk: DiskTier, now: float, report: PruneReport) -> None
             temps += [p for p in folder.iterdir() if _layout.is_temp(p)]
         except OSError:
             continue
-    for where, _, files in os.walk(_layout.toolchain_dir(disk.root) / BYTECODE_FOLDER):
-        temps += [Path(where, name) for name in files if _BYTECODE_TEMP.fullmatch(name)]
+    for where, _, files in os.walk(_layout.toolchain_dir(disk.root) / _bytecode.FOLDER):
+        # The workers' bytecode writer's, where a process killed mid-write (a helper) left one.
+        temps += [Path(where, name) for name in files if _bytecode.TEMPORARY.fullmatch(name)]
     for temp in temps:
         try:
             st = temp.lstat()

@@ -38,6 +38,7 @@ import importlib.util
 import json
 import marshal
 import os
+import re
 import secrets
 import stat
 import sys
@@ -108,7 +109,11 @@ class _Loader(importlib.machinery.SourceFileLoader):
         ours = _path_in(self.folder, beside)
         source = self.get_data(source_path)
         code = _current_code(ours, source, source_path)
-        return code if code is not None else _compile_into(ours, source, source_path)
+        if code is None:
+            code = _compile(source, source_path)
+            with contextlib.suppress(OSError):  # a folder that cannot be written: compiled each time
+                _keep(ours, source, code)
+        return code
 
     def set_data(self, path: str, data: Buffer, *, _mode: int = 0o666) -> None:
         """Never beside the installation's sources (the standard loader writes there when their
@@ -141,12 +146,15 @@ def _current_code(path: str, source: bytes, source_path: str) -> CodeType | None
     return code if isinstance(code, CodeType) and code.co_filename == source_path else None
 
 
-def _compile_into(path: str, source: bytes, source_path: str) -> CodeType:
-    """Compile a source as the import system does and keep its bytecode at ``path``."""
+def _compile(source: bytes, source_path: str) -> CodeType:
+    """A source compiled as the import system compiles it."""
     code: CodeType = compile(source, source_path, "exec", dont_inherit=True)
-    with contextlib.suppress(OSError):  # a folder that cannot be written: compiled each time
-        write_whole(path, _header(source) + marshal.dumps(code))
     return code
+
+
+def _keep(path: str, source: bytes, code: CodeType) -> None:
+    """Keep ``code`` (of ``source``) at ``path``, whole or not at all; raises ``OSError``."""
+    write_whole(path, _header(source) + marshal.dumps(code))
 
 
 def helpers_for(cpus: int) -> int:
@@ -292,11 +300,11 @@ def _helper(paths: list[str], folder: str, caller: int) -> None:
                 ours = _path_in(folder, importlib.util.cache_from_source(path))
                 if _current_code(ours, source, path) is not None:
                     continue
-                compiled = compile(source, path, "exec", dont_inherit=True)
+                compiled = _compile(source, path)
             except Exception:  # a file that does not read or compile is the importer's to report
                 continue
             try:
-                write_whole(ours, _header(source) + marshal.dumps(compiled))
+                _keep(ours, source, compiled)
             except OSError:
                 code = 1  # not done (a full disk, a file where a folder goes): no stamp
     except BaseException:
@@ -322,6 +330,11 @@ def _read_regular_file(path: str) -> bytes | None:
         return None
     finally:
         os.close(fd)
+
+
+# The temporary files of write_whole: what a process killed while it wrote one leaves behind
+# (cache prune removes them once they are old).
+TEMPORARY = re.compile(r".+\.[0-9]+\.[0-9a-f]{8}\.tmp")
 
 
 def write_whole(path: str, data: bytes) -> None:
@@ -364,6 +377,7 @@ __all__ = [
     "FOLDER",
     "HELPERS_ENV",
     "HELPER_NAME",
+    "TEMPORARY",
     "Helping",
     "folder_for_workers",
     "helpers_env",

@@ -293,10 +293,7 @@ class Template:
             # forked is gone.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             for pid in list(self.helping.pids if self.helping else ()):
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-                    _, status = os.waitpid(pid, 0)
-                    self.helping.ended(pid, status)  # type: ignore[union-attr]
+                self._stop_helper(pid)
             for pid in self.children:
                 _kill_group(pid)
             for pid in self.children:
@@ -307,6 +304,13 @@ class Template:
                 _kill_group(pid, reaped=True)  # what outlived it in its group
             orphaned = self.worker.orphaned or Template.signalled
             _remove_work_folder_of_a_dead_pool(wait=_REPARENTING if orphaned else 0.0)
+
+    def _stop_helper(self, pid: int) -> None:
+        assert self.helping is not None
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+            self.helping.ended(pid, status)  # killed: no stamp
 
     def reap(self) -> None:
         while self.children or (self.helping and self.helping.pids):
