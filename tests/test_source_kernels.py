@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import linecache
 import os
+import subprocess
+import sys
+import textwrap
 import time
 import warnings
 from pathlib import Path
@@ -13,8 +16,9 @@ import anyio
 import psutil
 import pytest
 import triton
-from conftest import TARGET
+from conftest import TARGET, subprocess_env
 from kernels_for_tests import ADD_SIG, add_kernel
+from processes import gone
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -106,6 +110,52 @@ async def test_a_deadline_stops_a_source_that_sleeps_or_spins(cache_dir: Path) -
             assert not _helpers()
         # The pool is none the worse: the same kernel without the stall compiles.
         assert (await p.triton(source(), signature={"x_ptr": "*fp32", "n": "i32"})).cubin
+
+
+def test_a_source_strings_process_dies_with_the_pools_process_even_by_sigkill(tmp_path: Path) -> None:
+    """The process running a source string's top-level code is the pool's process's child, not
+    a worker's: killed with SIGKILL, the pool cannot stop it, so the kernel does."""
+    script = textwrap.dedent(
+        f"""
+        import anyio, acompile
+
+        async def main():
+            async with acompile.CompilePool(1, target={TARGET!r}, cache_dir={str(tmp_path)!r}, prestart=False) as p:
+                await p.triton({source(top="import time; print('sleeping', flush=True); time.sleep(3600)")!r},
+                               signature={{"x_ptr": "*fp32", "n": "i32"}})
+
+        anyio.run(main)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=subprocess_env(),
+    )
+    try:
+        deadline = time.monotonic() + 60
+        probes: list[psutil.Process] = []
+        while time.monotonic() < deadline and not probes:
+            probes = [
+                child
+                for child in psutil.Process(proc.pid).children(recursive=True)
+                if "_triton_probe" in " ".join(child.cmdline())
+            ]
+            time.sleep(0.05)
+        assert probes, "no process ran the source string"
+        time.sleep(0.5)  # past its start: inside the source's sleep
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 30  # generous: this tells "it dies" from "it stays"
+        while time.monotonic() < deadline and not all(gone(p.pid) for p in probes):
+            time.sleep(0.01)
+        assert all(gone(p.pid) for p in probes), [p.pid for p in probes if not gone(p.pid)]
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 async def test_a_stalled_source_does_not_hold_up_other_requests(cache_dir: Path) -> None:

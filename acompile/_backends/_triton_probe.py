@@ -70,14 +70,11 @@ def probe(text: str, filename: str, kernel_name: str | None) -> dict[str, Any]:
 
 def _die_with_parent(parent_pid: int) -> None:
     """Go when the pool's process dies, even by SIGKILL: no text runs on as an orphan."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
+    import signal
 
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
+    from acompile._workers import _linux
+
+    _linux.signal_at_parent_death(signal.SIGKILL)
     if parent_pid and os.getppid() != parent_pid:
         os._exit(1)
 

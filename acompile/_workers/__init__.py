@@ -12,6 +12,7 @@
 * ``_protocol``: the framed messages between the pool, the template and the workers;
 * ``_main``: what runs in the worker and template processes;
 * ``_bytecode``: where workers keep their imports' bytecode when the installation has none.
+* ``_linux``: the process controls children set (a signal at their parent's death, a name).
 """
 
 from __future__ import annotations

@@ -279,12 +279,10 @@ def _helper(paths: list[str], folder: str, caller: int) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.environ.pop("ACOMPILE_WORKDIR", None)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-        import ctypes
+        from acompile._workers import _linux
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        with contextlib.suppress(OSError, AttributeError):
-            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-            libc.prctl(15, HELPER_NAME.encode(), 0, 0, 0)  # PR_SET_NAME
+        _linux.signal_at_parent_death(signal.SIGKILL)
+        _linux.set_name(HELPER_NAME)
         if os.getppid() != caller:
             return  # the caller died before the signal was set: nobody wants these files now
         # None of the caller's descriptors (its protocol pipes, its stdio): whoever reads them

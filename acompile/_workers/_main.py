@@ -15,7 +15,6 @@ then says ``Ready``, so the first real job costs what the hundredth does.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import importlib
 import os
@@ -29,7 +28,7 @@ from types import ModuleType
 from typing import Any
 
 from acompile._errors import AcompileError, BackendUnavailableError, CompileError, bounded
-from acompile._workers import _bytecode, _late, _protocol
+from acompile._workers import _bytecode, _late, _linux, _protocol
 from acompile._workers._process import lower_priority, short_backend, stderr_tail
 
 
@@ -45,13 +44,7 @@ def _die_with_parent(parent_pid: int, *, template: bool = False) -> None:
     goes when that call returns; one waiting on a compiler subprocess goes at once.
     """
     signal.signal(signal.SIGTERM, _exit_template if template else _kill_own_group)
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
+    _linux.signal_at_parent_death(signal.SIGTERM)
     # The parent may have died before prctl took effect: then we were re-parented already.
     if parent_pid and os.getppid() != parent_pid:
         _kill_own_group()
