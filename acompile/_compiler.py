@@ -29,7 +29,7 @@ from acompile._backends import BACKENDS, _launcher, backend_of, load_parent, wor
 from acompile._cache import CorruptEntry, GuardedDisk, MemoryTier, Tier, TierChain, default_cache_dir
 from acompile._cache._costs import CostFeatures
 from acompile._cache._shared import SharedTier, signing_key_from
-from acompile._errors import AcompileError, PoolClosedError, PoolError
+from acompile._errors import AcompileError, CompileError, PoolClosedError, PoolError
 from acompile._manifest import Recorder
 from acompile._observe import Tracer
 from acompile._progressive import BackgroundKernel, ProgressiveKernel
@@ -766,7 +766,19 @@ class CompilePool:
                     if tier == "compile":
                         self._counts["compiled"] += 1
                     loading = time.perf_counter()
-                    kernel = await backend.load(request, entry, self._cache.root)
+                    try:
+                        kernel = await backend.load(request, entry, self._cache.root)
+                    except CorruptEntry as exc:
+                        # Just compiled (or from another replica), and not loadable here: no
+                        # cache's damage, and compiling again would make the same.
+                        raise CompileError(
+                            f"{request.name} compiled, but the result cannot be "
+                            f"loaded here ({exc}): a compiler and a loader that do not match "
+                            "(another Triton version's entry from a shared cache, or a bug); "
+                            "please report it",
+                            kernel=request.name,
+                            backend=entry.backend,
+                        ) from exc
                 if self._tracer is not None:
                     done = time.perf_counter()
                     job = flight.job if tier == "compile" else None

@@ -467,6 +467,37 @@ async def test_targets_and_options_reach_the_compiler(cache_dir: Path) -> None:
     assert k80.key != k90.key
 
 
+async def test_a_hip_kernel_compiles_and_comes_back_from_the_disk_cache(cache_dir: Path) -> None:
+    """AMD's targets are compiled here (no GPU needed) and cached like CUDA's: their metadata
+    has no CUDA launch flags, and the cached entry loads as it was compiled."""
+    spec = acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 256}, target="hip:gfx942")
+    async with pool(cache_dir) as p:
+        compiled, tier = await p.compile_with_tier(spec)
+    assert tier == "compile" and str(compiled.target) == "hip:gfx942"
+    assert compiled.cubin[:4] == b"\x7fELF" and "amdgcn" in compiled.asm
+    async with pool(cache_dir, prestart=False) as p:
+        cached, tier = await p.compile_with_tier(spec)
+        assert p.stats()["cache"]["disk_corrupt"] == 0
+    assert tier == "disk" and cached.cubin == compiled.cubin and cached.metadata == compiled.metadata
+
+
+async def test_a_compiled_kernel_this_process_cannot_load_is_a_compile_error(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A result Triton's loader here would not take (another Triton's metadata, say; faked by
+    requiring a field no kernel has) is an AcompileError naming the kernel, not a bare
+    ValueError out of the cache's internals."""
+    from acompile._backends import _triton
+
+    monkeypatch.setitem(_triton._FIELD_TYPES, "no_such_field", _triton._INT)
+    async with pool(cache_dir, prestart=False) as p:
+        with pytest.raises(
+            acompile.CompileError, match=r"add_kernel.*cannot be loaded.*no_such_field"
+        ) as caught:
+            await p.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 256})
+    assert caught.value.kernel == "add_kernel" and caught.value.backend == "triton"
+
+
 async def test_gather_many_at_once_and_single_flight(cache_dir: Path) -> None:
     specs = [acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": b}) for b in (64, 128, 256, 512)]
     async with pool(cache_dir) as p:

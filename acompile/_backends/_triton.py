@@ -1021,7 +1021,8 @@ _OPTIONAL: frozenset[type] = frozenset({_Absent, type(None)})
 # no count of warps) it needs: ``CompiledKernel`` (hash, name), the backend's ``pack_metadata``
 # (num_warps, num_ctas, shared), ``CompiledKernel._init_handles`` (shared, tmem_size, num_warps,
 # warp_size) and the CUDA launcher (the scratch sizes and alignments, the launch flags,
-# tensordesc_meta). Triton 3.6 to 3.9 write each of them; the last two are read only where
+# tensordesc_meta). Triton 3.6 to 3.9 write each of them (but launch_pdl, which only CUDA's
+# backend writes and its launcher reads: _CUDA_FIELD_TYPES); the last two are read only where
 # present. Checked at every load, with the text stages' UTF-8 (see below): ~7 us a kernel,
 # measured (0.5 ms for a warm start of 68 kernels that takes ~50 ms), where building the
 # CompiledKernel costs ~0.1 ms (which is why that waits for first use).
@@ -1037,10 +1038,11 @@ _FIELD_TYPES: dict[str, frozenset[type]] = {
     "profile_scratch_size": _INT,
     "profile_scratch_align": _INT,
     "launch_cooperative_grid": _FLAG,
-    "launch_pdl": _FLAG,
     "tmem_size": _OPTIONAL | _INT,
     "tensordesc_meta": _OPTIONAL | frozenset({list}),
 }
+# AMD's metadata has no programmatic-dependent-launch flag.
+_CUDA_FIELD_TYPES: dict[str, frozenset[type]] = {"launch_pdl": _FLAG}
 # A launch of no warps or a negative size fails only on the GPU, as a CUDA error at launch, and
 # an alignment under 1 only in the allocator the launcher hands it to. No upper bound on
 # num_warps (nor a power of two): with warp specialization it is the total of every partition's.
@@ -1076,7 +1078,10 @@ def _kernel_metadata(entry: Entry, target: Target) -> Any:
         if type(warp_size) is not int:
             raise TypeError(f"target warp_size is {_show(warp_size)}")
         metadata["target"] = GPUTarget(backend, arch, warp_size)
-        for name, types in _FIELD_TYPES.items():
+        fields_read = _FIELD_TYPES.items()
+        if backend == "cuda":
+            fields_read = [*fields_read, *_CUDA_FIELD_TYPES.items()]  # type: ignore[assignment]
+        for name, types in fields_read:
             value = metadata.get(name, _ABSENT)
             if type(value) not in types:
                 if value is _ABSENT:
