@@ -81,6 +81,13 @@ def load_manifest(path: str | Path) -> list[TritonSpec]:
             f"{path}: unknown section(s) {sorted(unknown_top)}; use [defaults] and [[kernel]]"
         )
     defaults = data.get("defaults", {})
+    if not isinstance(defaults, Mapping):
+        raise InvalidSpecError(f"{path}: [defaults] must be a table of kernel fields")
+    if unknown := set(defaults) - _KERNEL_FIELDS:
+        # Named here, not as every kernel's mistake.
+        raise InvalidSpecError(
+            f"{path} [defaults]: unknown field(s) {sorted(unknown)}; known: {sorted(_KERNEL_FIELDS)}"
+        )
     kernels = data.get("kernel", [])
     if not isinstance(kernels, list) or not kernels:
         raise InvalidSpecError(f"{path} lists no [[kernel]] entries")

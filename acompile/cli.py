@@ -238,6 +238,18 @@ def _warmup(args: argparse.Namespace) -> int:
     if args.shared_cache is not None and (problem := _shared_url_problem(args.shared_cache)):
         print(f"acompile warmup: --shared-cache {args.shared_cache!r}: {problem}", file=sys.stderr)
         return 2
+    if args.target is not None and not args.target.strip():
+        print("acompile warmup: --target is empty; pass one such as --target cuda:90", file=sys.stderr)
+        return 2
+    if args.json_path and not args.json_path.parent.exists():
+        # Checked before the work, and not made: a mistyped path would make folders nobody
+        # asked for (as cache export).
+        print(
+            f"acompile warmup: cannot write --json {args.json_path}: there is no folder "
+            f"{args.json_path.parent} (create it first)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         specs = load_manifest(args.manifest)
     except AcompileError as exc:
@@ -379,7 +391,6 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
         if shared:
             document["shared"] = shared
         try:
-            args.json_path.parent.mkdir(parents=True, exist_ok=True)
             args.json_path.write_text(json.dumps(document, indent=2, default=str))
         except OSError as exc:
             # The warm-up itself is done (the table above says how it went): only the report
@@ -438,7 +449,9 @@ def _add_job_times(rows: list[dict[str, Any]], trace_path: Path) -> None:
 
 
 class _Progress:
-    """A one-line progress bar on a terminal; a line per tenth of the work elsewhere (CI logs)."""
+    """A one-line progress bar on a terminal; elsewhere (CI logs), a line per tenth of the work
+    once the work has taken a second, and the last: a warm-up served from the cache in
+    milliseconds writes one line, not eleven."""
 
     # The bar being drawn on the terminal, if any: a log line must first end it (see main()).
     _open: _Progress | None = None
@@ -463,7 +476,9 @@ class _Progress:
         if self.tty:
             self.out.write("\r" + line)
             _Progress._open = self
-        elif (decile := 10 * done // max(1, self.total)) != self._last_decile:
+        elif (decile := 10 * done // max(1, self.total)) != self._last_decile and (
+            done == self.total or time.perf_counter() - self.t0 >= 1.0
+        ):
             self._last_decile = decile
             self.out.write(line + "\n")
         self.out.flush()

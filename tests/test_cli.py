@@ -125,11 +125,27 @@ def test_warmup_whose_json_report_cannot_be_written_says_so_after_warming_up(tmp
     assert "Traceback" not in out.stderr, out.stderr
 
 
+def test_warmup_refuses_an_empty_target_and_a_json_report_in_a_missing_folder_before_any_work(
+    tmp_path: Path,
+) -> None:
+    manifest = str(ROOT / "examples" / "manifest.toml")
+    cache = tmp_path / "cache"
+    out = acompile_cmd("warmup", manifest, "--cache-dir", str(cache), "--target", "")
+    assert out.returncode == 2 and "--target is empty" in out.stderr, out.stderr
+    report = tmp_path / "no-such-folder" / "report.json"
+    out = acompile_cmd("warmup", manifest, "--cache-dir", str(cache), "--json", str(report))
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"there is no folder {report.parent} (create it first)" in out.stderr, out.stderr
+    assert not report.parent.exists() and not cache.exists()  # nothing made, nothing compiled
+
+
 def test_warmup_explains_a_bad_manifest(tmp_path: Path) -> None:
     cases = {
         "[[kernel]]\nkernel = 'nowhere.py:k'\nsignature = {}\ntargets=['cuda:90']\n": "no file",
         "[[kernel]]\nkernel = 'k'\nsignature = {}\n": "must read 'file.py:name'",
         "[[kernel]]\nkernal = 'x.py:k'\n": "unknown field(s) ['kernal']",
+        "[defaults]\nnum_warp = 4\n[[kernel]]\nkernel = 'x.py:k'\n": "[defaults]: unknown field(s) ['num_warp']",
+        "defaults = 3\n[[kernel]]\nkernel = 'x.py:k'\n": "[defaults] must be a table",
         "not toml [": "is not valid TOML",
         "[defaults]\n": "lists no [[kernel]] entries",
     }
