@@ -16,9 +16,13 @@ thousand wake-ups, not a thousand per pass.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sys
+import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Iterator
 
 # How long the tasks let through a checkpoint may run in one pass of the loop, together.
 SLICE = 0.0005
@@ -93,3 +97,44 @@ async def checkpoint() -> None:
     if pacer is None:
         pacer = _pacers[loop] = _Pacer()
     await pacer.checkpoint()
+
+
+# --- the interpreter's switch interval while the pool parses kernels on a thread --------------
+
+# While the pool's threads run Python beside the event loop (the parse of kernels: Triton's key
+# of a JIT function, a few ms each; the pool's start: Triton's backend imports, the walk and hash
+# of its sources the first time in a cache folder), the loop's thread competes with them for the
+# GIL; at the interpreter's default interval (5 ms) it waits up to that long for it after each of
+# its system calls, and in a storm's first tens of milliseconds such waits ran back to back (loop
+# lags of 9-15 ms on 16 cores).
+QUICK_SWITCH = 0.0005
+
+_switch_lock = threading.Lock()
+_switch_holders = 0
+_switch_saved: float | None = None
+
+
+@contextlib.contextmanager
+def quick_switches() -> Iterator[None]:
+    """Lower the interpreter's switch interval to ``QUICK_SWITCH`` while at least one caller is
+    inside (any thread), and put back what it was when the last one leaves, unless somebody
+    else set another value meanwhile (theirs is kept). Never raises it: an application that
+    runs with a shorter interval keeps its own."""
+    global _switch_holders, _switch_saved
+    with _switch_lock:
+        _switch_holders += 1
+        if _switch_holders == 1:
+            current = sys.getswitchinterval()
+            if current > QUICK_SWITCH:
+                _switch_saved = current
+                sys.setswitchinterval(QUICK_SWITCH)
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            _switch_holders -= 1
+            if _switch_holders == 0 and _switch_saved is not None:
+                # Ours still (getswitchinterval reads back what was set, rounded to microseconds).
+                if abs(sys.getswitchinterval() - QUICK_SWITCH) < 1e-6:
+                    sys.setswitchinterval(_switch_saved)
+                _switch_saved = None

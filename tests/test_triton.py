@@ -498,6 +498,43 @@ async def test_a_compiled_kernel_this_process_cannot_load_is_a_compile_error(
     assert caught.value.kernel == "add_kernel" and caught.value.backend == "triton"
 
 
+async def test_the_switch_interval_is_short_while_kernels_are_parsed_and_put_back_after(
+    cache_dir: Path,
+) -> None:
+    """Parsing a kernel (pure Python, on the pool's thread) competes with the event loop for the
+    GIL: while it runs, the interpreter switches threads every 0.5 ms, not every 5, and what was
+    set before is back after it; a value set meanwhile by someone else, or a shorter one, stays."""
+    from acompile._backends import _triton
+
+    seen: list[float] = []
+
+    def work() -> str:
+        seen.append(sys.getswitchinterval())
+        return "parsed"
+
+    def theirs() -> str:
+        sys.setswitchinterval(0.002)  # the application's own, set while a parse runs
+        return "parsed"
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        assert await _triton._once(("switch-test", 1), lambda: None, work) == "parsed"
+        assert seen == [pytest.approx(0.0005)] and sys.getswitchinterval() == pytest.approx(0.005)
+        await _triton._once(("switch-test", 2), lambda: None, theirs)
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+        sys.setswitchinterval(0.0001)  # shorter than ours: never raised
+        seen.clear()
+        await _triton._once(("switch-test", 3), lambda: None, work)
+        assert seen == [pytest.approx(0.0001)] and sys.getswitchinterval() == pytest.approx(0.0001)
+        sys.setswitchinterval(0.005)
+        async with pool(cache_dir, prestart=False) as p:
+            await p.triton(scale_add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 64})
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+    finally:
+        sys.setswitchinterval(before)
+
+
 async def test_gather_many_at_once_and_single_flight(cache_dir: Path) -> None:
     specs = [acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": b}) for b in (64, 128, 256, 512)]
     async with pool(cache_dir) as p:

@@ -146,7 +146,8 @@ async def setup(memo_dir: Path, target: Target | None) -> None:
             with contextlib.suppress(Exception):  # a warm-up: loading a kernel says what is wrong
                 _backend_for(target.to_triton())
 
-    await anyio.to_thread.run_sync(work)
+    with _pacing.quick_switches():  # imports and file walks: Python on a thread, beside the loop
+        await anyio.to_thread.run_sync(work)
 
 
 async def worker_config(memo_dir: Path) -> dict[str, Any]:
@@ -154,7 +155,8 @@ async def worker_config(memo_dir: Path) -> dict[str, Any]:
     # Abandoned on cancellation: a pool left while this runs (the first time on a machine, it
     # hashes Triton's binaries, ~0.7 s) does not wait for it; the thread finishes and remembers
     # the result on disk for the next process.
-    key = await anyio.to_thread.run_sync(_triton_toolchain.triton_key, memo_dir, abandon_on_cancel=True)
+    with _pacing.quick_switches():  # the walk of Triton's sources is Python, beside the loop
+        key = await anyio.to_thread.run_sync(_triton_toolchain.triton_key, memo_dir, abandon_on_cancel=True)
     return {"triton_key": key}
 
 
@@ -310,7 +312,8 @@ async def _once(key: Any, done: Callable[[], Any], work: Callable[..., Any], *ar
             return result
     event = _in_progress[key] = anyio.Event()
     try:
-        return await asyncio.get_running_loop().run_in_executor(_parse_thread(), work, *args)
+        with _pacing.quick_switches():
+            return await asyncio.get_running_loop().run_in_executor(_parse_thread(), work, *args)
     finally:
         del _in_progress[key]
         event.set()
