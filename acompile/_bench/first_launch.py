@@ -254,6 +254,15 @@ def main(argv: list[str] | None = None) -> int:
         f"  acompile / Triton: after set-up {ours['after_setup_s'] / theirs['after_setup_s']:.2f}x, "
         f"from interpreter start {ours['from_start_s'] / theirs['from_start_s']:.2f}x"
     )
+    measured_runs = {side: runs[side][1 : args.repeat + 1] for side in CHILDREN}
+    whole = {side: [r["from_start_s"] * 1000 for r in measured_runs[side]] for side in CHILDREN}
+    paired = [a - t for a, t in zip(whole["acompile"], whole["triton"], strict=True)]
+    print(
+        "  from interpreter start, run by run (the sides take turns), ms: "
+        f"acompile {', '.join(f'{v:.0f}' for v in whole['acompile'])}; "
+        f"Triton {', '.join(f'{v:.0f}' for v in whole['triton'])}; "
+        f"acompile minus Triton, turn by turn: median {statistics.median(paired):+.0f} ms"
+    )
     print(
         "  set-up, the same on both sides (start and imports; launch arguments and CUDA context): "
         f"acompile's processes {ours['imports_s']:.1f} + {ours['arguments_s']:.1f} ms, "
