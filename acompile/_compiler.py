@@ -769,13 +769,14 @@ class CompilePool:
                     try:
                         kernel = await backend.load(request, entry, self._cache.root)
                     except CorruptEntry as exc:
-                        # Just compiled (or from another replica), and not loadable here: no
-                        # cache's damage, and compiling again would make the same.
+                        # Just compiled here (or by another replica), and not loadable here:
+                        # compiling again would make the same. Not kept for the next process.
+                        await self._cache.local.delete(request.key)
+                        made = "compiled" if tier == "compile" else f"from the {tier} tier"
                         raise CompileError(
-                            f"{request.name} compiled, but the result cannot be "
-                            f"loaded here ({exc}): a compiler and a loader that do not match "
-                            "(another Triton version's entry from a shared cache, or a bug); "
-                            "please report it",
+                            f"{request.name} {made}, but the result cannot be loaded here "
+                            f"({exc}): a compiler and a loader that do not match (a shared "
+                            "cache's entry from another installation, or a bug); please report it",
                             kernel=request.name,
                             backend=entry.backend,
                         ) from exc

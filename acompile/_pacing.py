@@ -111,7 +111,13 @@ QUICK_SWITCH = 0.0005
 
 _switch_lock = threading.Lock()
 _switch_holders = 0
-_switch_saved: float | None = None
+# The interval to put back, in whole microseconds: the interpreter keeps whole microseconds and
+# truncates what it is given, so a float read back and set again could lose one.
+_switch_saved: int | None = None
+
+
+def _microseconds(seconds: float) -> int:
+    return round(seconds * 1e6)
 
 
 @contextlib.contextmanager
@@ -124,8 +130,8 @@ def quick_switches() -> Iterator[None]:
     with _switch_lock:
         _switch_holders += 1
         if _switch_holders == 1:
-            current = sys.getswitchinterval()
-            if current > QUICK_SWITCH:
+            current = _microseconds(sys.getswitchinterval())
+            if current > _microseconds(QUICK_SWITCH):
                 _switch_saved = current
                 sys.setswitchinterval(QUICK_SWITCH)
     try:
@@ -134,7 +140,7 @@ def quick_switches() -> Iterator[None]:
         with _switch_lock:
             _switch_holders -= 1
             if _switch_holders == 0 and _switch_saved is not None:
-                # Ours still (getswitchinterval reads back what was set, rounded to microseconds).
-                if abs(sys.getswitchinterval() - QUICK_SWITCH) < 1e-6:
-                    sys.setswitchinterval(_switch_saved)
+                if _microseconds(sys.getswitchinterval()) == _microseconds(QUICK_SWITCH):  # ours still
+                    # Half a microsecond over, so that the truncation lands on the value saved.
+                    sys.setswitchinterval((_switch_saved + 0.5) / 1e6)
                 _switch_saved = None

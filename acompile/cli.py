@@ -241,14 +241,10 @@ def _warmup(args: argparse.Namespace) -> int:
     if args.target is not None and not args.target.strip():
         print("acompile warmup: --target is empty; pass one such as --target cuda:90", file=sys.stderr)
         return 2
-    if args.json_path and not args.json_path.parent.exists():
-        # Checked before the work, and not made: a mistyped path would make folders nobody
-        # asked for (as cache export).
-        print(
-            f"acompile warmup: cannot write --json {args.json_path}: there is no folder "
-            f"{args.json_path.parent} (create it first)",
-            file=sys.stderr,
-        )
+    if args.json_path is not None and (problem := _report_path_problem(args.json_path)):
+        # Checked before the work; a missing folder is not made: a mistyped path would make
+        # folders nobody asked for (as cache export).
+        print(f"acompile warmup: cannot write --json {args.json_path}: {problem}", file=sys.stderr)
         return 2
     try:
         specs = load_manifest(args.manifest)
@@ -274,6 +270,23 @@ def _warmup(args: argparse.Namespace) -> int:
         _Progress.end_line()
         print("acompile warmup: interrupted", file=sys.stderr)
         return 130
+
+
+def _report_path_problem(path: Path) -> str | None:
+    """Why a report cannot be written at path, as far as can be told before writing; None if
+    nothing is wrong (a write can still fail: a full disk)."""
+    folder = path.parent
+    if not str(path).strip() or path.is_dir():
+        return "that is a folder; name a file"
+    if not folder.exists():
+        return f"there is no folder {folder} (create it first)"
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"the folder {folder} cannot be written by this user"
+    if path.exists() and not os.access(path, os.W_OK):
+        return "the file cannot be written by this user"
+    return None
 
 
 _SHARED_URL_FORMS = (

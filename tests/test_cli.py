@@ -114,8 +114,8 @@ def test_warmup_fails_when_its_kernels_cannot_reach_the_cache_folder(tmp_path: P
 
 
 def test_warmup_whose_json_report_cannot_be_written_says_so_after_warming_up(tmp_path: Path) -> None:
-    (tmp_path / "a-file").write_text("")
-    report = tmp_path / "a-file" / "report.json"
+    # What no check before the work can see: a full disk (/dev/full takes no byte).
+    report = Path("/dev/full")
     out = acompile_cmd(
         "warmup", str(ROOT / "examples" / "manifest.toml"), "--cache-dir", str(tmp_path / "cache"),
         "--json", str(report),
@@ -132,11 +132,20 @@ def test_warmup_refuses_an_empty_target_and_a_json_report_in_a_missing_folder_be
     cache = tmp_path / "cache"
     out = acompile_cmd("warmup", manifest, "--cache-dir", str(cache), "--target", "")
     assert out.returncode == 2 and "--target is empty" in out.stderr, out.stderr
-    report = tmp_path / "no-such-folder" / "report.json"
-    out = acompile_cmd("warmup", manifest, "--cache-dir", str(cache), "--json", str(report))
-    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
-    assert f"there is no folder {report.parent} (create it first)" in out.stderr, out.stderr
-    assert not report.parent.exists() and not cache.exists()  # nothing made, nothing compiled
+    (tmp_path / "a-file").write_text("")
+    cases = {
+        str(
+            tmp_path / "no-such-folder" / "r.json"
+        ): f"there is no folder {tmp_path / 'no-such-folder'} (create",
+        str(tmp_path): "that is a folder; name a file",
+        "": "that is a folder; name a file",
+        str(tmp_path / "a-file" / "r.json"): f"{tmp_path / 'a-file'} is not a folder",
+    }
+    for report, says in cases.items():
+        out = acompile_cmd("warmup", manifest, "--cache-dir", str(cache), "--json", report)
+        assert out.returncode == 2, (report, out.stdout[-2000:] + out.stderr[-2000:])
+        assert says in out.stderr and "Traceback" not in out.stderr, (report, out.stderr)
+    assert not (tmp_path / "no-such-folder").exists() and not cache.exists()  # nothing made or compiled
 
 
 def test_warmup_explains_a_bad_manifest(tmp_path: Path) -> None:

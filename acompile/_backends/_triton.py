@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import CodeType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import anyio
 
@@ -284,8 +284,30 @@ async def _resolve_kernel(spec: TritonSpec) -> tuple[Any, dict[str, Any] | None]
     raise InvalidSpecError(f"expected a @triton.jit function or a source string, got {type(fn).__name__}")
 
 
-_in_progress: dict[Any, anyio.Event] = {}
+_T = TypeVar("_T")
+_loops_lock = threading.Lock()
+
+
+def _this_loops(
+    table: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _T], make: Callable[[], _T]
+) -> _T:
+    """The running event loop's own value in table, made the first time. What tasks wait on
+    (events, limiters) belongs to one loop, and pools on loops in several threads of a process
+    run at the same time."""
+    loop = asyncio.get_running_loop()
+    with _loops_lock:
+        value = table.get(loop)
+        if value is None:
+            value = table[loop] = make()
+    return value
+
+
+# The parses each loop's tasks wait for, by key (the parse thread is one for all loops).
+_in_progress: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Any, anyio.Event]] = (
+    weakref.WeakKeyDictionary()
+)
 _parser: tuple[int, ThreadPoolExecutor] | None = None
+_parser_lock = threading.Lock()
 
 
 def _parse_thread() -> ThreadPoolExecutor:
@@ -297,25 +319,28 @@ def _parse_thread() -> ThreadPoolExecutor:
     loop between two of them costs more than the parsing itself.
     """
     global _parser
-    if _parser is None or _parser[0] != os.getpid():
-        _parser = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="acompile-parse"))
-    return _parser[1]
+    with _parser_lock:  # pools on loops in several threads: still one
+        if _parser is None or _parser[0] != os.getpid():
+            _parser = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="acompile-parse"))
+        return _parser[1]
 
 
 async def _once(key: Any, done: Callable[[], Any], work: Callable[..., Any], *args: Any) -> Any:
     """Run work(*args) on the parsing thread, once for all the tasks that ask for key at the
-    same time; the others wait and then read the result with done()."""
-    while (pending := _in_progress.get(key)) is not None:
+    same time on this event loop; the others wait and then read the result with done()."""
+    loop = asyncio.get_running_loop()
+    waits = _this_loops(_in_progress, dict)
+    while (pending := waits.get(key)) is not None:
         await pending.wait()
         result = done()
         if result is not None:
             return result
-    event = _in_progress[key] = anyio.Event()
+    event = waits[key] = anyio.Event()
     try:
         with _pacing.quick_switches():
-            return await asyncio.get_running_loop().run_in_executor(_parse_thread(), work, *args)
+            return await loop.run_in_executor(_parse_thread(), work, *args)
     finally:
-        del _in_progress[key]
+        del waits[key]
         event.set()
 
 
@@ -383,7 +408,10 @@ _source_memo: OrderedDict[tuple[str, str | None], tuple[list[str], SourceKernel 
 # seconds); a caller's own deadline usually comes first.
 SOURCE_RUN_SECONDS = 300.0
 # Source strings run at most this many at once, each in its own process.
-_probe_limiter = anyio.CapacityLimiter(max(2, os.cpu_count() or 2))
+# Source-string processes running at once, per event loop.
+_probe_limiters: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, anyio.CapacityLimiter] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 async def _kernel_from_text(text: str, kernel_name: str | None) -> tuple[Any, dict[str, Any]]:
@@ -419,22 +447,26 @@ async def _digest(text: str) -> str:
     return await anyio.to_thread.run_sync(lambda: hashlib.sha256(text.encode()).hexdigest())
 
 
-_in_flight: dict[Any, anyio.Event] = {}
+# The source strings each loop's tasks wait for, by key.
+_in_flight: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Any, anyio.Event]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 async def _once_async(key: Any, done: Callable[[], Any], work: Callable[..., Any], *args: Any) -> Any:
     """await work(*args) once for all the tasks that ask for key at the same time; the others
     wait and read the result with done(). If the one doing it is cancelled, another takes over."""
-    while (pending := _in_flight.get(key)) is not None:
+    waits = _this_loops(_in_flight, dict)
+    while (pending := waits.get(key)) is not None:
         await pending.wait()
         result = done()
         if result is not None:
             return result
-    event = _in_flight[key] = anyio.Event()
+    event = waits[key] = anyio.Event()
     try:
         return await work(*args)
     finally:
-        del _in_flight[key]
+        del waits[key]
         event.set()
 
 
@@ -446,7 +478,7 @@ async def _probe(
         {"text": text, "filename": filename, "kernel_name": memo[1], "sys_path": list(sys.path)}
     )
     env = dict(os.environ, ACOMPILE_PARENT_PID=str(os.getpid()))
-    async with _probe_limiter:
+    async with _this_loops(_probe_limiters, lambda: anyio.CapacityLimiter(max(2, os.cpu_count() or 2))):
         stderr = await anyio.to_thread.run_sync(tempfile.TemporaryFile)
         try:
             answer, code = await _run_probe(request, env, stderr)
