@@ -193,6 +193,10 @@ INTACT_BUT_UNLOADABLE = {
     "shared-float": ("shared", _metadata_edit(lambda md: md.update(shared=0.5))),
     "scratch-null": ("global_scratch_size", _metadata_edit(lambda md: md.update(global_scratch_size=None))),
     "launch_pdl-missing": ("launch_pdl", _metadata_edit(lambda md: md.pop("launch_pdl"))),
+    "global_scratch_size-missing": (
+        "global_scratch_size",
+        _metadata_edit(lambda md: md.pop("global_scratch_size")),
+    ),
     "tmem_size-negative": ("tmem_size", _metadata_edit(lambda md: md.update(tmem_size=-5))),
     "scratch_align-zero": (
         "global_scratch_align",

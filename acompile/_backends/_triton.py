@@ -1056,9 +1056,10 @@ _OPTIONAL: frozenset[type] = frozenset({_Absent, type(None)})
 # no count of warps) it needs: ``CompiledKernel`` (hash, name), the backend's ``pack_metadata``
 # (num_warps, num_ctas, shared), ``CompiledKernel._init_handles`` (shared, tmem_size, num_warps,
 # warp_size) and the CUDA launcher (the scratch sizes and alignments, the launch flags,
-# tensordesc_meta). Triton 3.6 to 3.9 write each of them (but launch_pdl, which only CUDA's
-# backend writes and its launcher reads: _CUDA_FIELD_TYPES); the last two are read only where
-# present. Checked at every load, with the text stages' UTF-8 (see below): ~7 us a kernel,
+# tensordesc_meta). Triton 3.6 to 3.9 write each of them for CUDA; the last two are read only
+# where present. AMD's metadata has fewer (Triton 3.6's no global scratch, no launch_pdl in any):
+# for other backends than CUDA, the launcher's fields are checked where present.
+# Checked at every load, with the text stages' UTF-8 (see below): ~7 us a kernel,
 # measured (0.5 ms for a warm start of 68 kernels that takes ~50 ms), where building the
 # CompiledKernel costs ~0.1 ms (which is why that waits for first use).
 _FIELD_TYPES: dict[str, frozenset[type]] = {
@@ -1068,16 +1069,17 @@ _FIELD_TYPES: dict[str, frozenset[type]] = {
     "num_ctas": _INT,
     "shared": _INT,
     "warp_size": _INT,
+    "tmem_size": _OPTIONAL | _INT,
+    "tensordesc_meta": _OPTIONAL | frozenset({list}),
+}
+_CUDA_FIELD_TYPES: dict[str, frozenset[type]] = {
     "global_scratch_size": _INT,
     "global_scratch_align": _INT,
     "profile_scratch_size": _INT,
     "profile_scratch_align": _INT,
     "launch_cooperative_grid": _FLAG,
-    "tmem_size": _OPTIONAL | _INT,
-    "tensordesc_meta": _OPTIONAL | frozenset({list}),
+    "launch_pdl": _FLAG,
 }
-# AMD's metadata has no programmatic-dependent-launch flag.
-_CUDA_FIELD_TYPES: dict[str, frozenset[type]] = {"launch_pdl": _FLAG}
 # A launch of no warps or a negative size fails only on the GPU, as a CUDA error at launch, and
 # an alignment under 1 only in the allocator the launcher hands it to. No upper bound on
 # num_warps (nor a power of two): with warp specialization it is the total of every partition's.
@@ -1113,10 +1115,10 @@ def _kernel_metadata(entry: Entry, target: Target) -> Any:
         if type(warp_size) is not int:
             raise TypeError(f"target warp_size is {_show(warp_size)}")
         metadata["target"] = GPUTarget(backend, arch, warp_size)
-        fields_read = _FIELD_TYPES.items()
-        if backend == "cuda":
-            fields_read = [*fields_read, *_CUDA_FIELD_TYPES.items()]  # type: ignore[assignment]
-        for name, types in fields_read:
+        launcher_fields = _CUDA_FIELD_TYPES.items()
+        if backend != "cuda":  # read where present
+            launcher_fields = {n: t | _OPTIONAL for n, t in launcher_fields}.items()
+        for name, types in [*_FIELD_TYPES.items(), *launcher_fields]:
             value = metadata.get(name, _ABSENT)
             if type(value) not in types:
                 if value is _ABSENT:
