@@ -903,7 +903,9 @@ def test_a_pool_imports_nothing_once_acompile_is_imported(runner: str) -> None:
         "    async with acompile.CompilePool(1, preload=(), target='cuda:90', cache_dir=tempfile.mkdtemp()) as p:\n"
         "        await run_job(p, 'fake_backend', {'name': 'p', 'action': 'pid'}, 'p')\n"
         "        await asyncio.sleep(0.6)  # the pool's watchers sample its processes\n"
-        "    print(sorted(set(sys.modules) - before))\n"
+        # Where a GPU driver is and this machine built acompile's launcher, a pool for a CUDA
+        # target imports it as it starts, on a thread of its own (see _launcher.prepare).
+        "    print(sorted(set(sys.modules) - before - {'acompile._launch'}))\n"
         f"{runner}\n"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
