@@ -422,6 +422,9 @@ class DictTier:
     async def take_lease(self, key: str, ttl: float) -> bool | None:
         return self.leases.setdefault(key, "us") == "us"
 
+    async def renew_lease(self, key: str, ttl: float) -> bool:
+        return self.leases.get(key) == "us"
+
     async def release_lease(self, key: str) -> None:
         if self.leases.get(key) == "us":
             del self.leases[key]

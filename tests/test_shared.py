@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 import pytest
 from conftest import TARGET, RedisServer, subprocess_env
-from kernels_for_tests import ADD_SIG, add_kernel
+from kernels_for_tests import ADD_SIG, add_kernel, slow_to_compile_kernel
 
 import acompile
 from acompile._cache._entry import decode
@@ -151,6 +151,42 @@ async def test_fleet_single_flight_one_replica_compiles(tmp_path: Path, redis_se
         assert results["a"][1] == "compile" and results["b"][1] == "shared"
         assert results["a"][0].key == results["b"][0].key
         assert b.stats()["compiled"] == compiled and b.stats()["cache"]["fleet_waits"] == 1
+
+
+async def test_a_lease_outlives_a_job_queued_past_its_ttl(tmp_path: Path, redis_server: RedisServer) -> None:
+    """Replica a takes the lease on a kernel whose job then waits in a's queue (its one worker
+    busy with a slow compile) longer than a lease lasts (1 s here). a renews it, so replica b,
+    asking later, waits for a's entry instead of compiling the kernel too."""
+    client: Any = redis_server.client()
+    slow = acompile.TritonSpec(slow_to_compile_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32"}, {"N": 300})
+    async with pool(tmp_path / "a", redis_server) as a, pool(tmp_path / "b", redis_server) as b:
+        for p in (a, b):
+            p._cache.lease_ttl = 1.0  # a private knob: 30 s and more in a pool
+        await a.wait_ready()
+        await b.wait_ready()
+        await b.compile(spec(128))  # b's one-time costs, paid before the race
+        results: dict[str, tuple[Any, str]] = {}
+
+        async def ask(name: str, p: acompile.CompilePool, s: acompile.TritonSpec) -> None:
+            results[name] = await p.compile_with_tier(s)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask, "slow", a, slow)
+            with anyio.fail_after(10):
+                while a.stats()["workers"]["busy"] < 1:  # noqa: ASYNC110 - watching the pool
+                    await anyio.sleep(0.01)
+            tg.start_soon(ask, "a", a, spec(8192))  # its lease is taken now; its job waits
+            with anyio.fail_after(10):
+                while len([k for k in client.keys("*") if b"lease" in k]) < 2:  # noqa: ASYNC110 - watching Redis
+                    await anyio.sleep(0.005)
+            await anyio.sleep(2.5)  # more than twice the lease's life
+            assert "a" not in results, "a compiled it before b asked: the slow kernel was too fast"
+            assert len([k for k in client.keys("*") if b"lease" in k]) == 2  # both renewed
+            compiled = b.stats()["compiled"]
+            tg.start_soon(ask, "b", b, spec(8192))
+        waits = b.stats()["cache"]["fleet_waits"]
+    assert results["a"][1] == "compile" and results["b"][1] == "shared", results
+    assert b.stats()["compiled"] == compiled and waits == 1
 
 
 async def test_a_lease_left_by_a_dead_replica_does_not_block_forever(

@@ -202,6 +202,12 @@ class TierChain:
                 if entry is not None:
                     return entry, leases.name
                 lease = await leases.take_lease(key, ttl=self.lease_ttl)
+        # A job can wait in the queue (a storm, a paused pool) for longer than the lease lasts:
+        # the lease is renewed while this replica has not published, so that the others keep
+        # waiting for it instead of compiling the same kernel.
+        renewing = anyio.CancelScope()
+        if lease and leases is not None and self._tg is not None:
+            self._tg.start_soon(self._keep_lease, leases, key, renewing)
         try:
             data = await compile()
             # The worker built it a moment ago: its checksum says nothing new.
@@ -211,8 +217,19 @@ class TierChain:
             if lease and leases is not None:
                 self._later(leases.release_lease, key)
             raise
+        finally:
+            renewing.cancel()
         self._publish(key, data, release_lease=True)
         return entry, "compile"
+
+    async def _keep_lease(self, leases: LeaseTier, key: str, scope: anyio.CancelScope) -> None:
+        """Renew this replica's lease on key every third of its life, until scope is cancelled
+        or the lease is not ours any more."""
+        with scope:
+            while True:
+                await anyio.sleep(self.lease_ttl / 3)
+                if not await leases.renew_lease(key, self.lease_ttl):
+                    return
 
     # -- records ---------------------------------------------------------------------------------
 

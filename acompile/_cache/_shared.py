@@ -23,8 +23,9 @@ skip); any success turns the tier back on at once.
 A lease holds its owner and its expiry (wall clock), signed like entries; a reader honours only
 a lease that verifies and has not expired (and expires within ``_LEASE_HORIZON``), so a planted
 key (no TTL, garbage, another key's) never makes a replica wait. The replica that takes the lease
-compiles and publishes; the others poll for the entry, and compile themselves if it does not
-come in time or the lease goes away (a replica that died mid-compile lets its lease expire).
+compiles and publishes, renewing the lease every third of its life until then (its job may wait
+in a queue); the others poll for the entry, and compile themselves if it does not come in time
+or the lease goes away (a replica that died mid-compile stops renewing, and its lease expires).
 """
 
 from __future__ import annotations
@@ -458,6 +459,21 @@ class SharedTier:
         if not ok:
             return None
         return False if self._lease_holder(key, holder) is not None else None
+
+    async def renew_lease(self, key: str, ttl: float) -> bool:
+        """Extend this replica's lease on ``key`` to ``ttl`` from now. False where it is not
+        ours any more (released, or expired and taken by another replica) or the tier cannot be
+        reached: then nothing is written."""
+        ok, holder = await self._call("lease", self.cache.get, self._lease_name(key))
+        if not ok or holder is None or self._lease_holder(key, holder) != self.owner:
+            return False
+        value = self.lease_value(key, self.owner, time.time() + ttl)
+        # multi_set: a value and its TTL in one transaction on Redis (aiocache's set with a TTL
+        # goes through redis-py's deprecated SETEX).
+        ok, _ = await self._call(
+            "lease", self.cache.multi_set, [(self._lease_name(key), value)], ttl=max(1, int(ttl))
+        )
+        return ok
 
     async def release_lease(self, key: str) -> None:
         ok, holder = await self._call("lease", self.cache.get, self._lease_name(key))
