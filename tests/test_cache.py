@@ -433,6 +433,38 @@ class DictTier:
         return self.leases.get(key, "us") != "us"
 
 
+async def test_a_lease_is_renewed_through_the_tiers_faults_until_it_is_another_replicas(
+    tmp_path: Path,
+) -> None:
+    class Flaky(DictTier):
+        """Renewals answer: no word (a fault), no word, renewed, another replica's."""
+
+        def __init__(self) -> None:
+            super().__init__("far")
+            self.answers: list[bool | None] = [None, None, True, False]
+            self.renewals = 0
+
+        async def renew_lease(self, key: str, ttl: float) -> bool | None:
+            self.renewals += 1
+            return self.answers.pop(0) if self.answers else True
+
+    far = Flaky()
+    chain = TierChain(MemoryTier(4), GuardedDisk(tmp_path), [far], fleet_wait=1.0, lease_ttl=0.06)
+    await chain.open()
+    key = "d4" * 32
+
+    async def compile() -> bytes:
+        await anyio.sleep(0.5)  # 25 turns of renewal
+        return chain_entry(key)
+
+    async with anyio.create_task_group() as tg:
+        chain.start(tg)
+        _, tier = await chain.compile_once(key, compile)
+        await chain.drain(5)
+        tg.cancel_scope.cancel()
+    assert tier == "compile" and far.renewals == 4  # past the faults, not past another's lease
+
+
 def chain_entry(key: str, name: str = "k") -> bytes:
     return Entry(key=key, backend="triton", name=name, blobs={"b": b"x"}, meta={}).encode()
 

@@ -221,6 +221,37 @@ async def test_leases_that_are_not_to_be_honoured_are_ignored(
         assert not await replica.lease_held(k)
 
 
+async def test_a_lease_is_renewed_only_while_it_is_this_replicas(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    k = cache_key(11)
+    async with tier(redis_server, None) as shared:
+        name = f"acompile:lease:{shared.namespace}:{k}"
+        replica = SharedTier(shared.cache, None)  # another replica, on the same server
+        assert await shared.take_lease(k, ttl=2) is True
+        assert await shared.renew_lease(k, ttl=30) is True and 2 < client(redis_server).ttl(name) <= 30
+        # Gone (it expired while the server was unreachable, say): taken again.
+        client(redis_server).delete(name)
+        assert await shared.renew_lease(k, ttl=30) is True and await replica.lease_held(k)
+        # Another replica's: left alone.
+        theirs = replica.lease_value(k, replica.owner, time.time() + 60)
+        client(redis_server).set(name, theirs, ex=60)
+        assert await shared.renew_lease(k, ttl=30) is False and client(redis_server).get(name) == theirs
+        # Taken over between this replica's read and its write (the read is made to return the
+        # value it held before): the compare-and-set leaves the other replica's lease alone.
+        mine = shared.lease_value(k, shared.owner, time.time() + 60)
+
+        async def read_before_the_takeover(*args: Any, **kwargs: Any) -> bytes:
+            return mine
+
+        monkeypatch.setattr(shared.cache, "get", read_before_the_takeover)
+        assert await shared.renew_lease(k, ttl=30) is False and client(redis_server).get(name) == theirs
+        monkeypatch.undo()
+        # The server down: nothing to say (None), so the holder tries again at its next turn.
+        redis_server.stop()
+        assert await shared.renew_lease(k, ttl=30) is None
+
+
 async def test_every_fault_is_a_miss(redis_server: RedisServer) -> None:
     class Broken:
         serializer: Any = None

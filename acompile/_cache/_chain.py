@@ -224,11 +224,13 @@ class TierChain:
 
     async def _keep_lease(self, leases: LeaseTier, key: str, scope: anyio.CancelScope) -> None:
         """Renew this replica's lease on key every third of its life, until scope is cancelled
-        or the lease is not ours any more."""
+        or the lease is another replica's. A fault of the tier (an outage, its back-off) is
+        tried again at the next turn: a lease that expired meanwhile is taken again if nobody
+        else took it."""
         with scope:
             while True:
                 await anyio.sleep(self.lease_ttl / 3)
-                if not await leases.renew_lease(key, self.lease_ttl):
+                if await leases.renew_lease(key, self.lease_ttl) is False:
                     return
 
     # -- records ---------------------------------------------------------------------------------

@@ -460,20 +460,34 @@ class SharedTier:
             return None
         return False if self._lease_holder(key, holder) is not None else None
 
-    async def renew_lease(self, key: str, ttl: float) -> bool:
-        """Extend this replica's lease on ``key`` to ``ttl`` from now. False where it is not
-        ours any more (released, or expired and taken by another replica) or the tier cannot be
-        reached: then nothing is written."""
-        ok, holder = await self._call("lease", self.cache.get, self._lease_name(key))
-        if not ok or holder is None or self._lease_holder(key, holder) != self.owner:
+    async def renew_lease(self, key: str, ttl: float) -> bool | None:
+        """Extend this replica's lease on ``key`` to ``ttl`` from now. True: renewed (or taken
+        again where it was gone: it expired while the tier was unreachable); False: it is
+        another replica's, or unreadable (nothing is written; stop renewing); None: the tier
+        could not say (a fault, its back-off, a busy client: try again later).
+
+        On Redis the write is a compare-and-set (one script: set it only if it still holds the
+        value read), so a lease that expired and was taken by another replica in between is
+        never overwritten. Memcached has no such command through aiocache: there, a lease taken
+        over between the read and the write (a window of one round trip) is overwritten."""
+        name = self._lease_name(key)
+        ok, holder = await self._call("lease", self.cache.get, name)
+        if not ok:
+            return None
+        if holder is None:
+            return await self.take_lease(key, ttl)
+        if self._lease_holder(key, holder) != self.owner:
             return False
         value = self.lease_value(key, self.owner, time.time() + ttl)
-        # multi_set: a value and its TTL in one transaction on Redis (aiocache's set with a TTL
-        # goes through redis-py's deprecated SETEX).
-        ok, _ = await self._call(
-            "lease", self.cache.multi_set, [(self._lease_name(key), value)], ttl=max(1, int(ttl))
+        if "Memcached" in type(self.cache).__name__:
+            ok, _ = await self._call("lease", self.cache.multi_set, [(name, value)], ttl=max(1, int(ttl)))
+            return True if ok else None
+        ok, done = await self._call(
+            "lease", self.cache.set, name, value, ttl=max(1, int(ttl)), _cas_token=holder
         )
-        return ok
+        if not ok:
+            return None
+        return bool(done)  # no: it changed since it was read (another replica's now)
 
     async def release_lease(self, key: str) -> None:
         ok, holder = await self._call("lease", self.cache.get, self._lease_name(key))

@@ -55,8 +55,9 @@ class LeaseTier(Tier, Protocol):
     async def take_lease(self, key: str, ttl: float) -> bool | None:
         """True: ours to compile; False: another replica compiles it; None: no single flight."""
 
-    async def renew_lease(self, key: str, ttl: float) -> bool:
-        """Extend this replica's lease on ``key`` to ``ttl`` from now; False where it holds none."""
+    async def renew_lease(self, key: str, ttl: float) -> bool | None:
+        """Extend this replica's lease on ``key`` to ``ttl`` from now: True, renewed; False, it
+        is not this replica's (stop renewing); None, the tier could not say (try again)."""
 
     async def release_lease(self, key: str) -> None:
         """Give back this replica's lease on ``key`` (no-op where it holds none)."""
