@@ -241,9 +241,7 @@ def _warmup(args: argparse.Namespace) -> int:
     if args.target is not None and not args.target.strip():
         print("acompile warmup: --target is empty; pass one such as --target cuda:90", file=sys.stderr)
         return 2
-    if args.json_path is not None and (problem := _report_path_problem(args.json_path)):
-        # Checked before the work; a missing folder is not made: a mistyped path would make
-        # folders nobody asked for (as cache export).
+    if args.json_path is not None and (problem := _output_path_problem(args.json_path)):
         print(f"acompile warmup: cannot write --json {args.json_path}: {problem}", file=sys.stderr)
         return 2
     try:
@@ -272,20 +270,19 @@ def _warmup(args: argparse.Namespace) -> int:
         return 130
 
 
-def _report_path_problem(path: Path) -> str | None:
-    """Why a report cannot be written at path, as far as can be told before writing; None if
-    nothing is wrong (a write can still fail: a full disk)."""
+def _output_path_problem(path: Path) -> str | None:
+    """Why a file a command writes (a report, a bundle) cannot be written at path, as far as
+    can be told before the work; None if nothing is wrong (the write can still fail: a full
+    disk). A missing folder is not made: a mistyped path would make folders nobody asked for."""
     folder = path.parent
-    if not str(path).strip() or path.is_dir():
-        return "that is a folder; name a file"
+    if path.is_dir():
+        return "it is a folder: name a file"
     if not folder.exists():
         return f"there is no folder {folder} (create it first)"
     if not folder.is_dir():
         return f"{folder} is not a folder"
     if not os.access(folder, os.W_OK | os.X_OK):
         return f"the folder {folder} cannot be written by this user"
-    if path.exists() and not os.access(path, os.W_OK):
-        return "the file cannot be written by this user"
     return None
 
 
@@ -622,13 +619,8 @@ def _cache_export(args: argparse.Namespace, root: Path) -> int:
             file=sys.stderr,
         )
         return 2
-    folder = args.file.parent
-    if not folder.is_dir():
-        # Not made here: a mistyped path would make folders nobody asked for.
-        print(
-            f"acompile cache export: cannot write {args.file}: there is no folder {folder} (create it first)",
-            file=sys.stderr,
-        )
+    if problem := _output_path_problem(args.file):
+        print(f"acompile cache export: cannot write {args.file}: {problem}", file=sys.stderr)
         return 2
     from acompile._cache._shared import signing_key_from
 
@@ -643,12 +635,6 @@ def _cache_export(args: argparse.Namespace, root: Path) -> int:
         except AcompileError as exc:
             print(f"acompile cache export: {exc}", file=sys.stderr)
             return 2
-    if args.file.is_dir():
-        print(
-            f"acompile cache export: {args.file} is a folder: name the bundle file (a .tar.gz)",
-            file=sys.stderr,
-        )
-        return 2
     try:
         report = anyio.run(export_bundle, root, args.file, keys)
     except AcompileError as exc:

@@ -137,8 +137,8 @@ def test_warmup_refuses_an_empty_target_and_a_json_report_in_a_missing_folder_be
         str(
             tmp_path / "no-such-folder" / "r.json"
         ): f"there is no folder {tmp_path / 'no-such-folder'} (create",
-        str(tmp_path): "that is a folder; name a file",
-        "": "that is a folder; name a file",
+        str(tmp_path): "it is a folder: name a file",
+        "": "it is a folder: name a file",
         str(tmp_path / "a-file" / "r.json"): f"{tmp_path / 'a-file'} is not a folder",
     }
     for report, says in cases.items():
@@ -288,7 +288,7 @@ def test_cache_export_to_a_folder_or_an_unwritable_place_names_the_bundle(tmp_pa
     (tmp_path / "cache").mkdir()
     (tmp_path / "a-file").write_text("")
     cases = (
-        (tmp_path, 2, "is a folder: name the bundle file"),
+        (tmp_path, 2, "it is a folder: name a file"),
         (tmp_path / "a-file" / "b.tar.gz", 2, "cannot write"),
         # A missing folder is not made: a mistyped path would make folders nobody asked for.
         (tmp_path / "no-such" / "folder" / "b.tar.gz", 2, "there is no folder"),

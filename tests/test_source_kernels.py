@@ -115,13 +115,15 @@ async def test_a_deadline_stops_a_source_that_sleeps_or_spins(cache_dir: Path) -
 def test_a_source_strings_process_dies_with_the_pools_process_even_by_sigkill(tmp_path: Path) -> None:
     """The process running a source string's top-level code is the pool's process's child, not
     a worker's: killed with SIGKILL, the pool cannot stop it, so the kernel does."""
+    marker = tmp_path / "running"  # the source's top-level code is running (past the probe's start)
+    top = f"import time; open({str(marker)!r}, 'w').close(); time.sleep(3600)"
     script = textwrap.dedent(
         f"""
         import anyio, acompile
 
         async def main():
             async with acompile.CompilePool(1, target={TARGET!r}, cache_dir={str(tmp_path)!r}, prestart=False) as p:
-                await p.triton({source(top="import time; print('sleeping', flush=True); time.sleep(3600)")!r},
+                await p.triton({source(top=top)!r},
                                signature={{"x_ptr": "*fp32", "n": "i32"}})
 
         anyio.run(main)
@@ -135,16 +137,14 @@ def test_a_source_strings_process_dies_with_the_pools_process_even_by_sigkill(tm
     )
     try:
         deadline = time.monotonic() + 60
-        probes: list[psutil.Process] = []
-        while time.monotonic() < deadline and not probes:
-            probes = [
-                child
-                for child in psutil.Process(proc.pid).children(recursive=True)
-                if "_triton_probe" in " ".join(child.cmdline())
-            ]
-            time.sleep(0.05)
-        assert probes, "no process ran the source string"
-        time.sleep(0.5)  # past its start: inside the source's sleep
+        while time.monotonic() < deadline and not marker.exists():
+            time.sleep(0.01)
+        probes = [
+            child
+            for child in psutil.Process(proc.pid).children(recursive=True)
+            if "_triton_probe" in " ".join(child.cmdline())
+        ]
+        assert marker.exists() and probes, "no process ran the source string"
         proc.kill()
         proc.wait(timeout=10)
         deadline = time.monotonic() + 30  # generous: this tells "it dies" from "it stays"
