@@ -108,7 +108,11 @@ def compile(payload: dict[str, Any]) -> Any:
         return value
     if action == "hold":
         # Runs until the test creates the file named by "until": a job whose end the test decides,
-        # for tests that need a job still running while they do something else.
+        # for tests that need a job still running while they do something else. With "running",
+        # it first adds its pid to that file, a line per run: the test knows which worker runs it.
+        if payload.get("running"):
+            with open(payload["running"], "a") as f:
+                f.write(f"{os.getpid()}\n")
         while not os.path.exists(payload["until"]):
             time.sleep(0.005)
         return os.getpid() if payload.get("pid") else payload.get("value", "held")
