@@ -1159,7 +1159,7 @@ def _benchmark(
         if reset is not None:
             reset()
         # One timed iteration sizes the budgets, as in do_bench: the flush and the launch.
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]  # type: ignore[no-untyped-call]
         marks[0].record()
         flush.zero_()
         marks[1].record()
@@ -1174,8 +1174,8 @@ def _benchmark(
             if reset is not None:
                 reset()
             launch(*args)
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]  # type: ignore[no-untyped-call]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]  # type: ignore[no-untyped-call]
         for start, end in zip(starts, ends, strict=True):
             if reset is not None:
                 reset()

@@ -6,11 +6,13 @@ import asyncio
 import contextlib
 import contextvars
 import copy
+import functools
 import logging
 import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
@@ -29,12 +31,13 @@ from acompile._backends import BACKENDS, _launcher, backend_of, load_parent, wor
 from acompile._cache import CorruptEntry, GuardedDisk, MemoryTier, Tier, TierChain, default_cache_dir
 from acompile._cache._costs import CostFeatures
 from acompile._cache._shared import SharedTier, signing_key_from
-from acompile._errors import AcompileError, CompileError, PoolClosedError, PoolError
+from acompile._errors import AcompileError, CompileError, DeviceUnavailableError, PoolClosedError, PoolError
 from acompile._manifest import Recorder
 from acompile._observe import Tracer
 from acompile._progressive import BackgroundKernel, ProgressiveKernel
 from acompile._sizing import default_workers, parse_size, usable_cpus
 from acompile._targets import Target, local_target, parse_target
+from acompile._torch._portal import Portal
 from acompile._workers import (
     BACKGROUND,
     URGENT,
@@ -55,6 +58,7 @@ if TYPE_CHECKING:
     from acompile._backends._triton import TritonKernel, TritonSpec
     from acompile._farm import RayFarm
     from acompile._observe import Stats
+    from acompile._torch._host import Host as TorchHost
 
     # What a compile returns, by spec: TritonSpec -> TritonKernel, CppSpec -> SharedLibrary,
     # CudaSpec -> CudaModule, SharedLibrary or ObjectFile (by its output).
@@ -286,6 +290,9 @@ class CompilePool:
         self._local_workers = workers is not None  # with a farm: local workers asked for too
         self._workers: Executor | None = None
         self._workdir: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
+        self._portal: Portal | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -302,10 +309,19 @@ class CompilePool:
                 "asyncio.run() or anyio.run(main) (anyio's default backend), not on trio"
             ) from None
         self._state = "starting"
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         try:
             if self._target is None:
-                self._target = await anyio.to_thread.run_sync(local_target)
-            if self._target.backend == "cuda":
+                try:
+                    self._target = await anyio.to_thread.run_sync(local_target)
+                except DeviceUnavailableError:
+                    # Only Triton's preload compiles for the pool's target; a pool that serves
+                    # torch.compile alone (preload=("inductor",)) runs where there is no GPU,
+                    # and a request without a target of its own says so.
+                    if "triton" in self._preload:
+                        raise
+            if self._target is not None and self._target.backend == "cuda":
                 _launcher.prepare()  # imported off the first launch, where a GPU driver is
             await self._cache.open()
             for name in self._preload:
@@ -317,7 +333,7 @@ class CompilePool:
             config = {
                 "sys_path": list(sys.path),
                 "cwd": os.getcwd(),
-                "target": str(self._target),
+                "target": str(self._target) if self._target is not None else "",
                 "preload": list(dict.fromkeys(worker_module(name) for name in self._preload)),
                 "nice": self._worker_nice,
                 "bytecode_dir": bytecode,
@@ -364,6 +380,10 @@ class CompilePool:
             self._tg = anyio.create_task_group()
             await self._tg.__aenter__()
             self._cache.start(self._tg)  # write-behind runs in the pool's task group
+            # Torch's threads reach the pool through this (acompile.inductor.serve(pool)): its pump
+            # is one idle task.
+            self._portal = Portal(self._loop, self._loop_thread, self._tg.start_soon)
+            self._tg.start_soon(self._portal.pump)
         except BaseException:
             self._state = "closed"
             await self._remove_workdir()
@@ -402,6 +422,8 @@ class CompilePool:
         tb: TracebackType | None,
     ) -> None:
         self._state = "closed"
+        if self._portal is not None:
+            self._portal.close()  # torch's threads go on without the pool from now on
         if self._prestart_scope is not None:
             self._prestart_scope.cancel()  # leaving within the delay starts no worker
         assert self._tg is not None
@@ -901,6 +923,39 @@ class CompilePool:
         compile keeps the fallback (``bk.error`` says why).
         """
         return _progressive.background(self._progressive_host(), spec, fallback)
+
+    def _torch_host(self) -> TorchHost:
+        """What torch.compile served by this pool (``acompile.inductor.serve(pool)``) may use of
+        it: its tiers, its executor, a way in from torch's threads. Raises ``PoolClosedError``
+        outside ``async with``."""
+        from acompile._torch._host import Host
+
+        self._check_running()
+        assert self._portal is not None and self._workers is not None
+        shared = self._cache.tier("shared")
+        return Host(
+            portal=self._portal,
+            find=self._cache.find_record,
+            store=functools.partial(self._cache.put_record, backend="torch"),
+            claim=self._cache.claim,
+            release=self._cache.release,
+            run=self._run_traced,
+            wait_ready=self.wait_ready,
+            size=self._size,
+            shared=shared is not None,
+            signed=getattr(shared, "signing_key", None) is not None,
+            cache_root=self._cache.root,
+            fleet_wait=self._cache.fleet_wait,
+        )
+
+    async def _run_traced(self, job: Job) -> Any:
+        """A job of torch.compile's on the executor, in this pool's traces."""
+        start = time.perf_counter()
+        try:
+            return await self.executor.run(job)
+        finally:
+            if self._tracer is not None:
+                self._tracer.job(job, start, time.perf_counter())
 
     def _progressive_host(self) -> _progressive.Host:
         """What progressive and background compiles may use of this pool (it must be running):

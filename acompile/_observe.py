@@ -150,6 +150,17 @@ class Tracer:
             )
         self.span("load", "requests", load[0], load[1], {"kernel": request.name})
 
+    def job(self, job: Any, start: float, end: float) -> None:
+        """A job run for torch.compile (no request of this pool's): its wait and its run."""
+        args = {"kernel": job.name, "job": job.id}
+        self.span(f"{job.name} (torch.compile)", "requests", start, end, args)
+        if job.started_at:
+            self.span("queue wait", "requests", job.queued_at, job.started_at, args)
+            worker = f"worker pid {job.worker_pid}"
+            self.span(
+                job.name, worker, job.started_at, job.ended_at or end, {**args, "worker_pid": job.worker_pid}
+            )
+
     def document(self) -> dict[str, Any]:
         return {
             "traceEvents": list(self.events),

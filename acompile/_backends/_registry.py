@@ -70,6 +70,15 @@ BACKENDS: Mapping[str, BackendSpec] = _table(
         spec_classes=("acompile._backends._cuda.CudaSpec",),
     ),
     BackendSpec(
+        name="inductor",
+        parent="acompile._torch._parent",
+        worker="acompile._torch._worker",
+        requires="torch",
+        install='pip install "acompile[torch]"',
+        # Jobs come from torch.compile served (acompile.inductor.serve), never from a spec.
+        spec_classes=(),
+    ),
+    BackendSpec(
         name="cpp",
         parent="acompile._backends._cpp",
         worker="acompile._backends._native_worker",

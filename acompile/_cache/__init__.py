@@ -21,7 +21,7 @@ from acompile import _lazy
 # acompile._lazy); everywhere else, with the package.
 if _typing.TYPE_CHECKING or _lazy.eager(__name__):
     from acompile._cache._chain import TierChain
-    from acompile._cache._disk import DiskTier, GuardedDisk, default_cache_dir
+    from acompile._cache._disk import DiskTier, GuardedDisk, default_cache_dir, read_entry
     from acompile._cache._entry import CorruptEntry, Entry
     from acompile._cache._keys import make_key
     from acompile._cache._memory import MemoryTier
@@ -40,4 +40,5 @@ __all__ = [
     "TierChain",
     "default_cache_dir",
     "make_key",
+    "read_entry",
 ]

@@ -110,6 +110,8 @@ class TierChain:
         # The first tier that can hold leases: single flight across the fleet goes through it.
         self._lease_tier: LeaseTier | None = next((t for t in self.tiers if isinstance(t, LeaseTier)), None)
         self._tg: anyio.abc.TaskGroup | None = None
+        # Leases taken by claim() for work done outside the chain, by key: what stops renewing each.
+        self._claims: dict[str, anyio.CancelScope] = {}
         self._accepting = False
         self._pending = 0
         self._writes_done = anyio.Event()
@@ -141,8 +143,11 @@ class TierChain:
         self._accepting = True
 
     async def drain(self, seconds: float) -> None:
-        """Take no more records, and wait up to ``seconds`` (shielded) for write-behind work."""
+        """Take no more records, give back the leases ``claim()`` holds, and wait up to
+        ``seconds`` (shielded) for write-behind work."""
         self._accepting = False
+        for key in list(self._claims):
+            self.release(key)
         if self._pending:
             with anyio.move_on_after(seconds, shield=True):
                 while self._pending:
@@ -233,6 +238,49 @@ class TierChain:
                 if await leases.renew_lease(key, self.lease_ttl) is False:
                     return
 
+    async def claim(self, key: str) -> Entry | None:
+        """Single flight across the fleet for work done outside the chain (torch.compile's
+        graphs, which Inductor compiles between a miss and a ``put_record``).
+
+        None: nobody else is doing it; this replica holds the key's lease (where a tier can hold
+        one), renewed until ``put_record(key, ...)`` publishes it or ``release(key)`` gives it
+        back, and for ``fleet_wait`` at most (a compile that never stores its result must not
+        hold the others longer than they would wait anyway). Else the entry another replica
+        published while this one waited (up to ``fleet_wait``; then None, and no lease).
+        Faults of the tier are "nobody else": never raised."""
+        leases = self._lease_tier
+        if leases is None or key in self._claims:
+            return None
+        lease = await leases.take_lease(key, ttl=self.lease_ttl)
+        if lease is False:
+            self.counts["fleet_waits"] += 1
+            entry = await self._await_fleet(leases, key)
+            if entry is not None:
+                return entry
+            lease = await leases.take_lease(key, ttl=self.lease_ttl)
+        if lease and self._tg is not None and self._accepting:
+            scope = anyio.CancelScope(deadline=anyio.current_time() + self.fleet_wait)
+            self._claims[key] = scope
+            self._tg.start_soon(self._keep_claim, leases, key, scope)
+        return None
+
+    async def _keep_claim(self, leases: LeaseTier, key: str, scope: anyio.CancelScope) -> None:
+        await self._keep_lease(leases, key, scope)
+        if self._claims.get(key) is scope:
+            # Renewed for as long as it may be (fleet_wait), or another replica's now: let it go
+            # (release_lease leaves a lease that is not this replica's alone).
+            del self._claims[key]
+            self._later(leases.release_lease, key)
+
+    def release(self, key: str) -> None:
+        """Give back the lease ``claim(key)`` took (no-op where it took none), in the background."""
+        scope = self._claims.pop(key, None)
+        if scope is None:
+            return
+        scope.cancel()
+        if self._lease_tier is not None:
+            self._later(self._lease_tier.release_lease, key)
+
     # -- records ---------------------------------------------------------------------------------
 
     async def spread(self, key: str) -> tuple[int, int]:
@@ -263,17 +311,27 @@ class TierChain:
         """A small record (not a kernel) from the byte tiers, in order: autotuning choices and
         similar decisions, reused by other processes and replicas. Not counted as a hit.
         Raises ``PoolClosedError`` outside the pool's life."""
-        self._check_accepting()
-        entry, _ = await self._find(key)
+        entry, _ = await self.find_record(key)
         return entry
 
-    async def put_record(self, key: str, name: str, blobs: dict[str, bytes], meta: dict[str, Any]) -> None:
-        """Store a small record under ``key``: on the local tier now, in the others in the
-        background. Raises ``PoolClosedError`` outside the pool's life."""
+    async def find_record(self, key: str) -> tuple[Entry | None, str]:
+        """``get_record``, and the name of the tier it came from (``""`` for none)."""
         self._check_accepting()
-        data = Entry(key=key, backend="record", name=name, blobs=blobs, meta=meta).encode()
+        return await self._find(key)
+
+    async def put_record(
+        self, key: str, name: str, blobs: dict[str, bytes], meta: dict[str, Any], *, backend: str = "record"
+    ) -> None:
+        """Store a record under ``key``: on the local tier now, in the others in the
+        background; a lease ``claim(key)`` holds is given back once they have it. Raises
+        ``PoolClosedError`` outside the pool's life."""
+        self._check_accepting()
+        data = Entry(key=key, backend=backend, name=name, blobs=blobs, meta=meta).encode()
         await self.local.set(key, data)
-        self._publish(key, data, release_lease=False)
+        claimed = self._claims.pop(key, None)
+        if claimed is not None:
+            claimed.cancel()  # publish() below gives the lease back once the entry is out
+        self._publish(key, data, release_lease=claimed is not None)
 
     # -- stats -----------------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ import anyio
 
 from acompile._cache import _entry
 from acompile._cache._entry import CorruptEntry, Entry
-from acompile._cache._layout import entries_dir, temp_path, toolchain_dir
+from acompile._cache._layout import entries_dir, is_key, temp_path, toolchain_dir
 from acompile._sizing import usable_cpus
 
 logger = logging.getLogger("acompile")
@@ -183,6 +183,17 @@ def _read_entry(path: str, key: str) -> Entry | None:
     ``NotAnEntryFile`` or ``OSError``."""
     data = _read_file(path)
     return None if data is None else _entry.decode(data, key)
+
+
+def read_entry(root: str | os.PathLike[str], key: str) -> Entry | None:
+    """The verified entry ``key`` of the cache folder ``root``, or None where there is none or
+    it is damaged (blocking: for processes without an event loop, such as a pool's workers)."""
+    if not is_key(key):
+        return None
+    try:
+        return _read_entry(os.path.join(entries_dir(Path(root)), key[:2], key), key)
+    except (CorruptEntry, OSError):
+        return None
 
 
 class _EntryReader:

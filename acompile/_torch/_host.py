@@ -1,0 +1,51 @@
+"""What a running ``CompilePool`` lends the served torch.compile: built by the pool
+(``CompilePool._torch_host``), so that nothing here reaches into the pool's insides."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from acompile._cache import Entry
+    from acompile._torch._portal import Portal
+    from acompile._workers import Job
+
+
+@dataclass(frozen=True)
+class Host:
+    """A running pool's parts, as the served code uses them (every coroutine function runs on
+    the pool's loop: through ``portal`` from torch's threads).
+
+    Attributes:
+        portal: the way in from torch's threads.
+        find: ``find(key) -> (entry or None, tier name)``: the byte tiers, in order (disk, then
+            shared), every entry verified.
+        store: ``store(key, name, blobs, meta, backend=...)``: on disk now, on the further
+            tiers in the background; gives back a lease ``claim`` took.
+        claim: ``claim(key) -> entry or None``: fleet single flight (see ``TierChain.claim``).
+        release: ``release(key)``: give back a claim's lease (call on the loop).
+        run: ``run(job)``: a job on the pool's executor (traced), its result or error.
+        wait_ready: the pool's ``wait_ready``.
+        size: how many workers the pool runs.
+        shared: whether the pool has a shared tier; ``signed``: whether it verifies a signing
+            key there (entries from an unsigned shared tier may have been written by anyone who
+            can reach it).
+        cache_root: the pool's cache folder (its workers read the disk tier's entries there).
+        fleet_wait: how long ``claim`` may wait for another replica.
+    """
+
+    portal: Portal
+    find: Callable[[str], Awaitable[tuple[Entry | None, str]]]
+    store: Callable[..., Awaitable[None]]
+    claim: Callable[[str], Awaitable[Entry | None]]
+    release: Callable[[str], None]
+    run: Callable[[Job], Awaitable[Any]]
+    wait_ready: Callable[[], Awaitable[None]]
+    size: int
+    shared: bool
+    signed: bool
+    cache_root: Path
+    fleet_wait: float

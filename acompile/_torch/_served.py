@@ -1,0 +1,609 @@
+"""What is served while ``acompile.inductor.serve()`` is active: Inductor's cache reads and
+writes, its C++ outputs, and its compile jobs, each through the pool that serves.
+
+Everything here is called on torch's threads (the compiling thread, Inductor's compile threads)
+and reaches the pool through the ``Portal``; nothing here ever raises into torch.compile for a
+fault of acompile's own (a tier away, the pool gone, a deadline passed): a read is then a miss,
+a write is dropped, a compile runs where Inductor would have run it. Only a compiler's own error
+(the kernel is wrong) reaches Inductor, as Inductor's own pool would have raised it.
+
+**Caches.** Inductor's remote caches store JSON values (bytes) under keys such as
+``pt2:fx-graph-v1::<key>:c1``. Each becomes an acompile entry (backend ``torch``, named for the
+cache: ``fx-graph``, ``aot-autograd``, ``autotune``, ``bundled-autotune``, ``pgo``) under a key
+derived from Inductor's: read from the disk tier, then the shared tier (verified, signed where a
+key is set), written to the disk at once and to the shared tier in the background. A miss of a
+graph takes the fleet's lease on it: replicas that miss the same graph at once compile it once,
+the others wait (up to the pool's ``fleet_wait``) for the holder's entry.
+
+**C++ outputs.** Inductor builds each C++ kernel (and the vector-ISA probes, and the precompiled
+header) into its own cache folder, and a graph from a cache hit builds them again where that
+folder is empty (a new machine). Served, each build's output is an entry too, keyed by its
+inputs (the command line with machine paths taken out, the sources' contents, the compiler's
+version): read from the tiers instead of built, and built on the pool's workers when missing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import platform
+import shlex
+import subprocess
+import tempfile
+import threading
+import time
+import zlib
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from acompile._cache import make_key
+from acompile._errors import PoolClosedError, PoolError
+from acompile._torch._caches import ENTRY_BACKEND, KINDS, cache_key
+from acompile._torch._host import Host
+from acompile._torch._portal import START_TIMEOUT, LoopThreadError, PortalTimeout
+from acompile._workers import URGENT, Job
+
+_T = TypeVar("_T")
+
+logger = logging.getLogger("acompile")
+
+WORKER_MODULE = "acompile._torch._worker"
+# Caches whose miss is followed by a compile and a put of the same key (the others' misses
+# often are not: a kernel with one config is never tuned, an AOTAutograd entry waits for the
+# backward): only there does a replica hold the others back while it compiles.
+SINGLE_FLIGHT = frozenset({"fx-graph"})
+CPP_KIND = "cpp"
+# A read waits for the disk (bounded) and the shared tier (0.5 s an operation, up to 5 s queued).
+_GET_TIMEOUT = 10.0
+# After the loop did not take a call in time, calls skip the pool this long (each would wait
+# START_TIMEOUT again otherwise).
+_STALL_SKIP = 10.0
+# A write hands its bytes over and returns; the pool writes them. Whatever is still on its way
+# when serving ends is waited for this long.
+_DRAIN_TIMEOUT = 30.0
+# C++ outputs over this size are compressed in their entry (a precompiled header: 156 MB of
+# which zlib's fastest level keeps 26 MB, in a second of the compiling thread).
+_COMPRESS_OVER = 1 << 20
+# The build outputs that are served (a preprocessor's output is a step, not a result).
+_SERVED_SUFFIXES = (".so", ".o", ".gch", ".pch")
+# What Inductor's compile functions read from the environment, handed to the worker as this
+# process has it when the job is submitted (a worker's own may differ: its Triton cache).
+JOB_ENVIRONMENT = (
+    "TRITON_CACHE_DIR",
+    "TRITON_HOME",
+    "TRITON_LIBDEVICE_PATH",
+    "TRITON_PTXAS_PATH",
+    "TRITON_ALWAYS_COMPILE",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TMPDIR",
+)
+
+
+class Served:
+    """The served parts of torch.compile for one ``serve()``; thread-safe.
+
+    ``counts``: per cache kind, ``<kind>_gets``, ``<kind>_hits_<tier>``, ``<kind>_misses``,
+    ``<kind>_puts``, ``<kind>_fleet_waits``; ``cpp_hits_<tier>``, ``cpp_builds`` (built on the
+    pool), ``cpp_local_builds`` (built here: the pool was not reachable), ``cpp_puts``;
+    ``jobs`` (Triton compiles sent to the pool), ``jobs_failed``; ``errors`` (a read or write
+    that failed for acompile's own sake: a miss, never an error in torch.compile).
+    """
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.counts: Counter[str] = Counter()
+        self.ready = threading.Event()  # the pool had every worker ready once
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
+        self._pending: set[concurrent.futures.Future[Any]] = set()
+        self._torch_key: bytes | None = None
+        self._stalled_until = 0.0
+        self.context = {"cache_root": str(host.cache_root)}
+
+    # -- bookkeeping -------------------------------------------------------------------------------
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[name] += n
+
+    def warn_once(self, what: str, message: str, *args: object) -> None:
+        with self._lock:
+            first = what not in self._warned
+            self._warned.add(what)
+        logger.log(logging.WARNING if first else logging.DEBUG, message, *args)
+
+    def _unreachable(self, exc: BaseException) -> None:
+        """A call into the pool that did not happen: counted, and said once."""
+        self.count("errors")
+        if isinstance(exc, LoopThreadError):
+            self.warn_once(
+                "loop",
+                "torch.compile runs on the event loop's thread of the pool that serves it: it is "
+                "not served there (run it with anyio.to_thread.run_sync or asyncio.to_thread)",
+            )
+        elif isinstance(exc, PortalTimeout):
+            self.warn_once(
+                "timeout", "the pool serving torch.compile did not answer (%s); going on without it", exc
+            )
+        elif isinstance(exc, PoolClosedError):
+            self.warn_once("closed", "the pool serving torch.compile has shut down; going on without it")
+        else:
+            self.warn_once(
+                "error", "the pool serving torch.compile failed (%s: %s); going on", type(exc).__name__, exc
+            )
+
+    def _keep(self, future: concurrent.futures.Future[Any], what: str) -> None:
+        """A write on its way: counted when it fails, waited for by ``drain()``."""
+        with self._lock:
+            self._pending.add(future)
+
+        def done(f: concurrent.futures.Future[Any]) -> None:
+            with self._lock:
+                self._pending.discard(f)
+            if not f.cancelled() and f.exception() is not None:
+                self.count("errors")
+                logger.debug("served %s write failed: %s", what, f.exception())
+
+        future.add_done_callback(done)
+
+    def drain(self, timeout: float = _DRAIN_TIMEOUT) -> None:
+        """Wait (up to ``timeout``) for the writes handed to the pool."""
+        with self._lock:
+            pending = list(self._pending)
+        if pending:
+            concurrent.futures.wait(pending, timeout)
+
+    def stats(self) -> dict[str, Any]:
+        """``Serving.stats()``: the counters, by cache."""
+        with self._lock:
+            counts = Counter(self.counts)
+        tiers = ("disk", "shared", "fleet")
+        caches = {
+            kind: {
+                "gets": counts[f"{kind}_gets"],
+                "hits": {tier: counts[f"{kind}_hits_{tier}"] for tier in tiers},
+                "misses": counts[f"{kind}_misses"],
+                "puts": counts[f"{kind}_puts"],
+                "fleet_waits": counts[f"{kind}_fleet_waits"],
+            }
+            for kind in KINDS.values()
+        }
+        return {
+            "active": True,
+            "caches": caches,
+            "cpp": {
+                "hits": {tier: counts[f"cpp_hits_{tier}"] for tier in tiers[:2]},
+                "builds": counts["cpp_builds"],
+                "local_builds": counts["cpp_local_builds"],
+                "puts": counts["cpp_puts"],
+            },
+            "jobs": {
+                "sent": counts["jobs"],
+                "failed": counts["jobs_failed"],
+                "run_here": counts["jobs_local"],
+            },
+            "errors": counts["errors"],
+        }
+
+    def parallel(self) -> bool:
+        """Whether Inductor's compiles go to the pool now: once its workers have been ready
+        (until then Inductor compiles in its own process, as it does while its own pool warms
+        up), never from the loop's own thread (that thread would wait for itself), and not while
+        the loop does not answer."""
+        portal = self.host.portal
+        return (
+            self.ready.is_set() and not portal.closed and not portal.on_loop_thread() and not self._stalled()
+        )
+
+    def _stalled(self) -> bool:
+        return time.monotonic() < self._stalled_until
+
+    def _call(self, fn: Callable[..., Awaitable[_T]], *args: Any, timeout: float | None) -> _T:
+        """``portal.call``, skipped for a while after the loop did not take a call in time
+        (it is held: torch.compile on its own thread waits for a thread that waits for it)."""
+        if self._stalled():
+            raise PortalTimeout("the pool's event loop did not answer a moment ago")
+        try:
+            return self.host.portal.call(fn, *args, timeout=timeout)
+        except PortalTimeout as exc:
+            if exc.unstarted:
+                self._stalled_until = time.monotonic() + _STALL_SKIP
+            raise
+
+    # -- caches ------------------------------------------------------------------------------------
+
+    def cache_get(self, kind: str, inductor_key: str) -> bytes | None:
+        """The value stored under Inductor's key, or None: absent, refused, or any fault."""
+        self.count(f"{kind}_gets")
+        key = cache_key(kind, inductor_key)
+        try:
+            entry, tier = self._call(self.host.find, key, timeout=_GET_TIMEOUT)
+            if entry is None and kind in SINGLE_FLIGHT:
+                entry = self._call(self.host.claim, key, timeout=self.host.fleet_wait + _GET_TIMEOUT)
+                if entry is not None:
+                    tier = "fleet"
+                    self.count(f"{kind}_fleet_waits")
+        except (LoopThreadError, PortalTimeout, PoolClosedError) as exc:
+            self._unreachable(exc)
+            return None
+        except Exception as exc:  # never into torch.compile
+            self._unreachable(exc)
+            return None
+        value = entry.blobs.get("value") if entry is not None else None
+        if entry is None or value is None or entry.backend != ENTRY_BACKEND or entry.name != kind:
+            self.count(f"{kind}_misses")
+            return None
+        self.count(f"{kind}_hits_{tier}")
+        return value
+
+    def cache_put(self, kind: str, inductor_key: str, data: bytes) -> None:
+        """Store a value under Inductor's key: handed to the pool, written there (the disk now,
+        the shared tier in the background); this thread does not wait."""
+        if not isinstance(data, (bytes, bytearray)):
+            return
+        self.count(f"{kind}_puts")
+        key = cache_key(kind, inductor_key)
+        meta = {"cache": kind, "inductor_key": inductor_key[:512]}
+        future = self.host.portal.spawn(self.host.store, key, kind, {"value": bytes(data)}, meta)
+        self._keep(future, kind)
+
+    # -- C++ outputs -------------------------------------------------------------------------------
+
+    def fetch_output(self, builders: Sequence[Any]) -> bool:
+        """Write the last builder's output (the group's result) from the tiers; False on a
+        miss (or where it cannot be keyed or written)."""
+        key = build_key(builders)
+        if key is None:
+            return False
+        try:
+            entry, tier = self._call(self.host.find, key, timeout=_GET_TIMEOUT)
+        except Exception as exc:
+            self._unreachable(exc)
+            return False
+        if entry is None or entry.backend != ENTRY_BACKEND or entry.name != CPP_KIND:
+            return False
+        if self.host.shared and not self.host.signed and tier not in ("disk", ""):
+            return False  # host code from a tier anyone could write: never loaded (see serve())
+        try:
+            data = entry.blobs["output"]
+            if entry.meta.get("encoding") == "zlib":
+                data = zlib.decompress(data)
+            _write_output(builders[-1].get_target_file_path(), data)
+        except (KeyError, OSError, zlib.error) as exc:
+            logger.debug("cannot use the served C++ output %s…: %s", key[:16], exc)
+            return False
+        self.count(f"cpp_hits_{tier}")
+        return True
+
+    def publish_output(self, builders: Sequence[Any]) -> None:
+        """Store the group's output (the last builder's target) under its inputs' key."""
+        key = build_key(builders)
+        if key is None:
+            return
+        target = builders[-1].get_target_file_path()
+        try:
+            with open(target, "rb") as f:
+                data = f.read()
+        except OSError:
+            return
+        meta: dict[str, Any] = {"file": os.path.basename(target)}
+        if len(data) > _COMPRESS_OVER:
+            data = zlib.compress(data, 1)
+            meta["encoding"] = "zlib"
+        self.count("cpp_puts")
+        future = self.host.portal.spawn(self.host.store, key, CPP_KIND, {"output": data}, meta)
+        self._keep(future, CPP_KIND)
+
+    def build(
+        self, lock_path: str, builders: Sequence[Any], build_locally: Callable[[Sequence[Any]], None]
+    ) -> None:
+        """Inductor's ``_worker_compile_cpp``, served: under its file lock, the group's output
+        from the tiers, or else built on a pool worker (``build_locally`` where the pool cannot
+        be reached) and published."""
+        from torch._inductor.codecache import LOCK_TIMEOUT
+        from torch.utils._filelock import FileLock
+
+        with FileLock(lock_path, timeout=LOCK_TIMEOUT):
+            if os.path.exists(builders[-1].get_target_file_path()):
+                return  # built (or fetched) before: the group's result is what matters
+            if self.fetch_output(builders):
+                return
+            if self.parallel():
+                try:
+                    self.run_job(_worker_build, (list(builders),), {}, _build_name(builders))
+                    self.count("cpp_builds")
+                except (LoopThreadError, PortalTimeout) as exc:
+                    self._unreachable(exc)
+                    build_locally(builders)
+                    self.count("cpp_local_builds")
+            else:
+                build_locally(builders)
+                self.count("cpp_local_builds")
+            self.publish_output(builders)
+
+    # -- jobs --------------------------------------------------------------------------------------
+
+    def torch_key(self) -> bytes | None:
+        """Inductor's hash of torch's sources, computed once in this process (handed to the
+        workers, which would otherwise each compute it again)."""
+        if self._torch_key is None:
+            try:
+                from torch._inductor.codecache import torch_key
+
+                self._torch_key = torch_key()
+            except Exception:
+                return None
+        return self._torch_key
+
+    def encode_job(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> bytes:
+        """A job's payload: the function (by reference), its arguments, the environment it
+        reads, and what the worker needs once (the cache folder, torch's key)."""
+        env = {name: os.environ.get(name) for name in JOB_ENVIRONMENT}
+        context = dict(self.context, torch_key=self.torch_key())
+        return pickle.dumps((fn, tuple(args), dict(kwargs), env, context), protocol=pickle.HIGHEST_PROTOCOL)
+
+    def submit_job(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        name: str,
+        *,
+        raw_errors: bool,
+        started: threading.Event | None = None,
+    ) -> JobFuture:
+        """Run ``fn(*args, **kwargs)`` on a pool worker; its outcome in a future (decoded on
+        the thread that asks for it). ``raw_errors``: the function's own exception as it was
+        raised, else wrapped as Inductor's pool wraps it (``SubprocException``)."""
+        result = JobFuture(name, raw_errors, (fn, args, kwargs))
+        try:
+            payload = self.encode_job(fn, args, kwargs)
+        except Exception as exc:
+            result.set_exception(exc)  # something in the job does not pickle: that job fails
+            return result
+        self.count("jobs")
+        raw = self.host.portal.spawn(self._run, payload, name, started=started)
+        result.attach(raw, self)
+        return result
+
+    def run_job(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], name: str) -> Any:
+        """``submit_job`` and wait for it (however long the job takes, once the loop took it);
+        raises the function's own exception, or ``PortalTimeout`` where the loop did not take it."""
+        started = threading.Event()
+        future = self.submit_job(fn, args, kwargs, name, raw_errors=True, started=started)
+        if not started.wait(START_TIMEOUT) and not future.done():
+            future.cancel()
+            self._stalled_until = time.monotonic() + _STALL_SKIP
+            raise PortalTimeout(
+                f"the pool's event loop did not take the job within {START_TIMEOUT:g} s", True
+            )
+        return future.result()
+
+    async def _run(self, payload: bytes, name: str) -> bytes:
+        result: bytes = await self.host.run(Job(WORKER_MODULE, payload, name, URGENT))
+        return result
+
+
+class JobFuture(concurrent.futures.Future[Any]):
+    """A served job's outcome: the worker's reply, decoded (unpickled) on the first thread
+    that asks for it rather than on the event loop, and the same for every later ask.
+
+    Where the pool could not run the job for a fault of its own (no worker can start, the pool
+    left), the job runs on the asking thread instead, as Inductor runs a compile without a pool:
+    acompile's faults never fail a torch.compile. A compile that crashed its worker twice, or
+    ran out of its time, fails with acompile's error."""
+
+    def __init__(
+        self, name: str, raw_errors: bool, job: tuple[Callable[..., Any], Sequence[Any], dict[str, Any]]
+    ) -> None:
+        super().__init__()
+        self.name = name
+        self._raw_errors = raw_errors
+        self._job: tuple[Callable[..., Any], Sequence[Any], dict[str, Any]] | None = job
+        self._raw: concurrent.futures.Future[bytes] | None = None
+        self._decoded: tuple[bool, Any] | None = None
+        self._decode_lock = threading.Lock()
+
+    def attach(self, raw: concurrent.futures.Future[bytes], served: Served) -> None:
+        self._raw = raw
+
+        def arrived(done: concurrent.futures.Future[bytes]) -> None:
+            if done.cancelled():
+                self.cancel()
+                return
+            error = done.exception()
+            if error is not None:
+                served.count("jobs_failed" if not isinstance(error, PoolError) else "jobs_local")
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                if isinstance(error, PoolError):
+                    self.set_result(_POOL_FAULT)  # run here, by whoever asks first
+                elif error is not None:
+                    self.set_exception(error)
+                else:
+                    self._job = None
+                    self.set_result(done.result())
+
+        raw.add_done_callback(arrived)
+
+    def cancel(self) -> bool:
+        if self._raw is not None:
+            self._raw.cancel()  # stops the job: dropped if queued, its worker stopped if running
+        return super().cancel()
+
+    def _decode(self, reply: Any) -> tuple[bool, Any]:
+        with self._decode_lock:
+            if self._decoded is None:
+                if reply is _POOL_FAULT and self._job is not None:
+                    fn, args, kwargs = self._job
+                    try:
+                        self._decoded = (True, fn(*args, **kwargs))
+                    except Exception as exc:
+                        self._decoded = (False, exc)
+                else:
+                    self._decoded = decode_reply(reply, self.name, self._raw_errors)
+                self._job = None
+            return self._decoded
+
+    def result(self, timeout: float | None = None) -> Any:
+        ok, value = self._decode(super().result(timeout))
+        if not ok:
+            raise value
+        return value
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        error = super().exception(timeout)
+        if error is not None:
+            return error
+        ok, value = self._decode(super().result(timeout))
+        return None if ok else value
+
+
+# A job the pool could not run for a fault of its own: it runs where it is asked for.
+_POOL_FAULT = object()
+
+
+def decode_reply(reply: bytes, name: str, raw_errors: bool) -> tuple[bool, Any]:
+    """(True, value) or (False, the exception to raise) from a worker's reply."""
+    outcome = pickle.loads(reply)
+    if outcome[0] == "ok":
+        return True, outcome[1]
+    _, error, text = outcome
+    if error is not None and raw_errors:
+        return False, error
+    try:
+        from torch._inductor.compile_worker.subproc_pool import SubprocException
+
+        return False, SubprocException(text, name)
+    except Exception:
+        return False, RuntimeError(f"An exception occurred in a compile worker:\n\nName={name}\n{text}")
+
+
+def _write_output(path: str, data: bytes) -> None:
+    """Publish a build output where Inductor looks for it: whole, or not at all."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _build_name(builders: Sequence[Any]) -> str:
+    return os.path.basename(str(builders[-1].get_target_file_path()))
+
+
+def _worker_build(builders: list[Any]) -> None:
+    """On a pool worker: build each target that is not there yet, in order (a link after the
+    compiles it links), as Inductor's ``_worker_compile_cpp`` does, without its file lock (the
+    process that submitted the job holds it)."""
+    for builder in builders:
+        if not os.path.exists(builder.get_target_file_path()):
+            builder.build()
+
+
+# -- keys of C++ builds ---------------------------------------------------------------------------
+
+
+@functools.cache
+def _compiler_identity(compiler: str) -> str:
+    """What the compiler says of itself (``--version``), once per process."""
+    try:
+        out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=False)
+        return out.stdout.strip() or out.stderr.strip() or compiler
+    except (OSError, subprocess.SubprocessError):
+        return compiler
+
+
+def _machine_folders() -> list[tuple[str, str]]:
+    """Folders whose paths differ between machines and processes but not what is built in them,
+    by name: Inductor's cache folder, its precompiled headers' folder, the temporary folder
+    (longest first: one may hold another)."""
+    folders = []
+    with contextlib.suppress(Exception):
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        folders.append(("inductor", cache_dir()))
+    with contextlib.suppress(Exception):
+        from torch._inductor import codecache
+
+        folders.append(("headers", str(getattr(codecache, "_HEADER_DIR", ""))))
+    folders.append(("tmp", tempfile.gettempdir()))
+    known = [(name, os.path.realpath(path)) for name, path in folders if path]
+    return sorted(known, key=lambda named: len(named[1]), reverse=True)
+
+
+def build_key(builders: Sequence[Any]) -> str | None:
+    """The key of a group of C++ builds (compiles, then the link that uses their outputs):
+    each command line with machine paths taken out (an input file in a machine folder is named
+    by its content), the compiler's version, the machine's architecture, torch's version. None
+    for a group that cannot be keyed, or whose result is not a library, object or
+    precompiled header."""
+    try:
+        import torch
+
+        targets = [os.path.realpath(b.get_target_file_path()) for b in builders]
+        if not targets or not targets[-1].endswith(_SERVED_SUFFIXES):
+            return None
+        folders = _machine_folders()
+        commands = []
+        for builder in builders:
+            if getattr(builder, "_use_relative_path", False):
+                return None  # a remote build's relative paths: not this machine's to serve
+            commands.append(
+                [_normalized(t, targets, folders) for t in shlex.split(builder.get_command_line())]
+            )
+        compilers = sorted({_compiler_identity(str(b._compiler)) for b in builders})
+    except Exception as exc:
+        logger.debug("a C++ build that cannot be keyed: %s", exc)
+        return None
+    return make_key(
+        {
+            "torch-cpp": commands,
+            "compilers": compilers,
+            "machine": platform.machine(),
+            "torch": torch.__version__,
+            "format": 1,
+        }
+    )
+
+
+def _normalized(token: str, targets: list[str], folders: list[tuple[str, str]]) -> str:
+    """One token of a command line, without what ties it to this machine: a group's output is
+    named by its place in the group, an input file in a machine folder by its content, another
+    path there relative to the folder."""
+    prefix, path = "", token
+    for flag in ("-I", "-L", "-include"):
+        if token.startswith(flag) and len(token) > len(flag):
+            prefix, path = flag, token[len(flag) :]
+            break
+    if not os.path.isabs(path):
+        return token
+    real = os.path.realpath(path)
+    if real in targets:
+        return f"{prefix}<output {targets.index(real)}>"
+    for name, folder in folders:
+        if real == folder or real.startswith(folder + os.sep):
+            if os.path.isfile(real):
+                return f"{prefix}<file {_file_digest(real)}>"
+            return f"{prefix}<{name}>{real[len(folder) :]}"
+    return token
+
+
+def _file_digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

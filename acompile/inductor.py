@@ -1,0 +1,341 @@
+"""torch.compile served by acompile: Inductor's caches on acompile's tiers, its compiles on the
+pool's workers (the optional extra ``acompile[torch]``).
+
+::
+
+    from acompile import inductor
+
+    # sync code (a training script, a benchmark, an engine you do not control)
+    with inductor.serve(shared_cache="redis://cache:6379/0", signing_key=KEY, workers=8):
+        compiled = torch.compile(model)
+        compiled(x)
+
+    # an async server with its own pool
+    async with acompile.CompilePool(shared_cache=..., preload=("inductor",)) as pool:
+        async with inductor.serve(pool):
+            await anyio.to_thread.run_sync(lambda: compiled(x))  # torch.compile off the loop
+
+While served, in this process:
+
+- Inductor's FX-graph, AOTAutograd, autotune, bundled-autotune (where Triton has a GPU) and PGO
+  (with a job id) caches read and write through the pool's tiers: the disk, then the shared tier
+  (entries verified, signed where a key is set); faults are misses, never errors; writes leave
+  the compiling thread at once; replicas that miss the same graph at once compile it once.
+- Inductor's Triton compiles run on the pool's workers, also where the engine set
+  ``compile_threads=1``: Inductor's own compile function, so the same kernels in Inductor's own
+  caches, with acompile's crash containment, cancellation, quiesce and traces.
+- Inductor's C++ builds (kernels, the vector-ISA probes, the precompiled header) come from the
+  tiers where another process built them, and are built on the pool's workers otherwise.
+
+See docs/torch.md: the torch releases served and how that is checked, the fleet set-up, the
+figures measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import warnings
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from acompile._errors import AcompileError, BackendUnavailableError, PoolClosedError
+from acompile._torch._seams import SUPPORTED
+
+if TYPE_CHECKING:
+    from acompile._compiler import CompilePool
+    from acompile._torch._host import Host
+    from acompile._torch._seams import Patches
+    from acompile._torch._served import Served
+
+__all__ = ("SUPPORTED", "Serving", "UnsupportedTorchWarning", "serve")
+
+logger = logging.getLogger("acompile")
+
+
+class UnsupportedTorchWarning(UserWarning):
+    """Warned (once a process) by ``serve()`` on a torch it cannot serve: a release outside
+    ``SUPPORTED``, or one that lacks a part of Inductor acompile goes through. torch.compile then
+    runs as it would without acompile."""
+
+
+_lock = threading.Lock()
+_current: Serving | None = None
+_warned_unsupported = False
+
+
+def serve(
+    pool: CompilePool | None = None,
+    /,
+    *,
+    unsafe_unsigned_shared_cache: bool = False,
+    **options: Any,
+) -> Serving:
+    """Serve torch.compile in this process while the returned context is active (``with``, or
+    ``async with`` on an event loop: its set-up then runs on a thread).
+
+    Args:
+        pool: a running ``CompilePool`` to serve through (entered, on its event loop; torch.compile
+            must then run off that loop's thread). Best made with ``preload=("inductor",)``: its
+            workers then import torch once, in their template, rather than at their first job.
+            Without one, ``serve`` starts its own pool on a thread of its own with ``options``
+            (``CompilePool``'s arguments: ``workers``, ``cache_dir``, ``shared_cache``,
+            ``signing_key``, ...), and stops it when the context ends.
+        unsafe_unsigned_shared_cache: serve from a shared tier without a signing key. Inductor's
+            cache entries hold code this process runs (a graph's Python, its C++ libraries):
+            without a key, whoever can write to the shared tier can run code here. Refused unless
+            this says so.
+
+    Raises ``BackendUnavailableError`` where torch is not installed, ``ValueError`` for a shared
+    tier without a signing key (see above), ``AcompileError`` where torch.compile is served
+    already in this process, and what ``CompilePool(**options)`` raises for its arguments. On a
+    torch it cannot serve, it warns once (``UnsupportedTorchWarning``) and serves nothing:
+    ``Serving.active`` is False.
+    """
+    if pool is not None and options:
+        raise TypeError(f"serve(pool) takes no pool options; got {sorted(options)}")
+    if pool is None:
+        options = _own_pool_options(options, unsafe_unsigned_shared_cache)
+    return Serving(pool, options, unsafe_unsigned_shared_cache)
+
+
+def _own_pool_options(options: dict[str, Any], unsafe: bool) -> dict[str, Any]:
+    from acompile._cache._shared import signing_key_from
+
+    options = dict(options)
+    preload = tuple(options.get("preload", ()))
+    options["preload"] = preload if "inductor" in preload else (*preload, "inductor")
+    if (
+        options.get("shared_cache") is not None
+        and not unsafe
+        and signing_key_from(options.get("signing_key")) is None
+    ):
+        raise ValueError(_UNSIGNED)
+    return options
+
+
+_UNSIGNED = (
+    "torch.compile's cache entries hold code this process runs (a graph's Python, its C++ "
+    "libraries): a shared tier serving them must be signed. Set signing_key= (or "
+    "ACOMPILE_SIGNING_KEY), or pass unsafe_unsigned_shared_cache=True to trust whoever can write "
+    "to the shared tier"
+)
+
+
+class Serving:
+    """torch.compile served, from ``serve()`` until the context ends.
+
+    Attributes:
+        active: whether anything is served (False on a torch that cannot be: see ``serve``).
+        pool: the pool that serves (``serve``'s own, or the one given); None when not active.
+    """
+
+    def __init__(self, pool: CompilePool | None, options: dict[str, Any], unsafe: bool) -> None:
+        self._given = pool
+        self._options = options
+        self._unsafe = unsafe
+        self._own: _OwnPool | None = None
+        self._served: Served | None = None
+        self._patches: Patches | None = None
+        self._entered = False
+        self._last_stats: dict[str, Any] | None = None
+        self.active = False
+        self.pool: CompilePool | None = None
+
+    # -- the contexts -----------------------------------------------------------------------------
+
+    def __enter__(self) -> Serving:
+        if self._entered:
+            raise AcompileError("a serve() context is entered once; call serve() again")
+        self._entered = True
+        global _current
+        with _lock:
+            if _current is not None:
+                raise AcompileError("torch.compile is served already in this process (serve() does not nest)")
+            _current = self
+        try:
+            self._start()
+        except BaseException:
+            with _lock:
+                _current = None
+            self._stop(drain=False)
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        global _current
+        try:
+            self._stop(drain=True)
+        finally:
+            with _lock:
+                if _current is self:
+                    _current = None
+
+    async def __aenter__(self) -> Serving:
+        return await anyio.to_thread.run_sync(self.__enter__)
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self.__exit__, exc_type, exc, tb)
+
+    # -- inside -----------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        try:
+            from acompile._torch import _seams
+        except ImportError as exc:  # torch itself is missing (the module imports nothing else)
+            raise BackendUnavailableError(
+                'serving torch.compile needs torch: pip install "acompile[torch]"'
+            ) from exc
+        try:
+            seams = _seams.find()
+        except ImportError as exc:
+            raise BackendUnavailableError(
+                'serving torch.compile needs torch: pip install "acompile[torch]"'
+            ) from exc
+        except _seams.Unsupported as exc:
+            _warn_unsupported(str(exc))
+            return
+        host = self._host()
+        if host.shared and not host.signed and not self._unsafe:
+            raise ValueError(_UNSIGNED)
+        from acompile._torch._served import Served
+
+        served = Served(host)
+        self._patches = _seams.install(seams, served)
+        self._served = served
+        self.active = True
+
+        def ready(done: Any) -> None:
+            if done.cancelled() or isinstance(done.exception(), PoolClosedError):
+                return  # the pool, or serving, ended first
+            if done.exception() is None:
+                served.ready.set()
+            else:
+                logger.warning(
+                    "the pool serving torch.compile has no workers (%s); Inductor compiles in this process",
+                    done.exception(),
+                )
+
+        host.portal.spawn(host.wait_ready).add_done_callback(ready)
+
+    def _host(self) -> Host:
+        if self._given is not None:
+            self.pool = self._given
+            return self._given._torch_host()
+        self._own = _OwnPool(self._options)
+        host = self._own.start()
+        self.pool = self._own.pool
+        return host
+
+    def _stop(self, *, drain: bool) -> None:
+        patches, self._patches = self._patches, None
+        if patches is not None:
+            patches.undo()
+        served = self._served
+        if served is not None and drain and not served.host.portal.on_loop_thread():
+            # Writes on their way to the tiers (on the loop's own thread they would wait for the
+            # thread that waits: the pool's own exit waits for them then).
+            served.drain()
+        if served is not None:
+            self._last_stats = self.stats()
+        self._served = None
+        own, self._own = self._own, None
+        if own is not None:
+            own.stop()
+        self.active = False
+
+    def stats(self) -> dict[str, Any]:
+        """What was served (safe from any thread but the pool's loop's): per cache
+        (``fx-graph``, ``aot-autograd``, ``autotune``, ``bundled-autotune``, ``pgo``) the reads
+        (``gets``), hits by tier, ``misses``, ``puts`` (writes) and ``fleet_waits``; ``cpp``:
+        outputs from the tiers (``hits``) and built (``builds`` on the pool, ``local_builds``
+        here); ``jobs``: compile jobs sent to the pool; ``errors``: reads and writes that failed
+        for acompile's own sake (misses for torch.compile); ``pool``: the serving pool's
+        ``stats()``. The numbers stay readable after the context ends."""
+        served = self._served
+        if served is None:
+            return self._last_stats or {"active": False}
+        stats = served.stats()
+        pool = self.pool
+        if pool is not None and not served.host.portal.on_loop_thread():
+
+            async def pool_stats() -> Any:
+                return pool.stats()
+
+            with contextlib.suppress(Exception):
+                stats["pool"] = served.host.portal.call(pool_stats, timeout=5)
+        return stats
+
+
+def _warn_unsupported(reason: str) -> None:
+    global _warned_unsupported
+    with _lock:
+        first = not _warned_unsupported
+        _warned_unsupported = True
+    if first:
+        warnings.warn(
+            f"{reason}: torch.compile is not served by acompile and runs as it would without it",
+            UnsupportedTorchWarning,
+            stacklevel=4,
+        )
+
+
+class _OwnPool:
+    """The pool ``serve(**options)`` starts: on an event loop of its own, in a thread of its own,
+    entered before ``serve`` returns and left when it ends."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        from acompile._compiler import CompilePool
+
+        self.pool = CompilePool(**options)  # its argument errors, here and now
+        self._entered = threading.Event()
+        self._error: BaseException | None = None
+        self._host: Host | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._main, name="acompile-inductor", daemon=True)
+
+    def start(self) -> Host:
+        self._thread.start()
+        self._entered.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._host is not None
+        return self._host
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as exc:
+            if not self._entered.is_set():
+                self._error = exc
+            else:
+                logger.error("the pool serving torch.compile stopped: %s", exc)
+        finally:
+            self._entered.set()
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        async with self.pool:
+            self._host = self.pool._torch_host()
+            self._entered.set()
+            await self._stop_event.wait()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Leave the pool (its writes arrive first, bounded) and wait for the thread."""
+        loop, event = self._loop, self._stop_event
+        if loop is not None and event is not None:
+            with contextlib.suppress(RuntimeError):  # its loop ended already
+                loop.call_soon_threadsafe(event.set)
+        if self._thread.is_alive():
+            self._thread.join(timeout)

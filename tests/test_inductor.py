@@ -1,0 +1,371 @@
+"""torch.compile served by acompile, for real: torch's CPU build, Inductor's C++ backend and its
+graph caches, a real redis-server, real pool workers running the C++ compiler.
+
+Each "machine" is a process of its own with empty Inductor caches (``TORCHINDUCTOR_CACHE_DIR``,
+and ``TMPDIR`` where its precompiled headers live) and an empty acompile cache folder: what it
+finds, it found in the shared tier.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from conftest import ROOT, RedisServer, subprocess_env
+from processes import pool_processes
+
+import acompile
+
+pytestmark = pytest.mark.slow
+KEY = "k" * 32
+MODEL = str(ROOT / "tests" / "torch_model.py")
+
+
+def machine(root: Path, name: str, *, headers: Path | None = None) -> dict[str, str]:
+    """The environment of a fresh machine: its own Inductor caches and precompiled headers
+    (``headers``: a folder shared with other machines, to skip building them again)."""
+    home = root / name
+    tmp = headers if headers is not None else home / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    return {
+        "TORCHINDUCTOR_CACHE_DIR": str(home / "inductor"),
+        "TRITON_CACHE_DIR": str(home / "triton"),
+        "TMPDIR": str(tmp),
+        "ACOMPILE_CACHE_DIR": str(home / "acompile"),
+    }
+
+
+def serve_options(**options: Any) -> dict[str, str]:
+    return {"ACOMPILE_TEST_SERVE": json.dumps(options)}
+
+
+def compile_in(env: dict[str, str], *, plain: bool = False, timeout: float = 300) -> dict[str, Any]:
+    """Compile the small model in a fresh process; its report."""
+    args = [sys.executable, MODEL, *(["--plain"] if plain else [])]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=subprocess_env(**env))
+    assert done.returncode == 0, done.stderr[-4000:]
+    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    report["stderr"] = done.stderr
+    return report
+
+
+def fx(report: dict[str, Any]) -> dict[str, Any]:
+    return report["served"]["caches"]["fx-graph"]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, dict[str, Any], Path]]:
+    """A shared tier on a real Redis, filled by a first machine's compile: (the server, that
+    machine's report, a folder of precompiled headers the later machines may share)."""
+    import shutil
+    import socket
+
+    if shutil.which("redis-server") is None:
+        if os.environ.get("ACOMPILE_REQUIRE_REDIS"):
+            pytest.fail("redis-server is required here (ACOMPILE_REQUIRE_REDIS is set) but not installed")
+        pytest.skip("redis-server is not installed (CI installs it)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = RedisServer(port)
+    server.start()
+    root = tmp_path_factory.mktemp("fleet")
+    headers = root / "headers"
+    try:
+        env = machine(root, "first", headers=headers)
+        first = compile_in({**env, **serve_options(shared_cache=server.url, signing_key=KEY, workers=2)})
+        yield server, first, headers
+    finally:
+        server.stop()
+
+
+def test_the_first_machine_compiles_and_publishes_what_it_built(
+    fleet: tuple[RedisServer, dict[str, Any], Path],
+) -> None:
+    _, first, _ = fleet
+    assert first["ok"] and first["active"]
+    assert first["inductor"].get("fxgraph_cache_miss") == 1
+    assert fx(first)["puts"] == 1 and fx(first)["misses"] == 1
+    served = first["served"]
+    # Its C++ kernels were built on the pool's workers (and published), not in this process.
+    assert served["cpp"]["builds"] >= 1 and served["cpp"]["local_builds"] == 0
+    assert served["cpp"]["puts"] >= served["cpp"]["builds"]
+    assert served["errors"] == 0
+    assert served["pool"]["cache"]["shared_writes"] >= served["cpp"]["puts"] + 1
+
+
+def test_a_second_machine_is_served_from_the_first_ones_shared_tier(
+    fleet: tuple[RedisServer, dict[str, Any], Path], tmp_path: Path
+) -> None:
+    """Empty local caches everywhere, precompiled headers included: the graph, its AOTAutograd
+    entry and every C++ output come from the shared tier; nothing is compiled."""
+    server, _, _ = fleet
+    second = compile_in(
+        {**machine(tmp_path, "second"), **serve_options(shared_cache=server.url, signing_key=KEY)}
+    )
+    assert second["ok"]
+    assert second["inductor"].get("fxgraph_cache_hit") == 1 and "fxgraph_cache_miss" not in second["inductor"]
+    assert second["aot_autograd"].get("autograd_cache_hit") == 1
+    assert fx(second)["hits"]["shared"] == 1
+    cpp = second["served"]["cpp"]
+    assert cpp["builds"] == 0 and cpp["local_builds"] == 0 and cpp["hits"]["shared"] >= 3
+    assert second["served"]["pool"]["workers"]["started"] == 0 or second["served"]["jobs"]["sent"] == 0
+
+
+def test_forged_and_damaged_shared_entries_are_refused_counted_and_compiled_again(
+    fleet: tuple[RedisServer, dict[str, Any], Path], tmp_path: Path
+) -> None:
+    """The fleet's entries copied to another database, each changed: a signature that does not
+    verify (forged), or a verified value whose entry is damaged. Every one is refused and
+    counted; the machine compiles what it needs and its outputs are right."""
+    server, _, headers = fleet
+    import redis
+
+    from acompile._cache._shared import SharedTier
+
+    client: Any = server.client()
+    copy = redis.Redis(port=server.port, db=1)
+    tier = SharedTier(None, KEY.encode())
+    forged = damaged = 0
+    for i, name in enumerate(sorted(client.keys(f"acompile:{tier.namespace}:*"))):
+        value = client.get(name)
+        entry_name = name.decode().split(":", 1)[1]
+        if i % 2:
+            changed = value[:-1] + bytes([value[-1] ^ 1])  # the signature no longer verifies
+            forged += 1
+        else:
+            inner = tier._unwrap(entry_name, value)
+            assert inner is not None
+            body = bytearray(inner)
+            body[-1] ^= 1  # signed anew over a damaged entry: only its checksum says so
+            changed = tier._wrap(entry_name, bytes(body))
+            damaged += 1
+        copy.set(name, changed)
+    assert forged and damaged
+    url = server.url[: -len("/0")] + "/1"
+    third = compile_in(
+        {**machine(tmp_path, "third", headers=headers), **serve_options(shared_cache=url, signing_key=KEY)}
+    )
+    assert third["ok"]
+    cache = third["served"]["pool"]["cache"]
+    assert cache["shared_rejected"] >= 1 and cache["shared_corrupt"] >= 1
+    assert third["inductor"].get("fxgraph_cache_miss") == 1  # compiled again, here
+    assert fx(third)["hits"]["shared"] == 0
+
+
+def test_an_unreachable_shared_tier_is_a_miss_and_the_compile_goes_on(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once this is closed
+    report = compile_in(
+        {
+            **machine(tmp_path, "alone"),
+            **serve_options(shared_cache=f"redis://127.0.0.1:{port}/0", signing_key=KEY),
+        }
+    )
+    assert report["ok"] and report["active"]
+    assert fx(report)["misses"] == 1
+    assert report["served"]["pool"]["cache"]["shared_errors"] >= 1
+    assert "Traceback" not in report["stderr"]
+
+
+def test_eight_machines_booting_together_on_an_empty_shared_tier_compile_the_graph_once(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    env = serve_options(shared_cache=redis_server.url, signing_key=KEY, workers=1)
+    headers = tmp_path / "headers"
+    args = [sys.executable, MODEL]
+    processes = [
+        subprocess.Popen(
+            args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=subprocess_env(**machine(tmp_path, f"m{i}", headers=headers), **env),
+        )
+        for i in range(8)
+    ]
+    reports = []
+    for process in processes:
+        out, err = process.communicate(timeout=600)
+        assert process.returncode == 0, err[-3000:]
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    assert all(r["ok"] for r in reports)
+    compiled = sum(r["inductor"].get("fxgraph_cache_miss", 0) for r in reports)
+    assert compiled == 1, [r["inductor"] for r in reports]
+    assert sum(fx(r)["hits"]["fleet"] + fx(r)["hits"]["shared"] for r in reports) == 7
+
+
+def test_on_a_torch_it_does_not_serve_it_warns_once_and_leaves_inductor_as_it_was(tmp_path: Path) -> None:
+    code = f"""
+import warnings, json, sys
+import torch
+torch.__version__ = "2.99.0"
+sys.argv = ["torch_model"]
+sys.path.insert(0, {str(ROOT / "tests")!r})
+import torch_model
+from acompile import inductor
+from torch._inductor import remote_cache
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with inductor.serve(cache_dir={str(tmp_path / "ac")!r}) as first:
+        report = torch_model.run()
+        untouched = remote_cache.RemoteFxGraphCache.backend_override_cls is None
+    with inductor.serve(cache_dir={str(tmp_path / "ac")!r}) as second:
+        pass
+warned = [str(w.message) for w in caught if issubclass(w.category, inductor.UnsupportedTorchWarning)]
+print(json.dumps({{"ok": report["ok"], "active": [first.active, second.active], "warned": warned, "untouched": untouched, "pool": first.pool is None}}))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=subprocess_env(**machine(tmp_path, "old")),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["active"] == [False, False] and report["untouched"] and report["pool"]
+    assert len(report["warned"]) == 1 and "2.99.0" in report["warned"][0], report["warned"]
+
+
+def test_a_shared_tier_without_a_signing_key_is_refused_unless_the_user_says_it_is_unsafe(
+    tmp_path: Path,
+) -> None:
+    from acompile import inductor
+
+    with pytest.raises(ValueError, match="signing_key"):
+        inductor.serve(shared_cache="redis://127.0.0.1:1/0")
+    # The user's own choice: allowed, and said in its name.
+    inductor.serve(shared_cache="redis://127.0.0.1:1/0", unsafe_unsigned_shared_cache=True)
+
+
+def test_a_stall_of_the_shared_tier_during_a_served_compile_fails_nothing(
+    fleet: tuple[RedisServer, dict[str, Any], Path], tmp_path: Path
+) -> None:
+    """The Redis server stopped (SIGSTOP) for a second as the compile begins: reads in that
+    second are misses, the compile goes on."""
+    server, _, headers = fleet
+    assert server.process is not None
+    env = {
+        **machine(tmp_path, "stalled", headers=headers),
+        **serve_options(shared_cache=server.url, signing_key=KEY),
+    }
+    process = subprocess.Popen(
+        [sys.executable, MODEL],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(**env),
+    )
+    time.sleep(0.5)  # the process imports torch (seconds): the stall covers its first reads
+    server.process.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(1.0)
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err[-3000:]
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["ok"]
+
+
+# -- in this process: a pool an async program owns --------------------------------------------------
+
+
+@pytest.fixture
+def fresh_inductor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Inductor's caches, on disk and in memory, empty for this test."""
+    import torch
+    from torch._inductor.utils import fresh_cache
+
+    folder = tmp_path / "inductor"
+    folder.mkdir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(folder))
+    torch._dynamo.reset()
+    with fresh_cache(dir=str(folder)):
+        yield
+    torch._dynamo.reset()
+
+
+_widths = iter(range(40, 1000))
+
+
+def compile_here() -> bool:
+    """torch.compile of a graph this process has not compiled yet (in this thread)."""
+    import torch_model
+
+    return bool(torch_model.run(next(_widths))["ok"])
+
+
+@pytest.mark.anyio
+async def test_an_async_program_serves_torch_compile_through_its_own_pool_and_quiesces_it(
+    cache_dir: Path, fresh_inductor: None, tmp_path: Path
+) -> None:
+    """The pool of an async server serves torch.compile run off its loop: the C++ builds run on
+    the pool's workers (traced), and a quiesce leaves no worker running."""
+    from acompile import inductor
+
+    trace = tmp_path / "trace.json"
+    async with acompile.CompilePool(2, cache_dir=cache_dir, preload=("inductor",), trace=trace) as pool:
+        await pool.wait_ready()  # until then Inductor compiles in this process, as with its own pool
+        async with inductor.serve(pool) as serving:
+            assert await anyio.to_thread.run_sync(compile_here)
+            stats = await anyio.to_thread.run_sync(serving.stats)
+        assert stats["cpp"]["builds"] >= 1 and stats["cpp"]["local_builds"] == 0, stats
+        assert pool.stats()["jobs"]["done"] >= stats["cpp"]["builds"]
+        await pool.quiesce()
+        await anyio.sleep(0.2)
+        assert not [p for p in pool_processes() if "--template" not in " ".join(p.cmdline())]
+    spans = [
+        e for e in json.loads(trace.read_text())["traceEvents"] if "(torch.compile)" in e.get("name", "")
+    ]
+    assert len(spans) >= stats["cpp"]["builds"]
+
+
+@pytest.mark.anyio
+async def test_a_worker_killed_while_it_builds_a_kernel_costs_a_retry_not_the_compile(
+    cache_dir: Path, fresh_inductor: None
+) -> None:
+    """A worker SIGKILLed while its C++ compiler runs: that build is retried on a fresh worker,
+    torch.compile never knows (Inductor's own pool fails every kernel in flight)."""
+    import psutil
+
+    from acompile import inductor
+
+    killed: list[int] = []
+
+    def kill_a_building_worker() -> None:
+        deadline = time.monotonic() + 120
+        while not killed and time.monotonic() < deadline:
+            for proc in pool_processes():
+                try:
+                    if any("cc1plus" in c.name() for c in proc.children(recursive=True)):
+                        proc.kill()
+                        killed.append(proc.pid)
+                        return
+                except psutil.Error:
+                    pass
+            time.sleep(0.01)
+
+    async with acompile.CompilePool(2, cache_dir=cache_dir, preload=("inductor",)) as pool:
+        await pool.wait_ready()
+        async with inductor.serve(pool):
+            killer = threading.Thread(target=kill_a_building_worker)
+            killer.start()
+            assert await anyio.to_thread.run_sync(compile_here)
+            killer.join()
+        assert killed, "no worker was seen building"
+        assert pool.stats()["jobs"]["retried"] >= 1
