@@ -10,6 +10,7 @@ acompile cache import FILE [--allow-unsigned] [--cache-dir DIR]
 acompile cache prune [--max-size 10GiB] [--max-age 30d] [--dry-run] [--cache-dir DIR]
 acompile cache explain KEY [--against KEY2] [--cache-dir DIR]
 acompile bench [...]        (see acompile bench --help)
+acompile run [--workers N] [--cache-dir DIR] [--shared-cache URL] [--host-pool] -- COMMAND [ARGS...]
 
 ``python -m acompile`` is the same command.
 
@@ -208,9 +209,43 @@ def _main(argv: list[str]) -> int:
 
     sub.add_parser("bench", help="compile a kernel corpus against the baselines (see: acompile bench --help)")
 
+    run = sub.add_parser(
+        "run",
+        help="run a command with its torch.compile served by acompile",
+        description="Run COMMAND with torch.compile served by acompile in each of its Python "
+        "processes that compiles (docs/torch.md): Inductor's caches on acompile's tiers, its "
+        "compiles on a pool's workers. The program needs no change; acompile must be installed "
+        "in the Python environment it runs in.",
+        epilog="example: acompile run --shared-cache redis://cache:6379/0 -- vllm serve MODEL",
+    )
+    run.add_argument(
+        "--workers", type=_positive_int, default=None, help="worker processes (default: usable CPUs)"
+    )
+    run.add_argument("--cache-dir", type=Path, default=None, help=dir_help)
+    run.add_argument(
+        "--shared-cache",
+        default=os.environ.get("ACOMPILE_SHARED_CACHE"),
+        help="a shared tier, e.g. redis://host:6379/0 (default: $ACOMPILE_SHARED_CACHE); its entries "
+        "are signed with $ACOMPILE_SIGNING_KEY, which it needs",
+    )
+    run.add_argument(
+        "--unsafe-unsigned-shared-cache",
+        action="store_true",
+        help="serve from the shared tier without a signing key: whoever can write to it can run code "
+        "in the program",
+    )
+    run.add_argument(
+        "--host-pool",
+        action="store_true",
+        help="one pool for every process of this host (the program's ranks share its workers)",
+    )
+    run.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command to run, after --")
+
     args = parser.parse_args(argv)
     if args.command == "warmup":
         return _warmup(args)
+    if args.command == "run":
+        return _run(args)
     root = args.cache_dir or default_cache_dir()
     if args.cache_command != "import" and not root.is_dir():
         # An empty report would read as "nothing cached" where the folder is mistyped.
@@ -227,6 +262,79 @@ def _main(argv: list[str]) -> int:
     if args.cache_command == "explain":
         return _cache_explain(args, root)
     return _cache_stats(root)
+
+
+# --- run ------------------------------------------------------------------------------------------
+
+
+def _run(args: argparse.Namespace) -> int:
+    from acompile._cache._shared import signing_key_from
+    from acompile._torch._autoload import ENV
+
+    command = list(args.argv)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        print("acompile run: no command; for example: acompile run -- python serve.py", file=sys.stderr)
+        return 2
+    options: dict[str, Any] = {}
+    if args.workers is not None:
+        options["workers"] = args.workers
+    if args.cache_dir is not None:
+        options["cache_dir"] = str(args.cache_dir)
+    if args.host_pool:
+        options["host_pool"] = True
+    if args.shared_cache:
+        if problem := _shared_url_problem(args.shared_cache):
+            print(f"acompile run: --shared-cache {args.shared_cache!r}: {problem}", file=sys.stderr)
+            return 2
+        try:
+            key = signing_key_from(None)
+        except ValueError as exc:
+            print(f"acompile run: $ACOMPILE_SIGNING_KEY: {exc}", file=sys.stderr)
+            return 2
+        if key is None and not args.unsafe_unsigned_shared_cache:
+            print(
+                "acompile run: --shared-cache needs $ACOMPILE_SIGNING_KEY: torch.compile's cache entries "
+                "hold code the program runs (or pass --unsafe-unsigned-shared-cache)",
+                file=sys.stderr,
+            )
+            return 2
+        options["shared_cache"] = args.shared_cache
+        options["unsafe_unsigned_shared_cache"] = args.unsafe_unsigned_shared_cache
+    if os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") != "1":
+        print(
+            "acompile run: TORCH_DEVICE_BACKEND_AUTOLOAD is off: torch loads no extension, and the "
+            "program would run unserved; unset it",
+            file=sys.stderr,
+        )
+        return 2
+    if not _autoload_registered():
+        print(
+            "acompile run: acompile is not installed as a torch extension in this environment "
+            '(pip install "acompile[torch]"): the program would run unserved',
+            file=sys.stderr,
+        )
+        return 2
+    env = dict(os.environ, **{ENV: json.dumps(options)})
+    try:
+        os.execvpe(command[0], command, env)
+    except FileNotFoundError:
+        print(f"acompile run: command not found: {command[0]}", file=sys.stderr)
+        return 127
+    except OSError as exc:
+        print(f"acompile run: cannot run {command[0]}: {exc.strerror or exc}", file=sys.stderr)
+        return 126
+    return 0  # not reached: exec replaced this process
+
+
+def _autoload_registered() -> bool:
+    """Whether torch will load acompile as it is imported (the entry point the package declares)."""
+    from importlib.metadata import entry_points
+
+    return any(
+        ep.value.startswith("acompile._torch._autoload") for ep in entry_points(group="torch.backends")
+    )
 
 
 # --- warmup ---------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import warnings
@@ -72,6 +73,7 @@ def serve(
     pool: CompilePool | None = None,
     /,
     *,
+    host_pool: bool = False,
     unsafe_unsigned_shared_cache: bool = False,
     **options: Any,
 ) -> Serving:
@@ -85,6 +87,10 @@ def serve(
             Without one, ``serve`` starts its own pool on a thread of its own with ``options``
             (``CompilePool``'s arguments: ``workers``, ``cache_dir``, ``shared_cache``,
             ``signing_key``, ...), and stops it when the context ends.
+        host_pool: compile on the host's pool, shared by every process of this host that asks
+            for it (a model server's ranks), instead of workers of this process's own: the
+            first such process starts it (``workers`` sizes it), and it stops a minute after the
+            last one left. Each process keeps its own cache tiers.
         unsafe_unsigned_shared_cache: serve from a shared tier without a signing key. Inductor's
             cache entries hold code this process runs (a graph's Python, its C++ libraries):
             without a key, whoever can write to the shared tier can run code here. Refused unless
@@ -96,11 +102,11 @@ def serve(
     torch it cannot serve, it warns once (``UnsupportedTorchWarning``) and serves nothing:
     ``Serving.active`` is False.
     """
-    if pool is not None and options:
-        raise TypeError(f"serve(pool) takes no pool options; got {sorted(options)}")
+    if pool is not None and (options or host_pool):
+        raise TypeError(f"serve(pool) takes no pool options; got {sorted(options) or ['host_pool']}")
     if pool is None:
         options = _own_pool_options(options, unsafe_unsigned_shared_cache)
-    return Serving(pool, options, unsafe_unsigned_shared_cache)
+    return Serving(pool, options, unsafe_unsigned_shared_cache, host_pool)
 
 
 def _own_pool_options(options: dict[str, Any], unsafe: bool) -> dict[str, Any]:
@@ -134,10 +140,13 @@ class Serving:
         pool: the pool that serves (``serve``'s own, or the one given); None when not active.
     """
 
-    def __init__(self, pool: CompilePool | None, options: dict[str, Any], unsafe: bool) -> None:
+    def __init__(
+        self, pool: CompilePool | None, options: dict[str, Any], unsafe: bool, host_pool: bool
+    ) -> None:
         self._given = pool
         self._options = options
         self._unsafe = unsafe
+        self._host_pool = host_pool
         self._own: _OwnPool | None = None
         self._served: Served | None = None
         self._patches: Patches | None = None
@@ -231,7 +240,7 @@ class Serving:
         if self._given is not None:
             self.pool = self._given
             return self._given._torch_host()
-        self._own = _OwnPool(self._options)
+        self._own = _OwnPool(self._options, self._host_pool)
         host = self._own.start()
         self.pool = self._own.pool
         return host
@@ -265,6 +274,9 @@ class Serving:
         if served is None:
             return self._last_stats or {"active": False}
         stats = served.stats()
+        remote = self._own.host_pool if self._own is not None else None
+        if remote is not None:
+            stats["host_pool"] = {"pid": remote.server_pid, "workers": remote.size}
         pool = self.pool
         if pool is not None and not served.host.portal.on_loop_thread():
 
@@ -293,15 +305,21 @@ class _OwnPool:
     """The pool ``serve(**options)`` starts: on an event loop of its own, in a thread of its own,
     entered before ``serve`` returns and left when it ends."""
 
-    def __init__(self, options: dict[str, Any]) -> None:
+    def __init__(self, options: dict[str, Any], host_pool: bool) -> None:
         from acompile._compiler import CompilePool
 
+        if host_pool:
+            # Its jobs go to the host's pool: this one keeps the cache tiers, and starts no worker.
+            options = dict(options, prestart=False)
+        self._host_pool = options.get("workers") if host_pool else False
+        self._use_host_pool = host_pool
         self.pool = CompilePool(**options)  # its argument errors, here and now
         self._entered = threading.Event()
         self._error: BaseException | None = None
         self._host: Host | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
+        self.host_pool: Any = None
         self._thread = threading.Thread(target=self._main, name="acompile-inductor", daemon=True)
 
     def start(self) -> Host:
@@ -327,9 +345,20 @@ class _OwnPool:
         self._loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
         async with self.pool:
-            self._host = self.pool._torch_host()
-            self._entered.set()
-            await self._stop_event.wait()
+            if not self._use_host_pool:
+                self._host = self.pool._torch_host()
+                self._entered.set()
+                await self._stop_event.wait()
+                return
+            from acompile._torch._hostpool import HostPoolClient
+
+            async with HostPoolClient(self.pool.cache_dir, self._host_pool or None) as remote:
+                self.host_pool = remote
+                self._host = dataclasses.replace(
+                    self.pool._torch_host(), run=remote.run, wait_ready=remote.wait_ready, size=remote.size
+                )
+                self._entered.set()
+                await self._stop_event.wait()
 
     def stop(self, timeout: float = 60.0) -> None:
         """Leave the pool (its writes arrive first, bounded) and wait for the thread."""

@@ -369,3 +369,96 @@ async def test_a_worker_killed_while_it_builds_a_kernel_costs_a_retry_not_the_co
             killer.join()
         assert killed, "no worker was seen building"
         assert pool.stats()["jobs"]["retried"] >= 1
+
+
+# -- programs that know nothing of acompile, and a host's ranks ------------------------------------
+
+
+def test_a_program_that_knows_nothing_of_acompile_is_served_through_acompile_run(tmp_path: Path) -> None:
+    """``acompile run -- python script.py``: the script imports torch and compiles, and never
+    names acompile; a second run on an empty Inductor cache takes the graph from acompile's."""
+    ac = tmp_path / "acompile"
+    command = [sys.executable, "-m", "acompile", "run", "--cache-dir", str(ac), "--workers", "2", "--"]
+    reports = []
+    for name in ("first", "second"):
+        env = subprocess_env(**machine(tmp_path, name, headers=tmp_path / "headers"))
+        done = subprocess.run(
+            [*command, sys.executable, MODEL, "--plain"], capture_output=True, text=True, timeout=300, env=env
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        reports.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first, second = reports
+    assert first["ok"] and second["ok"]
+    assert first["inductor"].get("fxgraph_cache_miss") == 1
+    assert second["inductor"].get("fxgraph_cache_hit") == 1  # from acompile's cache: Inductor's was empty
+    listing = subprocess.run(
+        [sys.executable, "-m", "acompile", "cache", "stats", "--cache-dir", str(ac)],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        check=True,
+    ).stdout
+    assert "torch:fx-graph" in listing and "torch:cpp" in listing
+
+
+def test_acompile_run_refuses_what_would_leave_the_program_unserved(tmp_path: Path) -> None:
+    base = [sys.executable, "-m", "acompile", "run"]
+    env = subprocess_env()
+    env.pop("ACOMPILE_SIGNING_KEY", None)
+    no_key = subprocess.run(
+        [*base, "--shared-cache", "redis://127.0.0.1:1/0", "--", "true"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert no_key.returncode == 2 and "ACOMPILE_SIGNING_KEY" in no_key.stderr
+    off = subprocess.run(
+        [*base, "--", "true"],
+        capture_output=True,
+        text=True,
+        env=dict(env, TORCH_DEVICE_BACKEND_AUTOLOAD="0"),
+    )
+    assert off.returncode == 2 and "TORCH_DEVICE_BACKEND_AUTOLOAD" in off.stderr
+    missing = subprocess.run([*base, "--", "no-such-command-here"], capture_output=True, text=True, env=env)
+    assert missing.returncode == 127 and "not found" in missing.stderr
+    empty = subprocess.run([*base], capture_output=True, text=True, env=env)
+    assert empty.returncode == 2
+
+
+def test_four_processes_of_a_host_share_one_pool(tmp_path: Path) -> None:
+    """Four served processes (a server's ranks) with host_pool: one pool server for the host
+    runs every process's compile jobs; none of them starts workers of its own."""
+    import psutil
+
+    env = serve_options(host_pool=True, workers=2, cache_dir=str(tmp_path / "acompile"))
+    processes = [
+        subprocess.Popen(
+            [sys.executable, MODEL],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=subprocess_env(**machine(tmp_path, f"rank{i}", headers=tmp_path / "headers"), **env),
+        )
+        for i in range(4)
+    ]
+    reports = []
+    try:
+        for process in processes:
+            out, err = process.communicate(timeout=600)
+            assert process.returncode == 0, err[-3000:]
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        servers = {r["served"].get("host_pool", {}).get("pid") for r in reports} - {None}
+        for pid in servers:  # it would stop a minute after its last process left
+            server = psutil.Process(pid)
+            assert "acompile._torch._hostpool" in " ".join(server.cmdline())
+            workers = server.children(recursive=True)
+            server.terminate()
+            server.wait(30)
+            psutil.wait_procs(workers, timeout=10)  # they go with it (their parent's death signal)
+            assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+    assert all(r["ok"] for r in reports)
+    assert len(servers) == 1
+    for report in reports:
+        assert report["served"]["jobs"]["sent"] >= 1 and report["served"]["jobs"]["run_here"] == 0
+        assert report["served"]["pool"]["workers"]["started"] == 0  # its own pool ran none

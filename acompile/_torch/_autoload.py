@@ -1,0 +1,119 @@
+"""Serving a program that knows nothing of acompile: ``acompile run -- python serve.py``.
+
+``acompile run`` puts the serving options in ``ACOMPILE_SERVE_TORCH`` (JSON: ``serve()``'s
+keyword arguments) and runs the command. acompile registers ``autoload`` as an extension of
+torch (the entry point group ``torch.backends``, which torch loads as it is imported, since
+2.5): in every Python process of that command that imports torch, it waits for Inductor's
+compiler to be imported (``torch._inductor.compile_fx``, the first thing any torch.compile or
+engine does with Inductor), then serves torch.compile for the rest of the process.
+
+It never fails the import of torch (torch would fail with it): any problem is one warning, and
+the process runs as it would without acompile. It does nothing in acompile's own workers, in
+Inductor's compile workers, or where the variable is not set.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.abc
+import importlib.machinery
+import json
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+ENV = "ACOMPILE_SERVE_TORCH"
+# Imported by every path into Inductor's compiler (torch.compile's backend, vLLM's and SGLang's
+# own compile passes, AOT compilation), after codecache and async_compile.
+TRIGGER = "torch._inductor.compile_fx"
+
+logger = logging.getLogger("acompile")
+_started = threading.Event()
+
+
+def autoload() -> None:
+    """torch's extension entry point: called once, as torch is imported. Never raises."""
+    try:
+        text = os.environ.get(ENV)
+        if not text or os.environ.get("ACOMPILE_WORKER") == "1" or _in_inductor_worker():
+            return
+        options = json.loads(text)
+        if not isinstance(options, dict):
+            raise ValueError(f"{ENV} must hold a JSON object of serve() options, got {text[:80]!r}")
+        after_import(TRIGGER, lambda: _serve(options))
+    except Exception as exc:
+        logger.warning("acompile: not serving torch.compile in this process (%s)", exc)
+
+
+def _in_inductor_worker() -> bool:
+    """Inductor's own compile workers import torch too (with this process's environment)."""
+    argv = getattr(sys, "orig_argv", sys.argv)
+    return any("torch._inductor.compile_worker" in arg for arg in argv)
+
+
+def _serve(options: dict[str, Any]) -> None:
+    if _started.is_set():
+        return
+    _started.set()
+    try:
+        from acompile import inductor
+
+        serving = inductor.serve(**options)
+        serving.__enter__()
+    except Exception as exc:
+        logger.warning("acompile: not serving torch.compile in this process (%s)", exc)
+        return
+    # The pool's writes reach the tiers before the process ends (bounded), its workers go.
+    atexit.register(serving.__exit__, None, None, None)
+
+
+def after_import(name: str, callback: Callable[[], None]) -> None:
+    """Call ``callback`` once module ``name`` has been imported (now, if it has been)."""
+    if name in sys.modules:
+        callback()
+        return
+    sys.meta_path.insert(0, _AfterImport(name, callback))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: lends the real spec of one module a loader that calls back once
+    the module has run."""
+
+    def __init__(self, name: str, callback: Callable[[], None]) -> None:
+        self.name = name
+        self.callback = callback
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+        finder_self = self
+
+        def exec_module(module: ModuleType) -> None:
+            run(module)
+            if finder_self in sys.meta_path:
+                sys.meta_path.remove(finder_self)
+            try:
+                finder_self.callback()
+            except Exception as exc:  # never into the import
+                logger.warning("acompile: not serving torch.compile in this process (%s)", exc)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec

@@ -1,0 +1,483 @@
+"""One pool for every process of a host: ``serve(host_pool=True)``, ``acompile run --host-pool``.
+
+A model server's ranks (vLLM's tensor-parallel workers, a training job's processes) each compile
+the same graphs; with a pool each, a host of eight ranks runs eight pools' workers at once
+("32 * 8 workers all competing"). With the host pool, the first served process of the host
+starts a pool server (``python -m acompile._torch._hostpool``, a session of its own); every
+served process of the host, that one included, sends its compile jobs to it over a Unix socket,
+and keeps its own cache tiers (the jobs' results land in Inductor's caches of the process that
+asked). The server stops once no process has been connected for ``IDLE_EXIT`` seconds.
+
+**Trust.** The socket lives in ``<cache folder>/run/``, a folder of this user's that no one else
+may write (checked, never chmod-ed into shape); both ends check the other's user id
+(``SO_PEERCRED``) before anything else. A client's job payload reaches only the server's own
+workers, as any payload does; a reply is unpickled only by the client that asked, from a server
+of its own user. One server per Python environment (its path, acompile's and torch's versions
+name the socket): a job's functions unpickle where they were pickled.
+
+**Frames.** Each message is a 4-byte length, a JSON header, then ``header["size"]`` bytes: the
+client's ``run`` (id, name, payload) and ``cancel`` (id); the server's ``hello`` (its pid and
+size) and, per job, ``done`` (the worker's reply) or ``error`` (an acompile error, by class name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import itertools
+import json
+import logging
+import os
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from acompile import _errors
+from acompile._errors import AcompileError, PoolClosedError, PoolError
+from acompile._version import __version__
+from acompile._workers import URGENT, Job
+
+logger = logging.getLogger("acompile")
+
+RUN_FOLDER = "run"
+# How long the server stays up with no process connected.
+IDLE_EXIT = 60.0
+# How long a process waits for a server it started to listen.
+START_TIMEOUT = 60.0
+_LENGTH = struct.Struct(">I")
+_MAX_HEADER = 1 << 20
+
+
+class HostPoolError(PoolError):
+    """The host's pool cannot be used (its folder is not this user's, its server does not come)."""
+
+
+# --- the folder and the socket -----------------------------------------------------------------
+
+
+def run_folder(cache_root: Path) -> Path:
+    """``<cache_root>/run``, this user's and nobody else's to write (made so if absent).
+    Raises ``HostPoolError`` naming the folder and its owner otherwise: a socket in a folder
+    another user can write could be theirs."""
+    folder = cache_root / RUN_FOLDER
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=0o700, parents=True)
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode):
+        raise HostPoolError(f"{folder} is not a folder (a link or a file is there); the host pool needs one")
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise HostPoolError(
+            f"{folder} belongs to uid {info.st_uid} with mode {stat.filemode(info.st_mode)}: the host "
+            f"pool's socket needs a folder only uid {os.getuid()} can write"
+        )
+    return folder
+
+
+def socket_name() -> str:
+    """The server's socket for this Python environment (its interpreter, acompile's and torch's
+    versions): a job pickled here unpickles there."""
+    try:
+        from importlib.metadata import version
+
+        torch_version = version("torch")
+    except Exception:
+        torch_version = "none"
+    digest = hashlib.sha256(f"{sys.executable}\0{__version__}\0{torch_version}".encode()).hexdigest()[:12]
+    return f"pool-{digest}.sock"
+
+
+def peer_uid(sock: socket.socket) -> int:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
+
+
+# --- frames -------------------------------------------------------------------------------------
+
+
+async def send_frame(stream: anyio.abc.ByteSendStream, header: dict[str, Any], body: bytes = b"") -> None:
+    head = json.dumps(dict(header, size=len(body)), separators=(",", ":")).encode()
+    await stream.send(_LENGTH.pack(len(head)) + head + body)
+
+
+async def receive_frame(reader: BufferedByteReceiveStream) -> tuple[dict[str, Any], bytes]:
+    (length,) = _LENGTH.unpack(await reader.receive_exactly(_LENGTH.size))
+    if length > _MAX_HEADER:
+        raise ValueError(f"a frame header of {length} bytes")
+    header = json.loads(await reader.receive_exactly(length))
+    if not isinstance(header, dict) or not isinstance(header.get("size"), int) or header["size"] < 0:
+        raise ValueError("a malformed frame header")
+    body = await reader.receive_exactly(header["size"]) if header["size"] else b""
+    return header, body
+
+
+def _error_frame(job_id: int, exc: BaseException) -> dict[str, Any]:
+    return {"op": "error", "id": job_id, "error": type(exc).__name__, "message": str(exc)}
+
+
+def _rebuilt(header: dict[str, Any], name: str) -> AcompileError:
+    """An acompile error from a server's ``error`` frame (by class name; never unpickled)."""
+    cls = getattr(_errors, str(header.get("error")), None)
+    message = str(header.get("message", "the host pool failed the job"))
+    if isinstance(cls, type) and issubclass(cls, _errors.CompileError):
+        if issubclass(cls, _errors.WorkerCrashedError):
+            return cls(message, exit_code=None, kernel=name, backend="inductor")
+        return cls(message, kernel=name, backend="inductor")
+    if isinstance(cls, type) and issubclass(cls, AcompileError):
+        return cls(message)
+    return PoolError(message)
+
+
+# --- the client (in a served process) ------------------------------------------------------------
+
+
+class HostPoolClient:
+    """A served process's link to the host's pool: ``run(job)`` sends the job there. Used as
+    ``async with`` (its reader runs in a task group of its own); a lost server is started again
+    and the jobs in flight sent again, once."""
+
+    def __init__(self, cache_root: Path, workers: int | None, idle_exit: float = IDLE_EXIT) -> None:
+        self.cache_root = cache_root
+        self.workers = workers
+        self.idle_exit = idle_exit
+        self.size = workers or 1
+        self.server_pid: int | None = None
+        self._stream: anyio.abc.SocketStream | None = None
+        self._send_lock = anyio.Lock()
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, tuple[anyio.Event, list[Any]]] = {}
+        self._ready = anyio.Event()
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._reconnecting: anyio.Event | None = None
+
+    async def __aenter__(self) -> HostPoolClient:
+        await self._connect()
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._read)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+        await self._tg.__aexit__(None, None, None)
+        if self._stream is not None:
+            with anyio.CancelScope(shield=True):
+                await self._stream.aclose()
+        for event, slot in self._waiting.values():
+            slot.append(PoolClosedError("the pool serving torch.compile has shut down"))
+            event.set()
+
+    async def _connect(self) -> None:
+        path = await anyio.to_thread.run_sync(self._ensure_server)
+        stream = await anyio.connect_unix(path)
+        raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+        if peer_uid(raw) != os.getuid():
+            await stream.aclose()
+            raise HostPoolError(f"the host pool's socket {path} is served by another user")
+        self._stream = stream
+        self._reader = BufferedByteReceiveStream(stream)
+        header, _ = await receive_frame(self._reader)
+        if header.get("op") != "hello":
+            raise HostPoolError(f"the host pool at {path} did not say hello")
+        self.size = int(header.get("workers", self.size))
+        self.server_pid = int(header.get("pid", 0)) or None
+        if header.get("ready"):
+            self._ready.set()
+
+    def _ensure_server(self) -> str:
+        """The socket of a listening server, started if none listens (blocking; one process at
+        a time, under the folder's lock)."""
+        folder = run_folder(self.cache_root)
+        path = folder / socket_name()
+        lock_path = folder / (path.name + ".lock")
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            deadline = time.monotonic() + START_TIMEOUT
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise HostPoolError(f"{lock_path} stayed locked for {START_TIMEOUT:g} s") from None
+                    time.sleep(0.05)
+            if _listening(path):
+                return str(path)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()  # a server that died left it
+            self._start_server(folder, path)
+            while not _listening(path):
+                if time.monotonic() > deadline:
+                    raise HostPoolError(f"the host pool did not listen at {path} within {START_TIMEOUT:g} s")
+                time.sleep(0.05)
+            return str(path)
+        finally:
+            os.close(fd)
+
+    def _start_server(self, folder: Path, path: Path) -> None:
+        env = dict(os.environ)
+        env.pop("ACOMPILE_SERVE_TORCH", None)  # the server serves; it is not served
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.pathsep.join(sys.path), env.get("PYTHONPATH")]))
+        command = [
+            sys.executable,
+            "-m",
+            "acompile._torch._hostpool",
+            "--cache-dir",
+            str(self.cache_root),
+            "--socket",
+            str(path),
+            "--idle-exit",
+            str(self.idle_exit),
+        ]
+        if self.workers is not None:
+            command += ["--workers", str(self.workers)]
+        log = os.open(
+            folder / (path.stem + ".log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600
+        )
+        try:
+            subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                env=env,
+                start_new_session=True,  # it serves the host: it outlives the process that started it
+                close_fds=True,
+            )
+        finally:
+            os.close(log)
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                header, body = await receive_frame(self._reader)
+            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, ValueError, OSError):
+                await self._lost()
+                continue
+            op = header.get("op")
+            if op == "ready":
+                self._ready.set()
+                continue
+            waiting = self._waiting.get(int(header.get("id", -1)))
+            if waiting is None:
+                continue
+            event, slot = waiting
+            slot.append(body if op == "done" else header)
+            event.set()
+
+    async def _lost(self) -> None:
+        """The server went away: start another, and send the jobs in flight again (once each)."""
+        logger.warning("the host pool's server went away; starting another")
+        with anyio.CancelScope(shield=True):
+            if self._stream is not None:
+                await self._stream.aclose()
+        self._stream = None
+        try:
+            await self._connect()
+        except Exception as exc:
+            for event, slot in self._waiting.values():
+                slot.append(PoolClosedError(f"the host pool is gone and did not come back: {exc}"))
+                event.set()
+            await anyio.sleep(1)
+            return
+        for event, slot in self._waiting.values():
+            slot.append("again")
+            event.set()
+
+    async def wait_ready(self) -> None:
+        await self._ready.wait()
+
+    async def run(self, job: Job) -> Any:
+        for attempt in range(2):
+            job_id = next(self._ids)
+            event = anyio.Event()
+            slot: list[Any] = []
+            self._waiting[job_id] = (event, slot)
+            try:
+                await self._send({"op": "run", "id": job_id, "name": job.name}, job.payload)
+                await event.wait()
+            except BaseException:
+                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                    if not event.is_set():
+                        await self._send({"op": "cancel", "id": job_id})
+                raise
+            finally:
+                self._waiting.pop(job_id, None)
+            outcome = slot[0]
+            if outcome == "again" and attempt == 0:
+                continue
+            if isinstance(outcome, BaseException):
+                raise outcome
+            if isinstance(outcome, dict):
+                raise _rebuilt(outcome, job.name)
+            if outcome == "again":
+                raise PoolError(f"the host pool went away twice while it ran {job.name!r}")
+            return outcome
+        raise AssertionError("unreachable")
+
+    async def _send(self, header: dict[str, Any], body: bytes = b"") -> None:
+        async with self._send_lock:
+            if self._stream is None:
+                raise PoolError("the host pool is not connected")
+            await send_frame(self._stream, header, body)
+
+
+def _listening(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+# --- the server --------------------------------------------------------------------------------
+
+
+async def serve(cache_root: Path, path: Path, workers: int | None, idle_exit: float) -> None:
+    """Run the host's pool at ``path`` until no process has been connected for ``idle_exit``."""
+    from acompile._compiler import CompilePool
+
+    run_folder(cache_root)
+    async with CompilePool(workers, cache_dir=cache_root, preload=("inductor",)) as pool:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a dead server's (the process that started this one holds the lock)
+        listener = await anyio.create_unix_listener(path)
+        os.chmod(path, 0o600)
+        server = _Server(pool, idle_exit)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(server.become_ready)
+            tg.start_soon(server.idle_watch, tg.cancel_scope)
+            tg.start_soon(listener.serve, server.handle)
+
+
+class _Server:
+    def __init__(self, pool: Any, idle_exit: float) -> None:
+        self.pool = pool
+        self.idle_exit = idle_exit
+        self.connections = 0
+        self.idle_since = time.monotonic()
+        self.ready = anyio.Event()
+        self._streams: set[Any] = set()
+
+    async def become_ready(self) -> None:
+        await self.pool.wait_ready()
+        self.ready.set()
+        for send in list(self._streams):
+            with contextlib.suppress(Exception):
+                await send({"op": "ready"})
+
+    async def idle_watch(self, scope: anyio.CancelScope) -> None:
+        while True:
+            await anyio.sleep(min(1.0, self.idle_exit / 4))
+            if self.connections == 0 and time.monotonic() - self.idle_since > self.idle_exit:
+                scope.cancel()
+                return
+
+    async def handle(self, stream: anyio.abc.SocketStream) -> None:
+        """One process's connection: its faults end it, never the server (a probe that connects
+        and goes, a process killed mid-frame)."""
+        try:
+            await self._handle(stream)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream, OSError, ValueError):
+            pass
+
+    async def _handle(self, stream: anyio.abc.SocketStream) -> None:
+        raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+        if peer_uid(raw) != os.getuid():
+            await stream.aclose()  # another user's process: nothing is read from it
+            return
+        self.connections += 1
+        lock = anyio.Lock()
+
+        async def send(header: dict[str, Any], body: bytes = b"") -> None:
+            async with lock:
+                await send_frame(stream, header, body)
+
+        self._streams.add(send)
+        jobs: dict[int, anyio.CancelScope] = {}
+        try:
+            size = self.pool.stats()["workers"]["size"]
+            await send({"op": "hello", "pid": os.getpid(), "workers": size, "ready": self.ready.is_set()})
+            reader = BufferedByteReceiveStream(stream)
+            async with anyio.create_task_group() as tg:
+                while True:
+                    try:
+                        header, body = await receive_frame(reader)
+                    except (
+                        anyio.EndOfStream,
+                        anyio.IncompleteRead,
+                        anyio.BrokenResourceError,
+                        ValueError,
+                        OSError,
+                    ):
+                        break
+                    job_id = int(header.get("id", -1))
+                    if header.get("op") == "run":
+                        scope = anyio.CancelScope()
+                        jobs[job_id] = scope
+                        tg.start_soon(
+                            self._run, send, job_id, str(header.get("name", "job")), body, scope, jobs
+                        )
+                    elif header.get("op") == "cancel" and job_id in jobs:
+                        jobs[job_id].cancel()
+                tg.cancel_scope.cancel()  # its process is gone: so are its jobs
+        finally:
+            self._streams.discard(send)
+            self.connections -= 1
+            self.idle_since = time.monotonic()
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+
+    async def _run(
+        self,
+        send: Any,
+        job_id: int,
+        name: str,
+        payload: bytes,
+        scope: anyio.CancelScope,
+        jobs: dict[int, Any],
+    ) -> None:
+        from acompile._torch._served import WORKER_MODULE
+
+        try:
+            with scope:
+                try:
+                    result = await self.pool.executor.run(Job(WORKER_MODULE, payload, name, URGENT))
+                except AcompileError as exc:
+                    await send(_error_frame(job_id, exc))
+                    return
+                await send({"op": "done", "id": job_id}, result)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass  # the process that asked went away
+        finally:
+            jobs.pop(job_id, None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m acompile._torch._hostpool")
+    parser.add_argument("--cache-dir", type=Path, required=True)
+    parser.add_argument("--socket", type=Path, required=True)
+    parser.add_argument("--workers", type=int, default=None)
+    parser.add_argument("--idle-exit", type=float, default=IDLE_EXIT)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s acompile host pool: %(message)s")
+    anyio.run(serve, args.cache_dir, args.socket, args.workers, args.idle_exit)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
