@@ -14,6 +14,15 @@
 
 Every (variant, target) pair is one compile request.
 
+A manifest may also warm torch.compile models (``[[torch]]``): each names a callable (no
+arguments) that builds a model, compiles it with ``torch.compile`` and runs it; warm-up runs it
+with torch.compile served by its pool, so the model's graphs and kernels land in the cache (and
+the shared tier), and saves torch's Mega-Cache artifacts under ``artifacts`` where given::
+
+    [[torch]]
+    callable = "models.py:warm_llama"    # a file (relative to the manifest) or a module, ':' name
+    artifacts = "llama-8b"               # optional: inductor.load_artifacts("llama-8b") reads them
+
 The format is read here (``load_manifest``) and written here: ``Recorder`` appends every kernel
 request a pool served (``CompilePool(record=...)``), once per distinct request, across runs, so
 that replaying the file on the next deploy compiles what production used.
@@ -30,6 +39,7 @@ import re
 import sys
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +85,10 @@ def load_manifest(path: str | Path) -> list[TritonSpec]:
         raise InvalidSpecError(f"cannot read the manifest {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise InvalidSpecError(f"{path} is not valid TOML: {exc}") from None
-    unknown_top = set(data) - {"defaults", "kernel"}
+    unknown_top = set(data) - {"defaults", "kernel", "torch"}
     if unknown_top:
         raise InvalidSpecError(
-            f"{path}: unknown section(s) {sorted(unknown_top)}; use [defaults] and [[kernel]]"
+            f"{path}: unknown section(s) {sorted(unknown_top)}; use [defaults], [[kernel]] and [[torch]]"
         )
     defaults = data.get("defaults", {})
     if not isinstance(defaults, Mapping):
@@ -89,8 +99,8 @@ def load_manifest(path: str | Path) -> list[TritonSpec]:
             f"{path} [defaults]: unknown field(s) {sorted(unknown)}; known: {sorted(_KERNEL_FIELDS)}"
         )
     kernels = data.get("kernel", [])
-    if not isinstance(kernels, list) or not kernels:
-        raise InvalidSpecError(f"{path} lists no [[kernel]] entries")
+    if not isinstance(kernels, list) or not (kernels or data.get("torch")):
+        raise InvalidSpecError(f"{path} lists no [[kernel]] (or [[torch]]) entries")
     specs: list[TritonSpec] = []
     for index, raw in enumerate(kernels, 1):
         entry = {**defaults, **raw}
@@ -126,10 +136,58 @@ def load_manifest(path: str | Path) -> list[TritonSpec]:
     return specs
 
 
-def _import_kernel(ref: str, base: Path, where: str) -> Any:
+@dataclass(frozen=True)
+class TorchWarmup:
+    """A ``[[torch]]`` entry: ``fn`` builds, compiles and runs a model (``ref`` names it)."""
+
+    ref: str
+    fn: Any
+    artifacts: str | None = None
+
+
+_TORCH_FIELDS = {"callable", "artifacts"}
+
+
+def load_torch_entries(path: str | Path) -> list[TorchWarmup]:
+    """The ``[[torch]]`` entries of a manifest, their callables imported (blocking). Raises
+    ``InvalidSpecError`` naming the entry at fault; ``[]`` where there are none."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        load_manifest(path)  # raises the error that names the problem
+        raise
+    entries = data.get("torch", [])
+    if not isinstance(entries, list):
+        raise InvalidSpecError(
+            f"{path}: [[torch]] must be a list of tables (write [[torch]], twice brackets)"
+        )
+    found = []
+    for index, raw in enumerate(entries, 1):
+        if not isinstance(raw, Mapping):
+            raise InvalidSpecError(f"{path} torch #{index}: must be a table, got {raw!r}")
+        ref = raw.get("callable")
+        where = f"{path} torch #{index} ({ref or '?'})"
+        if unknown := set(raw) - _TORCH_FIELDS:
+            raise InvalidSpecError(
+                f"{where}: unknown field(s) {sorted(unknown)}; known: {sorted(_TORCH_FIELDS)}"
+            )
+        if not isinstance(ref, str):
+            raise InvalidSpecError(f'{where}: needs callable = "file.py:name"')
+        artifacts = raw.get("artifacts")
+        if artifacts is not None and (not isinstance(artifacts, str) or not artifacts.strip()):
+            raise InvalidSpecError(f"{where}: artifacts must be a non-empty name, got {artifacts!r}")
+        fn = _import_kernel(ref, path.parent, where, what="callable")
+        if not callable(fn):
+            raise InvalidSpecError(f"{where}: {ref!r} is not callable")
+        found.append(TorchWarmup(ref, fn, artifacts))
+    return found
+
+
+def _import_kernel(ref: str, base: Path, where: str, what: str = "kernel") -> Any:
     if not isinstance(ref, str) or ":" not in ref:
         raise InvalidSpecError(
-            f"{where}: kernel must read 'file.py:name' or 'package.module:name', got {ref!r}"
+            f"{where}: {what} must read 'file.py:name' or 'package.module:name', got {ref!r}"
         )
     target, _, name = ref.rpartition(":")
     try:
@@ -154,7 +212,7 @@ def _import_kernel(ref: str, base: Path, where: str) -> Any:
     except ModuleNotFoundError as exc:
         hint = (
             f"; {target!r} is imported by name: put the folder that holds it on PYTHONPATH, or name "
-            'the file ("path/to/file.py:kernel", relative to the manifest)'
+            f'the file ("path/to/file.py:{what}", relative to the manifest)'
         )
         raise InvalidSpecError(f"{where}: cannot import {target!r}: {exc}{hint}") from exc
     except Exception as exc:

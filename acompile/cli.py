@@ -341,7 +341,7 @@ def _autoload_registered() -> bool:
 
 
 def _warmup(args: argparse.Namespace) -> int:
-    from acompile._manifest import load_manifest
+    from acompile._manifest import load_manifest, load_torch_entries
 
     if args.shared_cache is not None and (problem := _shared_url_problem(args.shared_cache)):
         print(f"acompile warmup: --shared-cache {args.shared_cache!r}: {problem}", file=sys.stderr)
@@ -354,9 +354,18 @@ def _warmup(args: argparse.Namespace) -> int:
         return 2
     try:
         specs = load_manifest(args.manifest)
+        models = load_torch_entries(args.manifest)
     except AcompileError as exc:
         print(f"acompile warmup: {exc}", file=sys.stderr)
         return 2
+    if models and args.shared_cache is not None and _signing_key_problem():
+        print(
+            "acompile warmup: [[torch]] entries with --shared-cache need $ACOMPILE_SIGNING_KEY: "
+            "torch.compile's cache entries hold code the processes that read them run",
+            file=sys.stderr,
+        )
+        return 2
+    args.models = models
     if args.target is None and any(s.target is None for s in specs):
         print(
             'acompile warmup: some kernels name no target: add targets = ["cuda:90"] to the manifest '
@@ -376,6 +385,16 @@ def _warmup(args: argparse.Namespace) -> int:
         _Progress.end_line()
         print("acompile warmup: interrupted", file=sys.stderr)
         return 130
+
+
+def _signing_key_problem() -> str | None:
+    """Why there is no usable signing key in the environment, or None where there is one."""
+    from acompile._cache._shared import signing_key_from
+
+    try:
+        return None if signing_key_from(None) is not None else "not set"
+    except ValueError as exc:
+        return str(exc)
 
 
 def _output_path_problem(path: Path) -> str | None:
@@ -421,14 +440,17 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
     from acompile._farm import RayFarm
 
     rows: list[dict[str, Any]] = []
-    progress = _Progress(len(specs), sys.stderr)
+    models: list[dict[str, Any]] = []
+    progress = _Progress(len(specs) + len(args.models), sys.stderr)
     t0 = time.perf_counter()
     shared: dict[str, int] = {}
+    preload = (("triton",) if specs else ()) + (("inductor",) if args.models else ())
     with tempfile.TemporaryDirectory(prefix="acompile-warmup-") as scratch:
         trace_path = Path(scratch) / "trace.json"
         async with CompilePool(
             args.workers,
-            target=args.target or specs[0].target,
+            target=args.target or (specs[0].target if specs else None),
+            preload=preload,
             cache_dir=args.cache_dir,
             prestart=False,
             # Compiling is this command's whole job, not a background task: its workers run at
@@ -463,13 +485,23 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
                 async with anyio.create_task_group() as tg:
                     for spec in specs:
                         tg.start_soon(one, spec)
+            torch_keys = await _warm_models(pool, args.models, models, progress) if args.models else set()
             if args.shared_cache is not None:
                 shared["confirmed"] = await _confirm_local_hits(pool, rows)
+                if torch_keys:
+                    # torch.compile's entries: each in the shared tier now (found, or published
+                    # from the disk where its write-behind did not make it).
+                    found, written = await pool.share(torch_keys)
+                    shared["torch_entries"] = len(torch_keys)
+                    shared["torch_missing"] = len(torch_keys) - found - written
         _add_job_times(rows, trace_path)
     elapsed = time.perf_counter() - t0
     progress.close()
-    _print_summary(rows, elapsed, pool.cache_dir, sys.stdout)
-    ok = not any(r["result"] == "failed" for r in rows)
+    if rows:
+        _print_summary(rows, elapsed, pool.cache_dir, sys.stdout)
+    if models:
+        _print_models(models, sys.stdout)
+    ok = not any(r["result"] == "failed" for r in rows + models)
     # Filling the cache folder is this command's job: kernels that are not there now (a folder
     # it could not write to, a disk that filled up) fail it, as the shared tier's do below.
     keys = {r["key"] for r in rows if "key" in r}
@@ -495,6 +527,13 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
         missing = shared["kernels"] - shared["found"] - shared["published"]
         shared["missing"] = max(0, missing)
         _print_shared_summary(shared, args.shared_cache, sys.stdout)
+        if shared.get("torch_missing") and args.require_shared:
+            print(
+                f"acompile warmup: {shared['torch_missing']} of {shared['torch_entries']} torch.compile "
+                f"entries did not reach the shared tier {args.shared_cache}",
+                file=sys.stderr,
+            )
+            ok = False
         if shared["missing"] and args.require_shared:
             print(
                 f"acompile warmup: {shared['missing']} of {shared['kernels']} kernels did not reach the "
@@ -506,6 +545,8 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
             ok = False
     if args.json_path:
         document: dict[str, Any] = {"seconds": elapsed, "kernels": rows}
+        if models:
+            document["torch"] = models
         if shared:
             document["shared"] = shared
         try:
@@ -520,6 +561,54 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
             )
             ok = False
     return 0 if ok else 1
+
+
+async def _warm_models(
+    pool: Any, entries: list[Any], models: list[dict[str, Any]], progress: Any
+) -> set[str]:
+    """Run each ``[[torch]]`` entry with torch.compile served by the pool, one after the other
+    (torch.compile runs on a thread; its compiles on the pool); save its Mega-Cache artifacts
+    where the entry names them. Returns the keys of the entries torch.compile wrote."""
+    from acompile import inductor
+
+    unsigned = _signing_key_problem() is not None  # refused before any work where a shared tier needs one
+    async with inductor.serve(pool, unsafe_unsigned_shared_cache=unsigned) as serving:
+        if not serving.active:
+            for entry in entries:
+                models.append({"torch": entry.ref, "result": "failed", "error": "this torch is not served"})
+                progress.advance("failed")
+            return set()
+        for entry in entries:
+            before = await anyio.to_thread.run_sync(serving.stats)
+            start = time.perf_counter()
+            row: dict[str, Any] = {"torch": entry.ref}
+            try:
+                await anyio.to_thread.run_sync(entry.fn)
+                if entry.artifacts:
+                    row["artifacts"] = await anyio.to_thread.run_sync(serving.save_artifacts, entry.artifacts)
+            except Exception as exc:  # the user's code: any error is this entry's failure
+                row.update(result="failed", error=f"{type(exc).__name__}: {exc}")
+            else:
+                after = await anyio.to_thread.run_sync(serving.stats)
+                graphs = after["caches"]["fx-graph"]
+                compiled = graphs["misses"] - before["caches"]["fx-graph"]["misses"]
+                row.update(result="compiled" if compiled else "cached", graphs_compiled=compiled)
+                row["graphs"] = graphs["gets"] - before["caches"]["fx-graph"]["gets"]
+            row["seconds"] = time.perf_counter() - start
+            models.append(row)
+            progress.advance(row["result"])
+        return serving.written()
+
+
+def _print_models(models: list[dict[str, Any]], out: TextIO) -> None:
+    print("\ntorch.compile models:", file=out)
+    for m in models:
+        extra = f", artifacts {m['artifacts']}" if m.get("artifacts") else ""
+        if m["result"] == "failed":
+            print(f"  {m['torch']}: FAILED: {m['error']}", file=out)
+        else:
+            graphs = f"{m['graphs']} graph{'' if m['graphs'] == 1 else 's'}, {m['graphs_compiled']} compiled"
+            print(f"  {m['torch']}: {m['result']} ({graphs}) in {m['seconds']:.2f} s{extra}", file=out)
 
 
 def _absent_from_disk(cache_dir: Path, keys: set[str]) -> int:

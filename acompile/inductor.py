@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from acompile._torch._seams import Patches
     from acompile._torch._served import Served
 
-__all__ = ("SUPPORTED", "Serving", "UnsupportedTorchWarning", "serve")
+__all__ = ("SUPPORTED", "Serving", "UnsupportedTorchWarning", "load_artifacts", "save_artifacts", "serve")
 
 logger = logging.getLogger("acompile")
 
@@ -262,6 +262,40 @@ class Serving:
             own.stop()
         self.active = False
 
+    def written(self) -> set[str]:
+        """The keys of the cache entries written while serving (``CompilePool.share`` makes
+        sure a shared tier holds them)."""
+        served = self._served
+        return served.written() if served is not None else set()
+
+    def save_artifacts(self, name: str) -> dict[str, int] | None:
+        """``acompile.inductor.save_artifacts`` through this context."""
+        served = self._served
+        if served is None:
+            raise AcompileError("this serve() context is not active")
+        import torch
+
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is None:
+            return None
+        blob, info = saved
+        counts = _counts(info)
+        served.store_artifacts(name, blob, {"artifacts": counts, "torch": str(torch.__version__)})
+        return counts
+
+    def load_artifacts(self, name: str) -> dict[str, int] | None:
+        """``acompile.inductor.load_artifacts`` through this context."""
+        served = self._served
+        if served is None:
+            raise AcompileError("this serve() context is not active")
+        import torch
+
+        blob = served.fetch_artifacts(name)
+        if blob is None:
+            return None
+        info = torch.compiler.load_cache_artifacts(blob)
+        return _counts(info) if info is not None else None
+
     def stats(self) -> dict[str, Any]:
         """What was served (safe from any thread but the pool's loop's): per cache
         (``fx-graph``, ``aot-autograd``, ``autotune``, ``bundled-autotune``, ``pgo``) the reads
@@ -286,6 +320,38 @@ class Serving:
             with contextlib.suppress(Exception):
                 stats["pool"] = served.host.portal.call(pool_stats, timeout=5)
         return stats
+
+
+def _serving() -> Serving:
+    with _lock:
+        current = _current
+    if current is None or current._served is None:
+        raise AcompileError("torch.compile is not served in this process: call this inside inductor.serve()")
+    return current
+
+
+def save_artifacts(name: str) -> dict[str, int] | None:
+    """Store torch's Mega-Cache artifacts (``torch.compiler.save_cache_artifacts()``: what this
+    process compiled, its graphs, autotuning, AOTAutograd and PGO entries) under ``name`` in the
+    serving pool's tiers: on its disk when this returns, on its shared tier (signed) in the
+    background, and in the bundles ``acompile cache export`` writes. Returns the artifacts'
+    counts by kind, or None where torch had none. Blocking (call it off the pool's loop).
+
+    Raises ``AcompileError`` outside ``serve()``."""
+    return _serving().save_artifacts(name)
+
+
+def load_artifacts(name: str) -> dict[str, int] | None:
+    """Load the Mega-Cache artifacts stored under ``name`` (by this torch release) into torch's
+    caches (``torch.compiler.load_cache_artifacts``): the compiles they cover then hit. Returns
+    their counts by kind, or None where the tiers hold none. Blocking; raises ``AcompileError``
+    outside ``serve()``."""
+    return _serving().load_artifacts(name)
+
+
+def _counts(info: Any) -> dict[str, int]:
+    artifacts = getattr(info, "artifacts", None) or {}
+    return {str(kind): len(items) for kind, items in artifacts.items()}
 
 
 def _warn_unsupported(reason: str) -> None:

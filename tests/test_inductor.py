@@ -325,6 +325,9 @@ async def test_an_async_program_serves_torch_compile_through_its_own_pool_and_qu
             assert await anyio.to_thread.run_sync(compile_here)
             stats = await anyio.to_thread.run_sync(serving.stats)
         assert stats["cpp"]["builds"] >= 1 and stats["cpp"]["local_builds"] == 0, stats
+        # Served from its set-up's thread to the compiling one (torch 2.12+ keeps settings made
+        # in code per thread): the graph went through the pool's tiers.
+        assert stats["caches"]["fx-graph"]["gets"] == 1 and stats["caches"]["fx-graph"]["puts"] == 1
         assert pool.stats()["jobs"]["done"] >= stats["cpp"]["builds"]
         await pool.quiesce()
         await anyio.sleep(0.2)
@@ -462,3 +465,104 @@ def test_four_processes_of_a_host_share_one_pool(tmp_path: Path) -> None:
     for report in reports:
         assert report["served"]["jobs"]["sent"] >= 1 and report["served"]["jobs"]["run_here"] == 0
         assert report["served"]["pool"]["workers"]["started"] == 0  # its own pool ran none
+
+
+# -- warm-up and Mega-Cache artifacts --------------------------------------------------------------
+
+
+def test_warmup_compiles_a_model_into_the_shared_tier_and_its_artifacts_travel_in_a_bundle(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """``acompile warmup`` on a ``[[torch]]`` entry fills the shared tier with the model's graph
+    (a fresh machine then compiles nothing) and saves its Mega-Cache artifacts, which a signed
+    bundle carries to a machine with no shared tier: loaded there, the compile hits."""
+    manifest = tmp_path / "manifest.toml"
+    manifest.write_text(
+        f'[[torch]]\ncallable = "{ROOT / "tests" / "torch_warm.py"}:warm"\nartifacts = "small"\n'
+    )
+    signed = {"ACOMPILE_SIGNING_KEY": KEY}
+    builder = machine(tmp_path, "builder", headers=tmp_path / "headers")
+    report_path = tmp_path / "warm.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "acompile",
+            "warmup",
+            str(manifest),
+            "--shared-cache",
+            redis_server.url,
+            "--workers",
+            "2",
+            "--json",
+            str(report_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=subprocess_env(**builder, **signed),
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "torch_warm.py:warm: compiled (1 graph, 1 compiled)" in done.stdout, done.stdout
+    document = json.loads(report_path.read_text())
+    (model,) = document["torch"]
+    assert model["artifacts"].get("inductor", 0) >= 1
+    assert document["shared"]["torch_missing"] == 0 and document["shared"]["torch_entries"] >= 2
+
+    # A fresh machine on the shared tier: nothing to compile.
+    code = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import torch_model, json; print(json.dumps(torch_model.run(width=56)))"
+    fresh = machine(tmp_path, "fresh")
+    served = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "acompile",
+            "run",
+            "--shared-cache",
+            redis_server.url,
+            "--",
+            sys.executable,
+            "-c",
+            code,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=subprocess_env(**fresh, **signed),
+    )
+    assert served.returncode == 0, served.stderr[-3000:]
+    assert json.loads(served.stdout.strip().splitlines()[-1])["inductor"].get("fxgraph_cache_hit") == 1
+
+    # The artifacts in a signed bundle, to a machine with no shared tier at all.
+    bundle = tmp_path / "model.tar.gz"
+    env = subprocess_env(**builder, **signed)
+    subprocess.run(
+        [sys.executable, "-m", "acompile", "cache", "export", str(bundle)],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
+    island = machine(tmp_path, "island")
+    env = subprocess_env(**island, **signed)
+    subprocess.run(
+        [sys.executable, "-m", "acompile", "cache", "import", str(bundle)],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
+    code = f"""
+import sys, json; sys.path.insert(0, {str(ROOT / "tests")!r})
+import torch_model
+from acompile import inductor
+with inductor.serve() as serving:
+    loaded = inductor.load_artifacts("small")
+    missing = inductor.load_artifacts("never-saved")
+# Served no more: what hits now is what the artifacts put in Inductor's own caches.
+report = torch_model.run(width=56)
+print(json.dumps({{"loaded": loaded, "missing": missing, "inductor": report["inductor"], "ok": report["ok"]}}))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["ok"] and result["missing"] is None and result["loaded"].get("inductor", 0) >= 1
+    assert result["inductor"].get("fxgraph_cache_hit") == 1

@@ -10,7 +10,9 @@ leaves Inductor as it was. The seams:
   ``backend_override_cls`` (every release since 2.6);
 * the switches that turn those caches on: ``fx_graph_remote_cache``, ``autotune_remote_cache``,
   ``bundled_autotune_remote_cache`` (Inductor's config), ``enable_remote_autograd_cache``
-  (functorch's), ``automatic_dynamic_remote_pgo`` (dynamo's);
+  (functorch's), ``automatic_dynamic_remote_pgo`` (dynamo's), set as the process-wide default of
+  each (its config entry's ``env_value_default``: torch 2.12 and later keep values set in code per
+  thread, and torch.compile runs on threads of its own);
 * ``torch._inductor.async_compile``: ``AsyncCompile.process_pool`` and ``use_process_pool``, and
   the module function ``get_compile_threads`` (consulted wherever Inductor decides to compile in
   parallel);
@@ -114,7 +116,11 @@ def _checks(s: Seams) -> list[tuple[str, bool]]:
         (s.functorch_config, ("enable_remote_autograd_cache",)),
         (s.dynamo_config, ("automatic_dynamic_remote_pgo",)),
     ):
-        checks += [(f"config.{name}", hasattr(config, name)) for name in names]
+        entries = getattr(config, "_config", {})
+        checks += [
+            (f"config.{name} (a default for every thread)", hasattr(entries.get(name), "env_value_default"))
+            for name in names
+        ]
     compiler = getattr(s.async_compile, "AsyncCompile", None)
     checks += [
         ("AsyncCompile.process_pool", callable(getattr(compiler, "process_pool", None))),
@@ -157,6 +163,16 @@ class Patches:
             old = getattr(owner, name)
         setattr(owner, name, value)
         self._undo.append(lambda: setattr(owner, name, old))
+
+    def default(self, config: Any, name: str, value: Any) -> None:
+        """A torch config's process-wide default: what every thread reads where the thread's
+        own setting says nothing (torch 2.12 and later keep what code sets per thread, so a
+        setting made here would not reach the thread that compiles). Where the environment
+        set a default (``TORCHINDUCTOR_...``), this one replaces it while served."""
+        entry = config._config[name]
+        old = entry.env_value_default
+        entry.env_value_default = value
+        self._undo.append(lambda: setattr(entry, "env_value_default", old))
 
     def call(self, undo: Callable[[], None]) -> None:
         """Something to run when the patches are undone."""
@@ -208,7 +224,7 @@ def install(seams: Seams, served: Served) -> Patches:
     ]
     for config, name, on in switches:
         if on:
-            patches.set(config, name, True)
+            patches.default(config, name, True)
     # Inductor keeps its AOTAutograd remote cache for the process (made before serving: none).
     aot_cache = _aot_remote_cache()
     if aot_cache is not None:

@@ -59,6 +59,7 @@ WORKER_MODULE = "acompile._torch._worker"
 # backward): only there does a replica hold the others back while it compiles.
 SINGLE_FLIGHT = frozenset({"fx-graph"})
 CPP_KIND = "cpp"
+ARTIFACTS_KIND = "mega-cache"
 # A read waits for the disk (bounded) and the shared tier (0.5 s an operation, up to 5 s queued).
 _GET_TIMEOUT = 10.0
 # After the loop did not take a call in time, calls skip the pool this long (each would wait
@@ -104,6 +105,7 @@ class Served:
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._torch_key: bytes | None = None
         self._stalled_until = 0.0
+        self.keys: set[str] = set()
         self.context = {"cache_root": str(host.cache_root)}
 
     # -- bookkeeping -------------------------------------------------------------------------------
@@ -151,6 +153,36 @@ class Served:
                 logger.debug("served %s write failed: %s", what, f.exception())
 
         future.add_done_callback(done)
+
+    def _written(self, key: str) -> None:
+        with self._lock:
+            self.keys.add(key)
+
+    def written(self) -> set[str]:
+        """The keys of every entry this served process wrote (a warm-up spreads them)."""
+        with self._lock:
+            return set(self.keys)
+
+    # -- torch's Mega-Cache ------------------------------------------------------------------------
+
+    def store_artifacts(self, name: str, blob: bytes, meta: dict[str, Any]) -> str:
+        """Store a ``save_cache_artifacts()`` blob under ``name`` (on the disk when this returns,
+        on the shared tier in the background); its entry key."""
+        key = artifacts_key(name)
+        data, meta = _packed(blob, dict(meta, name=name))
+        self._call(self.host.store, key, ARTIFACTS_KIND, {"artifacts": data}, meta, timeout=_GET_TIMEOUT * 6)
+        self._written(key)
+        return key
+
+    def fetch_artifacts(self, name: str) -> bytes | None:
+        """The blob stored under ``name`` (any tier), or None."""
+        entry, _ = self._call(self.host.find, artifacts_key(name), timeout=_GET_TIMEOUT * 6)
+        if entry is None or entry.backend != ENTRY_BACKEND or entry.name != ARTIFACTS_KIND:
+            return None
+        try:
+            return _unpacked(entry.blobs["artifacts"], entry.meta)
+        except (KeyError, zlib.error):
+            return None
 
     def drain(self, timeout: float = _DRAIN_TIMEOUT) -> None:
         """Wait (up to ``timeout``) for the writes handed to the pool."""
@@ -249,6 +281,7 @@ class Served:
             return
         self.count(f"{kind}_puts")
         key = cache_key(kind, inductor_key)
+        self._written(key)
         meta = {"cache": kind, "inductor_key": inductor_key[:512]}
         future = self.host.portal.spawn(self.host.store, key, kind, {"value": bytes(data)}, meta)
         self._keep(future, kind)
@@ -271,9 +304,7 @@ class Served:
         if self.host.shared and not self.host.signed and tier not in ("disk", ""):
             return False  # host code from a tier anyone could write: never loaded (see serve())
         try:
-            data = entry.blobs["output"]
-            if entry.meta.get("encoding") == "zlib":
-                data = zlib.decompress(data)
+            data = _unpacked(entry.blobs["output"], entry.meta)
             _write_output(builders[-1].get_target_file_path(), data)
         except (KeyError, OSError, zlib.error) as exc:
             logger.debug("cannot use the served C++ output %s…: %s", key[:16], exc)
@@ -292,11 +323,9 @@ class Served:
                 data = f.read()
         except OSError:
             return
-        meta: dict[str, Any] = {"file": os.path.basename(target)}
-        if len(data) > _COMPRESS_OVER:
-            data = zlib.compress(data, 1)
-            meta["encoding"] = "zlib"
+        data, meta = _packed(data, {"file": os.path.basename(target)})
         self.count("cpp_puts")
+        self._written(key)
         future = self.host.portal.spawn(self.host.store, key, CPP_KIND, {"output": data}, meta)
         self._keep(future, CPP_KIND)
 
@@ -482,6 +511,25 @@ def decode_reply(reply: bytes, name: str, raw_errors: bool) -> tuple[bool, Any]:
         return False, SubprocException(text, name)
     except Exception:
         return False, RuntimeError(f"An exception occurred in a compile worker:\n\nName={name}\n{text}")
+
+
+def artifacts_key(name: str) -> str:
+    """The entry key of torch's Mega-Cache artifacts saved under ``name`` (by this torch: they
+    load into no other release)."""
+    import torch
+
+    return make_key({"torch-artifacts": name, "torch": str(torch.__version__), "format": 1})
+
+
+def _packed(data: bytes, meta: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+    """A large blob compressed (zlib's fastest level), and the meta that says so."""
+    if len(data) > _COMPRESS_OVER:
+        return zlib.compress(data, 1), dict(meta, encoding="zlib")
+    return data, meta
+
+
+def _unpacked(data: bytes, meta: dict[str, Any]) -> bytes:
+    return zlib.decompress(data) if meta.get("encoding") == "zlib" else data
 
 
 def _write_output(path: str, data: bytes) -> None:
