@@ -250,6 +250,8 @@ class Serving:
         if patches is not None:
             patches.undo()
         served = self._served
+        if served is not None:
+            served.close()
         if served is not None and drain and not served.host.portal.on_loop_thread():
             # Writes on their way to the tiers (on the loop's own thread they would wait for the
             # thread that waits: the pool's own exit waits for them then).
@@ -261,6 +263,14 @@ class Serving:
         if own is not None:
             own.stop()
         self.active = False
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the serving pool's workers are ready (from a thread other than the pool's
+        loop's: in async code, ``await pool.wait_ready()``); True once they are. Until then
+        Inductor compiles in its own process, as it does while its own pool warms up: a program
+        that knows it will compile soon may wait here first."""
+        served = self._served
+        return served is not None and served.ready.wait(timeout)
 
     def written(self) -> set[str]:
         """The keys of the cache entries written while serving (``CompilePool.share`` makes

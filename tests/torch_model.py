@@ -36,14 +36,19 @@ class Small(torch.nn.Module):
         return torch.softmax(y - y.mean(-1, keepdim=True), -1)
 
 
-def run(width: int = 48) -> dict[str, object]:
+def run(width: int = 48, device: str | None = None) -> dict[str, object]:
+    """Compile and run the model (on ``device``: ``$ACOMPILE_TEST_DEVICE``, else the CPU; on a
+    GPU, Inductor writes Triton kernels instead of C++)."""
+    device = device or os.environ.get("ACOMPILE_TEST_DEVICE", "cpu")
     torch.manual_seed(0)
-    model = Small(width)
-    x = torch.randn(8, 32)
+    model = Small(width).to(device)
+    x = torch.randn(8, 32, device=device)
     with torch.no_grad():
         expected = model(x)
         start = time.perf_counter()
         got = torch.compile(model)(x)
+        if device == "cuda":
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - start
     counters = torch._dynamo.utils.counters
     return {
@@ -62,6 +67,9 @@ def main() -> None:
 
         options = json.loads(os.environ.get("ACOMPILE_TEST_SERVE", "{}"))
         with inductor.serve(**options) as serving:
+            # Its workers ready first: until then Inductor compiles in this process (as with its
+            # own pool), and a test that counts what ran on the pool must not depend on a race.
+            serving.wait_ready(120)
             report = run()
             report["active"] = serving.active
         report["served"] = serving.stats()

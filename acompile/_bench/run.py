@@ -78,6 +78,7 @@ _PASSTHROUGH = {
     "--first-launch": "first_launch",
     "--autotune": "autotune",
     "--farm": "farm",
+    "--torch": "compile_torch",
 }
 
 

@@ -21,17 +21,28 @@ from acompile._torch._served import Served
 class ServedProcessPool(concurrent.futures.Executor):
     """What ``AsyncCompile.process_pool()`` returns while served."""
 
-    def __init__(self, served: Served, ready_probe: Callable[..., Any] | None = None) -> None:
+    def __init__(
+        self,
+        served: Served,
+        ready_probe: Callable[..., Any] | None = None,
+        triton_job: Callable[..., Any] | None = None,
+    ) -> None:
         self._served = served
         # Inductor asks its pool whether it is warm with a no-op job; the pool answers at once.
         self._ready_probe = ready_probe
+        # Inductor's Triton compile job (compile_tasks._worker_compile_triton): fanned out.
+        self._triton_job = triton_job
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
         if fn is self._ready_probe:
             done: concurrent.futures.Future[Any] = concurrent.futures.Future()
             done.set_result(fn(*args, **kwargs))
             return done
-        return self._served.submit_job(fn, args, kwargs, job_name(fn, args), raw_errors=False)
+        name = job_name(fn, args)
+        future = self._served.submit_job(fn, args, kwargs, name, raw_errors=False)
+        if fn is self._triton_job and args and not future.done():
+            self._served.fan_out(fn, args, kwargs, name)
+        return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """The pool's own life is its owner's (``async with``), not Inductor's."""

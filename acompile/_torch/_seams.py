@@ -235,7 +235,10 @@ def install(seams: Seams, served: Served) -> Patches:
 
     # Triton compiles: on the pool, also where the engine set compile_threads=1.
     compiler = seams.async_compile.AsyncCompile
-    executor = ServedProcessPool(served, getattr(compiler, "_get_ready", None))
+    from torch._inductor.runtime import compile_tasks
+
+    triton_job = getattr(compile_tasks, "_worker_compile_triton", None)
+    executor = ServedProcessPool(served, getattr(compiler, "_get_ready", None), triton_job)
     threads = seams.async_compile.get_compile_threads
     patches.set(compiler, "process_pool", staticmethod(lambda: executor))
     patches.set(compiler, "use_process_pool", staticmethod(lambda *_: served.parallel()))

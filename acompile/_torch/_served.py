@@ -28,6 +28,7 @@ import concurrent.futures
 import contextlib
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import pickle
@@ -62,6 +63,8 @@ CPP_KIND = "cpp"
 ARTIFACTS_KIND = "mega-cache"
 # A read waits for the disk (bounded) and the shared tier (0.5 s an operation, up to 5 s queued).
 _GET_TIMEOUT = 10.0
+# Below this many workers, a kernel's further configs are not fanned out (see Served.fan_out).
+_FAN_OUT_MIN_WORKERS = 4
 # After the loop did not take a call in time, calls skip the pool this long (each would wait
 # START_TIMEOUT again otherwise).
 _STALL_SKIP = 10.0
@@ -75,15 +78,19 @@ _COMPRESS_OVER = 1 << 20
 _SERVED_SUFFIXES = (".so", ".o", ".gch", ".pch")
 # What Inductor's compile functions read from the environment, handed to the worker as this
 # process has it when the job is submitted (a worker's own may differ: its Triton cache).
+# Each is the submitting process's, set or unset, for the job's time (acompile's own Triton
+# backend gives a worker a private TRITON_CACHE_DIR and always_compile).
 JOB_ENVIRONMENT = (
     "TRITON_CACHE_DIR",
     "TRITON_HOME",
-    "TRITON_LIBDEVICE_PATH",
-    "TRITON_PTXAS_PATH",
     "TRITON_ALWAYS_COMPILE",
     "TORCHINDUCTOR_CACHE_DIR",
     "TMPDIR",
 )
+# These only where the submitting process set them: Inductor's compile functions set them in
+# the worker themselves, once a process (torch's ptxas, the CUDA toolkit's libdevice), and a job
+# that unset them would compile every later job of that worker with Triton's own.
+JOB_ENVIRONMENT_IF_SET = ("TRITON_PTXAS_PATH", "TRITON_LIBDEVICE_PATH")
 
 
 class Served:
@@ -106,6 +113,9 @@ class Served:
         self._torch_key: bytes | None = None
         self._stalled_until = 0.0
         self.keys: set[str] = set()
+        # Precompiled headers asked for and not needed yet, by header: (lock path, builders).
+        self._headers: dict[str, tuple[str, Sequence[Any]]] = {}
+        self._fan: concurrent.futures.ThreadPoolExecutor | None = None
         self.context = {"cache_root": str(host.cache_root)}
 
     # -- bookkeeping -------------------------------------------------------------------------------
@@ -216,7 +226,8 @@ class Served:
                 "puts": counts["cpp_puts"],
             },
             "jobs": {
-                "sent": counts["jobs"],
+                "sent": counts["jobs"] - counts["fan_out_jobs"],
+                "configs_fanned_out": counts["fan_out_jobs"],
                 "failed": counts["jobs_failed"],
                 "run_here": counts["jobs_local"],
             },
@@ -334,7 +345,22 @@ class Served:
     ) -> None:
         """Inductor's ``_worker_compile_cpp``, served: under its file lock, the group's output
         from the tiers, or else built on a pool worker (``build_locally`` where the pool cannot
-        be reached) and published."""
+        be reached) and published.
+
+        A precompiled header waits until a build needs it: Inductor asks for it before every
+        kernel it loads, where a kernel whose library comes from the tiers needs none, and
+        fetching one (156 MB on torch 2.13) is most of a served second machine's C++ time. A
+        compile that includes the header without it parses the header instead."""
+        target = builders[-1].get_target_file_path()
+        if target.endswith((".gch", ".pch")) and not os.path.exists(target):
+            with self._lock:
+                self._headers.setdefault(os.path.realpath(target[: -len(".gch")]), (lock_path, builders))
+            return
+        self._locked_build(lock_path, builders, build_locally)
+
+    def _locked_build(
+        self, lock_path: str, builders: Sequence[Any], build_locally: Callable[[Sequence[Any]], None]
+    ) -> None:
         from torch._inductor.codecache import LOCK_TIMEOUT
         from torch.utils._filelock import FileLock
 
@@ -343,6 +369,7 @@ class Served:
                 return  # built (or fetched) before: the group's result is what matters
             if self.fetch_output(builders):
                 return
+            self._headers_for(builders, build_locally)
             if self.parallel():
                 try:
                     self.run_job(_worker_build, (list(builders),), {}, _build_name(builders))
@@ -355,6 +382,18 @@ class Served:
                 build_locally(builders)
                 self.count("cpp_local_builds")
             self.publish_output(builders)
+
+    def _headers_for(self, builders: Sequence[Any], build_locally: Callable[[Sequence[Any]], None]) -> None:
+        """The precompiled headers these builds include, fetched or built now."""
+        for builder in builders:
+            tokens = shlex.split(builder.get_command_line())
+            for flag, value in itertools.pairwise(tokens):
+                if flag != "-include":
+                    continue
+                with self._lock:
+                    waiting = self._headers.pop(os.path.realpath(value), None)
+                if waiting is not None:
+                    self._locked_build(*waiting, build_locally)
 
     # -- jobs --------------------------------------------------------------------------------------
 
@@ -374,6 +413,7 @@ class Served:
         """A job's payload: the function (by reference), its arguments, the environment it
         reads, and what the worker needs once (the cache folder, torch's key)."""
         env = {name: os.environ.get(name) for name in JOB_ENVIRONMENT}
+        env.update({name: os.environ[name] for name in JOB_ENVIRONMENT_IF_SET if name in os.environ})
         context = dict(self.context, torch_key=self.torch_key())
         return pickle.dumps((fn, tuple(args), dict(kwargs), env, context), protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -413,6 +453,47 @@ class Served:
                 f"the pool's event loop did not take the job within {START_TIMEOUT:g} s", True
             )
         return future.result()
+
+    def fan_out(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], name: str) -> None:
+        """Inductor compiles a Triton kernel's configs one after the other, in one job: the
+        longest kernel's job (its configs, summed) is the compile's critical path. Where the pool
+        has workers to spare, each further config also gets a job of its own (Inductor's own
+        compile function over that config alone), which fills Triton's cache: the kernel's job
+        finds those configs compiled. Counting the configs loads the kernel here, on a thread
+        of its own, not the compiling one; nothing of it is waited for."""
+        if self.host.size < _FAN_OUT_MIN_WORKERS or self.host.portal.closed:
+            return
+        with self._lock:
+            if self._fan is None:
+                self._fan = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="acompile-fan-out")
+            fan = self._fan
+        with contextlib.suppress(RuntimeError):  # shut down: serving ended
+            fan.submit(self._fan_out, fn, args, kwargs, name)
+
+    def _fan_out(
+        self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], name: str
+    ) -> None:
+        from acompile._torch._worker import one_config
+
+        load_kernel = args[0]
+        try:
+            configs = len(load_kernel().configs)
+        except Exception as exc:  # Inductor's kernel job compiles it all the same
+            self.warn_once(
+                "fan-out", "cannot count the configs of %s (%s: %s)", name, type(exc).__name__, exc
+            )
+            return
+        for index in range(1, configs):
+            job = (functools.partial(one_config, load_kernel, index), *args[1:])
+            self.submit_job(fn, job, kwargs, f"{name} (config {index})", raw_errors=True)
+            self.count("fan_out_jobs")
+
+    def close(self) -> None:
+        """No more fan-out (serving ends)."""
+        with self._lock:
+            fan, self._fan = self._fan, None
+        if fan is not None:
+            fan.shutdown(wait=False, cancel_futures=True)
 
     async def _run(self, payload: bytes, name: str) -> bytes:
         result: bytes = await self.host.run(Job(WORKER_MODULE, payload, name, URGENT))

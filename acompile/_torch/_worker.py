@@ -15,6 +15,7 @@ import base64
 import contextlib
 import os
 import pickle
+import sys
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -29,16 +30,35 @@ _applied: dict[str, Any] = {}
 def setup(config: dict[str, Any]) -> None:
     for name in _QUIET_THREADS:
         os.environ.setdefault(name, "1")
+    if "torch._inductor.runtime.compile_tasks" in sys.modules:
+        # A worker just forked from the template (which preloaded the rest): before it says
+        # it is ready, not in its first job.
+        _import_heuristics()
+
+
+def _import_heuristics() -> None:
+    """Inductor's Triton heuristics, which every Triton job loads: their import asks torch
+    whether CUDA is available, which starts a driver thread, so never in the template."""
+    with contextlib.suppress(ImportError):
+        import torch._inductor.runtime.triton_heuristics  # noqa: F401
 
 
 def preload(config: dict[str, Any]) -> None:
-    """Import what a job runs: torch, and Inductor's compile functions and code cache."""
+    """Import what a job runs: torch, and Inductor's compile functions and code cache; in the
+    template, not Inductor's Triton heuristics (a template with a second thread cannot fork its
+    workers: each forked worker imports them in its ``setup``, before it is ready)."""
     import torch
-    import torch._inductor.codecache
-    import torch._inductor.runtime.compile_tasks
+    import torch._inductor.codecache  # noqa: F401
+    from torch._inductor.runtime import compile_tasks
 
-    with contextlib.suppress(ImportError):
-        import torch._inductor.runtime.triton_heuristics  # noqa: F401
+    # As Inductor's own compile workers do first thing: Triton's ptxas is torch's where torch
+    # ships one. Triton settles its ptxas at its first use in a process, and a worker whose
+    # Triton used its own builds other cubins (under other cache keys) than Inductor's.
+    set_ptxas = getattr(compile_tasks, "_set_triton_ptxas_path", None)
+    if set_ptxas is not None:
+        set_ptxas()
+    if "--template" not in sys.argv:  # a worker started afresh: it forks nothing
+        _import_heuristics()
     _install_readers(config.get("torch_cache_root"))
 
 
@@ -130,3 +150,11 @@ def _install_readers(root: str | None) -> None:
         cls = getattr(remote_cache, cls_name, None)
         if cls is not None and hasattr(cls, "backend_override_cls"):
             cls.backend_override_cls = _caches.backend_class(kind, reader)
+
+
+def one_config(load_kernel: Any, index: int) -> Any:
+    """Inductor's kernel loader, restricted to config ``index`` (a fanned-out job: Inductor's own
+    compile function then compiles that config alone into Triton's cache)."""
+    kernel = load_kernel()
+    kernel.configs = kernel.configs[index : index + 1]
+    return kernel
