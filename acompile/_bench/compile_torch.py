@@ -379,7 +379,7 @@ def main(argv: list[str]) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document, indent=2, default=str))
     print(f"\nresults written to {path}")
-    crashed = [n for n, r in document["arms"].items() if "crashed" in r or r.get("crashed")]
+    crashed = [n for n, r in document["arms"].items() if r.get("crashed")]
     return 1 if crashed else 0
 
 
