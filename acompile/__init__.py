@@ -15,6 +15,8 @@ from acompile import _lazy
 # In a pool's worker process, the names below are imported at the first one used (see
 # acompile._lazy); everywhere else, with the package.
 if _typing.TYPE_CHECKING or _lazy.eager(__name__):
+    # torch.compile served (acompile.inductor.serve): the module imports no torch until used.
+    from acompile import inductor as inductor
     from acompile._autotune import Trial as Trial
     from acompile._autotune import TunedKernel as TunedKernel
     from acompile._autotune import TuneResult as TuneResult
@@ -97,6 +99,7 @@ __all__ = (
     "explain_key",
     "export_bundle",
     "import_bundle",
+    "inductor",
     "load_manifest",
     "prune_cache",
 )

@@ -49,6 +49,7 @@ EXPECTED = {
     "WorkerCrashedError",
     "WorkerStartError",
     "__version__",
+    "inductor",
     "load_manifest",
 }
 

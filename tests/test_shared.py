@@ -271,3 +271,40 @@ async def test_a_bad_shared_cache_argument_is_refused_up_front(tmp_path: Path) -
         acompile.CompilePool(
             1, target=TARGET, cache_dir=tmp_path, shared_cache="redis://127.0.0.1:1/0", signing_key="short"
         )
+
+
+async def test_a_graph_claimed_by_one_replica_is_waited_for_by_another_and_handed_over(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Fleet single flight for work done outside the pool (torch.compile's graphs): the first
+    replica's claim holds the key, the second waits for its entry and gets it once published."""
+    key = "ab" * 32
+    async with pool(tmp_path / "a", redis_server) as a, pool(tmp_path / "b", redis_server) as b:
+        host_a, host_b = a._torch_host(), b._torch_host()
+        assert await host_a.claim(key) is None  # nobody else: ours to compile
+
+        async def publish_later() -> None:
+            await anyio.sleep(0.5)
+            await host_a.store(key, "fx-graph", {"value": b"the graph"}, {"cache": "fx-graph"})
+
+        t0 = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(publish_later)
+            entry = await host_b.claim(key)
+        assert entry is not None and entry.blobs["value"] == b"the graph"
+        assert 0.4 < time.perf_counter() - t0 < 5
+        assert b.stats()["cache"]["fleet_waits"] == 1
+
+
+async def test_a_claim_is_given_back_when_its_replica_leaves_without_publishing(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A replica that claimed a graph and left (its compile failed, its pool closed) holds
+    nobody: the other stops waiting as soon as the claim is gone, and compiles itself."""
+    key = "cd" * 32
+    async with pool(tmp_path / "b", redis_server, fleet_wait=30) as b:
+        async with pool(tmp_path / "a", redis_server) as a:
+            assert await a._torch_host().claim(key) is None
+        t0 = time.perf_counter()
+        assert await b._torch_host().claim(key) is None  # its own now
+        assert time.perf_counter() - t0 < 2

@@ -56,6 +56,8 @@ logger = logging.getLogger("acompile")
 # (SHA-256 runs at about 1 GB/s: 256 KiB is some 0.25 ms). Verified all the same.
 _VERIFY_INLINE_MAX = 256 * 1024
 
+# The life of a lease claim() takes (renewed every third of it while its holder works).
+_CLAIM_TTL = 15.0
 # What stats()["cache"] says of a tier that is not configured (CacheStats's keys).
 _ABSENT: dict[str, Any] = {
     "hits_disk": 0,
@@ -227,15 +229,18 @@ class TierChain:
         self._publish(key, data, release_lease=True)
         return entry, "compile"
 
-    async def _keep_lease(self, leases: LeaseTier, key: str, scope: anyio.CancelScope) -> None:
-        """Renew this replica's lease on key every third of its life, until scope is cancelled
-        or the lease is another replica's. A fault of the tier (an outage, its back-off) is
-        tried again at the next turn: a lease that expired meanwhile is taken again if nobody
-        else took it."""
+    async def _keep_lease(
+        self, leases: LeaseTier, key: str, scope: anyio.CancelScope, ttl: float | None = None
+    ) -> None:
+        """Renew this replica's lease on key every third of its life (``ttl``, default the
+        chain's), until scope is cancelled or the lease is another replica's. A fault of the
+        tier (an outage, its back-off) is tried again at the next turn: a lease that expired
+        meanwhile is taken again if nobody else took it."""
+        ttl = ttl or self.lease_ttl
         with scope:
             while True:
-                await anyio.sleep(self.lease_ttl / 3)
-                if await leases.renew_lease(key, self.lease_ttl) is False:
+                await anyio.sleep(ttl / 3)
+                if await leases.renew_lease(key, ttl) is False:
                     return
 
     async def claim(self, key: str) -> Entry | None:
@@ -251,21 +256,24 @@ class TierChain:
         leases = self._lease_tier
         if leases is None or key in self._claims:
             return None
-        lease = await leases.take_lease(key, ttl=self.lease_ttl)
+        # Short and renewed: a holder that dies (its process killed mid-compile) holds the others
+        # for this long at most, not for a compile's whole time limit.
+        ttl = min(self.lease_ttl, _CLAIM_TTL)
+        lease = await leases.take_lease(key, ttl=ttl)
         if lease is False:
             self.counts["fleet_waits"] += 1
             entry = await self._await_fleet(leases, key)
             if entry is not None:
                 return entry
-            lease = await leases.take_lease(key, ttl=self.lease_ttl)
+            lease = await leases.take_lease(key, ttl=ttl)
         if lease and self._tg is not None and self._accepting:
             scope = anyio.CancelScope(deadline=anyio.current_time() + self.fleet_wait)
             self._claims[key] = scope
-            self._tg.start_soon(self._keep_claim, leases, key, scope)
+            self._tg.start_soon(self._keep_claim, leases, key, scope, ttl)
         return None
 
-    async def _keep_claim(self, leases: LeaseTier, key: str, scope: anyio.CancelScope) -> None:
-        await self._keep_lease(leases, key, scope)
+    async def _keep_claim(self, leases: LeaseTier, key: str, scope: anyio.CancelScope, ttl: float) -> None:
+        await self._keep_lease(leases, key, scope, ttl)
         if self._claims.get(key) is scope:
             # Renewed for as long as it may be (fleet_wait), or another replica's now: let it go
             # (release_lease leaves a lease that is not this replica's alone).
