@@ -566,3 +566,38 @@ print(json.dumps({{"loaded": loaded, "missing": missing, "inductor": report["ind
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["ok"] and result["missing"] is None and result["loaded"].get("inductor", 0) >= 1
     assert result["inductor"].get("fxgraph_cache_hit") == 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to give a folder to another user")
+def test_a_served_output_is_never_written_into_a_folder_another_user_owns(tmp_path: Path) -> None:
+    """Inductor's default cache folder is in the shared /tmp: another user may have made it (or a
+    folder in it) first. A served C++ output is written only into a folder of this user's that
+    nobody else may write; elsewhere Inductor builds it as it would without acompile."""
+    import pwd
+
+    from acompile._torch._served import _write_output
+
+    nobody = pwd.getpwnam("nobody")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, nobody.pw_uid, nobody.pw_gid)
+    with pytest.raises(PermissionError, match="not this user's"):
+        _write_output(str(theirs / "kernel.so"), b"\x7fELF...")
+    open_to_all = tmp_path / "open"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o777)
+    with pytest.raises(PermissionError):
+        _write_output(str(open_to_all / "kernel.so"), b"\x7fELF...")
+    linked = tmp_path / "linked"
+    linked.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (tmp_path / "elsewhere").mkdir()
+    with pytest.raises(OSError):
+        _write_output(str(linked / "kernel.so"), b"\x7fELF...")
+    assert (
+        not list(theirs.iterdir())
+        and not list(open_to_all.iterdir())
+        and not list((tmp_path / "elsewhere").iterdir())
+    )
+    ours = tmp_path / "ours"
+    _write_output(str(ours / "kernel.so"), b"\x7fELF...")
+    assert (ours / "kernel.so").read_bytes() == b"\x7fELF..."

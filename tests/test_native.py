@@ -356,6 +356,7 @@ def test_each_backend_is_one_entry_of_the_registry_and_its_specs_name_it() -> No
 
 def test_preloading_unknown_backends_names_the_known_ones(cache_dir: Path) -> None:
     with pytest.raises(
-        ValueError, match=r"unknown backend\(s\) to preload: \['nope'\]; known: \['cpp', 'cuda', 'inductor', 'triton'\]"
+        ValueError,
+        match=r"unknown backend\(s\) to preload: \['nope'\]; known: \['cpp', 'cuda', 'inductor', 'triton'\]",
     ):
         acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir, preload=("nope",))

@@ -33,6 +33,7 @@ import logging
 import os
 import pickle
 import platform
+import secrets
 import shlex
 import subprocess
 import tempfile
@@ -614,19 +615,33 @@ def _unpacked(data: bytes, meta: dict[str, Any]) -> bytes:
 
 
 def _write_output(path: str, data: bytes) -> None:
-    """Publish a build output where Inductor looks for it: whole, or not at all."""
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    """Publish a build output where Inductor looks for it: whole, or not at all, and only in a
+    folder of this user's that nobody else may write (Inductor's default cache folder is in the
+    shared /tmp, where another user may have made it, or a folder in it, first). Raises
+    ``OSError`` otherwise: the caller leaves the build to Inductor."""
+    folder, name = os.path.split(path)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        info = os.fstat(dfd)
+        if info.st_uid != os.getuid() or info.st_mode & 0o022:
+            raise PermissionError(
+                f"{folder} is not this user's alone (uid {info.st_uid}): nothing is put there"
+            )
+        tmp = f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        fd = os.open(
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o755, dir_fd=dfd
+        )
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
+            raise
+    finally:
+        os.close(dfd)
 
 
 def _build_name(builders: Sequence[Any]) -> str:
