@@ -315,12 +315,15 @@ class CompilePool:
             if self._target is None:
                 try:
                     self._target = await anyio.to_thread.run_sync(local_target)
-                except DeviceUnavailableError:
+                except DeviceUnavailableError as exc:
                     # Only Triton's preload compiles for the pool's target; a pool that serves
                     # torch.compile alone (preload=("inductor",)) runs where there is no GPU,
                     # and a request without a target of its own says so.
                     if "triton" in self._preload:
-                        raise
+                        raise DeviceUnavailableError(
+                            f"{exc} (a pool that only serves torch.compile needs no target: "
+                            'CompilePool(preload=("inductor",)))'
+                        ) from exc
             if self._target is not None and self._target.backend == "cuda":
                 _launcher.prepare()  # imported off the first launch, where a GPU driver is
             await self._cache.open()

@@ -10,7 +10,7 @@ acompile cache import FILE [--allow-unsigned] [--cache-dir DIR]
 acompile cache prune [--max-size 10GiB] [--max-age 30d] [--dry-run] [--cache-dir DIR]
 acompile cache explain KEY [--against KEY2] [--cache-dir DIR]
 acompile bench [...]        (see acompile bench --help)
-acompile run [--workers N] [--cache-dir DIR] [--shared-cache URL] [--host-pool] -- COMMAND [ARGS...]
+acompile run [-v] [--workers N] [--cache-dir DIR] [--shared-cache URL] [--host-pool] -- COMMAND [ARGS...]
 
 ``python -m acompile`` is the same command.
 
@@ -129,7 +129,7 @@ def _main(argv: list[str]) -> int:
         epilog=WARMUP_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    warm.add_argument("manifest", type=Path, help="a TOML file of [[kernel]] entries")
+    warm.add_argument("manifest", type=Path, help="a TOML file of [[kernel]] (and [[torch]]) entries")
     warm.add_argument(
         "--workers", type=_positive_int, default=None, help="worker processes (default: usable CPUs)"
     )
@@ -239,6 +239,12 @@ def _main(argv: list[str]) -> int:
         action="store_true",
         help="one pool for every process of this host (the program's ranks share its workers)",
     )
+    run.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="say in each served process, on stderr, that it is served, and what was served when it ends",
+    )
     run.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command to run, after --")
 
     args = parser.parse_args(argv)
@@ -309,14 +315,24 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if not _autoload_registered():
+    env = dict(os.environ, **{ENV: json.dumps(options)})
+    python = _program_python(command[0])
+    if python is not None and python != sys.executable and not _python_serves(python, env):
+        print(
+            f"acompile run: {command[0]} runs {python}, whose environment has no acompile (install "
+            '"acompile[torch]" there): the program would run unserved',
+            file=sys.stderr,
+        )
+        return 2
+    if python in (None, sys.executable) and not _autoload_registered():
         print(
             "acompile run: acompile is not installed as a torch extension in this environment "
             '(pip install "acompile[torch]"): the program would run unserved',
             file=sys.stderr,
         )
         return 2
-    env = dict(os.environ, **{ENV: json.dumps(options)})
+    if args.verbose:
+        env["ACOMPILE_RUN_VERBOSE"] = "1"
     try:
         os.execvpe(command[0], command, env)
     except FileNotFoundError:
@@ -326,6 +342,54 @@ def _run(args: argparse.Namespace) -> int:
         print(f"acompile run: cannot run {command[0]}: {exc.strerror or exc}", file=sys.stderr)
         return 126
     return 0  # not reached: exec replaced this process
+
+
+def _program_python(program: str) -> str | None:
+    """The Python interpreter a command runs: itself (``python3``), or the one its script's
+    ``#!`` line names (``vllm``, ``torchrun``); None where it is neither (a shell script)."""
+    import re
+    import shutil
+
+    path = shutil.which(program)
+    if path is None:
+        return None
+    if re.fullmatch(r"python[0-9.]*", os.path.basename(program)):
+        return (
+            os.path.realpath(path)
+            if os.path.realpath(path) != os.path.realpath(sys.executable)
+            else sys.executable
+        )
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(512).decode(errors="replace").strip()
+    except OSError:
+        return None
+    if not first.startswith("#!"):
+        return None
+    words = first[2:].split()
+    if words and os.path.basename(words[0]) == "env" and len(words) > 1:
+        words = [shutil.which(words[1]) or words[1], *words[2:]]
+    if not words or not re.fullmatch(r"python[0-9.]*", os.path.basename(words[0])):
+        return None
+    interpreter = os.path.realpath(words[0])
+    return sys.executable if interpreter == os.path.realpath(sys.executable) else words[0]
+
+
+def _python_serves(python: str, env: dict[str, str]) -> bool:
+    """Whether torch, imported by that interpreter, loads acompile (its entry point is there)."""
+    import subprocess
+
+    probe = (
+        "import sys\n"
+        "from importlib.metadata import entry_points\n"
+        "sys.exit(0 if any(e.value.startswith('acompile._torch._autoload') "
+        "for e in entry_points(group='torch.backends')) else 3)\n"
+    )
+    try:
+        done = subprocess.run([python, "-c", probe], env=env, capture_output=True, timeout=60, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return True  # cannot tell: let the program run
+    return done.returncode != 3
 
 
 def _autoload_registered() -> bool:
@@ -513,7 +577,22 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         ok = False
-    if args.shared_cache is not None:
+    if args.shared_cache is not None and not rows:
+        # Only torch.compile models: their entries are what the shared tier must hold.
+        there = shared.get("torch_entries", 0) - shared.get("torch_missing", 0)
+        print(
+            f"shared tier {args.shared_cache}: {there} of {shared.get('torch_entries', 0)} torch.compile "
+            "entries there",
+            file=sys.stdout,
+        )
+        if shared.get("torch_missing") and args.require_shared:
+            print(
+                f"acompile warmup: {shared['torch_missing']} torch.compile entries did not reach the "
+                f"shared tier {args.shared_cache}",
+                file=sys.stderr,
+            )
+            ok = False
+    elif args.shared_cache is not None:
         # Read after the pool has closed: leaving it waits for the publications in flight.
         cache = pool.stats()["cache"]
         keys = {r["key"] for r in rows if r["result"] != "failed"}
@@ -527,6 +606,9 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
         missing = shared["kernels"] - shared["found"] - shared["published"]
         shared["missing"] = max(0, missing)
         _print_shared_summary(shared, args.shared_cache, sys.stdout)
+        if shared.get("torch_entries"):
+            there = shared["torch_entries"] - shared["torch_missing"]
+            print(f"  and {there} of {shared['torch_entries']} torch.compile entries there", file=sys.stdout)
         if shared.get("torch_missing") and args.require_shared:
             print(
                 f"acompile warmup: {shared['torch_missing']} of {shared['torch_entries']} torch.compile "
@@ -607,7 +689,12 @@ def _print_models(models: list[dict[str, Any]], out: TextIO) -> None:
         if m["result"] == "failed":
             print(f"  {m['torch']}: FAILED: {m['error']}", file=out)
         else:
-            graphs = f"{m['graphs']} graph{'' if m['graphs'] == 1 else 's'}, {m['graphs_compiled']} compiled"
+            if m["graphs"]:
+                graphs = (
+                    f"{m['graphs']} graph{'' if m['graphs'] == 1 else 's'}, {m['graphs_compiled']} compiled"
+                )
+            else:
+                graphs = "Inductor's own cache in this folder answered"
             print(f"  {m['torch']}: {m['result']} ({graphs}) in {m['seconds']:.2f} s{extra}", file=out)
 
 
@@ -874,7 +961,28 @@ def _manifest_keys(manifest: Path, target: str | None, root: Path) -> list[str]:
     async def keys() -> list[str]:
         return [(await prepare(spec, default, toolchain_dir(root))).key for spec in specs]
 
-    return anyio.run(keys)
+    found = anyio.run(keys)
+    if _has_torch_entries(manifest):
+        # What torch.compile wrote is keyed by Inductor, not by the manifest: every such entry of
+        # the cache goes in with the manifest's kernels.
+        found += _torch_entry_keys(root)
+    return found
+
+
+def _has_torch_entries(manifest: Path) -> bool:
+    from acompile._manifest import load_torch_entries
+
+    return bool(load_torch_entries(manifest))
+
+
+def _torch_entry_keys(root: Path) -> list[str]:
+    """The keys of the cache's torch.compile entries (blocking: reads every entry's header)."""
+    found = []
+    for path in DiskTier(root).iter_paths():
+        header = read_header(path)
+        if header is not None and header.get("backend") == "torch" and is_key(path.name):
+            found.append(path.name)
+    return found
 
 
 def _cache_import(args: argparse.Namespace, root: Path) -> int:

@@ -102,8 +102,22 @@ def serve(
     torch it cannot serve, it warns once (``UnsupportedTorchWarning``) and serves nothing:
     ``Serving.active`` is False.
     """
-    if pool is not None and (options or host_pool):
-        raise TypeError(f"serve(pool) takes no pool options; got {sorted(options) or ['host_pool']}")
+    if pool is not None:
+        from acompile._compiler import CompilePool
+
+        if not isinstance(pool, CompilePool):
+            raise TypeError(
+                f"serve()'s first argument is a running CompilePool, got {pool!r}; for serve's own "
+                "pool, pass its options by name: serve(shared_cache=..., workers=...)"
+            )
+        if options:
+            raise TypeError(
+                f"serve(pool) takes no pool options (the pool has its own); got {sorted(options)}"
+            )
+        if host_pool:
+            raise TypeError(
+                "serve(pool) serves through that pool: host_pool applies to serve's own pool only"
+            )
     if pool is None:
         options = _own_pool_options(options, unsafe_unsigned_shared_cache)
     return Serving(pool, options, unsafe_unsigned_shared_cache, host_pool)
@@ -147,7 +161,8 @@ class Serving:
         self._options = options
         self._unsafe = unsafe
         self._host_pool = host_pool
-        self._own: _OwnPool | None = None
+        # serve()'s own pool, made now (its argument errors are serve()'s), started on entry.
+        self._own: _OwnPool | None = _OwnPool(options, host_pool) if pool is None else None
         self._served: Served | None = None
         self._patches: Patches | None = None
         self._entered = False
@@ -240,7 +255,7 @@ class Serving:
         if self._given is not None:
             self.pool = self._given
             return self._given._torch_host()
-        self._own = _OwnPool(self._options, self._host_pool)
+        assert self._own is not None
         host = self._own.start()
         self.pool = self._own.pool
         return host
@@ -262,6 +277,8 @@ class Serving:
         own, self._own = self._own, None
         if own is not None:
             own.stop()
+            if self._last_stats is not None:
+                self._last_stats["pool"] = own.pool.stats()  # closed now: its final state
         self.active = False
 
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -389,7 +406,12 @@ class _OwnPool:
             options = dict(options, prestart=False)
         self._host_pool = options.get("workers") if host_pool else False
         self._use_host_pool = host_pool
-        self.pool = CompilePool(**options)  # its argument errors, here and now
+        try:
+            self.pool = CompilePool(**options)  # its argument errors, here and now
+        except TypeError as exc:
+            raise TypeError(
+                f"serve(): {exc}".replace("CompilePool.__init__()", "the pool's options")
+            ) from None
         self._entered = threading.Event()
         self._error: BaseException | None = None
         self._host: Host | None = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -241,6 +242,21 @@ print(json.dumps({{"ok": report["ok"], "active": [first.active, second.active], 
     assert len(report["warned"]) == 1 and "2.99.0" in report["warned"][0], report["warned"]
 
 
+@pytest.mark.anyio
+async def test_serve_says_what_is_wrong_with_its_arguments(cache_dir: Path) -> None:
+    from acompile import inductor
+
+    with pytest.raises(TypeError, match="running CompilePool"):
+        inductor.serve("redis://127.0.0.1:1/0")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"serve\(\): .*wrokers"):
+        inductor.serve(wrokers=2)
+    async with acompile.CompilePool(1, cache_dir=cache_dir, preload=("inductor",), prestart=False) as pool:
+        with pytest.raises(TypeError, match="host_pool applies to serve's own pool"):
+            inductor.serve(pool, host_pool=True)
+        with pytest.raises(TypeError, match="takes no pool options"):
+            inductor.serve(pool, workers=2)
+
+
 def test_a_shared_tier_without_a_signing_key_is_refused_unless_the_user_says_it_is_unsafe(
     tmp_path: Path,
 ) -> None:
@@ -402,6 +418,16 @@ def test_a_program_that_knows_nothing_of_acompile_is_served_through_acompile_run
         check=True,
     ).stdout
     assert "torch:fx-graph" in listing and "torch:cpp" in listing
+    # An entry says what it was keyed by: Inductor's own key of the graph.
+    key = re.search(r"^\s+([0-9a-f]{16})\s+torch:fx-graph$", listing, re.MULTILINE).group(1)  # type: ignore[union-attr]
+    explained = subprocess.run(
+        [sys.executable, "-m", "acompile", "cache", "explain", key, "--cache-dir", str(ac)],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        check=True,
+    ).stdout
+    assert "pt2:fx-graph-v1::" in explained and "predates" not in explained, explained
 
 
 def test_acompile_run_refuses_what_would_leave_the_program_unserved(tmp_path: Path) -> None:
@@ -426,6 +452,13 @@ def test_acompile_run_refuses_what_would_leave_the_program_unserved(tmp_path: Pa
     assert missing.returncode == 127 and "not found" in missing.stderr
     empty = subprocess.run([*base], capture_output=True, text=True, env=env)
     assert empty.returncode == 2
+    # A program run by a Python whose environment has no acompile would run unserved.
+    bare = Path(sys.base_prefix) / "bin" / "python3"
+    if bare.exists() and subprocess.run([str(bare), "-c", "import acompile"], capture_output=True).returncode:
+        other = subprocess.run(
+            [*base, "--", str(bare), "-c", "pass"], capture_output=True, text=True, env=env
+        )
+        assert other.returncode == 2 and "no acompile" in other.stderr, other.stderr
 
 
 def test_four_processes_of_a_host_share_one_pool(tmp_path: Path) -> None:
@@ -536,12 +569,15 @@ def test_warmup_compiles_a_model_into_the_shared_tier_and_its_artifacts_travel_i
     # The artifacts in a signed bundle, to a machine with no shared tier at all.
     bundle = tmp_path / "model.tar.gz"
     env = subprocess_env(**builder, **signed)
-    subprocess.run(
-        [sys.executable, "-m", "acompile", "cache", "export", str(bundle)],
+    # Selected by the manifest: its [[torch]] entry brings every torch.compile entry along.
+    exported = subprocess.run(
+        [sys.executable, "-m", "acompile", "cache", "export", str(bundle), "--manifest", str(manifest)],
         check=True,
         env=env,
         capture_output=True,
+        text=True,
     )
+    assert "exported 0 entries" not in exported.stdout, exported.stdout
     island = machine(tmp_path, "island")
     env = subprocess_env(**island, **signed)
     subprocess.run(

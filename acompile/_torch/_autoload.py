@@ -59,6 +59,12 @@ def _serve(options: dict[str, Any]) -> None:
     if _started.is_set():
         return
     _started.set()
+    verbose = os.environ.get("ACOMPILE_RUN_VERBOSE") == "1"
+    if verbose and not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"acompile [pid {os.getpid()}]: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
     try:
         from acompile import inductor
 
@@ -67,8 +73,29 @@ def _serve(options: dict[str, Any]) -> None:
     except Exception as exc:
         logger.warning("acompile: not serving torch.compile in this process (%s)", exc)
         return
-    # The pool's writes reach the tiers before the process ends (bounded), its workers go.
-    atexit.register(serving.__exit__, None, None, None)
+    if verbose:
+        logger.info(
+            "serving torch.compile (pool cache folder %s)", serving.pool.cache_dir if serving.pool else "-"
+        )
+
+    def leave() -> None:
+        # The pool's writes reach the tiers before the process ends (bounded), its workers go.
+        serving.__exit__(None, None, None)
+        if verbose:
+            stats = serving.stats()
+            graphs = stats.get("caches", {}).get("fx-graph", {})
+            logger.info(
+                "served: graphs %s read (hits %s), %s written; C++ outputs %s from the tiers, %s built; "
+                "%s compile jobs on the pool",
+                graphs.get("gets", 0),
+                graphs.get("hits"),
+                graphs.get("puts", 0),
+                sum(stats.get("cpp", {}).get("hits", {}).values()),
+                stats.get("cpp", {}).get("builds", 0),
+                stats.get("jobs", {}).get("sent", 0),
+            )
+
+    atexit.register(leave)
 
 
 def after_import(name: str, callback: Callable[[], None]) -> None:

@@ -53,9 +53,15 @@ def activate(store: Store | None) -> None:
         _active = store
 
 
+def cache_parts(kind: str, inductor_key: str) -> dict[str, Any]:
+    """What the entry key of a value Inductor stores under ``inductor_key`` in cache ``kind``
+    is made of (recorded in the entry: ``acompile cache explain`` shows it)."""
+    return {"torch-cache": kind, "key": inductor_key, "format": 1}
+
+
 def cache_key(kind: str, inductor_key: str) -> str:
     """The entry key of a value Inductor stores under ``inductor_key`` in cache ``kind``."""
-    return make_key({"torch-cache": kind, "key": inductor_key, "format": 1})
+    return make_key(cache_parts(kind, inductor_key))
 
 
 def backend_class(kind: str, store: Store | None = None) -> type[RemoteCacheBackend[bytes]]:

@@ -358,10 +358,14 @@ async def serve(cache_root: Path, path: Path, workers: int | None, idle_exit: fl
         listener = await anyio.create_unix_listener(path)
         os.chmod(path, 0o600)
         server = _Server(pool, idle_exit)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(server.become_ready)
-            tg.start_soon(server.idle_watch, tg.cancel_scope)
-            tg.start_soon(listener.serve, server.handle)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(server.become_ready)
+                tg.start_soon(server.idle_watch, tg.cancel_scope)
+                tg.start_soon(listener.serve, server.handle)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)  # ours (a process that finds none starts a server)
 
 
 class _Server:

@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 
 from acompile._cache import make_key
 from acompile._errors import PoolClosedError, PoolError
-from acompile._torch._caches import ENTRY_BACKEND, KINDS, cache_key
+from acompile._torch._caches import ENTRY_BACKEND, KINDS, cache_key, cache_parts
 from acompile._torch._host import Host
 from acompile._torch._portal import START_TIMEOUT, LoopThreadError, PortalTimeout
 from acompile._workers import URGENT, Job
@@ -142,7 +142,11 @@ class Served:
             )
         elif isinstance(exc, PortalTimeout):
             self.warn_once(
-                "timeout", "the pool serving torch.compile did not answer (%s); going on without it", exc
+                "timeout",
+                "the pool serving torch.compile did not answer (%s): Inductor goes on without it for "
+                "the next %g s, then asks the pool again",
+                exc,
+                _STALL_SKIP,
             )
         elif isinstance(exc, PoolClosedError):
             self.warn_once("closed", "the pool serving torch.compile has shut down; going on without it")
@@ -180,7 +184,7 @@ class Served:
         """Store a ``save_cache_artifacts()`` blob under ``name`` (on the disk when this returns,
         on the shared tier in the background); its entry key."""
         key = artifacts_key(name)
-        data, meta = _packed(blob, dict(meta, name=name))
+        data, meta = _packed(blob, dict(meta, name=name, key_parts=artifacts_parts(name)))
         self._call(self.host.store, key, ARTIFACTS_KIND, {"artifacts": data}, meta, timeout=_GET_TIMEOUT * 6)
         self._written(key)
         return key
@@ -273,11 +277,9 @@ class Served:
                 if entry is not None:
                     tier = "fleet"
                     self.count(f"{kind}_fleet_waits")
-        except (LoopThreadError, PortalTimeout, PoolClosedError) as exc:
+        except Exception as exc:  # never into torch.compile: a miss
             self._unreachable(exc)
-            return None
-        except Exception as exc:  # never into torch.compile
-            self._unreachable(exc)
+            self.count(f"{kind}_misses")
             return None
         value = entry.blobs.get("value") if entry is not None else None
         if entry is None or value is None or entry.backend != ENTRY_BACKEND or entry.name != kind:
@@ -294,7 +296,7 @@ class Served:
         self.count(f"{kind}_puts")
         key = cache_key(kind, inductor_key)
         self._written(key)
-        meta = {"cache": kind, "inductor_key": inductor_key[:512]}
+        meta = {"cache": kind, "key_parts": cache_parts(kind, inductor_key)}
         future = self.host.portal.spawn(self.host.store, key, kind, {"value": bytes(data)}, meta)
         self._keep(future, kind)
 
@@ -326,16 +328,17 @@ class Served:
 
     def publish_output(self, builders: Sequence[Any]) -> None:
         """Store the group's output (the last builder's target) under its inputs' key."""
-        key = build_key(builders)
-        if key is None:
+        parts = build_parts(builders)
+        if parts is None:
             return
+        key = make_key(parts)
         target = builders[-1].get_target_file_path()
         try:
             with open(target, "rb") as f:
                 data = f.read()
         except OSError:
             return
-        data, meta = _packed(data, {"file": os.path.basename(target)})
+        data, meta = _packed(data, {"file": os.path.basename(target), "key_parts": parts})
         self.count("cpp_puts")
         self._written(key)
         future = self.host.portal.spawn(self.host.store, key, CPP_KIND, {"output": data}, meta)
@@ -595,12 +598,16 @@ def decode_reply(reply: bytes, name: str, raw_errors: bool) -> tuple[bool, Any]:
         return False, RuntimeError(f"An exception occurred in a compile worker:\n\nName={name}\n{text}")
 
 
-def artifacts_key(name: str) -> str:
-    """The entry key of torch's Mega-Cache artifacts saved under ``name`` (by this torch: they
-    load into no other release)."""
+def artifacts_parts(name: str) -> dict[str, Any]:
+    """What the entry key of torch's Mega-Cache artifacts saved under ``name`` is made of (this
+    torch's release among it: they load into no other)."""
     import torch
 
-    return make_key({"torch-artifacts": name, "torch": str(torch.__version__), "format": 1})
+    return {"torch-artifacts": name, "torch": str(torch.__version__), "format": 1}
+
+
+def artifacts_key(name: str) -> str:
+    return make_key(artifacts_parts(name))
 
 
 def _packed(data: bytes, meta: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
@@ -689,10 +696,16 @@ def _machine_folders() -> list[tuple[str, str]]:
 
 
 def build_key(builders: Sequence[Any]) -> str | None:
-    """The key of a group of C++ builds (compiles, then the link that uses their outputs):
-    each command line with machine paths taken out (an input file in a machine folder is named
-    by its content), the compiler's version, the machine's architecture, torch's version. None
-    for a group that cannot be keyed, or whose result is not a library, object or
+    """The key of a group of C++ builds (``build_parts``'s hash), or None."""
+    parts = build_parts(builders)
+    return make_key(parts) if parts is not None else None
+
+
+def build_parts(builders: Sequence[Any]) -> dict[str, Any] | None:
+    """What the key of a group of C++ builds (compiles, then the link that uses their outputs)
+    is made of: each command line with machine paths taken out (an input file in a machine
+    folder is named by its content), the compiler's version, the machine's architecture, torch's
+    version. None for a group that cannot be keyed, or whose result is not a library, object or
     precompiled header."""
     try:
         import torch
@@ -712,15 +725,13 @@ def build_key(builders: Sequence[Any]) -> str | None:
     except Exception as exc:
         logger.debug("a C++ build that cannot be keyed: %s", exc)
         return None
-    return make_key(
-        {
-            "torch-cpp": commands,
-            "compilers": compilers,
-            "machine": platform.machine(),
-            "torch": torch.__version__,
-            "format": 1,
-        }
-    )
+    return {
+        "torch-cpp": commands,
+        "compilers": compilers,
+        "machine": platform.machine(),
+        "torch": str(torch.__version__),
+        "format": 1,
+    }
 
 
 def _normalized(token: str, targets: list[str], folders: list[tuple[str, str]]) -> str:
