@@ -317,14 +317,14 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     env = dict(os.environ, **{ENV: json.dumps(options)})
     python = _program_python(command[0])
-    if python is not None and python != sys.executable and not _python_serves(python, env):
+    if python is not None and python != os.path.abspath(sys.executable) and not _python_serves(python, env):
         print(
             f"acompile run: {command[0]} runs {python}, whose environment has no acompile (install "
             '"acompile[torch]" there): the program would run unserved',
             file=sys.stderr,
         )
         return 2
-    if python in (None, sys.executable) and not _autoload_registered():
+    if python in (None, os.path.abspath(sys.executable)) and not _autoload_registered():
         print(
             "acompile run: acompile is not installed as a torch extension in this environment "
             '(pip install "acompile[torch]"): the program would run unserved',
@@ -346,7 +346,9 @@ def _run(args: argparse.Namespace) -> int:
 
 def _program_python(program: str) -> str | None:
     """The Python interpreter a command runs: itself (``python3``), or the one its script's
-    ``#!`` line names (``vllm``, ``torchrun``); None where it is neither (a shell script)."""
+    ``#!`` line names (``vllm``, ``torchrun``); None where it is neither (a shell script). Paths
+    are not resolved: a virtual environment's interpreter links to its base's, whose
+    environment is another."""
     import re
     import shutil
 
@@ -354,11 +356,7 @@ def _program_python(program: str) -> str | None:
     if path is None:
         return None
     if re.fullmatch(r"python[0-9.]*", os.path.basename(program)):
-        return (
-            os.path.realpath(path)
-            if os.path.realpath(path) != os.path.realpath(sys.executable)
-            else sys.executable
-        )
+        return os.path.abspath(path)
     try:
         with open(path, "rb") as f:
             first = f.readline(512).decode(errors="replace").strip()
@@ -371,8 +369,7 @@ def _program_python(program: str) -> str | None:
         words = [shutil.which(words[1]) or words[1], *words[2:]]
     if not words or not re.fullmatch(r"python[0-9.]*", os.path.basename(words[0])):
         return None
-    interpreter = os.path.realpath(words[0])
-    return sys.executable if interpreter == os.path.realpath(sys.executable) else words[0]
+    return os.path.abspath(words[0])
 
 
 def _python_serves(python: str, env: dict[str, str]) -> bool:

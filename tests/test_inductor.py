@@ -454,9 +454,12 @@ def test_acompile_run_refuses_what_would_leave_the_program_unserved(tmp_path: Pa
     assert empty.returncode == 2
     # A program run by a Python whose environment has no acompile would run unserved.
     bare = Path(sys.base_prefix) / "bin" / "python3"
-    if bare.exists() and subprocess.run([str(bare), "-c", "import acompile"], capture_output=True).returncode:
+    # acompile as installed and no more: no PYTHONPATH, not from its own folder.
+    plain = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    has = subprocess.run([str(bare), "-c", "import acompile"], env=plain, cwd=tmp_path, capture_output=True)
+    if bare.exists() and has.returncode:
         other = subprocess.run(
-            [*base, "--", str(bare), "-c", "pass"], capture_output=True, text=True, env=env
+            [*base, "--", str(bare), "-c", "pass"], capture_output=True, text=True, env=plain, cwd=tmp_path
         )
         assert other.returncode == 2 and "no acompile" in other.stderr, other.stderr
 
