@@ -359,8 +359,18 @@ def report(document: dict[str, Any]) -> str:
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--child"]:
         return harness.child_main(CHILDREN, argv)
-    parser = argparse.ArgumentParser(prog="acompile bench --torch", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("auto", "small", "llama"), default="auto")
+    parser = argparse.ArgumentParser(
+        prog="acompile bench --torch",
+        description="torch.compile served by acompile, against Inductor on its own: each arm a fresh "
+        "process; first call, and interpreter start to its result (docs/torch.md says what each arm is).",
+    )
+    parser.add_argument(
+        "--model",
+        choices=("auto", "small", "llama"),
+        default="auto",
+        help="small: a CPU model (Inductor's C++ backend); llama: a Llama-shaped decoder on a GPU "
+        "(transformers' config, no download); auto: llama where CUDA is available (default)",
+    )
     parser.add_argument("--fleet", type=int, default=8, help="machines starting together (0: none)")
     parser.add_argument("--fleet-workers", type=int, default=1, help="workers of each fleet machine's pool")
     parser.add_argument("--fleet-only", action="store_true", help="run only the fleets' arms")
