@@ -49,6 +49,7 @@ if _typing.TYPE_CHECKING or _lazy.eager(__name__):
     from acompile._errors import PoolClosedError as PoolClosedError
     from acompile._errors import PoolError as PoolError
     from acompile._errors import UnknownTargetError as UnknownTargetError
+    from acompile._errors import UntrustedFolderError as UntrustedFolderError
     from acompile._errors import WorkerCrashedError as WorkerCrashedError
     from acompile._errors import WorkerStartError as WorkerStartError
     from acompile._farm import RayFarm as RayFarm
@@ -93,6 +94,7 @@ __all__ = (
     "TuneResult",
     "TunedKernel",
     "UnknownTargetError",
+    "UntrustedFolderError",
     "WorkerCrashedError",
     "WorkerStartError",
     "__version__",

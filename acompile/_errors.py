@@ -17,7 +17,8 @@ Every error acompile raises on purpose derives from ``AcompileError``::
     │   └── FarmToolchainError                          no node of a farm has this process's toolchain
     ├── KernelNotReadyError       (also a RuntimeError) a progressive kernel launched too early
     ├── BackendUnavailableError   (also an ImportError) a backend's package is not installed
-    └── DeviceUnavailableError                          loading or launching with no usable GPU
+    ├── DeviceUnavailableError                          loading or launching with no usable GPU
+    └── UntrustedFolderError  (also a PermissionError)  a folder acompile would trust is not this user's alone
 
 Cancellation (``anyio.get_cancelled_exc_class()``) is never translated into one of these: a
 caller that cancels, or whose ``anyio.fail_after`` deadline expires, sees its own cancellation.
@@ -224,4 +225,14 @@ class DeviceUnavailableError(AcompileError):
 
     Compiling never needs one: pass an explicit target (``target="cuda:90"``) to compile on a
     machine without a GPU; load and launch the results where a GPU is.
+    """
+
+
+class UntrustedFolderError(AcompileError, PermissionError):
+    """A folder acompile would trust (the cache folder and its folders, whose entries hold code
+    this process runs; a host pool's socket folder) belongs to another user, is writable by other
+    users, or is a link another user could have made. Raised by ``CompilePool`` on entry (and
+    the commands that use the folder, which exit 2); the message names the folder and its owner.
+    acompile never ``chmod``-s such a folder into shape: choose a folder of your own (the default,
+    ``~/.cache/acompile``, is), or share entries through a shared tier with a signing key.
     """

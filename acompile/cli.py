@@ -42,7 +42,7 @@ import anyio
 from acompile._cache import DiskTier, default_cache_dir
 from acompile._cache._explain import read_header
 from acompile._cache._layout import human_bytes, is_key, toolchain_dir
-from acompile._errors import AcompileError
+from acompile._errors import AcompileError, UntrustedFolderError
 from acompile._version import __version__
 from acompile._workers._bytecode import FOLDER as BYTECODE_FOLDER
 
@@ -436,7 +436,7 @@ def _warmup(args: argparse.Namespace) -> int:
         return 2
     try:
         return anyio.run(_warmup_async, specs, args)
-    except ValueError as exc:  # the pool's own arguments: a bad signing key, say
+    except (ValueError, UntrustedFolderError) as exc:  # the pool's own arguments; another's folder
         print(f"acompile warmup: {exc}", file=sys.stderr)
         return 2
     except AcompileError as exc:

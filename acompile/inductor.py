@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 import warnings
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -287,7 +288,15 @@ class Serving:
         Inductor compiles in its own process, as it does while its own pool warms up: a program
         that knows it will compile soon may wait here first."""
         served = self._served
-        return served is not None and served.ready.wait(timeout)
+        if served is None:
+            return False
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not served.ready.wait(0.1):
+            if served.host.portal.closed or (self._own is not None and self._own.gone()):
+                return False  # the pool ended: it will not be ready
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+        return True
 
     def written(self) -> set[str]:
         """The keys of the cache entries written while serving (``CompilePool.share`` makes
@@ -448,15 +457,33 @@ class _OwnPool:
                 self._entered.set()
                 await self._stop_event.wait()
                 return
-            from acompile._torch._hostpool import HostPoolClient
+            from acompile._torch._hostpool import HostPoolClient, HostPoolError
 
-            async with HostPoolClient(self.pool.cache_dir, self._host_pool or None) as remote:
-                self.host_pool = remote
-                self._host = dataclasses.replace(
-                    self.pool._torch_host(), run=remote.run, wait_ready=remote.wait_ready, size=remote.size
-                )
-                self._entered.set()
-                await self._stop_event.wait()
+            try:
+                async with HostPoolClient(self.pool.cache_dir, self._host_pool or None) as remote:
+                    self.host_pool = remote
+                    self._host = dataclasses.replace(
+                        self.pool._torch_host(),
+                        run=remote.run,
+                        wait_ready=remote.wait_ready,
+                        size=remote.size,
+                    )
+                    self._entered.set()
+                    await self._stop_event.wait()
+                    return
+            except HostPoolError as exc:
+                if self._entered.is_set():
+                    raise
+                # No host pool to be had (its server does not answer, its folder is not ours):
+                # this process's own workers compile, started on demand.
+                logger.warning("%s; compiling on this process's own workers", exc)
+            self._host = self.pool._torch_host()
+            self._entered.set()
+            await self._stop_event.wait()
+
+    def gone(self) -> bool:
+        """Whether the pool's thread has ended (its pool left: stopped, or failed)."""
+        return self._entered.is_set() and not self._thread.is_alive()
 
     def stop(self, timeout: float = 60.0) -> None:
         """Leave the pool (its writes arrive first, bounded) and wait for the thread."""

@@ -640,3 +640,129 @@ def test_a_served_output_is_never_written_into_a_folder_another_user_owns(tmp_pa
     ours = tmp_path / "ours"
     _write_output(str(ours / "kernel.so"), b"\x7fELF...")
     assert (ours / "kernel.so").read_bytes() == b"\x7fELF..."
+
+
+def test_a_build_killed_part_way_is_built_again_and_never_published(tmp_path: Path) -> None:
+    """A compiler writes its output in place: a worker killed while the linker ran leaves the
+    start of a library. The retry builds every step anew (it skipped a target that existed, and
+    published the stub to every machine), and a stub is never published nor served."""
+    from torch._inductor.cpp_builder import CppBuilder, CppOptions
+
+    from acompile._torch._served import _output_problem, _worker_build
+
+    source = tmp_path / "k.cpp"
+    source.write_text('extern "C" int answer() { return 42; }\n')
+    builder = CppBuilder("k", [str(source)], CppOptions(), str(tmp_path))
+    target = Path(builder.get_target_file_path())
+    _worker_build([builder])
+    whole = target.read_bytes()
+    assert _output_problem(str(target), whole) is None
+    for stub in (b"", whole[:16], whole[: len(whole) // 2]):
+        assert _output_problem(str(target), stub) is not None
+        target.write_bytes(stub)  # what the killed attempt left
+        _worker_build([builder])  # the retry
+        assert _output_problem(str(target), target.read_bytes()) is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to give a folder to another user")
+@pytest.mark.anyio
+async def test_a_cache_folder_another_user_controls_is_refused_at_entry(tmp_path: Path) -> None:
+    """A cache folder's entries hold code the process runs (torch.compile's graphs are pickles
+    Inductor loads): one another user made first (in /tmp, say), or may write, is refused with
+    the folder and its owner named, never chmod-ed into shape and used."""
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, nobody.pw_uid, nobody.pw_gid)
+    with pytest.raises(acompile.UntrustedFolderError, match=r"belongs to nobody"):
+        async with acompile.CompilePool(1, cache_dir=theirs, preload=("inductor",), prestart=False):
+            pass
+    assert (theirs.stat().st_mode & 0o777) == 0o700 and theirs.stat().st_uid == nobody.pw_uid
+    open_to_all = tmp_path / "open"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o777)
+    with pytest.raises(acompile.UntrustedFolderError, match="may be written by other users"):
+        async with acompile.CompilePool(1, cache_dir=open_to_all, preload=("inductor",), prestart=False):
+            pass
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "v1").mkdir()
+    os.chown(mine / "v1", nobody.pw_uid, nobody.pw_gid)  # its entries folder planted
+    with pytest.raises(acompile.UntrustedFolderError, match="entries folder"):
+        async with acompile.CompilePool(1, cache_dir=mine, preload=("inductor",), prestart=False):
+            pass
+    inside_theirs = theirs / "cache"  # nobody may rename it away and put theirs in its place
+    inside_theirs.mkdir(mode=0o700)
+    with pytest.raises(acompile.UntrustedFolderError, match=r"inside .*theirs, which belongs to nobody"):
+        async with acompile.CompilePool(1, cache_dir=inside_theirs, preload=("inductor",), prestart=False):
+            pass
+    shared = tmp_path / "shared"  # writable by a group, no sticky bit
+    shared.mkdir()
+    shared.chmod(0o775)
+    (shared / "cache").mkdir(mode=0o700)
+    with pytest.raises(acompile.UntrustedFolderError, match="no sticky bit"):
+        async with acompile.CompilePool(1, cache_dir=shared / "cache", preload=("inductor",), prestart=False):
+            pass
+    shared.chmod(0o1777)  # as /tmp: only a folder's owner may rename it
+    async with acompile.CompilePool(1, cache_dir=shared / "cache", preload=("inductor",), prestart=False):
+        pass
+
+
+def test_a_host_pool_that_does_not_answer_holds_nobody(tmp_path: Path) -> None:
+    """The host's pool server stopped (SIGSTOP: its socket still takes connections): a served
+    process gives up on it within seconds and compiles on workers of its own."""
+    import psutil
+
+    ac = tmp_path / "acompile"
+    env = {
+        **machine(tmp_path, "a", headers=tmp_path / "headers"),
+        **serve_options(host_pool=True, workers=2, cache_dir=str(ac)),
+    }
+    first = compile_in(env)  # starts the host's server
+    server = psutil.Process(first["served"]["host_pool"]["pid"])
+    try:
+        server.suspend()
+        t0 = time.monotonic()
+        stopped = compile_in(
+            {
+                **machine(tmp_path, "b", headers=tmp_path / "headers"),
+                **serve_options(host_pool=True, workers=2, cache_dir=str(ac)),
+            }
+        )
+        assert stopped["ok"] and "host_pool" not in stopped["served"]
+        assert stopped["served"]["pool"]["workers"]["started"] >= 1  # its own
+        assert time.monotonic() - t0 < 120
+    finally:
+        server.resume()
+        server.terminate()
+        server.wait(30)
+
+
+def test_a_host_pool_that_dies_and_cannot_come_back_costs_nothing_but_its_help(tmp_path: Path) -> None:
+    """The host's server killed just before a compile, and its folder no longer trusted (so no
+    server can start again): the compile finishes in the process's own threads, the process's
+    serving goes on (its writes reach its tiers), and the outputs are right."""
+    ac = tmp_path / "acompile"
+    code = f"""
+import json, os, signal, sys
+sys.path.insert(0, {str(ROOT / "tests")!r})
+import torch_model
+from acompile import inductor
+with inductor.serve(host_pool=True, workers=2, cache_dir={str(ac)!r}) as serving:
+    assert serving.wait_ready(120)
+    os.chmod({str(ac / "run")!r}, 0o777)  # no server may start there any more
+    os.kill(serving.stats()["host_pool"]["pid"], signal.SIGKILL)
+    report = torch_model.run()
+    stats = serving.stats()
+print(json.dumps({{"ok": report["ok"], "jobs": stats["jobs"], "cpp": stats["cpp"], "puts": stats["caches"]["fx-graph"]["puts"], "state": stats["pool"]["state"]}}))
+"""
+    env = subprocess_env(**machine(tmp_path, "lost", headers=tmp_path / "headers"))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["ok"], report
+    assert report["jobs"]["run_here"] + report["cpp"]["local_builds"] >= 1, report
+    assert report["puts"] == 1 and report["state"] == "running", report  # serving went on
+    assert "unhandled errors" not in done.stderr, done.stderr[-2000:]

@@ -46,6 +46,7 @@ EXPECTED = {
     "TritonKernel",
     "TritonSpec",
     "UnknownTargetError",
+    "UntrustedFolderError",
     "WorkerCrashedError",
     "WorkerStartError",
     "__version__",

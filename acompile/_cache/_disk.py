@@ -42,8 +42,10 @@ import anyio
 
 from acompile._cache import _entry
 from acompile._cache._entry import CorruptEntry, Entry
-from acompile._cache._layout import entries_dir, is_key, temp_path, toolchain_dir
+from acompile._cache._layout import LIB, LOGS, RUN, TOOLCHAIN, entries_dir, is_key, temp_path, toolchain_dir
+from acompile._errors import UntrustedFolderError
 from acompile._sizing import usable_cpus
+from acompile._trust import check_folder, own_folder
 
 logger = logging.getLogger("acompile")
 
@@ -285,16 +287,19 @@ class DiskTier:
             raise ValueError(f"not a cache key: {key!r}")
 
     def prepare(self) -> None:
-        """Create the folder, private to this user (blocking: call from a thread).
+        """Create the folder, private to this user, or check the one there (blocking: call from
+        a thread): it and the folders in it must be this user's and no other user's to write,
+        since its entries hold code this process runs (``acompile._trust``).
 
-        Raises ``OSError`` if the folder cannot be created; a folder that exists but cannot be
-        made private (someone else's, or read-only) is used as it is.
+        Raises ``UntrustedFolderError`` naming the folder and its owner, ``OSError`` if the folder
+        cannot be created.
         """
-        self.entries.mkdir(mode=0o700, parents=True, exist_ok=True)
-        try:
-            os.chmod(self.root, 0o700)
-        except OSError:
-            pass  # a shared folder made by someone else, or a read-only one: use what we may
+        # The path the user gave may go through links of theirs: resolved once, then checked.
+        root = own_folder(self.root, "the cache folder", resolve=True)
+        own_folder(root / self.entries.name, "the cache folder's entries folder")
+        for sub in (LIB, LOGS, TOOLCHAIN, RUN):
+            if os.path.lexists(root / sub):
+                check_folder(root / sub, "a folder of the cache folder")
 
     def writable(self) -> bool:
         """Whether entries can be published here (blocking). Asks the kernel, so a read-only
@@ -400,8 +405,9 @@ class GuardedDisk:
         return {"disk_writes": self.counts["disk_writes"]}
 
     async def open(self) -> None:
-        """Prepare the folder. Never raises for the folder's sake: one that cannot be created or
-        written to is used read-only (with one warning), one that does not answer is skipped."""
+        """Prepare the folder: one that cannot be created or written to is used read-only (with
+        one warning), one that does not answer is skipped. Raises ``UntrustedFolderError`` for a
+        folder another user controls."""
         with anyio.move_on_after(DISK_DEADLINE, shield=True) as scope:
             why = await self.files.call(self._prepare)
         if scope.cancelled_caught:
@@ -422,11 +428,14 @@ class GuardedDisk:
             )
 
     def _prepare(self) -> str | None:
-        """None where entries can be published, else why not (blocking)."""
+        """None where entries can be published, else why not (blocking). Raises
+        ``UntrustedFolderError``: a folder another user controls is never used, read-only or not."""
         # The readers of a warm start's batch, started here rather than by the loop's first read.
         _threads.prestart(_readers())
         try:
             self.files.prepare()
+        except UntrustedFolderError:
+            raise
         except OSError as exc:
             return str(exc)
         return None if self.files.writable() else "not writable"

@@ -4,6 +4,7 @@
     <root>/lib/<key>.so|.o      native libraries and objects, loaded or linked from their path
     <root>/logs/                compiler logs too long for an error message
     <root>/toolchain/           the toolchain's identity, remembered once per machine
+    <root>/run/                 a host pool's socket (acompile.inductor.serve(host_pool=True))
     <root>/costs.json           compile times per kernel, which the pool orders its queue by
     <root>/costs.json.lock      held (flock) while a process merges its times into costs.json
     .<name>.<pid>.<token>.tmp   a writer's temporary file, next to the file it becomes
@@ -25,6 +26,7 @@ ENTRIES = "v1"
 LIB = "lib"
 LOGS = "logs"
 TOOLCHAIN = "toolchain"
+RUN = "run"
 # Temporary files older than this are left over from a writer that died.
 STALE_TEMP_S = 3600.0
 

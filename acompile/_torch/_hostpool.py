@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import socket
-import stat
 import struct
 import subprocess
 import sys
@@ -45,6 +44,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from acompile import _errors
 from acompile._errors import AcompileError, PoolClosedError, PoolError
+from acompile._trust import own_folder
 from acompile._version import __version__
 from acompile._workers import URGENT, Job
 
@@ -55,6 +55,13 @@ RUN_FOLDER = "run"
 IDLE_EXIT = 60.0
 # How long a process waits for a server it started to listen.
 START_TIMEOUT = 60.0
+# The server says something to every process this often (a ping when it has nothing else to
+# say); a process that hears nothing for SILENCE_LIMIT takes the server for gone.
+HEARTBEAT = 2.0
+SILENCE_LIMIT = 10.0
+# After the server could not be started again, jobs run in their own process this long.
+_RETRY_AFTER = 30.0
+_LOST = (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError)
 _LENGTH = struct.Struct(">I")
 _MAX_HEADER = 1 << 20
 
@@ -67,21 +74,10 @@ class HostPoolError(PoolError):
 
 
 def run_folder(cache_root: Path) -> Path:
-    """``<cache_root>/run``, this user's and nobody else's to write (made so if absent).
-    Raises ``HostPoolError`` naming the folder and its owner otherwise: a socket in a folder
+    """``<cache_root>/run``, this user's and nobody else's to write (made so if absent). Raises
+    ``UntrustedFolderError`` naming the folder and its owner otherwise: a socket in a folder
     another user can write could be theirs."""
-    folder = cache_root / RUN_FOLDER
-    with contextlib.suppress(FileExistsError):
-        folder.mkdir(mode=0o700, parents=True)
-    info = os.lstat(folder)
-    if not stat.S_ISDIR(info.st_mode):
-        raise HostPoolError(f"{folder} is not a folder (a link or a file is there); the host pool needs one")
-    if info.st_uid != os.getuid() or info.st_mode & 0o022:
-        raise HostPoolError(
-            f"{folder} belongs to uid {info.st_uid} with mode {stat.filemode(info.st_mode)}: the host "
-            f"pool's socket needs a folder only uid {os.getuid()} can write"
-        )
-    return folder
+    return own_folder(cache_root / RUN_FOLDER, "the host pool's folder")
 
 
 def socket_name() -> str:
@@ -159,10 +155,15 @@ class HostPoolClient:
         self._waiting: dict[int, tuple[anyio.Event, list[Any]]] = {}
         self._ready = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
-        self._reconnecting: anyio.Event | None = None
+        self._down_until = 0.0
 
     async def __aenter__(self) -> HostPoolClient:
-        await self._connect()
+        """Connect (starting the host's server where none listens); raises ``HostPoolError``
+        where that does not happen within ``START_TIMEOUT`` and ``SILENCE_LIMIT``."""
+        try:
+            await self._connect()
+        except (OSError, TimeoutError, ValueError) as exc:
+            raise HostPoolError(f"cannot reach the host pool: {type(exc).__name__}: {exc}") from exc
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._read)
@@ -180,17 +181,25 @@ class HostPoolClient:
             event.set()
 
     async def _connect(self) -> None:
-        path = await anyio.to_thread.run_sync(self._ensure_server)
-        stream = await anyio.connect_unix(path)
-        raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
-        if peer_uid(raw) != os.getuid():
-            await stream.aclose()
-            raise HostPoolError(f"the host pool's socket {path} is served by another user")
+        """Connect to the host's server (started where none listens): bounded, since a server
+        that accepts and never answers (stopped by a signal, hung) must not hold anyone."""
+        path = await anyio.to_thread.run_sync(self._ensure_server, abandon_on_cancel=True)
+        with anyio.fail_after(SILENCE_LIMIT):
+            stream = await anyio.connect_unix(path)
+            try:
+                raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+                if peer_uid(raw) != os.getuid():
+                    raise HostPoolError(f"the host pool's socket {path} is served by another user")
+                reader = BufferedByteReceiveStream(stream)
+                header, _ = await receive_frame(reader)
+                if header.get("op") != "hello":
+                    raise HostPoolError(f"the host pool at {path} did not say hello")
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await stream.aclose()
+                raise
         self._stream = stream
-        self._reader = BufferedByteReceiveStream(stream)
-        header, _ = await receive_frame(self._reader)
-        if header.get("op") != "hello":
-            raise HostPoolError(f"the host pool at {path} did not say hello")
+        self._reader = reader
         self.size = int(header.get("workers", self.size))
         self.server_pid = int(header.get("pid", 0)) or None
         if header.get("ready"):
@@ -261,12 +270,20 @@ class HostPoolClient:
 
     async def _read(self) -> None:
         while True:
+            if self._stream is None:
+                await self._come_back()
+                continue
             try:
-                header, body = await receive_frame(self._reader)
-            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, ValueError, OSError):
+                # The server says something every HEARTBEAT: silence this long is a server gone
+                # or stopped, whose socket still takes connections.
+                with anyio.fail_after(SILENCE_LIMIT):
+                    header, body = await receive_frame(self._reader)
+            except (*_LOST, ValueError, OSError, TimeoutError):
                 await self._lost()
                 continue
             op = header.get("op")
+            if op == "ping":
+                continue
             if op == "ready":
                 self._ready.set()
                 continue
@@ -278,23 +295,37 @@ class HostPoolClient:
             event.set()
 
     async def _lost(self) -> None:
-        """The server went away: start another, and send the jobs in flight again (once each)."""
+        """The server went away (or went silent): start another, and send the jobs in flight
+        again (once each). Where that fails, the jobs fail with a ``PoolError`` (the served code
+        then runs them in its own process), and later jobs too until the server comes back."""
         logger.warning("the host pool's server went away; starting another")
-        with anyio.CancelScope(shield=True):
-            if self._stream is not None:
-                await self._stream.aclose()
-        self._stream = None
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
         try:
-            await self._connect()
+            with anyio.fail_after(START_TIMEOUT + SILENCE_LIMIT):
+                await self._connect()
         except Exception as exc:
+            self._down_until = time.monotonic() + _RETRY_AFTER
             for event, slot in self._waiting.values():
                 slot.append(PoolClosedError(f"the host pool is gone and did not come back: {exc}"))
                 event.set()
-            await anyio.sleep(1)
+            logger.warning("the host pool did not come back (%s); compiling here for %g s", exc, _RETRY_AFTER)
             return
         for event, slot in self._waiting.values():
             slot.append("again")
             event.set()
+
+    async def _come_back(self) -> None:
+        """Try the host's server again once the back-off after a failed attempt is over."""
+        await anyio.sleep(max(0.0, self._down_until - time.monotonic()))
+        try:
+            with anyio.fail_after(START_TIMEOUT + SILENCE_LIMIT):
+                await self._connect()
+            logger.warning("the host pool is back")
+        except Exception:
+            self._down_until = time.monotonic() + _RETRY_AFTER
 
     async def wait_ready(self) -> None:
         await self._ready.wait()
@@ -330,8 +361,11 @@ class HostPoolClient:
     async def _send(self, header: dict[str, Any], body: bytes = b"") -> None:
         async with self._send_lock:
             if self._stream is None:
-                raise PoolError("the host pool is not connected")
-            await send_frame(self._stream, header, body)
+                raise PoolError("the host pool is not reachable now")
+            try:
+                await send_frame(self._stream, header, body)
+            except _LOST as exc:
+                raise PoolError(f"the host pool went away: {type(exc).__name__}") from exc
 
 
 def _listening(path: Path) -> bool:
@@ -418,6 +452,7 @@ class _Server:
             await send({"op": "hello", "pid": os.getpid(), "workers": size, "ready": self.ready.is_set()})
             reader = BufferedByteReceiveStream(stream)
             async with anyio.create_task_group() as tg:
+                tg.start_soon(self._heartbeat, send)
                 while True:
                     try:
                         header, body = await receive_frame(reader)
@@ -445,6 +480,13 @@ class _Server:
             self.idle_since = time.monotonic()
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
+
+    @staticmethod
+    async def _heartbeat(send: Any) -> None:
+        """A ping to the process every HEARTBEAT: its sign that this server lives."""
+        while True:
+            await anyio.sleep(HEARTBEAT)
+            await send({"op": "ping"})
 
     async def _run(
         self,

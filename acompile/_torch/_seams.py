@@ -240,7 +240,13 @@ def install(seams: Seams, served: Served) -> Patches:
     triton_job = getattr(compile_tasks, "_worker_compile_triton", None)
     executor = ServedProcessPool(served, getattr(compiler, "_get_ready", None), triton_job)
     threads = seams.async_compile.get_compile_threads
-    patches.set(compiler, "process_pool", staticmethod(lambda: executor))
+
+    def process_pool() -> Any:
+        return executor
+
+    # Inductor clears its pool's cache at a fork and at shutdown_compile_workers(): a no-op here.
+    process_pool.cache_clear = lambda: None  # type: ignore[attr-defined]
+    patches.set(compiler, "process_pool", staticmethod(process_pool))
     patches.set(compiler, "use_process_pool", staticmethod(lambda *_: served.parallel()))
     patches.set(seams.async_compile, "get_compile_threads", lambda: max(threads(), served.host.size, 2))
 

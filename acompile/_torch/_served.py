@@ -317,11 +317,14 @@ class Served:
             return False
         if self.host.shared and not self.host.signed and tier not in ("disk", ""):
             return False  # host code from a tier anyone could write: never loaded (see serve())
+        target = builders[-1].get_target_file_path()
         try:
             data = _unpacked(entry.blobs["output"], entry.meta)
-            _write_output(builders[-1].get_target_file_path(), data)
-        except (KeyError, OSError, zlib.error) as exc:
-            logger.debug("cannot use the served C++ output %s…: %s", key[:16], exc)
+            if problem := _output_problem(target, data):
+                raise ValueError(problem)
+            _write_output(target, data)
+        except (KeyError, OSError, ValueError, zlib.error) as exc:
+            self.warn_once("output", "a served C++ output is not used (%s); Inductor builds it", exc)
             return False
         self.count(f"cpp_hits_{tier}")
         return True
@@ -337,6 +340,9 @@ class Served:
             with open(target, "rb") as f:
                 data = f.read()
         except OSError:
+            return
+        if problem := _output_problem(target, data):
+            self.warn_once("bad-output", "a C++ build's output is not published: %s", problem)
             return
         data, meta = _packed(data, {"file": os.path.basename(target), "key_parts": parts})
         self.count("cpp_puts")
@@ -373,6 +379,12 @@ class Served:
                 return  # built (or fetched) before: the group's result is what matters
             if self.fetch_output(builders):
                 return
+            # The group's result is missing: what is there of its steps may be what a build
+            # killed part-way left (a compiler writes its output in place), and a build skips a
+            # target that exists. Every step is built again.
+            for builder in builders:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(builder.get_target_file_path())
             self._headers_for(builders, build_locally)
             if self.parallel():
                 try:
@@ -416,8 +428,16 @@ class Served:
     def encode_job(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> bytes:
         """A job's payload: the function (by reference), its arguments, the environment it
         reads, and what the worker needs once (the cache folder, torch's key)."""
-        env = {name: os.environ.get(name) for name in JOB_ENVIRONMENT}
-        env.update({name: os.environ[name] for name in JOB_ENVIRONMENT_IF_SET if name in os.environ})
+        if fn is _worker_build:
+            # A C++ build runs the compiler this process would run, as it would run it (PATH,
+            # CPATH, LIBRARY_PATH ...): a host pool's worker has the environment of the process
+            # that started its server, and the build's key names this one's compiler.
+            env: dict[str, str | None] = {
+                k: v for k, v in os.environ.items() if not k.startswith("ACOMPILE_")
+            }
+        else:
+            env = {name: os.environ.get(name) for name in JOB_ENVIRONMENT}
+            env.update({name: os.environ[name] for name in JOB_ENVIRONMENT_IF_SET if name in os.environ})
         context = dict(self.context, torch_key=self.torch_key())
         return pickle.dumps((fn, tuple(args), dict(kwargs), env, context), protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -621,6 +641,41 @@ def _unpacked(data: bytes, meta: dict[str, Any]) -> bytes:
     return zlib.decompress(data) if meta.get("encoding") == "zlib" else data
 
 
+# What a whole output of each kind starts with (an ELF object or library; GCC's precompiled
+# header; clang's).
+_OUTPUT_MAGIC = {".so": (b"\x7fELF",), ".o": (b"\x7fELF",), ".gch": (b"gpch",), ".pch": (b"CPCH",)}
+
+
+def _output_problem(path: str, data: bytes) -> str | None:
+    """Why ``data`` is not a whole output for ``path``, or None. A compiler writes its output in
+    place: one killed part-way leaves a start of it (or nothing), which is never served."""
+    if not data:
+        return f"{os.path.basename(path)} is empty"
+    suffix = os.path.splitext(path)[1]
+    magic = _OUTPUT_MAGIC.get(suffix)
+    if magic is not None and not data.startswith(magic):
+        return f"{os.path.basename(path)} does not start as a {suffix} file does"
+    if data.startswith(b"\x7fELF") and not _whole_elf(data):
+        return f"{os.path.basename(path)} is cut short (its section table lies past its end)"
+    return None
+
+
+def _whole_elf(data: bytes) -> bool:
+    """Whether an ELF file holds the section header table its header points to (the linker
+    writes it last): a file cut short does not."""
+    import struct
+
+    if len(data) < 16 or data[4] not in (1, 2):
+        return len(data) >= 16  # not a class this reads: taken as it is
+    order = "<" if data[5] == 1 else ">"
+    wide = data[4] == 2  # ELFCLASS64: 8-byte offsets, a 64-byte header
+    if len(data) < (64 if wide else 52):
+        return False
+    shoff: int = struct.unpack_from(order + ("Q" if wide else "I"), data, 0x28 if wide else 0x20)[0]
+    shentsize, shnum = struct.unpack_from(order + "HH", data, 0x3A if wide else 0x2E)
+    return bool(shoff + shentsize * shnum <= len(data))
+
+
 def _write_output(path: str, data: bytes) -> None:
     """Publish a build output where Inductor looks for it: whole, or not at all, and only in a
     folder of this user's that nobody else may write (Inductor's default cache folder is in the
@@ -631,7 +686,9 @@ def _write_output(path: str, data: bytes) -> None:
     dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         info = os.fstat(dfd)
-        if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        # Group-writable is allowed: a umask of 002 (a user's private group, a team's folder)
+        # makes Inductor's folders so, and Inductor writes its own builds there all the same.
+        if info.st_uid != os.getuid() or info.st_mode & 0o002:
             raise PermissionError(
                 f"{folder} is not this user's alone (uid {info.st_uid}): nothing is put there"
             )
@@ -656,12 +713,15 @@ def _build_name(builders: Sequence[Any]) -> str:
 
 
 def _worker_build(builders: list[Any]) -> None:
-    """On a pool worker: build each target that is not there yet, in order (a link after the
-    compiles it links), as Inductor's ``_worker_compile_cpp`` does, without its file lock (the
-    process that submitted the job holds it)."""
+    """On a pool worker: build each target, in order (a link after the compiles it links), as
+    Inductor's ``_worker_compile_cpp`` does, without its file lock (the process that submitted
+    the job holds it, and found the group's result missing). Each target is built anew, never
+    taken as it is: this job may be the retry of one whose worker was killed while a compiler
+    wrote that target in place."""
     for builder in builders:
-        if not os.path.exists(builder.get_target_file_path()):
-            builder.build()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(builder.get_target_file_path())
+        builder.build()
 
 
 # -- keys of C++ builds ---------------------------------------------------------------------------
@@ -725,13 +785,28 @@ def build_parts(builders: Sequence[Any]) -> dict[str, Any] | None:
     except Exception as exc:
         logger.debug("a C++ build that cannot be keyed: %s", exc)
         return None
-    return {
+    parts = {
         "torch-cpp": commands,
         "compilers": compilers,
         "machine": platform.machine(),
         "torch": str(torch.__version__),
         "format": 1,
     }
+    if any("native" in token for command in commands for token in command):
+        # -march=native and its like compile for the CPU that builds: another CPU needs its own.
+        parts["cpu"] = _cpu_identity()
+    return parts
+
+
+@functools.cache
+def _cpu_identity() -> str:
+    """This CPU's model and instruction-set flags, as the kernel reports them (a digest)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))]
+    except OSError:
+        lines = [platform.processor()]
+    return hashlib.sha256("".join(sorted(set(lines))).encode()).hexdigest()
 
 
 def _normalized(token: str, targets: list[str], folders: list[tuple[str, str]]) -> str:
