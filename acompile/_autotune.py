@@ -64,6 +64,7 @@ from acompile._errors import (
     InvalidSpecError,
 )
 from acompile._targets import Target, local_target
+from acompile._workers import _linux
 
 if TYPE_CHECKING:
     from acompile._compiler import CompilePool
@@ -506,7 +507,8 @@ async def _autotune(
     requests = []
     for i, spec in enumerate(specs):
         try:
-            requests.append(await _triton.prepare(spec, pool.target, memo_dir))
+            with _linux.under_memory_limit(pool._memory_limit):
+                requests.append(await _triton.prepare(spec, pool.target, memo_dir))
         except InvalidSpecError as exc:
             raise type(exc)(f"config #{i} ({config_label(normalized[i].as_dict())}): {exc}") from exc
     runtime = [n for n in requests[0].signature if n not in requests[0].constants]

@@ -9,9 +9,7 @@ import copy
 import functools
 import logging
 import os
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -46,7 +44,9 @@ from acompile._workers import (
     JobCancelled,
     WorkerPool,
     _bytecode,
+    _linux,
     idle_stats,
+    remove_work_folder,
 )
 
 if TYPE_CHECKING:
@@ -189,7 +189,13 @@ class CompilePool:
             serializer is set to pass bytes through) or a URL, ``"redis://host:6379/0"``.
             A local hit never touches it; its faults are misses, never errors.
         signing_key: sign what this pool publishes to the shared tier (HMAC-SHA256) and refuse
-            what does not verify; default ``$ACOMPILE_SIGNING_KEY``; None to trust the tier.
+            what does not verify; default ``$ACOMPILE_SIGNING_KEY``; None (and the variable
+            unset) to trust the tier with device code. An empty key, or one of whitespace only,
+            raises ``ValueError``: a key that is set is never "no key".
+        unsafe_unsigned_host_code: without a signing key, also load code that runs on this host
+            (C++ libraries, nvcc's ``.so`` and ``.o``) from the shared tier. Unsafe: whoever can
+            write to the tier can then run code in this process. Off, such entries of an
+            unsigned tier are refused (a miss: compiled here); cubins and PTX are served.
         fleet_wait: how long a pool waits for another replica that is compiling the same kernel
             (it holds the key's lease in the shared tier) before compiling it itself.
         record: append every Triton kernel request the pool serves to this warm-up manifest
@@ -222,6 +228,7 @@ class CompilePool:
         fork_workers: bool = True,
         shared_cache: Any = None,
         signing_key: str | bytes | None = None,
+        unsafe_unsigned_host_code: bool = False,
         fleet_wait: float = 60.0,
         record: str | os.PathLike[str] | None = None,
         trace: str | os.PathLike[str] | None = None,
@@ -243,14 +250,23 @@ class CompilePool:
         self._target: Target | None = parse_target(target) if target is not None else None
         # The tiers after memory, fastest first: adding a tier is adding it here.
         tiers: list[Tier] = []
+        # A key given is checked whether or not a tier uses it (an empty one is a mistake now);
+        # $ACOMPILE_SIGNING_KEY where a tier does.
+        uses_key = signing_key is not None or shared_cache is not None
+        key = signing_key_from(signing_key) if uses_key else None
         if shared_cache is not None:
-            tiers.append(SharedTier.connect_later(shared_cache, signing_key_from(signing_key)))
+            tiers.append(
+                SharedTier.connect_later(
+                    shared_cache,
+                    key,
+                    unsafe_unsigned_host_code=unsafe_unsigned_host_code,
+                )
+            )
         self._cache = TierChain(
             MemoryTier(memory_cache_size),
             GuardedDisk(Path(cache_dir) if cache_dir is not None else default_cache_dir()),
             tiers,
             fleet_wait=fleet_wait,
-            lease_ttl=max(30.0, (max_compile_seconds or 0) + 5),
         )
         self._tuner = _autotune.Tuner(self._cache)
         self._prestart = prestart
@@ -331,7 +347,7 @@ class CompilePool:
                 # Imports (in a thread) and one-time costs now, not in the first request.
                 backend = await anyio.to_thread.run_sync(load_parent, name)
                 await backend.setup(self._memo_dir, self._target)
-            self._workdir = await anyio.to_thread.run_sync(lambda: tempfile.mkdtemp(prefix="acompile-"))
+            self._workdir = await anyio.to_thread.run_sync(WorkerPool.make_workdir, "acompile-")
             bytecode, helpers = await anyio.to_thread.run_sync(self._bytecode_plan)
             config = {
                 "sys_path": list(sys.path),
@@ -452,7 +468,7 @@ class CompilePool:
         if self._workdir is not None:
             workdir, self._workdir = self._workdir, None
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(lambda: shutil.rmtree(workdir, ignore_errors=True))
+                await anyio.to_thread.run_sync(remove_work_folder, workdir)  # only if still ours
 
     @property
     def _memo_dir(self) -> Path:
@@ -708,7 +724,10 @@ class CompilePool:
         ``"shared"`` or ``"compile"`` (a worker compiled it for this request or one it joined)."""
         self._check_running()
         backend = load_parent(backend_of(spec))
-        request = await backend.prepare(spec, self._target, self._memo_dir)
+        # What prepare() starts outside the workers (a source string's probe) is held to the
+        # limit the workers are.
+        with _linux.under_memory_limit(self._memory_limit):
+            request = await backend.prepare(spec, self._target, self._memo_dir)
         kernel = self._cache.loaded(request.key)
         if kernel is not None:
             self._record(request, spec)
@@ -788,11 +807,21 @@ class CompilePool:
 
                     # Compiled here, or by another replica of the fleet that already was.
                     entry, tier = await self._cache.compile_once(request.key, compile)
+                    if tier != "compile":
+                        loading = time.perf_counter()
+                        try:
+                            kernel = await backend.load(request, entry, self._cache.root)
+                        except CorruptEntry as exc:
+                            # Another replica's compile, not usable here (built against headers
+                            # this machine does not have as they were): compiled here instead.
+                            self._cache.reject(request.key, tier, exc)
+                            entry, tier = await self._cache.compile_once(request.key, compile, fleet=False)
                     if tier == "compile":
                         self._counts["compiled"] += 1
                     loading = time.perf_counter()
                     try:
-                        kernel = await backend.load(request, entry, self._cache.root)
+                        if kernel is None:
+                            kernel = await backend.load(request, entry, self._cache.root)
                     except CorruptEntry as exc:
                         # Just compiled here (or by another replica), and not loadable here:
                         # compiling again would make the same. Not kept for the next process.

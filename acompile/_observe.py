@@ -68,6 +68,7 @@ class CacheStats(TypedDict):
     fleet_waits: int
     misses: int
     disk_corrupt: int
+    stale: int
     disk_writes: int
 
 

@@ -6,7 +6,7 @@ acompile warmup MANIFEST [--workers N] [--target T] [--cache-dir DIR] [--json FI
                          [--farm ADDRESS]
 acompile cache stats [--cache-dir DIR]
 acompile cache export FILE [--manifest M] [--target T] [--cache-dir DIR]
-acompile cache import FILE [--allow-unsigned] [--cache-dir DIR]
+acompile cache import FILE [--allow-unsigned] [--unsafe-unsigned-host-code] [--cache-dir DIR]
 acompile cache prune [--max-size 10GiB] [--max-age 30d] [--dry-run] [--cache-dir DIR]
 acompile cache explain KEY [--against KEY2] [--cache-dir DIR]
 acompile bench [...]        (see acompile bench --help)
@@ -16,8 +16,8 @@ acompile run [-v] [--workers N] [--cache-dir DIR] [--shared-cache URL] [--host-p
 
 Exit status: 0 done; 1 some work failed (a kernel did not compile, an entry was damaged, rejected
 or missing, a shared tier that warm-up was asked to fill did not get every kernel); 2 bad usage (a
-bad argument, manifest or bundle file, a cache folder that does not exist); 141 the reader of the
-output went away (``acompile ... | head``).
+bad argument, manifest or bundle file, a cache folder that does not exist, $ACOMPILE_SIGNING_KEY
+set but empty); 141 the reader of the output went away (``acompile ... | head``).
 """
 
 from __future__ import annotations
@@ -189,7 +189,16 @@ def _main(argv: list[str]) -> int:
         "--allow-unsigned",
         action="store_true",
         help="with $ACOMPILE_SIGNING_KEY set, also import a bundle that carries no signature "
-        "(every entry is still verified); a bundle signed with another key is refused all the same",
+        "(every entry is still verified; its host code is still refused); a bundle signed with "
+        "another key is refused all the same",
+    )
+    imp.add_argument(
+        "--unsafe-unsigned-host-code",
+        action="store_true",
+        help="UNSAFE: also import code that runs on this host (C++ and nvcc libraries, object files, "
+        "torch.compile's entries) from a bundle not signed with $ACOMPILE_SIGNING_KEY (implies "
+        "--allow-unsigned): whoever made or altered the bundle can then run code here. Without it, "
+        "such entries are imported only from a bundle whose signature verifies",
     )
 
     prune = cache_sub.add_parser(
@@ -288,16 +297,20 @@ def _run(args: argparse.Namespace) -> int:
         options["workers"] = args.workers
     if args.cache_dir is not None:
         options["cache_dir"] = str(args.cache_dir)
+    if problem := _untrusted_cache_folder(args.cache_dir or default_cache_dir()):
+        # Said now, not by each served process as it starts (and then runs unserved).
+        print(f"acompile run: {problem}", file=sys.stderr)
+        return 2
     if args.host_pool:
         options["host_pool"] = True
     if args.shared_cache:
         if problem := _shared_url_problem(args.shared_cache):
-            print(f"acompile run: --shared-cache {args.shared_cache!r}: {problem}", file=sys.stderr)
+            print(f"acompile run: --shared-cache {_shown(args.shared_cache)!r}: {problem}", file=sys.stderr)
             return 2
         try:
             key = signing_key_from(None)
-        except ValueError as exc:
-            print(f"acompile run: $ACOMPILE_SIGNING_KEY: {exc}", file=sys.stderr)
+        except ValueError as exc:  # set but empty, or short: it names the variable
+            print(f"acompile run: {exc}", file=sys.stderr)
             return 2
         if key is None and not args.unsafe_unsigned_shared_cache:
             print(
@@ -405,7 +418,11 @@ def _warmup(args: argparse.Namespace) -> int:
     from acompile._manifest import load_manifest, load_torch_entries
 
     if args.shared_cache is not None and (problem := _shared_url_problem(args.shared_cache)):
-        print(f"acompile warmup: --shared-cache {args.shared_cache!r}: {problem}", file=sys.stderr)
+        print(f"acompile warmup: --shared-cache {_shown(args.shared_cache)!r}: {problem}", file=sys.stderr)
+        return 2
+    if args.shared_cache is not None and (problem := _signing_key_error()):
+        # Set but empty (a secret that failed to mount) is never "no key": refused before any work.
+        print(f"acompile warmup: {problem}", file=sys.stderr)
         return 2
     if args.target is not None and not args.target.strip():
         print("acompile warmup: --target is empty; pass one such as --target cuda:90", file=sys.stderr)
@@ -446,6 +463,18 @@ def _warmup(args: argparse.Namespace) -> int:
         _Progress.end_line()
         print("acompile warmup: interrupted", file=sys.stderr)
         return 130
+
+
+def _signing_key_error() -> str | None:
+    """What is wrong with ``$ACOMPILE_SIGNING_KEY`` (set but empty, too short), or None where it
+    is a usable key or unset."""
+    from acompile._cache._shared import signing_key_from
+
+    try:
+        signing_key_from(None)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _signing_key_problem() -> str | None:
@@ -578,14 +607,14 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
         # Only torch.compile models: their entries are what the shared tier must hold.
         there = shared.get("torch_entries", 0) - shared.get("torch_missing", 0)
         print(
-            f"shared tier {args.shared_cache}: {there} of {shared.get('torch_entries', 0)} torch.compile "
-            "entries there",
+            f"shared tier {_shown(args.shared_cache)}: {there} of {shared.get('torch_entries', 0)} "
+            "torch.compile entries there",
             file=sys.stdout,
         )
         if shared.get("torch_missing") and args.require_shared:
             print(
                 f"acompile warmup: {shared['torch_missing']} torch.compile entries did not reach the "
-                f"shared tier {args.shared_cache}",
+                f"shared tier {_shown(args.shared_cache)}",
                 file=sys.stderr,
             )
             ok = False
@@ -599,25 +628,37 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
             published=cache["shared_writes"],
             refused=cache["shared_rejected"],
             errors=cache["shared_errors"],
+            not_published=cache["shared_write_failures"],
         )
         missing = shared["kernels"] - shared["found"] - shared["published"]
         shared["missing"] = max(0, missing)
         _print_shared_summary(shared, args.shared_cache, sys.stdout)
+        namespace = cache["shared_namespace"]
+        if namespace == "unsigned":
+            # A fleet's servers hold its key: what went to the unsigned namespace, they never read.
+            print(
+                "acompile warmup: no signing key ($ACOMPILE_SIGNING_KEY is not set): the entries went "
+                "to the shared tier's unsigned namespace, which replicas with a key never read",
+                file=sys.stderr,
+            )
+        else:
+            print(f"  signed: namespace {namespace} (the id of $ACOMPILE_SIGNING_KEY)", file=sys.stdout)
         if shared.get("torch_entries"):
             there = shared["torch_entries"] - shared["torch_missing"]
             print(f"  and {there} of {shared['torch_entries']} torch.compile entries there", file=sys.stdout)
         if shared.get("torch_missing") and args.require_shared:
             print(
                 f"acompile warmup: {shared['torch_missing']} of {shared['torch_entries']} torch.compile "
-                f"entries did not reach the shared tier {args.shared_cache}",
+                f"entries did not reach the shared tier {_shown(args.shared_cache)}",
                 file=sys.stderr,
             )
             ok = False
         if shared["missing"] and args.require_shared:
             print(
                 f"acompile warmup: {shared['missing']} of {shared['kernels']} kernels did not reach the "
-                f"shared tier {args.shared_cache} ({shared['errors']} failed operations, "
-                f"{shared['refused']} refused entries); is it reachable and writable? "
+                f"shared tier {_shown(args.shared_cache)} ({shared['errors']} failed operations, "
+                f"{shared['refused']} refused entries, {shared['not_published']} not published: over "
+                "?max_value= or a fault, see the warnings above); is it reachable and writable? "
                 "(--no-require-shared: fill the local cache only, exit 0)",
                 file=sys.stderr,
             )
@@ -822,10 +863,31 @@ def _print_summary(rows: list[dict[str, Any]], elapsed: float, cache_dir: Path, 
             print(f"\nFAILED {r['kernel']} {r['target']} {r['constexprs']}:\n{r['error']}", file=out)
 
 
+def _untrusted_cache_folder(root: Path) -> str | None:
+    """Why the cache folder ``root`` is not one to trust (another user's, open to others, under
+    a folder another user may swap), or None; a folder not made yet is made by the pool."""
+    from acompile._trust import own_folder
+
+    try:
+        own_folder(root, "the cache folder", resolve=True, make=False)
+    except UntrustedFolderError as exc:
+        return str(exc)
+    except OSError:
+        return None  # missing: made, private, by the first served process
+    return None
+
+
+def _shown(url: str) -> str:
+    """A shared cache URL as it may be printed: its password, if any, never is."""
+    from acompile._cache._shared import redact_url
+
+    return redact_url(url)
+
+
 def _print_shared_summary(shared: dict[str, int], url: str, out: TextIO) -> None:
     there = shared["kernels"] - shared["missing"]
     print(
-        f"shared tier {url}: {there} of {shared['kernels']} kernels there ({shared['found']} found, "
+        f"shared tier {_shown(url)}: {there} of {shared['kernels']} kernels there ({shared['found']} found, "
         f"{shared['published']} published); {shared['refused']} refused, "
         f"{shared['errors']} failed operations",
         file=out,
@@ -918,6 +980,9 @@ def _cache_export(args: argparse.Namespace, root: Path) -> int:
             return 2
     try:
         report = anyio.run(export_bundle, root, args.file, keys)
+    except UntrustedFolderError as exc:
+        print(f"acompile cache export: {exc}", file=sys.stderr)
+        return 2
     except AcompileError as exc:
         print(f"acompile cache export: {exc}", file=sys.stderr)
         return 1
@@ -985,12 +1050,22 @@ def _torch_entry_keys(root: Path) -> list[str]:
 def _cache_import(args: argparse.Namespace, root: Path) -> int:
     from acompile._cache._bundle import import_bundle
 
+    def spelled(text: str) -> str:
+        """The API's switches, as this command spells them."""
+        text = text.replace("unsafe_unsigned_host_code=True", "--unsafe-unsigned-host-code")
+        return text.replace("allow_unsigned=True", "--allow-unsigned")
+
     try:
-        report = anyio.run(lambda: import_bundle(root, args.file, allow_unsigned=args.allow_unsigned))
-    except (AcompileError, ValueError) as exc:  # ValueError: a signing key under 16 bytes
-        # The API's switch, as this command spells it.
-        message = str(exc).replace("allow_unsigned=True", "--allow-unsigned")
-        print(f"acompile cache import: {message}", file=sys.stderr)
+        report = anyio.run(
+            lambda: import_bundle(
+                root,
+                args.file,
+                allow_unsigned=args.allow_unsigned,
+                unsafe_unsigned_host_code=args.unsafe_unsigned_host_code,
+            )
+        )
+    except (AcompileError, ValueError) as exc:  # ValueError: a signing key that is short or empty
+        print(f"acompile cache import: {spelled(str(exc))}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"acompile cache import: cannot write to {root}: {exc}", file=sys.stderr)
@@ -999,7 +1074,7 @@ def _cache_import(args: argparse.Namespace, root: Path) -> int:
     print(f"bundle: {args.file}")
     print(report.summary())
     for name, reason in report.rejected:
-        print(f"  rejected {name}: {reason}", file=sys.stderr)
+        print(f"  rejected {name}: {spelled(reason)}", file=sys.stderr)
     return 0 if report.ok else 1
 
 
@@ -1026,7 +1101,11 @@ def _cache_prune(args: argparse.Namespace, root: Path) -> int:
     except ValueError as exc:
         print(f"acompile cache prune: {exc}", file=sys.stderr)
         return 2
-    report = anyio.run(lambda: prune(root, max_bytes=max_bytes, max_age_s=max_age, dry_run=args.dry_run))
+    try:
+        report = anyio.run(lambda: prune(root, max_bytes=max_bytes, max_age_s=max_age, dry_run=args.dry_run))
+    except UntrustedFolderError as exc:
+        print(f"acompile cache prune: {exc}", file=sys.stderr)
+        return 2
     print(f"cache folder: {root}")
     print(report.summary())
     for error in report.errors:

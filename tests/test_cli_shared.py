@@ -29,7 +29,7 @@ targets = ["cuda:90"]
 
 
 def warmup(
-    manifest: Path, cache: Path, *args: str
+    manifest: Path, cache: Path, *args: str, key: str | None = "a-test-key-of-enough-bytes"
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, int]]:
     report = cache.parent / f"{cache.name}.json"
     command = ["warmup", str(manifest), "--cache-dir", str(cache), "--workers", "1", "--json", str(report)]
@@ -39,7 +39,7 @@ def warmup(
         text=True,
         timeout=300,
         cwd=ROOT,
-        env=subprocess_env(ACOMPILE_SIGNING_KEY="a-test-key-of-enough-bytes"),
+        env=subprocess_env(**({"ACOMPILE_SIGNING_KEY": key} if key is not None else {})),
     )
     shared = json.loads(report.read_text()).get("shared", {}) if report.exists() else {}
     return out, shared
@@ -62,6 +62,12 @@ def test_warmup_reports_what_it_published_found_and_confirmed(
     assert first.returncode == 0, first.stdout + first.stderr
     assert (shared["kernels"], shared["published"], shared["found"], shared["missing"]) == (2, 2, 0, 0)
     assert f"shared tier {url}: 2 of 2 kernels there (0 found, 2 published)" in first.stdout
+    assert "signed: namespace k" in first.stdout  # which key's namespace the fleet must read
+
+    # Without a key the entries go where no replica with one looks: said, not hidden in a success.
+    keyless, shared = warmup(manifest, tmp_path / "keyless", "--shared-cache", url, key=None)
+    assert keyless.returncode == 0, keyless.stdout + keyless.stderr
+    assert "unsigned namespace, which replicas with a key never read" in keyless.stderr
 
     # Another machine, an empty disk: both come from the shared tier.
     other, shared = warmup(manifest, tmp_path / "b", "--shared-cache", url)
@@ -88,13 +94,15 @@ def test_warmup_fails_when_the_shared_tier_is_unreachable(tmp_path: Path) -> Non
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    url = f"redis://127.0.0.1:{port}/0"
+    url = f"redis://:s3cret-password@127.0.0.1:{port}/0"  # a password, which is never printed
 
     out, shared = warmup(manifest, tmp_path / "c", "--shared-cache", url)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "2 kernels: 2 compiled, 0 cached, 0 failed" in out.stdout  # the local cache is filled
     assert shared["missing"] == 2 and shared["published"] == 0, shared
-    assert f"2 of 2 kernels did not reach the shared tier {url}" in out.stderr
+    shown = f"redis://:***@127.0.0.1:{port}/0"
+    assert f"2 of 2 kernels did not reach the shared tier {shown}" in out.stderr
+    assert "s3cret" not in out.stdout + out.stderr
     assert "Traceback" not in out.stderr
 
     lenient, shared = warmup(manifest, tmp_path / "c", "--shared-cache", url, "--no-require-shared")

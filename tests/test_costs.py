@@ -7,6 +7,7 @@ that share it keep each other's records.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -23,7 +24,7 @@ from conftest import subprocess_env
 from kernels_for_tests import ADD_SIG, add_kernel
 
 import acompile
-from acompile._cache import GuardedDisk
+from acompile._cache import GuardedDisk, _costs
 from acompile._cache._costs import (
     COSTS_FILE,
     LOCK_FILE,
@@ -105,13 +106,28 @@ async def test_a_save_merging_a_file_with_a_huge_number_neither_raises_nor_keeps
     assert "new" in kept and "huge" not in kept
 
 
-async def test_a_save_that_cannot_write_gives_up_quietly(tmp_path: Path) -> None:
-    (tmp_path / COSTS_FILE).mkdir()  # a rename cannot replace a folder
+async def test_a_save_that_cannot_write_gives_up_quietly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(path: Path, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_costs, "write_state", full)
     costs = CompileCosts(await opened(tmp_path))
     assert await costs.expect(features("k")) > 0
     assert costs.record(features("k"), 1.0)
     await costs.save()
-    assert (tmp_path / COSTS_FILE).is_dir()
+    assert not (tmp_path / COSTS_FILE).exists()
+
+
+async def test_a_folder_in_place_of_the_file_is_removed_and_replaced(tmp_path: Path) -> None:
+    (tmp_path / COSTS_FILE).mkdir()  # a rename cannot replace a folder: it is removed first
+    (tmp_path / COSTS_FILE / "inside").write_text("{}")
+    costs = CompileCosts(await opened(tmp_path))
+    assert await costs.expect(features("k")) > 0
+    assert costs.record(features("k"), 1.0)
+    await costs.save()
+    assert set(stored(tmp_path)) == {"k"}
 
 
 async def test_nonsense_times_and_features_are_not_recorded(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from conftest import TARGET, run_python
 from kernels_for_tests import ADD_SIG, add_kernel
 
 import acompile
-from acompile._cache import DiskTier, _disk
+from acompile._cache import DiskTier, _layout
 from acompile._cache._entry import decode
 
 pytestmark = pytest.mark.anyio
@@ -214,9 +214,10 @@ async def test_a_read_stuck_in_the_kernel_is_abandoned_after_a_deadline(
     os.mkfifo(path)
     handle = tmp_path / "fifo"
     os.link(path, handle)  # to release the stuck reader at the end, once the entry is replaced
-    # As on a hung network filesystem, open() itself blocks: the disk tier opens without
-    # O_NONBLOCK here, so its reader thread sits in the kernel until someone opens the FIFO to write.
-    monkeypatch.setattr(_disk, "_READ_FLAGS", os.O_RDONLY | os.O_CLOEXEC)
+    # As on a hung network filesystem, open() itself blocks: the cache folder's files are opened
+    # without O_NONBLOCK here, so the reader thread sits in the kernel until someone opens the FIFO
+    # to write.
+    monkeypatch.setattr(_layout, "_READ_FLAGS", os.O_RDONLY | os.O_CLOEXEC)
     caplog.set_level(logging.DEBUG, "acompile")
     try:
         with anyio.fail_after(60):
@@ -279,7 +280,7 @@ def test_a_read_stuck_in_the_kernel_does_not_hold_up_the_process_exit(cache_dir:
     script = textwrap.dedent(
         f"""
         import json, os, time, anyio, acompile
-        from acompile._cache import DiskTier, _disk
+        from acompile._cache import DiskTier, _layout
         from kernels_for_tests import add_kernel, ADD_SIG
 
         async def main():
@@ -289,7 +290,7 @@ def test_a_read_stuck_in_the_kernel_does_not_hold_up_the_process_exit(cache_dir:
             path = DiskTier({str(cache_dir)!r}).path(key)
             path.unlink()
             os.mkfifo(path)
-            _disk._READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC  # open() blocks, as on a hung filesystem
+            _layout._READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC  # open() blocks, as on a hung filesystem
             async with acompile.CompilePool(1, target="cuda:90", cache_dir={str(cache_dir)!r}) as p:
                 _, tier = await p.compile_with_tier(spec)
             print(json.dumps({{"tier": tier, "left": time.time()}}), flush=True)

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
-from conftest import TARGET, RedisServer, subprocess_env
+from conftest import TARGET, RedisServer
 from kernels_for_tests import ADD_SIG, add_kernel, slow_to_compile_kernel
 
 import acompile
@@ -161,7 +157,7 @@ async def test_a_lease_outlives_a_job_queued_past_its_ttl(tmp_path: Path, redis_
     slow = acompile.TritonSpec(slow_to_compile_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32"}, {"N": 300})
     async with pool(tmp_path / "a", redis_server) as a, pool(tmp_path / "b", redis_server) as b:
         for p in (a, b):
-            p._cache.lease_ttl = 1.0  # a private knob: 30 s and more in a pool
+            p._cache.lease_ttl = 1.0  # a private knob: 6 s in a pool
         await a.wait_ready()
         await b.wait_ready()
         await b.compile(spec(128))  # b's one-time costs, paid before the race
@@ -198,8 +194,8 @@ async def test_a_lease_left_by_a_dead_replica_does_not_block_forever(
         key = (await _triton.prepare(spec(512), p.target, tmp_path / "memo")).key
     client: Any = redis_server.client()
     async with pool(tmp_path / "a", redis_server, fleet_wait=0.5) as p:
-        # A lease as a replica of this fleet (no signing key) writes it.
-        lease = SharedTier(None, None).lease_value(key, "a-replica-that-died", time.time() + 600)
+        # A lease as a replica of this fleet (no signing key) writes it: it lasts seconds.
+        lease = SharedTier(None, None).lease_value(key, "a-replica-that-died", time.time() + 5)
         client.set(f"acompile:lease:unsigned:{key}", lease, px=600_000)  # held, never released
         t0 = time.perf_counter()
         _, tier = await p.compile_with_tier(spec(512))
@@ -228,40 +224,6 @@ async def test_a_planted_lease_makes_nobody_wait(
     async with pool(tmp_path / "b", redis_server, prestart=False, signing_key=signing_key) as p:
         _, tier = await p.compile_with_tier(spec(1024))
     assert tier == "shared"
-
-
-def test_four_processes_race_on_one_key(tmp_path: Path, redis_server: RedisServer) -> None:
-    script = textwrap.dedent(
-        f"""
-        import json, anyio, acompile
-        from kernels_for_tests import add_kernel, ADD_SIG
-
-        async def main():
-            async with acompile.CompilePool(1, target="cuda:90", cache_dir={str(tmp_path / "shared-disk")!r},
-                                            shared_cache={redis_server.url!r}, signing_key={KEY!r}) as p:
-                k, tier = await p.compile_with_tier(acompile.TritonSpec(add_kernel, ADD_SIG, {{"BLOCK": 2048}}))
-                print(json.dumps([k.key, tier, k.asm["ptx"][-200:]]))
-
-        anyio.run(main)
-        """
-    )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", script],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=subprocess_env(),
-        )
-        for _ in range(4)
-    ]
-    outs = [p.communicate(timeout=180) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
-    results = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
-    assert len({r[0] for r in results}) == 1 and len({r[2] for r in results}) == 1
-    assert sum(r[1] == "compile" for r in results) >= 1
-    key = results[0][0]
-    decode((tmp_path / "shared-disk" / "v1" / key[:2] / key).read_bytes(), key)
 
 
 async def test_a_bad_shared_cache_argument_is_refused_up_front(tmp_path: Path) -> None:

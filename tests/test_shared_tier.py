@@ -229,22 +229,25 @@ async def test_a_lease_is_renewed_only_while_it_is_this_replicas(
         name = f"acompile:lease:{shared.namespace}:{k}"
         replica = SharedTier(shared.cache, None)  # another replica, on the same server
         assert await shared.take_lease(k, ttl=2) is True
-        assert await shared.renew_lease(k, ttl=30) is True and 2 < client(redis_server).ttl(name) <= 30
+        before = client(redis_server).get(name)
+        # A lease lasts seconds whatever is asked (its holder renews it): 6 s at most.
+        assert await shared.renew_lease(k, ttl=30) is True and 2000 < client(redis_server).pttl(name) <= 6000
+        assert client(redis_server).get(name) != before  # a new value: a copy of the old one expires
         # Gone (it expired while the server was unreachable, say): taken again.
         client(redis_server).delete(name)
         assert await shared.renew_lease(k, ttl=30) is True and await replica.lease_held(k)
         # Another replica's: left alone.
-        theirs = replica.lease_value(k, replica.owner, time.time() + 60)
-        client(redis_server).set(name, theirs, ex=60)
+        theirs = replica.lease_value(k, replica.owner, time.time() + 5)
+        client(redis_server).set(name, theirs, ex=5)
         assert await shared.renew_lease(k, ttl=30) is False and client(redis_server).get(name) == theirs
-        # Taken over between this replica's read and its write (the read is made to return the
-        # value it held before): the compare-and-set leaves the other replica's lease alone.
-        mine = shared.lease_value(k, shared.owner, time.time() + 60)
+        # Taken over between this replica's read and its write (the read is made to return this
+        # replica's own lease): the compare-and-set leaves the other replica's lease alone.
+        mine = shared.lease_value(k, shared.owner, time.time() + 5)
 
-        async def read_before_the_takeover(*args: Any, **kwargs: Any) -> bytes:
-            return mine
+        async def read_before_the_takeover(*args: Any, **kwargs: Any) -> tuple[bool, bytes]:
+            return True, mine
 
-        monkeypatch.setattr(shared.cache, "get", read_before_the_takeover)
+        monkeypatch.setattr(shared, "_fetch", read_before_the_takeover)
         assert await shared.renew_lease(k, ttl=30) is False and client(redis_server).get(name) == theirs
         monkeypatch.undo()
         # The server down: nothing to say (None), so the holder tries again at its next turn.

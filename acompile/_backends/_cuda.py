@@ -27,6 +27,7 @@ from acompile._backends._native import (
     payload,
     setup,
     show,
+    verify,
     worker_config,
 )
 from acompile._backends._registry import BACKENDS
@@ -113,7 +114,9 @@ async def load(
     request: NativeRequest, entry: Entry, cache_root: Path
 ) -> CudaModule | SharedLibrary | ObjectFile:
     """A ``CudaModule`` (NVRTC's outputs, loaded onto the GPU on first use), else the library or
-    object file, published in the cache folder."""
+    object file, published in the cache folder. Raises ``StaleEntry`` for an entry from a cache
+    tier built from headers that have changed since (``_native.check_dependencies``)."""
     if request.output in ("cubin", "ptx"):
+        await verify(request, entry)
         return CudaModule(request, entry)
     return await load_file(request, entry, cache_root)

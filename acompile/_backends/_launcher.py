@@ -38,6 +38,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from acompile._errors import UntrustedFolderError
+from acompile._trust import check_folder, own_folder
 from acompile._workers._process import lower_this_thread
 
 logger = logging.getLogger("acompile")
@@ -190,7 +192,7 @@ def _compiler() -> list[str]:
     return shlex.split(chosen)
 
 
-def _build_dir(include: Path) -> Path:
+def _build_dir(include: Path, *, make: bool = False) -> Path:
     from acompile._cache._disk import default_cache_dir
 
     header = (include / "cuda.h").stat()  # a megabyte: its path, size and time stand for it
@@ -200,7 +202,20 @@ def _build_dir(include: Path) -> Path:
     digest.update(repr((os.environ.get("CC"), os.environ.get("CFLAGS"))).encode())
     digest.update(f"{include}|{header.st_size}|{header.st_mtime_ns}|".encode())
     digest.update(f"{sys.version}|{sys.implementation.cache_tag}|{sysconfig.get_platform()}".encode())
-    return default_cache_dir() / "launcher" / digest.hexdigest()[:32]
+    # The library is loaded into this process: its folders must be this user's alone, as the
+    # cache folder's are (acompile._trust); UntrustedFolderError (an OSError) otherwise.
+    # Made only to build (``make``): a pool that merely looks for a launcher makes nothing.
+    root = default_cache_dir()
+    if make or os.path.lexists(root):
+        root = own_folder(root, "the cache folder", resolve=True, make=make)
+    folder = root
+    for name in ("launcher", digest.hexdigest()[:32]):
+        folder = folder / name
+        if make:
+            own_folder(folder, "the launcher's folder")
+        elif os.path.lexists(folder):
+            check_folder(folder, "the launcher's folder")
+    return folder
 
 
 def _artifact(folder: Path) -> Path:
@@ -220,6 +235,10 @@ def _import_built() -> ModuleType | None:
         return None
     try:
         path = _artifact(_build_dir(include))
+    except UntrustedFolderError as exc:
+        _failed = str(exc)
+        logger.warning("acompile's launcher is not loaded (%s); kernels launch through Triton's", exc)
+        return None
     except OSError as exc:
         _failed = f"cannot read the launcher's source: {exc}"
         return None
@@ -313,11 +332,10 @@ def build() -> Path:
     include = _cuda_include()
     if include is None:
         raise RuntimeError("Triton's CUDA headers are not installed")
-    folder = _build_dir(include)
+    folder = _build_dir(include, make=True)
     target = _artifact(folder)
     if target.is_file() and _checksum_path(target).is_file():
         return target
-    folder.mkdir(parents=True, exist_ok=True)
     compiler = _compiler()
     python_include = sysconfig.get_paths()["include"]
     with tempfile.TemporaryDirectory(dir=folder) as scratch:

@@ -3,16 +3,26 @@ checking its strings, the compilers' identities, keying, and the results that ar
 
 Libraries and objects live in ``<cache_dir>/lib/<key>.so`` (``.o``), published atomically: a
 library must be a file to be loaded, and a file that others may be loading is never rewritten.
+
+Headers are inputs the key does not hold (it is known before the compile, which alone finds
+out what the source includes). Each entry records the files its compile read (see
+``_native_worker``), and an entry that comes from a cache tier is used only where every one of
+them is still what it was (``stale_reason``); otherwise it is stale (``StaleEntry``): a miss,
+compiled again, whose fresh entry replaces it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import hashlib
 import os
 import re
 import shutil
+import stat
 import subprocess
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,10 +30,12 @@ from typing import Any
 
 import anyio
 
+from acompile._backends._native_worker import file_digest
 from acompile._backends._registry import BACKENDS
+from acompile._cache._chain import StaleEntry
 from acompile._cache._entry import Entry
 from acompile._cache._keys import make_key
-from acompile._cache._layout import lib_path, logs_dir, temp_path
+from acompile._cache._layout import lib_path, logs_dir, read_state, write_state
 from acompile._errors import (
     BackendUnavailableError,
     CppCompileError,
@@ -50,6 +62,11 @@ class NativeRequest:
     output: str
     payload: dict[str, Any]
     key_parts: dict[str, Any] = field(default_factory=dict)
+    # Set when the pool asks for the payload, which it does only to compile the request: the
+    # entry it loads next was built from the headers as they are (a worker recorded them a
+    # moment ago), so they are not checked again. One that changed during that compile made the
+    # entry say so (``deps_unknown``): it serves this request, and is stale for any later one.
+    compiled_here: bool = False
 
 
 async def setup(memo_dir: Path, target: Target | None) -> None:
@@ -63,6 +80,7 @@ async def worker_config(memo_dir: Path) -> dict[str, Any]:
 
 async def payload(request: NativeRequest) -> dict[str, Any]:
     """The payload, made with the request (it holds the command line the worker runs)."""
+    request.compiled_here = True
     return request.payload
 
 
@@ -221,19 +239,95 @@ async def make_request(
     return NativeRequest(key, name, backend, output, payload, key_parts)
 
 
+# --- the headers an entry was built from -----------------------------------------------------------
+
+# Headers this process found, by path, with the size and mtime they had then and the digest
+# they had: a header touched but not changed (a checkout, a copy) is hashed once per process,
+# however many entries include it.
+_verified: dict[str, tuple[int, int, str]] = {}
+
+
+def stale_reason(meta: dict[str, Any]) -> str | None:
+    """Why the entry with this metadata may not be what its source builds now, or None where
+    every file its compile read (``meta["deps"]``) is as it was (blocking: from a thread).
+
+    One ``stat`` per file: the same size and mtime, and it is trusted; another mtime (or an
+    mtime that is the same on another machine, where a header was written at another time),
+    and it is hashed, and must have the recorded digest. Missing, not a regular file, another
+    size or another digest: stale. An entry without the record (made before it was kept), or
+    whose record says what its compile read is not known, is stale too: nothing can show it
+    is not. A header that appeared where the compiler did not look before (earlier in the
+    include path) is not seen, as it is not by ccache.
+    """
+    deps = meta.get("deps")
+    if deps is None:
+        return "it was built before the headers a compile reads were recorded"
+    unknown = meta.get("deps_unknown")
+    if unknown:
+        return f"the headers it was built from are not known: {bounded(str(unknown), 300)}"
+    if not isinstance(deps, list):
+        return "its list of headers is malformed"
+    for dep in deps:
+        if not (
+            isinstance(dep, list)
+            and len(dep) == 4
+            and isinstance(dep[0], str)
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in dep[1:3])
+            and isinstance(dep[3], str)
+        ):
+            return f"its list of headers is malformed: {show(dep)}"
+        path, size, mtime_ns, digest = dep
+        try:
+            info = os.stat(path)
+        except (OSError, ValueError) as exc:
+            return f"{path} is gone ({getattr(exc, 'strerror', None) or exc})"
+        if not stat.S_ISREG(info.st_mode):
+            return f"{path} is not a regular file any more"
+        if info.st_size != size:
+            return f"{path} changed since it was built (its size)"
+        if info.st_mtime_ns == mtime_ns or _verified.get(path) == (size, info.st_mtime_ns, digest):
+            continue
+        try:
+            actual = file_digest(path, size)
+        except (OSError, ValueError) as exc:
+            return f"{path} cannot be read ({getattr(exc, 'strerror', None) or exc})"
+        if actual != digest:
+            return f"{path} changed since it was built"
+        _verified[path] = (size, info.st_mtime_ns, digest)
+    return None
+
+
+def check_dependencies(request: NativeRequest, entry: Entry) -> None:
+    """Raise ``StaleEntry`` where the entry came from a cache tier and a file its compile read
+    is not what it was (blocking: from a thread). An entry this request just compiled is not
+    checked (see ``NativeRequest.compiled_here``)."""
+    if request.compiled_here:
+        return
+    reason = stale_reason(entry.meta)
+    if reason is not None:
+        raise StaleEntry(f"{request.name!r} was built from other headers: {reason}")
+
+
+async def verify(request: NativeRequest, entry: Entry) -> None:
+    """``check_dependencies`` off the event loop; no thread at all for an entry whose compile
+    read no file but its source (nothing to look at)."""
+    if request.compiled_here or (entry.meta.get("deps") == [] and not entry.meta.get("deps_unknown")):
+        return
+    await anyio.to_thread.run_sync(check_dependencies, request, entry)
+
+
 # --- results that are files ------------------------------------------------------------------------
 
 
 async def load_file(request: NativeRequest, entry: Entry, cache_root: Path) -> SharedLibrary | ObjectFile:
     """Publish a library or object file in ``<cache_root>/lib`` and load it (a library) with
-    ctypes. A file that cannot be written or loaded is a compile error of the request's kind."""
+    ctypes, once the entry's headers are checked (``check_dependencies``; raises ``StaleEntry``),
+    all in one thread. A file that cannot be written or loaded is a compile error of the
+    request's kind."""
     output = request.output
     path = lib_path(cache_root, request.key, output)
     try:
-        await anyio.to_thread.run_sync(_publish, path, entry.blobs[output])
-        if output == "o":
-            return ObjectFile(request.name, request.key, path)
-        library = await anyio.to_thread.run_sync(ctypes.CDLL, str(path))
+        return await anyio.to_thread.run_sync(_install, request, entry, path)
     except OSError as exc:
         # A library is loaded from a file, and an object file is for linking: neither can stay
         # in memory only. The compile succeeded; the file it needs cannot be written (or loaded).
@@ -246,25 +340,44 @@ async def load_file(request: NativeRequest, entry: Entry, cache_root: Path) -> S
         else:
             message = f"cannot write or load {request.name!r} at {path}: {type(exc).__name__}: {exc}"
         raise cls(message, kernel=request.name, backend=request.backend, log=str(exc)) from exc
+
+
+# The libraries this process loaded, by path: the SHA-256 of the bytes it loaded from each. And
+# a lock per path, so that two loads of one key decide and record together.
+_loaded: dict[str, str] = {}
+_path_locks: dict[str, threading.Lock] = {}
+
+
+def _install(request: NativeRequest, entry: Entry, path: Path) -> SharedLibrary | ObjectFile:
+    """``load_file``'s blocking half: check, publish, load."""
+    check_dependencies(request, entry)
+    data = entry.blobs[request.output]
+    if request.output == "o":
+        _publish(path, data)
+        return ObjectFile(request.name, request.key, path)
+    digest = hashlib.sha256(data).hexdigest()
+    with _path_locks.setdefault(str(path), threading.Lock()):
+        _publish(path, data)
+        if _loaded.get(str(path), digest) != digest:
+            # dlopen() hands back the library this process already loaded from a path, whatever
+            # the file there holds now: a key rebuilt in this process (its headers changed) is
+            # loaded from a file of its own, named by its bytes. The key's file holds the new
+            # build for other processes.
+            path = path.with_name(f"{request.key}.{digest[:16]}.{request.output}")
+            _publish(path, data)
+        library = ctypes.CDLL(str(path))
+        _loaded.setdefault(str(path), digest)
     return SharedLibrary(request.name, request.key, path, library)
 
 
 def _publish(path: Path, data: bytes) -> None:
     """Write the file once, whole: readers (and dlopen) never see a partial one, and a failed
-    write (a full disk) leaves nothing behind."""
-    try:
-        if path.stat().st_size == len(data) and path.read_bytes() == data:
+    write (a full disk) leaves nothing behind. What is there already is read only up to the
+    size of ``data``; anything else in its place (a folder, a FIFO, a link) is replaced."""
+    with contextlib.suppress(OSError):  # refused (not this file): written afresh
+        if read_state(path, len(data)) == data:
             return
-    except FileNotFoundError:
-        pass
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = temp_path(path)
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_state(path, data)
 
 
 class SharedLibrary:

@@ -13,7 +13,6 @@ import functools
 import hashlib
 import json
 import os
-import pickle
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from typing import Any, ClassVar, TypeVar
 import anyio
 
 from acompile import _pacing
-from acompile._backends import _triton_source, _triton_toolchain
+from acompile._backends import _triton_probe, _triton_source, _triton_toolchain
 from acompile._backends._registry import BACKENDS
 from acompile._cache._entry import CorruptEntry, Entry
 from acompile._cache._keys import make_key
@@ -38,6 +37,7 @@ from acompile._cache._layout import logs_dir
 from acompile._errors import DeviceUnavailableError, InvalidSpecError, bounded
 from acompile._targets import Target, parse_target
 from acompile._version import __version__
+from acompile._workers import _linux
 
 WORKER_MODULE = BACKENDS["triton"].worker
 
@@ -198,6 +198,11 @@ async def prepare(spec: TritonSpec, default_target: Target | None, memo_dir: Pat
         "target": str(target),
         "env": env,
     }
+    if kernel_ref is not None and kernel_ref["kind"] == "text":
+        # A text's Triton key is what its own process reported: a text that lies (its top-level
+        # code may patch Triton) would otherwise be keyed, and served, as another kernel. Keyed by
+        # the text itself too, a lie reaches no request but those for this very text.
+        key_parts["text"] = kernel_ref["digest"]
     key = make_key(key_parts)
     payload = {
         "key": key,
@@ -407,11 +412,16 @@ _source_memo: OrderedDict[tuple[str, str | None], tuple[list[str], SourceKernel 
 # The longest a source string's top-level code may run (importing torch on a busy machine takes
 # seconds); a caller's own deadline usually comes first.
 SOURCE_RUN_SECONDS = 300.0
-# Source strings run at most this many at once, each in its own process.
-# Source-string processes running at once, per event loop.
-_probe_limiters: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, anyio.CapacityLimiter] = (
+# Source strings' processes start at most max(2, CPUs) at a time, per event loop. One still running
+# after PROBE_SLOT_SECONDS (top-level code that sleeps, or imports a large library) gives its
+# place to the next: slow texts pace how fast others start, and never hold them for their own
+# run time.
+PROBE_SLOT_SECONDS = 2.0
+_probe_slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, anyio.Semaphore] = (
     weakref.WeakKeyDictionary()
 )
+# How often a probe's memory is measured, when the pool has a memory_limit.
+PROBE_MEMORY_INTERVAL = 0.1
 
 
 async def _kernel_from_text(text: str, kernel_name: str | None) -> tuple[Any, dict[str, Any]]:
@@ -438,7 +448,7 @@ async def _kernel_from_text(text: str, kernel_name: str | None) -> tuple[Any, di
         raise InvalidSpecError(
             f"the source has no @triton.jit function named {kernel_name!r}; it defines {found or 'none'}"
         )
-    return fn, {"kind": "text", "text": text, "filename": filename, "name": fn.__name__}
+    return fn, {"kind": "text", "text": text, "filename": filename, "name": fn.__name__, "digest": digest}
 
 
 async def _digest(text: str) -> str:
@@ -473,28 +483,42 @@ async def _once_async(key: Any, done: Callable[[], Any], work: Callable[..., Any
 async def _probe(
     text: str, filename: str, memo: tuple[str, str | None]
 ) -> tuple[list[str], SourceKernel | None]:
-    """Run the text in a fresh process (see ``_triton_probe``) and remember what it reports."""
-    request = pickle.dumps(
-        {"text": text, "filename": filename, "kernel_name": memo[1], "sys_path": list(sys.path)}
-    )
-    env = dict(os.environ, ACOMPILE_PARENT_PID=str(os.getpid()))
-    async with _this_loops(_probe_limiters, lambda: anyio.CapacityLimiter(max(2, os.cpu_count() or 2))):
-        stderr = await anyio.to_thread.run_sync(tempfile.TemporaryFile)
-        try:
-            answer, code = await _run_probe(request, env, stderr)
-            if answer is None:
-                tail = await anyio.to_thread.run_sync(_tail, stderr)
+    """Run the text in a process group of its own (see ``_triton_probe``), under the pool's
+    memory limit, and remember what it reports."""
+    request, token = _triton_probe.make_request(text, filename, memo[1], list(sys.path))
+    memory_limit = _linux.pool_memory_limit.get()
+    stderr = await anyio.to_thread.run_sync(tempfile.TemporaryFile)
+    try:
+        data, code, rss = await _run_probe(request, stderr, memory_limit)
+        if memory_limit is not None and rss is not None:
+            raise InvalidSpecError(
+                f"the kernel source's top-level code passed the pool's memory limit of "
+                f"{memory_limit >> 20} MiB ({rss >> 20} MiB in its processes) and was stopped"
+            )
+        status, body, answer = code, b"", None
+        if code == 0 and data:
+            try:
+                status, body = _triton_probe.read_envelope(data, token)
+                if body:
+                    answer = _triton_probe.read_answer(body)
+            except _triton_probe.BadAnswer as exc:
                 raise InvalidSpecError(
-                    f"running the kernel source failed: its process ended with status {code}"
-                    + (f"\n{tail}" if tail.strip() else "")
-                )
-        finally:
-            stderr.close()
+                    f"running the kernel source failed: its process's answer is not the probe's "
+                    f"({exc}); the source's top-level code may have written to it"
+                ) from None
+        if answer is None:
+            tail = await anyio.to_thread.run_sync(_tail, stderr)
+            raise InvalidSpecError(
+                f"running the kernel source failed: its process ended with status {status}"
+                + (f"\n{tail}" if tail.strip() else "")
+            )
+    finally:
+        stderr.close()
     if not answer["ok"]:
         if answer["kind"] == "syntax":
             raise InvalidSpecError(f"the kernel source does not parse: {answer['message']}")
         raise InvalidSpecError(
-            f"running the kernel source failed: {answer['message']}\n{answer.get('traceback', '')}".rstrip()
+            f"running the kernel source failed: {answer['message']}\n{answer['traceback']}".rstrip()
         )
     kernel = answer["kernel"]
     result = (answer["found"], SourceKernel(kernel, memo[0]) if kernel is not None else None)
@@ -505,40 +529,87 @@ async def _probe(
 
 
 async def _run_probe(
-    request: bytes, env: dict[str, str], stderr: Any
-) -> tuple[dict[str, Any] | None, int | None]:
-    process = await anyio.open_process(
-        [sys.executable, "-m", "acompile._backends._triton_probe"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        env=env,
-    )
+    request: bytes, stderr: Any, memory_limit: int | None
+) -> tuple[bytes, int | None, int | None]:
+    """Start the probe, give it the request, and take all it writes on its stdout; with its
+    exit status, and the memory its group held if it passed ``memory_limit`` (it was killed).
+
+    However it ends (an answer, the deadline, the caller's cancellation, the memory limit), its
+    whole process group is killed before this returns: the supervisor, the runner and whatever
+    the text started that stayed in the group."""
+    slots = _this_loops(_probe_slots, lambda: anyio.Semaphore(max(2, os.cpu_count() or 2)))
+    await slots.acquire()
+    held = True
+
+    def give_slot_back() -> None:
+        nonlocal held
+        if held:
+            held = False
+            slots.release()
+
+    async def give_slot_back_later() -> None:
+        await anyio.sleep(PROBE_SLOT_SECONDS)
+        give_slot_back()
+
+    over: list[int] = []
+
+    async def watch_memory(pid: int, limit: int) -> None:
+        while True:
+            await anyio.sleep(PROBE_MEMORY_INTERVAL)
+            rss = await anyio.to_thread.run_sync(_linux.group_rss, pid)
+            if rss > limit:
+                over.append(rss)
+                _linux.kill_group(pid)
+                return
+
+    process = None
+    chunks: list[bytes] = []
+    code = None
     try:
+        # ACOMPILE_WORKER: the supervisor imports acompile's modules it uses, not the library.
+        env = dict(os.environ, ACOMPILE_PARENT_PID=str(os.getpid()), ACOMPILE_WORKER="1")
+        process = await anyio.open_process(
+            [sys.executable, "-c", _triton_probe.BOOT],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            env=env,
+        )
         with anyio.fail_after(SOURCE_RUN_SECONDS):
-            assert process.stdin is not None and process.stdout is not None
-            await process.stdin.send(request)
-            await process.stdin.aclose()
-            chunks = []
-            async for chunk in process.stdout:
-                chunks.append(chunk)
-            code = await process.wait()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(give_slot_back_later)
+                if memory_limit is not None:
+                    tg.start_soon(watch_memory, process.pid, memory_limit)
+                assert process.stdin is not None and process.stdout is not None
+                await process.stdin.send(request)
+                await process.stdin.aclose()
+                size, limit = 0, _triton_probe.HEADER_LIMIT + _triton_probe.ANSWER_LIMIT
+                async for chunk in process.stdout:
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    if size > limit:
+                        _linux.kill_group(process.pid)  # more than any answer: refused whole
+                        break
+                code = await process.wait()
+                tg.cancel_scope.cancel()
     except TimeoutError:
+        if over:
+            return b"", None, over[0]
         raise InvalidSpecError(
             f"the kernel source's top-level code ran longer than {SOURCE_RUN_SECONDS:.0f} s"
         ) from None
     finally:
-        if process.returncode is None:
-            # Cancelled (the caller's deadline) or timed out: the text's process goes now.
+        give_slot_back()
+        if process is not None:
             with anyio.CancelScope(shield=True):
-                process.kill()
+                # The group first: with it goes everything the text started that stayed in it. A
+                # probe too young to lead its group yet has started nothing: it alone is killed.
+                _linux.kill_group(process.pid)
+                if process.returncode is None:
+                    process.kill()
                 await process.wait()
-        with anyio.CancelScope(shield=True):
-            await process.aclose()
-    data = b"".join(chunks)
-    if code != 0 or not data:
-        return None, code
-    return pickle.loads(data), code
+                await process.aclose()
+    return b"".join(chunks), code, over[0] if over else None
 
 
 def _tail(f: Any, limit: int = 8192) -> str:

@@ -3,8 +3,9 @@
 - ``export_bundle(root, path, keys=None, *, signing_key=None)``: the folder's entries (or the
   ones named) in one gzip'd tar archive, for seeding another machine or replica; signed where a
   signing key is configured.
-- ``import_bundle(root, path, *, signing_key=None, allow_unsigned=False)``: load a bundle into a
-  folder, verifying its signature (where a signing key is configured) and every entry.
+- ``import_bundle(root, path, *, signing_key=None, allow_unsigned=False,
+  unsafe_unsigned_host_code=False)``: load a bundle into a folder, verifying its signature (where
+  a signing key is configured) and every entry.
 
 A bundle is a tar archive (gzip) holding ``acompile-bundle.json`` first (the bundle's format,
 acompile's version, when it was made, how many entries it holds, the SHA-256 of each entry and,
@@ -16,7 +17,13 @@ before it writes anything, and each entry as it streams past.
 Nothing in a bundle is trusted: an importer takes only members whose name is a key and whose
 bytes are a whole, intact entry for that key (``_entry.decode``), listed with that digest where
 the description lists digests, and writes them through the disk tier (atomic). The signing key is
-the shared tier's (the argument, else ``$ACOMPILE_SIGNING_KEY``).
+the shared tier's (the argument, else ``$ACOMPILE_SIGNING_KEY``; set but empty is an error).
+
+Host code (C++ and nvcc libraries, object files, torch.compile's entries: ``_shared.host_code``)
+is imported only from a bundle whose signature verified with the configured key: from any other
+(no key configured, or an unsigned bundle let in by ``allow_unsigned``) those entries are
+rejected, and only device code (cubins, PTX) and data go in, unless
+``unsafe_unsigned_host_code=True`` (which lets in an unsigned bundle as ``allow_unsigned`` does).
 
 Every blocking step (reading and writing files, hashing, compressing) runs in a worker thread,
 never on the event loop; long ones check for cancellation between entries.
@@ -44,9 +51,9 @@ import anyio.from_thread
 import anyio.to_thread
 
 from acompile._cache._disk import DiskTier
-from acompile._cache._entry import CorruptEntry, decode
+from acompile._cache._entry import CorruptEntry, decode, peek_header
 from acompile._cache._layout import human_bytes, is_key, plural, temp_path
-from acompile._cache._shared import key_id, signing_key_from
+from acompile._cache._shared import host_code, key_id, signing_key_from
 from acompile._errors import AcompileError
 from acompile._version import __version__
 
@@ -162,6 +169,8 @@ async def export_bundle(
 def _export(
     disk: DiskTier, path: Path, keys: list[str] | None, report: BundleReport, signing_key: bytes | None
 ) -> BundleReport:
+    # The bundle is signed with this user's key: only a folder of this user's is vouched for.
+    disk.check()
     candidates: list[tuple[str, Path]] = []
     if keys is None:
         for entry_path in disk.iter_paths():
@@ -319,6 +328,8 @@ class _BundleReader:
         # and whether a verified signature covers the list.
         self.digests: dict[str, str] | None = None
         self.signed = False
+        # Whether entries holding host code may go in: a verified signature, or the unsafe switch.
+        self.host_code = False
 
     def open(self) -> None:
         try:
@@ -329,7 +340,7 @@ class _BundleReader:
             raise AcompileError(f"cannot read the bundle {self.path}: {exc}") from None
         try:
             # Stream mode: one pass, no seeking, no member read twice.
-            self._tar = tarfile.open(fileobj=self._file, mode="r|*")
+            self._tar = tarfile.open(fileobj=self._file, mode="r|*", tarinfo=_BoundedTarInfo)
             first = self._tar.next()
         except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
             self.close()
@@ -404,6 +415,14 @@ class _BundleReader:
             decode(data, key)
         except CorruptEntry as exc:
             return _Member(name, key=key, reason=f"damaged entry: {exc}")
+        if not self.host_code and (what := host_code(peek_header(data))) is not None:
+            return _Member(
+                name,
+                key=key,
+                reason=f"refused: host code ({what}, which would run on this host) from a bundle "
+                "no signing key verified (set $ACOMPILE_SIGNING_KEY to the key that signed it, or "
+                "pass unsafe_unsigned_host_code=True to trust whoever made or altered this one)",
+            )
         return _Member(name, key=key, data=data)
 
     def close(self) -> None:
@@ -413,6 +432,32 @@ class _BundleReader:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+# The most a bundle's extended headers (pax, GNU long names) may hold: an entry's name is 73
+# characters; tar reads such a header whole before any member is seen.
+_MAX_EXTENDED_HEADER = 64 * 1024
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """A member's header whose extended headers are read only up to ``_MAX_EXTENDED_HEADER``:
+    a few compressed bytes announcing gigabytes of pax header would otherwise be read into
+    memory whole before any check of ours."""
+
+    def _proc_pax(self, tarfile: Any) -> Any:
+        self._bound()
+        return super()._proc_pax(tarfile)  # type: ignore[misc]
+
+    def _proc_gnulong(self, tarfile: Any) -> Any:
+        self._bound()
+        return super()._proc_gnulong(tarfile)  # type: ignore[misc]
+
+    def _bound(self) -> None:
+        if self.size > _MAX_EXTENDED_HEADER:
+            raise tarfile.HeaderError(
+                f"an extended header of {self.size} bytes (an acompile bundle's are under "
+                f"{_MAX_EXTENDED_HEADER})"
+            )
 
 
 class _ArchiveDamaged(Exception):
@@ -445,6 +490,7 @@ async def import_bundle(
     *,
     signing_key: str | bytes | None = None,
     allow_unsigned: bool = False,
+    unsafe_unsigned_host_code: bool = False,
 ) -> BundleReport:
     """Load a bundle into the cache folder ``root``, verifying its signature and every entry.
 
@@ -454,6 +500,12 @@ async def import_bundle(
     ``allow_unsigned`` (then imported with a warning). Without a key there is nothing to verify
     against: the bundle is imported, and ``report.signature`` says it was not authenticated.
 
+    Host code (libraries, object files, torch.compile's entries) goes in only where the
+    signature verified: from a bundle that is not authenticated, those entries are ``rejected``
+    (device code and data go in as above), unless ``unsafe_unsigned_host_code``, which trusts
+    whoever made or altered the bundle to run code on this host (and implies
+    ``allow_unsigned``).
+
     Good entries are written through the disk tier (atomic publish); an entry the folder already
     holds intact is left as it is (``present``, or ``kept`` where its bytes differ); a damaged one
     in the folder is replaced (``repaired``). Members that are not intact entries, whose names
@@ -461,8 +513,9 @@ async def import_bundle(
     with their SHA-256, are ``rejected`` with the reason.
 
     Raises ``AcompileError`` when ``path`` is absent, not an acompile bundle, or refused by the
-    signature check (nothing is imported then); ``ValueError`` for a key under 16 bytes. An
-    archive damaged part-way sets ``error``; the entries before the damage are imported.
+    signature check (nothing is imported then); ``ValueError`` for a key under 16 bytes, or
+    one that is set but empty. An archive damaged part-way sets ``error``; the entries before
+    the damage are imported.
     """
     key = signing_key_from(signing_key)
     disk = DiskTier(root)
@@ -470,7 +523,14 @@ async def import_bundle(
     reader = _BundleReader(Path(path))
     await anyio.to_thread.run_sync(reader.open)
     try:
-        report.signature = _check_signature(reader, key, allow_unsigned)
+        report.signature = _check_signature(reader, key, allow_unsigned or unsafe_unsigned_host_code)
+        reader.host_code = reader.signed or unsafe_unsigned_host_code
+        if not reader.signed and unsafe_unsigned_host_code:
+            logger.warning(
+                "importing host code from %s, which is not authenticated (allowed): whoever made or "
+                "altered it can run code on this host",
+                path,
+            )
         report.bundle_info = dict(reader.info)
         await anyio.to_thread.run_sync(disk.prepare)
         entry_members = 0
@@ -512,7 +572,9 @@ def _check_signature(reader: _BundleReader, signing_key: bytes | None, allow_uns
         status = "unsigned" if signature is None else "not verified (no signing key)"
         logger.warning(
             "importing %s without checking who made it: no signing key is configured (each "
-            "entry's checksum is still verified)",
+            "entry's checksum is still verified; host code goes in only with $ACOMPILE_SIGNING_KEY "
+            "set to the key that signed the bundle, or the unsafe opt-in: "
+            "unsafe_unsigned_host_code=True, --unsafe-unsigned-host-code)",
             path,
         )
         return status

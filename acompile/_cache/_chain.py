@@ -14,10 +14,13 @@ The chain owns what used to be spread over the front end:
 - **faults are misses**: a tier's ``get`` returns None or raises ``CorruptEntry``; every entry
   read is verified (checksum, key) once (the disk's on its reading thread, the others' here),
   and a damaged one is counted (``<tier>_corrupt``), warned about once, and compiled again; so
-  is one the backend cannot load (``reject``).
+  is one the backend cannot load (``reject``). One the backend finds stale (``StaleEntry``:
+  intact, but built from inputs the key does not hold that have changed since, such as the
+  headers a C++ source includes) is a miss too, counted as ``stale``, not as damage.
 - **single flight across replicas**: where a tier can hold leases (``LeaseTier``), a miss takes
-  the key's lease before compiling; a replica that finds the lease taken polls for the entry up
-  to ``fleet_wait``, then compiles itself.
+  the key's lease before compiling, and renews it (it lasts seconds) until the entry is out; a
+  replica that finds the lease taken polls for the entry up to ``fleet_wait``, then compiles
+  itself, sooner where the lease goes away or stops being renewed.
 - **publication**: a compiled entry is written to the local tier before the request returns
   (backends load files from it), and to the further tiers in the background (write-behind);
   the lease is released after. Write-behind runs in the task group handed to ``start()``, so
@@ -44,7 +47,7 @@ from acompile._cache._costs import CompileCosts
 from acompile._cache._disk import GuardedDisk
 from acompile._cache._entry import CorruptEntry, Entry
 from acompile._cache._memory import MemoryTier
-from acompile._cache._tier import LeaseTier, Tier
+from acompile._cache._tier import MAX_LEASE_TTL, LeaseTier, Tier
 from acompile._errors import PoolClosedError
 
 if TYPE_CHECKING:
@@ -56,8 +59,6 @@ logger = logging.getLogger("acompile")
 # (SHA-256 runs at about 1 GB/s: 256 KiB is some 0.25 ms). Verified all the same.
 _VERIFY_INLINE_MAX = 256 * 1024
 
-# The life of a lease claim() takes (renewed every third of it while its holder works).
-_CLAIM_TTL = 15.0
 # What stats()["cache"] says of a tier that is not configured (CacheStats's keys).
 _ABSENT: dict[str, Any] = {
     "hits_disk": 0,
@@ -76,6 +77,13 @@ _ABSENT: dict[str, Any] = {
 }
 
 
+class StaleEntry(CorruptEntry):
+    """An intact entry that is not what its request builds now: its compile read files that the
+    key cannot hold (the headers a C++ or CUDA source includes) and one of them has changed.
+    Raised by a backend's ``load``; the chain counts it as ``stale`` and compiles again, and
+    the fresh entry replaces it, in every tier."""
+
+
 class TierChain:
     """The cache tiers in order, with back-fill, write-behind, fleet leases and records.
 
@@ -85,11 +93,14 @@ class TierChain:
             the folder backends load files from and remember the toolchain in.
         more: further tiers, slower ones last (the shared tier); written in the background.
         fleet_wait: how long to wait for another replica that holds a key's lease.
-        lease_ttl: how long a lease this replica takes lasts (longer than a compile may run).
+        lease_ttl: how long a lease this replica takes lasts unless renewed (at most
+            ``MAX_LEASE_TTL``, a few seconds). It is renewed every third of that while the
+            compile runs or waits in the queue, however long: a holder that dies or stalls
+            holds the others for this long at most, not for a compile's time limit.
 
     ``counts``: ``hits_<tier>`` (memory and each byte tier), ``misses``, ``fleet_waits``,
-    ``<tier>_corrupt`` (damaged entries read). Lifecycle: ``open()``, ``start(task_group)``,
-    requests, ``drain(seconds)``, ``close()``.
+    ``<tier>_corrupt`` (damaged entries read), ``stale`` (entries built from other headers).
+    Lifecycle: ``open()``, ``start(task_group)``, requests, ``drain(seconds)``, ``close()``.
     """
 
     def __init__(
@@ -99,13 +110,13 @@ class TierChain:
         more: Sequence[Tier] = (),
         *,
         fleet_wait: float = 60.0,
-        lease_ttl: float = 30.0,
+        lease_ttl: float = MAX_LEASE_TTL,
     ) -> None:
         self.memory = memory
         self.local = local
         self.tiers: list[Tier] = [local, *more]
         self.fleet_wait = fleet_wait
-        self.lease_ttl = lease_ttl
+        self.lease_ttl = min(lease_ttl, MAX_LEASE_TTL)
         self.counts: Counter[str] = Counter()
         # How long compiles took, kept in the cache folder: what the pool orders its queue by.
         self.costs = CompileCosts(local)
@@ -184,22 +195,30 @@ class TierChain:
 
     def reject(self, key: str, tier: str, exc: Exception) -> None:
         """An entry ``lookup`` found in ``tier`` that the backend cannot load (``exc``, a
-        ``CorruptEntry``): counted as damaged and as a miss instead of a hit; the caller
-        compiles it again with ``compile_once``, which replaces it."""
+        ``CorruptEntry``): counted as damaged (as ``stale`` for a ``StaleEntry``) and as a miss
+        instead of a hit; the caller compiles it again with ``compile_once``, which replaces it."""
         self.counts[f"hits_{tier}"] -= 1
         self.counts["misses"] += 1
+        if isinstance(exc, StaleEntry):
+            # Routine (someone edited a header), not a fault: no warning.
+            self.counts["stale"] += 1
+            logger.debug("%s cache entry %s… is stale (%s); compiling it again", tier, key[:16], exc)
+            return
         self._damaged(tier, key, exc)
 
-    async def compile_once(self, key: str, compile: Callable[[], Awaitable[bytes]]) -> tuple[Entry, str]:
+    async def compile_once(
+        self, key: str, compile: Callable[[], Awaitable[bytes]], *, fleet: bool = True
+    ) -> tuple[Entry, str]:
         """After a miss: ``compile()`` (which returns the entry's bytes) unless another replica
         of the fleet already is compiling the key, then wait for its entry. Returns the entry
-        and ``"compile"``, or where the replica's entry came from.
+        and ``"compile"``, or where the replica's entry came from. ``fleet=False``: compile
+        here whatever the fleet does (its entry could not be used here).
 
         A compiled entry is on the local tier when this returns, and on its way to the others;
         one taken from another replica reaches the local tier in the background.
         Raises what ``compile()`` raises (``CorruptEntry`` for bytes that are not an entry).
         """
-        leases = self._lease_tier
+        leases = self._lease_tier if fleet else None
         lease = None
         if leases is not None:
             lease = await leases.take_lease(key, ttl=self.lease_ttl)
@@ -221,12 +240,12 @@ class TierChain:
             entry = _entry.decode(data, key, verify=False)
             await self.local.set(key, data)
         except BaseException:
+            renewing.cancel()
             if lease and leases is not None:
                 self._later(leases.release_lease, key)
             raise
-        finally:
-            renewing.cancel()
-        self._publish(key, data, release_lease=True)
+        # Renewed until the entry is out (a large one takes a while): the others wait for it.
+        self._publish(key, data, release_lease=True, renewing=renewing)
         return entry, "compile"
 
     async def _keep_lease(
@@ -236,11 +255,11 @@ class TierChain:
         chain's), until scope is cancelled or the lease is another replica's. A fault of the
         tier (an outage, its back-off) is tried again at the next turn: a lease that expired
         meanwhile is taken again if nobody else took it."""
-        ttl = ttl or self.lease_ttl
+        life = min(ttl or self.lease_ttl, MAX_LEASE_TTL)
         with scope:
             while True:
-                await anyio.sleep(ttl / 3)
-                if await leases.renew_lease(key, ttl) is False:
+                await anyio.sleep(life / 3)
+                if await leases.renew_lease(key, life) is False:
                     return
 
     async def claim(self, key: str) -> Entry | None:
@@ -258,7 +277,7 @@ class TierChain:
             return None
         # Short and renewed: a holder that dies (its process killed mid-compile) holds the others
         # for this long at most, not for a compile's whole time limit.
-        ttl = min(self.lease_ttl, _CLAIM_TTL)
+        ttl = min(self.lease_ttl, MAX_LEASE_TTL)
         lease = await leases.take_lease(key, ttl=ttl)
         if lease is False:
             self.counts["fleet_waits"] += 1
@@ -351,6 +370,7 @@ class TierChain:
             "hits_memory": self.counts["hits_memory"],
             "fleet_waits": self.counts["fleet_waits"],
             "misses": self.counts["misses"],
+            "stale": self.counts["stale"],
         }
         for tier in self.tiers:
             stats[f"hits_{tier.name}"] = self.counts[f"hits_{tier.name}"]
@@ -419,17 +439,26 @@ class TierChain:
         )
         return None
 
-    def _publish(self, key: str, data: bytes, *, release_lease: bool) -> None:
-        """Write to the tiers past the local one in the background, then release this replica's
-        lease (after the entry is there: a replica that sees the lease go finds the entry)."""
+    def _publish(
+        self, key: str, data: bytes, *, release_lease: bool, renewing: anyio.CancelScope | None = None
+    ) -> None:
+        """Write to the tiers past the local one in the background, then stop renewing the lease
+        (``renewing``) and release it (after the entry is there: a replica that sees the lease
+        go finds the entry)."""
         further = self.tiers[1:]
         if not further:
+            if renewing is not None:
+                renewing.cancel()
             return
         leases = self._lease_tier if release_lease else None
 
         async def publish() -> None:
-            for tier in further:
-                await tier.set(key, data)
+            try:
+                for tier in further:
+                    await tier.set(key, data)
+            finally:
+                if renewing is not None:
+                    renewing.cancel()
             if leases is not None:
                 await leases.release_lease(key)
 

@@ -41,13 +41,16 @@ file or the new one); a writer holds an advisory lock (``costs.json.lock``, ``fl
 merges what is on disk and replaces it, so processes that share the folder lose no record. The
 lock is waited for a moment only: a holder that is stuck (stopped, a hung filesystem) costs a save
 that may race another, never a pool's exit. A file that does not parse, is too large or is not a
-regular file, and a record that makes no sense (a huge or negative number, NaN), is ignored, and
-dropped at the next save.
+regular file (read with ``read_state``: never blocking, never through a link), and a record that
+makes no sense (a huge or negative number, NaN), is ignored, and dropped at the next save. The
+lock file is never opened through a link (a link planted there would have ``O_CREAT`` make a
+file wherever it leads); a link, a FIFO or a folder in its place is replaced by a lock file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import hashlib
@@ -66,7 +69,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from acompile._cache._layout import temp_path
+from acompile._cache._layout import clear_way, read_state, write_state
 
 if TYPE_CHECKING:
     from acompile._cache._disk import GuardedDisk
@@ -99,9 +102,9 @@ _MAX_SIZE = 1 << 40
 _MAX_OPTION = 1024  # num_warps, num_stages
 _MAX_TILES = 1 << 48
 _MAX_TIME = 1e11  # Unix time, year 5138
-# O_NONBLOCK: open() of a FIFO returns at once instead of waiting for a writer (it is then
-# refused as not a regular file); it changes nothing for regular files.
-_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+# O_NOFOLLOW: a link at the lock's path is refused (ELOOP), never followed; O_NONBLOCK: a FIFO
+# there opens at once (and is then replaced, as not a regular file).
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 # How compile time grows with tiles x stages / warps within a family: see the module's docstring.
 _FAMILY_EXPONENT = 0.8
 # The share of a compile's time that does not grow with its tiles: see the module's docstring.
@@ -270,18 +273,26 @@ class _Record:
         return record if isinstance(family, str) and record.sane() else None
 
 
-def _read_file(path: Path) -> bytes | None:
-    """The file's bytes (blocking); None where it is absent, not a regular file, or too large."""
-    try:
-        fd = os.open(path, _READ_FLAGS)
-    except OSError:
-        return None
-    with open(fd, "rb") as f:
-        # A FIFO or a device would never end (or never start) a read; a folder cannot be read.
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        data = f.read(MAX_FILE_BYTES + 1)
-    return data if len(data) <= MAX_FILE_BYTES else None
+def _open_lock(path: Path) -> int:
+    """The lock file's descriptor, the file made where missing (blocking). What sits in its
+    place and is not a regular file (a link, a FIFO, a device, a folder) is removed, and the
+    file made afresh: a lock on it would lock nothing another process locks. Raises ``OSError``."""
+    for attempt in (1, 2):
+        try:
+            fd = os.open(path, _LOCK_FLAGS, 0o600)
+        except OSError as exc:
+            # ELOOP: a link; EISDIR: a folder (opened to write). Removed below, once.
+            if exc.errno not in (errno.ELOOP, errno.EISDIR) or attempt == 2:
+                raise
+        else:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                return fd
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            # Unless another process replaced it by a lock file meanwhile: that one is good.
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                clear_way(path)
+    raise OSError(errno.EINVAL, f"not a regular file, even once replaced: {path}")
 
 
 @contextlib.contextmanager
@@ -289,7 +300,7 @@ def _locked(path: Path) -> Iterator[bool]:
     """Hold an exclusive ``flock`` on ``path`` (blocking, at most ``_LOCK_WAIT`` seconds);
     yields whether it is held. Closing the file releases it, as does the holder's death."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+        fd = _open_lock(path)
     except OSError as exc:
         logger.debug("cannot open %s: %s", path, exc)
         yield False
@@ -423,25 +434,28 @@ class CompileCosts:
                 loading.set()
 
     def _read(self) -> dict[str, _Record]:
-        """The file's sensible records (blocking); empty for a file that is absent or damaged."""
+        """The file's sensible records (blocking); empty for a file that is absent or damaged
+        (which is said once, here: the next save replaces it)."""
         records = {}
-        for key, row in self._read_rows().items():
+        for key, row in self._read_rows(logging.WARNING).items():
             record = _Record.from_row(row)
             if record is not None:
                 records[key] = record
         return records
 
-    def _read_rows(self) -> dict[str, Any]:
-        """The file's rows as they are stored (blocking), not yet checked."""
-        data = _read_file(self.path)
-        if data is None:
-            return {}
+    def _read_rows(self, level: int = logging.DEBUG) -> dict[str, Any]:
+        """The file's rows as they are stored (blocking), not yet checked; none for a file that
+        is absent, refused (``read_state``) or does not parse, logged at ``level``."""
         try:
+            data = read_state(self.path, MAX_FILE_BYTES)
+            if data is None:
+                return {}
             document = json.loads(data)
             rows = document["records"] if document.get("format") == _FORMAT else {}
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
-            return {}
-        if not isinstance(rows, dict):
+            if not isinstance(rows, dict):
+                raise TypeError("its records are not an object")
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+            logger.log(level, "compile times in %s ignored (%s); the next save replaces them", self.path, exc)
             return {}
         return {k: r for k, r in rows.items() if isinstance(k, str)}
 
@@ -459,13 +473,6 @@ class CompileCosts:
                 newest = sorted(rows.items(), key=lambda item: float(item[1][5]), reverse=True)
                 rows = dict(newest[:MAX_RECORDS])
             data = json.dumps({"format": _FORMAT, "records": rows}, separators=(",", ":")).encode()
-            tmp = temp_path(self.path)
-            try:
-                with open(tmp, "xb") as f:
-                    f.write(data)
-                # A rename replaces whatever is there, a FIFO included, without opening it.
-                os.replace(tmp, self.path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            # A rename replaces whatever is there (a FIFO, a link) without opening it; a folder
+            # there is removed first.
+            write_state(self.path, data)

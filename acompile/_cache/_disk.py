@@ -15,19 +15,21 @@ joined, so it cannot hang the pool's exit or the interpreter's.
 Entry reads (a warm start asks for every kernel at once) share a queue that a few threads take
 in order, each reading and verifying one entry after the other, instead of one thread hop per
 entry; the loop is woken once for whatever they finished meanwhile.
+
+Whatever sits at an entry's path is read with ``read_state`` (``_layout``): a FIFO, a device, a
+folder, a link or a file over ``MAX_ENTRY_BYTES`` is refused unread, a damaged entry (a miss), and
+the fresh compile's publication replaces it (a folder there is removed first).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import functools
 import logging
 import os
 import queue
 import shutil
-import stat
 import tempfile
 import threading
 import time
@@ -42,7 +44,22 @@ import anyio
 
 from acompile._cache import _entry
 from acompile._cache._entry import CorruptEntry, Entry
-from acompile._cache._layout import LIB, LOGS, RUN, TOOLCHAIN, entries_dir, is_key, temp_path, toolchain_dir
+from acompile._cache._layout import (
+    LIB,
+    LOGS,
+    MAX_ENTRY_BYTES,
+    RUN,
+    TOOLCHAIN,
+    RefusedFile,
+    clear_way,
+    entries_dir,
+    entry_folders,
+    human_bytes,
+    is_key,
+    read_state,
+    toolchain_dir,
+    write_state,
+)
 from acompile._errors import UntrustedFolderError
 from acompile._sizing import usable_cpus
 from acompile._trust import check_folder, own_folder
@@ -62,10 +79,6 @@ _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
 
 _T = TypeVar("_T")
 
-# O_NONBLOCK: open() of a FIFO at an entry's path returns at once instead of waiting for a writer
-# (it is then refused as not a regular file). It changes nothing for regular files.
-_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
-
 
 def default_cache_dir() -> Path:
     """``$ACOMPILE_CACHE_DIR``, else ``$XDG_CACHE_HOME/acompile``, else ``~/.cache/acompile``."""
@@ -75,10 +88,6 @@ def default_cache_dir() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "acompile"
-
-
-class NotAnEntryFile(OSError):
-    """Something other than a regular file (a FIFO, a device, a folder) sits at an entry's path."""
 
 
 class _DaemonThreads(Executor):
@@ -155,34 +164,14 @@ _HEX = frozenset("0123456789abcdef")
 
 
 def _read_file(path: str | Path) -> bytes | None:
-    try:
-        fd = os.open(path, _READ_FLAGS)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    with open(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            # A FIFO or a device would never end (or never start) a read.
-            raise NotAnEntryFile(f"not a regular file: {path}")
-        return f.read()
-
-
-def _write_file(final: Path, data: bytes) -> None:
-    final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = temp_path(final)
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-        os.replace(tmp, final)
-    except BaseException:
-        # A full disk (ENOSPC, EDQUOT, EFBIG) fails part-way: the partial file goes too.
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    """An entry file's bytes, or None where there is none (blocking). Raises ``RefusedFile``
+    for anything but a regular file of at most ``MAX_ENTRY_BYTES``, ``OSError``."""
+    return read_state(path, MAX_ENTRY_BYTES)
 
 
 def _read_entry(path: str, key: str) -> Entry | None:
     """The verified entry at path, or None where there is none. Raises ``CorruptEntry``,
-    ``NotAnEntryFile`` or ``OSError``."""
+    ``RefusedFile`` or ``OSError``."""
     data = _read_file(path)
     return None if data is None else _entry.decode(data, key)
 
@@ -264,7 +253,8 @@ class _EntryReader:
 
 
 _read = aiofiles.os.wrap(_read_file)
-_write = aiofiles.os.wrap(_write_file)
+# A full disk (ENOSPC, EDQUOT, EFBIG) fails part-way: write_state removes the partial file.
+_write = aiofiles.os.wrap(write_state)
 _run = aiofiles.os.wrap(lambda call: call())
 
 
@@ -289,15 +279,30 @@ class DiskTier:
     def prepare(self) -> None:
         """Create the folder, private to this user, or check the one there (blocking: call from
         a thread): it and the folders in it must be this user's and no other user's to write,
-        since its entries hold code this process runs (``acompile._trust``).
+        since its entries hold code this process runs (``acompile._trust``). A link or a file
+        where a folder of entries goes is removed (``_repair_subfolders``).
 
         Raises ``UntrustedFolderError`` naming the folder and its owner, ``OSError`` if the folder
         cannot be created.
         """
         # The path the user gave may go through links of theirs: resolved once, then checked.
         root = own_folder(self.root, "the cache folder", resolve=True)
-        own_folder(root / self.entries.name, "the cache folder's entries folder")
+        entries = own_folder(root / self.entries.name, "the cache folder's entries folder")
         for sub in (LIB, LOGS, TOOLCHAIN, RUN):
+            if os.path.lexists(root / sub):
+                check_folder(root / sub, "a folder of the cache folder")
+        _repair_subfolders(entries)
+
+    def check(self) -> None:
+        """Raise ``UntrustedFolderError`` unless the folder, as it is, is one ``prepare`` would
+        accept (blocking): for what reads it to vouch for it (an export signs its entries) or
+        removes files in it (prune). Makes nothing; a link at a folder of it is refused, never
+        followed. A missing folder passes: it holds nothing."""
+        try:
+            root = own_folder(self.root, "the cache folder", resolve=True, make=False)
+        except FileNotFoundError:
+            return
+        for sub in (self.entries.name, LIB, LOGS, TOOLCHAIN, RUN):
             if os.path.lexists(root / sub):
                 check_folder(root / sub, "a folder of the cache folder")
 
@@ -313,15 +318,15 @@ class DiskTier:
         return result
 
     async def get(self, key: str) -> bytes | None:
-        """The entry's bytes, or None where there is none. Raises ``OSError`` (``NotAnEntryFile``
-        for a FIFO, a device or a folder at its path)."""
+        """The entry's bytes, or None where there is none. Raises ``OSError`` (``RefusedFile``
+        for a FIFO, a device, a folder or a link at its path, or a file over ``MAX_ENTRY_BYTES``)."""
         data: bytes | None = await _read(self.path(key), executor=_threads)
         return data
 
     async def get_entry(self, key: str) -> Entry | None:
         """The verified entry, or None where there is none: read and checked on a disk thread
         (see ``_EntryReader``). Raises ``CorruptEntry`` for a damaged entry, and ``OSError``
-        (``NotAnEntryFile``) as ``get``."""
+        (``RefusedFile``) as ``get``."""
         self._check_key(key)
         loop = asyncio.get_running_loop()
         reader = self._reader
@@ -349,14 +354,29 @@ class DiskTier:
         pass
 
     def iter_paths(self) -> Iterator[Path]:
-        """Every entry file (blocking: for the command line and threads)."""
-        if not self.entries.is_dir():
-            return
-        for sub in sorted(self.entries.iterdir()):
-            if sub.is_dir():
-                for path in sorted(sub.iterdir()):
-                    if not path.name.startswith("."):
-                        yield path
+        """Every entry file (blocking: for the command line and threads). A link among the
+        entries' folders is not followed: what it leads to is not the cache folder's."""
+        for sub in entry_folders(self.root):
+            for path in sorted(sub.iterdir()):
+                if not path.name.startswith("."):
+                    yield path
+
+
+def _repair_subfolders(entries: Path) -> None:
+    """Remove what sits where a folder of entries goes (``v1/<xx>``) and is not a folder: a link
+    would lead reads and writes out of the cache folder, and a file would fail every write of its
+    entries. The entries' writer makes the folder afresh (blocking: one listing of ``entries``)."""
+    with os.scandir(entries) as found:
+        wrong = [
+            Path(item.path)
+            for item in found
+            if len(item.name) == 2 and _HEX.issuperset(item.name) and not item.is_dir(follow_symlinks=False)
+        ]
+    for path in wrong:
+        try:
+            clear_way(path)
+        except OSError as exc:  # gone meanwhile, or not ours to remove: its entries are misses
+            logger.debug("cannot remove %s: %s", path, exc)
 
 
 class GuardedDisk:
@@ -469,7 +489,7 @@ class GuardedDisk:
         with anyio.move_on_after(DISK_DEADLINE) as scope:
             try:
                 result = await read(key)
-            except NotAnEntryFile as exc:
+            except RefusedFile as exc:
                 raise CorruptEntry(str(exc)) from exc
             except OSError as exc:
                 raise CorruptEntry(f"cannot read: {exc}") from exc
@@ -493,6 +513,16 @@ class GuardedDisk:
         """Publish an entry; True where it was. Never raises for the disk's sake (the caller
         has its result)."""
         if not self.writable or self._stalled():
+            return False
+        if len(data) > MAX_ENTRY_BYTES:
+            # It would be refused when read: never written, it costs a compile next time, as now.
+            self._warn_once(
+                "write-too-large",
+                "cache entry %s… is %s, over the %s bound on an entry: kept in memory only",
+                key[:16],
+                human_bytes(len(data)),
+                human_bytes(MAX_ENTRY_BYTES),
+            )
             return False
         # Shielded: an entry cut off by a cancellation would only cost a recompile next time,
         # but a moment is cheap. Bounded: a hung filesystem must not hold up the pool's exit;

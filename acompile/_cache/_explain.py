@@ -21,6 +21,7 @@ import anyio.to_thread
 from acompile._cache._disk import DiskTier
 from acompile._cache._entry import _PREFIX, CorruptEntry, decode, peek_header
 from acompile._cache._keys import make_key
+from acompile._cache._layout import open_state
 from acompile._errors import AcompileError
 
 
@@ -42,6 +43,7 @@ ABSENT: Any = _Absent()
 FACTORS: dict[str, str] = {
     "kernel": "source",  # Triton's hash of the function's source and of every JIT function it calls
     "source": "",
+    "text": "source",  # the SHA-256 of a kernel given as a source string
     "name": "kernel name",
     "signature": "",
     "constexprs": "",
@@ -194,15 +196,25 @@ async def explain_miss(
     return ranked[:limit]
 
 
+# The largest header an entry has: its key's parts and metadata (a C++ entry's headers list
+# runs to some hundred kilobytes).
+_MAX_HEADER = 16 << 20
+
+
 def read_header(path: Path) -> dict[str, Any] | None:
     """An entry file's header, unverified, reading only as much of the file as it takes
     (blocking); None where the file is absent or is not an entry."""
     try:
-        with open(path, "rb") as f:
+        fd = open_state(path)  # never a FIFO's read that does not end, nor through a link
+        if fd is None:
+            return None
+        with open(fd, "rb") as f:
             prefix = f.read(_PREFIX.size)
             if len(prefix) < _PREFIX.size:
                 return None
             _, _, head_len, _ = _PREFIX.unpack(prefix)
+            if head_len > _MAX_HEADER:  # not an entry's: never read gigabytes to find out
+                return None
             head = f.read(head_len)
         header = peek_header(prefix + head)
     except (OSError, CorruptEntry, struct.error):

@@ -11,14 +11,32 @@
 
 Every name that starts with "." is a temporary file: readers skip it, and ``prune`` removes one a
 dead writer left behind (older than ``STALE_TEMP_S``).
+
+Every file of the folder is read with ``read_state`` and written with ``write_state``, which hold
+whatever sits at a file's path at arm's length. A crash, a damaged disk or a slip of the hand can
+leave anything there: a FIFO (whose open() would wait forever for a writer, on a thread that
+cannot be abandoned), a device, a folder, a link, or a file of gigabytes (sparse: no disk, but a
+read of it is that much memory). So a read opens without blocking and without following a link,
+and refuses anything but a regular file no larger than its kind of file ever is (``MAX_*_BYTES``);
+the caller takes a refusal as a miss. A write goes to a fresh temporary file (``O_EXCL``: never
+through a link) renamed over the final name, which replaces a FIFO, a device or a link without
+opening it; a folder there is removed first. Nothing is ever written through a link, so none
+planted in the folder can lead a write out of it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import os
 import re
 import secrets
+import shutil
+import stat
 from pathlib import Path
+
+logger = logging.getLogger("acompile")
 
 # The entries' folder is named for the layout's version: a change of layout starts a new folder
 # instead of misreading the old one.
@@ -29,6 +47,23 @@ TOOLCHAIN = "toolchain"
 RUN = "run"
 # Temporary files older than this are left over from a writer that died.
 STALE_TEMP_S = 3600.0
+
+# The largest file of each kind that is read; anything larger is damaged (or not acompile's), and
+# refused unread. Each is far above what acompile writes, and small enough that a few reads of a
+# refused size at once (a warm start reads on up to four threads) cost no host its memory.
+# An entry: a Triton kernel's is tens of KB to a few MB (its IRs, PTX and cubin), a C++ library's
+# tens of KB; the largest seen is a torch.compile precompiled header of 26 MB. One larger is kept
+# in memory only (``GuardedDisk.set``).
+MAX_ENTRY_BYTES = 256 << 20
+# The toolchain's memo (``toolchain/*.json``): 150 bytes to 2 KB of JSON.
+MAX_MEMO_BYTES = 64 << 10
+
+# O_NONBLOCK: open() of a FIFO returns at once instead of waiting for a writer (it is then refused
+# as not a regular file); it changes nothing for regular files. O_NOFOLLOW: a link is refused
+# (ELOOP), not followed out of the folder.
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_EXCL: a fresh file or nothing; with O_CREAT it never follows a link, even a dangling one.
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 # \Z, not $: "$" also matches before a final newline, and "<key>\n" is not a key.
 _KEY_RE = re.compile(r"\A[0-9a-f]{64}\Z")
@@ -42,6 +77,16 @@ def is_key(name: str) -> bool:
 def entries_dir(root: Path) -> Path:
     """The folder of the disk tier's entries."""
     return root / ENTRIES
+
+
+def entry_folders(root: Path) -> list[Path]:
+    """The folders of entries (``<root>/v1/<xx>``), sorted (blocking); none where the entries'
+    folder is missing. A link among them is left out: what it leads to is not the cache folder's."""
+    try:
+        with os.scandir(entries_dir(root)) as found:
+            return sorted(Path(item.path) for item in found if item.is_dir(follow_symlinks=False))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def lib_dir(root: Path) -> Path:
@@ -70,6 +115,117 @@ def temp_path(final: Path) -> Path:
     return final.with_name(f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
 
+class RefusedFile(OSError):
+    """What sits at a file's path is not to be read: not a regular file (a FIFO, a device, a
+    folder, a link), or larger than its kind of file ever is."""
+
+
+def open_state(path: str | os.PathLike[str]) -> int | None:
+    """A descriptor of the regular file at ``path`` (blocking; the caller closes it), or None
+    where there is none. Raises ``RefusedFile`` for anything but a regular file. Opened without
+    blocking and without following a link."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RefusedFile(f"not a regular file (a link): {os.fspath(path)}") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        # A FIFO or a device would never end (or never start) a read; a folder cannot be read.
+        raise RefusedFile(f"not a regular file: {os.fspath(path)}")
+    return fd
+
+
+def read_state(path: str | os.PathLike[str], limit: int) -> bytes | None:
+    """The bytes of the file at ``path`` (blocking), or None where there is none. Raises
+    ``RefusedFile`` for anything but a regular file of at most ``limit`` bytes, ``OSError`` where
+    the file cannot be read. Opened as ``open_state`` opens it; read whole, in one allocation of
+    its size."""
+    fd = open_state(path)
+    if fd is None:
+        return None
+    try:
+        info = os.fstat(fd)
+        if info.st_size > limit:
+            raise RefusedFile(
+                f"{human_bytes(info.st_size)}, over the {human_bytes(limit)} bound on this kind of file: "
+                f"{os.fspath(path)}"
+            )
+        with open(fd, "rb", closefd=False) as f:
+            data = f.read(info.st_size + 1)
+    finally:
+        os.close(fd)
+    if len(data) > info.st_size:
+        # The files of the folder are replaced whole, never written in place: not one of them.
+        raise RefusedFile(f"it grew while it was read: {os.fspath(path)}")
+    return data
+
+
+def write_state(path: Path, data: bytes) -> None:
+    """Replace the file at ``path`` with ``data``, atomically (blocking): a reader sees the old
+    file or the new one, never part of one. Makes the folder it goes in (mode 700), and clears
+    the way (``clear_way``) where a folder sits at ``path``, or a file at its folder's. Raises
+    ``OSError``; a failed write (a full disk) leaves nothing behind."""
+    folder = path.parent
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except FileExistsError:
+        # Something that is not a folder (nor a link to one: the cache folder may be the user's
+        # link to theirs) where the folder goes.
+        clear_way(folder)
+        folder.mkdir(mode=0o700)
+    tmp = temp_path(path)
+    try:
+        fd = os.open(tmp, _CREATE_FLAGS, 0o666)
+        with open(fd, "wb") as f:
+            f.write(data)
+        try:
+            # A rename replaces a FIFO, a device or a link without opening it, never a folder.
+            os.replace(tmp, path)
+        except IsADirectoryError:
+            clear_way(path)
+            os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def clear_way(path: Path) -> None:
+    """Remove what sits at ``path``, where a file of the cache folder (or one of its folders)
+    goes (blocking): a link itself, never what it leads to; a folder with all it holds, but only
+    one of this user's (the cache folder and its folders are, ``acompile._trust``). Logged: it is
+    damage, or someone's mistake. Raises ``OSError`` (``PermissionError`` for a folder of
+    another user's)."""
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        os.unlink(path)
+        logger.warning("removed %s from the cache folder: %s, not what goes there", path, _kind(info))
+        return
+    if info.st_uid != os.getuid():
+        raise PermissionError(errno.EPERM, f"a folder of another user's where a file goes: {path}")
+    # Never through a link: rmtree removes the links it finds, not what they lead to.
+    shutil.rmtree(path)
+    logger.warning("removed the folder %s from the cache folder: a file goes there", path)
+
+
+def _kind(info: os.stat_result) -> str:
+    """What a file is, in words: ``"a link"``, ``"a FIFO"``."""
+    mode = info.st_mode
+    if stat.S_ISLNK(mode):
+        return "a link"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISREG(mode):
+        return "a file"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device"
+
+
 def is_temp(path: Path) -> bool:
     """Whether ``path`` names a writer's temporary file."""
     return path.name.startswith(".")
@@ -93,9 +249,14 @@ __all__ = [
     "ENTRIES",
     "LIB",
     "LOGS",
+    "MAX_ENTRY_BYTES",
+    "MAX_MEMO_BYTES",
     "STALE_TEMP_S",
     "TOOLCHAIN",
+    "RefusedFile",
+    "clear_way",
     "entries_dir",
+    "entry_folders",
     "human_bytes",
     "is_key",
     "is_temp",
@@ -103,6 +264,8 @@ __all__ = [
     "lib_path",
     "logs_dir",
     "plural",
+    "read_state",
     "temp_path",
     "toolchain_dir",
+    "write_state",
 ]

@@ -95,11 +95,13 @@ async def prune(
 def _prune(
     disk: DiskTier, max_bytes: int | None, max_age_s: float | None, report: PruneReport
 ) -> PruneReport:
+    # Files are removed in it: only in a folder of this user's, and never through a link.
+    disk.check()
     now = time.time()
     entries: list[tuple[int, str, Path, int]] = []  # (mtime_ns, name, path, size)
     for entry_path in disk.iter_paths():
         try:
-            st = entry_path.stat()
+            st = entry_path.lstat()  # a link's own age and size: its target is not the folder's
         except FileNotFoundError:
             continue
         except OSError as exc:
@@ -117,7 +119,7 @@ def _prune(
             return True
         try:
             # Skip an entry rewritten since the scan (a new compile, an import): it is new.
-            if entry_path.stat().st_mtime_ns != mtime_ns:
+            if entry_path.lstat().st_mtime_ns != mtime_ns:
                 return False
             entry_path.unlink()
         except FileNotFoundError:
@@ -152,12 +154,11 @@ def _prune(
 
 def _remove_stale_temps(disk: DiskTier, now: float, report: PruneReport) -> None:
     # Writers' temporary files: the disk tier's (v1/<xx>/.<key>...tmp), native libraries'
-    # (lib/.<key>.so.<pid>.<token>), the toolchain memo's (toolchain/.<name>.<pid>.<token>) and
-    # the workers' bytecode's (toolchain/bytecode/.../<name>.pyc.<pid>.<token>.tmp).
-    folders: list[Path] = []
-    entries = _layout.entries_dir(disk.root)
-    if entries.is_dir():
-        folders += [sub for sub in entries.iterdir() if sub.is_dir()]
+    # (lib/.<key>.so.<pid>.<token>.tmp), the toolchain memo's (toolchain/.<name>.<pid>.<token>.tmp,
+    # without ".tmp" from older releases) and the workers' bytecode's
+    # (toolchain/bytecode/.../<name>.pyc.<pid>.<token>.tmp).
+    # Never through a link: what it leads to is not the cache folder's to clean.
+    folders = _layout.entry_folders(disk.root)
     folders += [_layout.lib_dir(disk.root), _layout.toolchain_dir(disk.root)]
     temps: list[Path] = []
     for folder in folders:

@@ -5,10 +5,26 @@ key's id (``k`` and 16 hex digits of a hash of the key; ``unsigned`` without a k
 with different keys (a misconfigured one, say) each keep their own entries: one can neither
 overwrite nor delete another's, and nothing is recompiled because of it.
 
+**Signing keys.** The key is the ``signing_key`` argument, else ``$ACOMPILE_SIGNING_KEY``. A key
+that is set is a key: an empty one, or one of whitespace only (a secret that failed to mount),
+is an error that says where it came from, never "no key" (which would turn signing off).
+
 **Signatures.** With a signing key, a value is ``b"ACSIG2" + HMAC-SHA256(key, name + entry) +
 entry`` (``name``: the namespaced key, so a value cannot be moved to another key), and a value
 whose signature does not verify is refused (and counted): only holders of the key can publish
 what others will load. Nothing read from the tier is ever unpickled.
+
+**Host code.** Without a key anyone who can write to the tier decides what it serves. Device code
+(cubins, PTX) and data keep that rule, but an entry that holds code this host runs (a C++ or
+nvcc shared library, an object file: ``native_host_code``) is refused from an unsigned tier unless
+the pool opts in with ``unsafe_unsigned_host_code=True``. torch.compile's entries are gated where
+they are served (``acompile.inductor.serve`` refuses an unsigned tier without
+``unsafe_unsigned_shared_cache=True``).
+
+**Bounded values.** A value larger than ``max_value`` (``?max_value=64MiB`` in the URL; 32 MiB
+by default) is refused as a miss, counted with the refused values and logged; on Redis it is
+refused unread (one script answers with its size). Verifying a signature and reading a header
+run on a worker thread for values of 256 KiB and more, never on the event loop.
 
 **Faults are misses.** The tier never fails a compile. At most ``max_in_flight`` operations run
 at once (the client's connection pool size: a burst queues instead of exhausting the pool), and
@@ -19,13 +35,18 @@ per outage, not per failed operation: operations that were already under way whe
 fail without extending it. Past the back-off one operation probes the server (the others still
 skip); any success turns the tier back on at once.
 
-**Fleet-wide single flight** uses leases: ``SET lease:<namespace>:<key> <lease> NX EX <ttl>``.
-A lease holds its owner and its expiry (wall clock), signed like entries; a reader honours only
-a lease that verifies and has not expired (and expires within ``_LEASE_HORIZON``), so a planted
-key (no TTL, garbage, another key's) never makes a replica wait. The replica that takes the lease
-compiles and publishes, renewing the lease every third of its life until then (its job may wait
-in a queue); the others poll for the entry, and compile themselves if it does not come in time
-or the lease goes away (a replica that died mid-compile stops renewing, and its lease expires).
+**Fleet-wide single flight** uses leases: ``SET lease:<namespace>:<key> <lease> NX PX <ttl>``.
+A lease says that its holder is alive and compiling: it holds the holder's id, a renewal number
+and an expiry (wall clock), signed like entries, and lasts seconds (``MAX_LEASE_TTL`` at most).
+The replica that takes it compiles and publishes, renewing it every third of its life until then
+(each renewal writes a new value: a compare-and-set on the value it last wrote); the others poll
+for the entry. A reader honours a lease only while it verifies, has not expired, claims no more
+than ``MAX_LEASE_TTL`` (give or take the hosts' clocks) and keeps changing: a value seen unchanged
+for ``MAX_LEASE_TTL`` is a dead holder's, a planted one or a copy replayed after its release. So
+a planted or replayed lease (no TTL, garbage, another key's, a stale genuine one) costs a replica
+seconds at most, and a holder that dies, stalls or loses the tier stops holding anyone within
+seconds. A replica gives back its leases as it publishes, and again, bounded, as it closes (after
+an outage that made the first try fail); those it cannot give back expire within seconds.
 """
 
 from __future__ import annotations
@@ -33,6 +54,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import os
 import secrets
 import time
@@ -41,32 +63,113 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import anyio
+import anyio.to_thread
+
+from acompile._cache._entry import CorruptEntry, peek_header
+from acompile._cache._layout import human_bytes
+from acompile._cache._tier import MAX_LEASE_TTL
+from acompile._sizing import parse_size
 
 logger = logging.getLogger("acompile")
 
+SIGNING_KEY_ENV = "ACOMPILE_SIGNING_KEY"
 _SIGNED = b"ACSIG2"
-_LEASE = b"ACLEASE2"
+# Format 3: holder, renewal number, expiry. Leases of format 2 (holder, expiry: a replica of an
+# older acompile) are not honoured: during an upgrade, both may compile the same kernel.
+_LEASE = b"ACLEASE3"
 _DIGEST = 32
 _BACKOFF_FIRST = 0.25
 _BACKOFF_MAX = 30.0
-# A lease claiming to last longer than this is not honoured (no compile takes a day; a planted
-# lease must not stall a kernel for longer than a reader's fleet_wait anyway).
-_LEASE_HORIZON = 24 * 3600.0
+# A lease claiming to expire later than now plus its longest life and this is not honoured: room
+# for the clocks of two hosts to differ. (A lease honoured wrongly, a planted one, is still
+# bounded: its value must keep changing.)
+_CLOCK_SKEW = 30.0
+# Lease values seen, to tell a live holder (its lease keeps changing) from a dead or replayed one.
+_MAX_SIGHTINGS = 4096
+# A lease value is some 100 bytes: anything larger is not one, and is not read.
+_MAX_LEASE_VALUE = 1024
+# How long close() spends giving back the leases that are still this replica's.
+_RELEASE_AT_CLOSE = 1.0
+# Values at least this large are verified (and their header read) on a worker thread: an HMAC
+# runs at about 1 GB/s, so this is some 0.25 ms of the event loop.
+_VERIFY_INLINE_MAX = 256 * 1024
+# The largest value read from or written to the tier, unless the URL says (?max_value=64MiB).
+DEFAULT_MAX_VALUE = 32 << 20
 # Operations at once where the client does not say (Redis URLs default to this many connections).
 DEFAULT_MAX_IN_FLIGHT = 16
 UNSIGNED_NAMESPACE = "unsigned"
 
+# One round trip: the value, unless it is larger than ARGV[1] (then its size, and the value is
+# never sent) or not a string (-1); nil where there is none.
+_BOUNDED_GET = """
+local kind = redis.call('TYPE', KEYS[1]).ok
+if kind == 'none' then return false end
+if kind ~= 'string' then return -1 end
+local size = redis.call('STRLEN', KEYS[1])
+if size > tonumber(ARGV[1]) then return size end
+return redis.call('GET', KEYS[1])
+"""
+# Delete the key only while it holds ARGV[1]: a lease this replica holds, not one taken over since.
+_DELETE_IF = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 
 def signing_key_from(value: str | bytes | None) -> bytes | None:
-    """The signing key: the argument, else ``$ACOMPILE_SIGNING_KEY``; None for no signing."""
+    """The signing key: the argument, else ``$ACOMPILE_SIGNING_KEY``; None where neither is set.
+
+    A key that is set is a key: an empty one, or one of whitespace only (a secret that failed to
+    mount, a template variable left blank), raises ``ValueError`` saying where it came from,
+    rather than turning signing off (which would trust whatever the tier or a bundle holds).
+    Raises ``ValueError`` for a key under 16 bytes too."""
+    where = "signing_key"
     if value is None:
-        value = os.environ.get("ACOMPILE_SIGNING_KEY") or None
-    if value is None:
-        return None
+        value = os.environ.get(SIGNING_KEY_ENV)
+        if value is None:
+            return None
+        where = f"${SIGNING_KEY_ENV}"
     key = value.encode() if isinstance(value, str) else bytes(value)
+    if not key.strip():
+        problem = "empty" if not key else "holds only whitespace"
+        raise ValueError(
+            f"{where} is set but {problem}: give it the fleet's signing key (at least 16 bytes), "
+            "or unset it to sign nothing"
+        )
     if len(key) < 16:
-        raise ValueError("a signing key must be at least 16 bytes")
+        raise ValueError(f"{where}: a signing key must be at least 16 bytes")
     return key
+
+
+# Blobs that hold code this host runs, by name: what the C++ and nvcc loaders take from an entry
+# (the blob named for the request's output), whatever backend the entry's header names.
+_HOST_BLOBS = {"so": "a shared library", "o": "an object file"}
+TORCH_BACKEND = "torch"
+
+
+def native_host_code(header: dict[str, Any]) -> str | None:
+    """What code for this host (not the GPU) an entry holds, from its header (``peek_header``):
+    ``"a shared library"`` (C++, nvcc's ``.so``) or ``"an object file"``; None for device code
+    (cubins, PTX) and data.
+
+    The blobs' names decide, not the backend the header names: a loader takes the blob named
+    for its request's output from whatever entry the key finds, so a forged entry cannot hide
+    a library by calling itself a Triton kernel."""
+    blobs = header.get("blobs")
+    names = {b[0] for b in blobs if isinstance(b, list) and b} if isinstance(blobs, list) else set()
+    for name, what in _HOST_BLOBS.items():
+        if name in names:
+            return what
+    return "a shared library" if header.get("backend") == "cpp" else None
+
+
+def host_code(header: dict[str, Any]) -> str | None:
+    """``native_host_code``, and torch.compile's entries (a graph's Python, its C++ libraries:
+    read only from entries whose backend is ``torch``): ``"torch.compile's code"``."""
+    what = native_host_code(header)
+    if what is None and header.get("backend") == TORCH_BACKEND:
+        return "torch.compile's code"
+    return what
 
 
 def key_id(signing_key: bytes | None) -> str:
@@ -94,14 +197,27 @@ def _bytes_serializer() -> Any:
     return BytesSerializer()
 
 
+def redact_url(url: str) -> str:
+    """``url`` as it may be printed: a password in it (``redis://:secret@host``) shown as
+    ``***``, so that logs and CI output never carry it."""
+    parts = urlparse(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rsplit("@", 1)[1]
+    return parts._replace(netloc=f"{user}:***@{host}").geturl()
+
+
 def check_target(target: Any) -> None:
     """Refuse a shared-cache argument that cannot work, without importing any client."""
     if isinstance(target, str):
         if urlparse(target).scheme not in ("redis", "rediss", "memcached"):
             raise ValueError(
-                f"unknown shared cache URL {target!r}: use redis://host:port/db or memcached://host:port"
+                f"unknown shared cache URL {redact_url(target)!r}: use redis://host:port/db, "
+                "rediss://host:port/db (TLS) or memcached://host:port"
             )
         _url_max_connections(target)
+        _url_max_value(target)
     elif not all(hasattr(target, m) for m in ("get", "set", "add", "delete", "close")):
         raise ValueError(f"shared_cache must be an aiocache cache or a URL, got {type(target).__name__}")
 
@@ -110,7 +226,8 @@ def open_cache(target: Any) -> Any:
     """An aiocache cache from an instance (its serializer is set to pass bytes through) or a URL:
     ``redis://host:6379/0``, ``rediss://...``, ``memcached://host:11211``. A URL may say
     ``?max_connections=N`` (default 16): the most connections, and operations at once, this
-    process opens to the server."""
+    process opens to the server; and ``?max_value=64MiB`` (default 32 MiB): the largest value
+    the tier reads or writes (read by ``SharedTier.connect_later``)."""
     if not isinstance(target, str):
         if not all(hasattr(target, m) for m in ("get", "set", "add", "delete", "close")):
             raise ValueError(f"shared_cache must be an aiocache cache or a URL, got {type(target).__name__}")
@@ -150,9 +267,12 @@ def open_cache(target: Any) -> Any:
                 pool_size=size,
             )
     except ImportError as exc:
-        raise ValueError(f"the shared cache {target!r} needs its client: {exc}") from exc
+        client = "aiomcache" if urlparse(target).scheme == "memcached" else "redis"
+        raise ValueError(
+            f"the shared cache {redact_url(target)!r} needs its client ({exc}): pip install {client}"
+        ) from exc
     raise ValueError(
-        f"unknown shared cache URL {target!r}: use redis://host:port/db or memcached://host:port"
+        f"unknown shared cache URL {redact_url(target)!r}: use redis://host:port/db or memcached://host:port"
     )
 
 
@@ -167,6 +287,16 @@ def _url_max_connections(url: str) -> int:
     return size
 
 
+def _url_max_value(url: str) -> int:
+    value = parse_qs(urlparse(url).query).get("max_value")
+    if not value:
+        return DEFAULT_MAX_VALUE
+    try:
+        return parse_size(value[0])
+    except ValueError as exc:
+        raise ValueError(f"max_value in the shared cache URL: {exc}") from None
+
+
 def _pool_size(cache: Any) -> int:
     """How many operations the cache's client can run at once: its connection pool's size."""
     pool = getattr(getattr(cache, "client", None), "connection_pool", None)
@@ -177,11 +307,24 @@ def _pool_size(cache: Any) -> int:
 class SharedTier:
     """Bytes in, bytes out, over an aiocache cache; faults are misses (see the module's docstring).
 
+    Args:
+        cache: the aiocache cache (None with ``connect_later``).
+        signing_key: sign what is published and refuse what does not verify; None for the
+            unsigned namespace.
+        timeout: each operation's deadline, in seconds.
+        max_in_flight: operations at once (default: the client's connection pool size).
+        queue_wait: how long an operation waits for its turn before it is skipped.
+        max_value: the largest value read or written, in bytes; a larger one is a miss.
+        unsafe_unsigned_host_code: without a signing key, serve entries that hold code this
+            host runs (libraries, object files) too: whoever can write to the tier can run code
+            in this process. Ignored with a key (every value is verified then).
+
     ``counts``: ``writes`` (values published), ``write_failures`` (publications that did not
-    make it: a fault, the tier off or full), ``rejected`` (values refused: not signed, or a
-    signature that does not verify), ``errors`` (operations that failed or timed out),
+    make it: a fault, the tier off or full, a value over ``max_value``), ``rejected`` (values
+    refused: not signed, a signature that does not verify, over ``max_value``, host code from an
+    unsigned tier; the log says which), ``errors`` (operations that failed or timed out),
     ``skipped`` (operations not tried: the tier was off, or no turn came within ``queue_wait``),
-    ``ignored_leases`` (leases not honoured: unsigned, forged, garbage or expired).
+    ``ignored_leases`` (leases not honoured: unsigned, forged, garbage, expired, or not renewed).
     """
 
     name = "shared"
@@ -194,6 +337,8 @@ class SharedTier:
         timeout: float = 0.5,
         max_in_flight: int | None = None,
         queue_wait: float = 5.0,
+        max_value: int = DEFAULT_MAX_VALUE,
+        unsafe_unsigned_host_code: bool = False,
     ) -> None:
         self.cache = cache
         self.signing_key = signing_key
@@ -201,6 +346,8 @@ class SharedTier:
         self.timeout = timeout
         self.queue_wait = queue_wait
         self.max_in_flight = max_in_flight or _pool_size(cache)
+        self.max_value = max_value
+        self.unsafe_unsigned_host_code = unsafe_unsigned_host_code
         self.counts: Counter[str] = Counter()
         self.owner = secrets.token_hex(8)
         self._turns = anyio.Semaphore(self.max_in_flight)
@@ -212,13 +359,28 @@ class SharedTier:
         # When the tier last went off or came back (monotonic): an operation that began before
         # it is part of what was already known, and its failure changes nothing.
         self._changed_at = 0.0
+        # Redis's scripts, made at first use (None: not Redis, or not yet).
+        self._scripts: dict[str, Any] = {}
+        # What has been warned about once (later ones go to the debug log).
+        self._warned: set[str] = set()
+        # The leases this replica holds: lease name to (cache key, the value it last wrote).
+        self._held: dict[str, tuple[str, bytes]] = {}
+        self._serial = 0
+        # Other replicas' lease values, by lease name: the value and when it was first seen.
+        self._sightings: dict[str, tuple[bytes, float]] = {}
 
     @classmethod
-    def connect_later(cls, target: Any, signing_key: bytes | None) -> SharedTier:
+    def connect_later(
+        cls, target: Any, signing_key: bytes | None, *, unsafe_unsigned_host_code: bool = False
+    ) -> SharedTier:
         """A tier for ``target`` (a URL or an aiocache cache) whose client is made by ``open()``:
-        the client's import (aiocache, redis) takes tens of ms, so not on the loop."""
+        the client's import (aiocache, redis) takes tens of ms, so not on the loop. A URL's
+        ``?max_value=`` sets ``max_value``."""
         check_target(target)
-        tier = cls(None, signing_key)
+        max_value = _url_max_value(target) if isinstance(target, str) else DEFAULT_MAX_VALUE
+        tier = cls(
+            None, signing_key, max_value=max_value, unsafe_unsigned_host_code=unsafe_unsigned_host_code
+        )
         tier._target = target
         return tier
 
@@ -335,20 +497,87 @@ class SharedTier:
     def _name(self, key: str) -> str:
         return f"{self.namespace}:{key}"
 
-    async def get(self, key: str) -> bytes | None:
-        """The entry's bytes, or None: absent, refused (its signature), or a fault."""
-        name = self._name(key)
-        ok, value = await self._call("get", self.cache.get, name)
-        if not ok or value is None:
+    def _once(self, topic: str) -> int:
+        """The level of a log line about ``topic``: a warning the first time, then debug."""
+        if topic in self._warned:
+            return logging.DEBUG
+        self._warned.add(topic)
+        return logging.WARNING
+
+    def _script(self, source: str) -> Any:
+        """A Redis script of the client (``register_script``: EVALSHA, EVAL the first time), or
+        None where the cache is not Redis."""
+        client = getattr(self.cache, "client", None)
+        if client is None or not hasattr(client, "register_script") or not hasattr(self.cache, "build_key"):
             return None
+        if source not in self._scripts:
+            self._scripts[source] = client.register_script(source)
+        return self._scripts[source]
+
+    async def _fetch(self, what: str, name: str, bound: int) -> tuple[bool, bytes | int | None]:
+        """(ok, value): the value's bytes, None where there is none, or, for a value larger than
+        ``bound`` (or not a string: -1), its size. On Redis one script answers, and a value that
+        large never crosses the network; elsewhere it is read, then refused."""
+        script = self._script(_BOUNDED_GET)
+        if script is not None:
+            ok, value = await self._call(what, script, keys=[self.cache.build_key(name)], args=[bound])
+            if not ok or value is None:
+                return ok, None
+            return True, value if isinstance(value, (bytes, int)) else -1
+        ok, value = await self._call(what, self.cache.get, name)
+        if not ok or value is None:
+            return ok, None
         if isinstance(value, str):
             value = value.encode("latin-1")
-        return self._unwrap(name, bytes(value))
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            return True, -1
+        value = bytes(value)
+        return True, len(value) if len(value) > bound else value
+
+    async def get(self, key: str) -> bytes | None:
+        """The entry's bytes, or None: absent, refused (its signature, its size, host code from
+        an unsigned tier), or a fault."""
+        name = self._name(key)
+        ok, value = await self._fetch("get", name, self.max_value)
+        if not ok or value is None:
+            return None
+        if isinstance(value, int):
+            self._refuse(name, "size", self._size_problem(value))
+            return None
+        if len(value) < _VERIFY_INLINE_MAX:
+            return self._unwrap(name, value)
+        # An HMAC over megabytes, a large header: not on the event loop.
+        data, topic, why = await anyio.to_thread.run_sync(self._check, name, value)
+        if data is None:
+            self._refuse(name, topic, why)
+        return data
+
+    def _size_problem(self, size: int) -> str:
+        if size < 0:
+            return "is not a value this tier writes (not a string)"
+        return (
+            f"is {human_bytes(size)}, over the {human_bytes(self.max_value)} bound on a shared "
+            "value (?max_value= in the shared cache URL raises it)"
+        )
 
     async def set(self, key: str, data: bytes) -> bool:
-        """Publish an entry (signed where there is a key); True where it arrived."""
+        """Publish an entry (signed where there is a key); True where it arrived. An entry over
+        ``max_value`` is not published (readers would refuse it)."""
         name = self._name(key)
-        ok, _ = await self._call("set", self.cache.set, name, self._wrap(name, data))
+        if len(data) + len(_SIGNED) + _DIGEST > self.max_value:
+            self.counts["write_failures"] += 1
+            logger.log(
+                self._once("size-write"),
+                "shared cache entry %s… not published: %s",
+                name[:24],
+                self._size_problem(len(data)),
+            )
+            return False
+        if len(data) < _VERIFY_INLINE_MAX:
+            value = self._wrap(name, data)
+        else:
+            value = await anyio.to_thread.run_sync(self._wrap, name, data)
+        ok, _ = await self._call("set", self.cache.set, name, value)
         self.counts["writes" if ok else "write_failures"] += 1
         return ok
 
@@ -357,9 +586,20 @@ class SharedTier:
         await self._call("delete", self.cache.delete, self._name(key))
 
     async def close(self) -> None:
-        """Close the client (bounded: a server that is gone must not hold up the exit)."""
+        """Give back the leases this replica still holds, then close the client (both bounded:
+        a server that is gone must not hold up the exit)."""
         if self.cache is None:
             return
+        if self._held:
+            # Their release failed (an outage, its back-off): one more try each, past the
+            # back-off. Those that stay expire within MAX_LEASE_TTL anyway.
+            with anyio.move_on_after(_RELEASE_AT_CLOSE):
+                for name, (key, value) in list(self._held.items()):
+                    try:
+                        with anyio.fail_after(self.timeout):
+                            await self._give_back_now(key, name, value)
+                    except Exception as exc:
+                        logger.debug("shared cache: giving back the lease on %s… at exit: %s", key[:16], exc)
         client = getattr(self.cache, "client", None)
         try:
             with anyio.move_on_after(1):
@@ -377,124 +617,239 @@ class SharedTier:
 
     def _mac(self, kind: bytes, name: str, data: bytes) -> bytes:
         assert self.signing_key is not None
-        return hmac.new(
-            self.signing_key, kind + b"\0" + name.encode() + b"\0" + data, hashlib.sha256
-        ).digest()
+        mac = hmac.new(self.signing_key, kind + b"\0" + name.encode() + b"\0", hashlib.sha256)
+        mac.update(data)  # not concatenated: an entry can be megabytes
+        return mac.digest()
 
     def _wrap(self, name: str, data: bytes) -> bytes:
         if self.signing_key is None:
             return data
         return _SIGNED + self._mac(b"entry", name, data) + data
 
+    def _check(self, name: str, value: bytes) -> tuple[bytes | None, str, str]:
+        """(the entry's bytes, "", "") for a value to serve, else (None, what is wrong, why)
+        (blocking for large values: runs on a thread; counts nothing, logs nothing)."""
+        if self.signing_key is not None:
+            if not value.startswith(_SIGNED):
+                return None, "signature", "is not signed with this signing key"
+            mac, data = value[len(_SIGNED) : len(_SIGNED) + _DIGEST], value[len(_SIGNED) + _DIGEST :]
+            if not hmac.compare_digest(mac, self._mac(b"entry", name, data)):
+                return None, "signature", "has a signature that does not verify with this signing key"
+            return data, "", ""  # signed with the fleet's key: whatever it holds
+        # No key, the unsigned namespace: the entry's own checksum still applies (the chain's).
+        if self.unsafe_unsigned_host_code:
+            return value, "", ""
+        try:
+            what = native_host_code(peek_header(value))
+        except CorruptEntry:
+            return value, "", ""  # the chain's check counts it as damaged
+        if what is None:
+            return value, "", ""
+        return (
+            None,
+            "host code",
+            f"holds code this host would run ({what}), and this shared tier is not signed: set a "
+            "signing key (or pass unsafe_unsigned_host_code=True to let whoever can write to the "
+            "tier run code here)",
+        )
+
     def _unwrap(self, name: str, value: bytes) -> bytes | None:
-        if self.signing_key is None:
-            # No key, the unsigned namespace: the entry's own checksum still applies.
-            return value
-        if not value.startswith(_SIGNED):
-            self._refuse(name, "is not signed")
-            return None
-        mac, data = value[len(_SIGNED) : len(_SIGNED) + _DIGEST], value[len(_SIGNED) + _DIGEST :]
-        if not hmac.compare_digest(mac, self._mac(b"entry", name, data)):
-            self._refuse(name, "has a signature that does not verify")
-            return None
+        """The entry inside a value read from ``name``, or None where it is refused (counted and
+        logged): ``_check`` on the calling thread, for small values."""
+        data, topic, why = self._check(name, value)
+        if data is None:
+            self._refuse(name, topic, why)
         return data
 
-    def _refuse(self, name: str, why: str) -> None:
-        level = logging.DEBUG if self.counts["rejected"] else logging.WARNING
+    def _refuse(self, name: str, topic: str, why: str) -> None:
         self.counts["rejected"] += 1
-        logger.log(level, "shared cache entry %s… %s with this signing key; refused", name[:24], why)
+        self.counts["rejected_" + topic.replace(" ", "_")] += 1  # which rule refused it
+        logger.log(self._once(topic), "shared cache entry %s… %s; refused (a miss)", name[:24], why)
 
     # -- fleet-wide single flight ----------------------------------------------------------------
 
     def _lease_name(self, key: str) -> str:
         return f"lease:{self.namespace}:{key}"
 
-    def lease_value(self, key: str, owner: str, expires: float) -> bytes:
-        """A lease for ``key`` held by ``owner`` until ``expires`` (seconds since the epoch)."""
-        body = f"{owner} {expires:.3f}".encode()
+    def lease_value(self, key: str, owner: str, expires: float, serial: int = 0) -> bytes:
+        """A lease for ``key`` held by ``owner`` until ``expires`` (seconds since the epoch);
+        ``serial`` numbers the holder's writes, so that each renewal is a new value."""
+        body = f"{owner} {serial} {expires:.3f}".encode()
         mac = self._mac(b"lease", self._lease_name(key), body) if self.signing_key is not None else b""
         return _LEASE + mac + body
 
-    def _lease_holder(self, key: str, value: Any) -> str | None:
-        """The owner of a lease value that is ours to honour (it verifies and has not expired)."""
-        if value is None:
-            return None
-        raw = value.encode("latin-1") if isinstance(value, str) else bytes(value)
+    def _new_lease(self, key: str, ttl: float) -> bytes:
+        self._serial += 1
+        return self.lease_value(key, self.owner, time.time() + ttl, self._serial)
+
+    def _read_lease(self, key: str, raw: bytes, *, live: bool = True) -> str | None:
+        """The holder of a lease value that verifies (and, ``live``, has not expired and claims
+        no more than a lease's life), else None."""
         body = raw[len(_LEASE) :]
-        ok = raw.startswith(_LEASE)
-        if ok and self.signing_key is not None:
+        if not raw.startswith(_LEASE):
+            return None
+        if self.signing_key is not None:
             mac, body = body[:_DIGEST], body[_DIGEST:]
-            ok = hmac.compare_digest(mac, self._mac(b"lease", self._lease_name(key), body))
+            if not hmac.compare_digest(mac, self._mac(b"lease", self._lease_name(key), body)):
+                return None
         try:
-            owner, expires_text = body.decode("ascii").split(" ")
+            owner, serial, expires_text = body.decode("ascii").split(" ")
+            int(serial)
             expires = float(expires_text)
         except (UnicodeDecodeError, ValueError):
-            ok = False
-        else:
-            now = time.time()
-            ok = ok and now < expires < now + _LEASE_HORIZON
-        if not ok:
-            level = logging.DEBUG if self.counts["ignored_leases"] else logging.WARNING
-            self.counts["ignored_leases"] += 1
-            logger.log(
-                level,
-                "shared cache lease for %s… is unsigned, forged, damaged or expired; not waiting on it",
-                key[:16],
-            )
+            return None
+        now = time.time()
+        if live and not (now < expires <= now + MAX_LEASE_TTL + _CLOCK_SKEW):
             return None
         return owner
 
+    def _honoured(self, key: str, raw: bytes | int | None) -> str | None:
+        """The holder of a lease value that is ours to honour, else None (counted, logged): it
+        verifies, has not expired, and (another replica's) has changed within MAX_LEASE_TTL.
+
+        A live holder writes a new value every third of a lease's life. One that stays the same
+        longer is its dead holder's, planted, or a genuine one copied and set again after its
+        release: honoured for MAX_LEASE_TTL from when this replica first saw it, no longer."""
+        name = self._lease_name(key)
+        if raw is None:
+            self._sightings.pop(name, None)
+            return None
+        owner = self._read_lease(key, raw) if isinstance(raw, bytes) else None
+        if owner is None or not isinstance(raw, bytes):
+            self._sightings.pop(name, None)
+            self._ignore(key, "is unsigned, forged, damaged or expired")
+            return None
+        if owner == self.owner:
+            return owner
+        now = time.monotonic()
+        seen = self._sightings.pop(name, None)
+        if seen is not None and seen[0] == raw:
+            self._sightings[name] = seen
+            if now - seen[1] > MAX_LEASE_TTL:
+                self._ignore(
+                    key,
+                    f"has not changed for {MAX_LEASE_TTL:.0f} s (its holder is gone, or it was set "
+                    "again after its release)",
+                )
+                return None
+            return owner
+        self._sightings[name] = (raw, now)
+        while len(self._sightings) > _MAX_SIGHTINGS:
+            del self._sightings[next(iter(self._sightings))]
+        return owner
+
+    def _ignore(self, key: str, why: str) -> None:
+        self.counts["ignored_leases"] += 1
+        logger.log(self._once("lease"), "shared cache lease for %s… %s; not waiting on it", key[:16], why)
+
+    @property
+    def _memcached(self) -> bool:
+        return "Memcached" in type(self.cache).__name__
+
+    def _ttl(self, ttl: float) -> float | int:
+        """A TTL as the client takes it: Redis, milliseconds (a float); Memcached, whole seconds."""
+        return max(1, math.ceil(ttl)) if self._memcached else float(ttl)
+
     async def take_lease(self, key: str, ttl: float) -> bool | None:
         """True: ours to compile; False: another replica compiles it; None: no single flight
-        (the tier is unavailable, or the lease found there is not one to honour)."""
-        value = self.lease_value(key, self.owner, time.time() + ttl)
-        ok, added = await self._call(
-            "lease", self.cache.add, self._lease_name(key), value, ttl=max(1, int(ttl))
-        )
+        (the tier is unavailable, or the lease found there is not one to honour). ``ttl`` is at
+        most ``MAX_LEASE_TTL``: the holder renews the lease to keep it."""
+        ttl = min(ttl, MAX_LEASE_TTL)
+        name = self._lease_name(key)
+        value = self._new_lease(key, ttl)
+        ok, added = await self._call("lease", self.cache.add, name, value, ttl=self._ttl(ttl))
         if not ok:
             return None
         if added:
+            self._held[name] = (key, value)
             return True
-        ok, holder = await self._call("lease", self.cache.get, self._lease_name(key))
+        ok, holder = await self._fetch("lease", name, _MAX_LEASE_VALUE)
         if not ok:
             return None
-        return False if self._lease_holder(key, holder) is not None else None
+        return False if self._honoured(key, holder) is not None else None
 
     async def renew_lease(self, key: str, ttl: float) -> bool | None:
-        """Extend this replica's lease on ``key`` to ``ttl`` from now. True: renewed (or taken
-        again where it was gone: it expired while the tier was unreachable); False: it is
-        another replica's, or unreadable (nothing is written; stop renewing); None: the tier
-        could not say (a fault, its back-off, a busy client: try again later).
+        """Extend this replica's lease on ``key`` to ``ttl`` from now (a new value: a replayed
+        copy of the old one expires with it). True: renewed (or taken again where it was gone:
+        it expired while the tier was unreachable); False: it is another replica's, or
+        unreadable (nothing is written; stop renewing); None: the tier could not say (a fault,
+        its back-off, a busy client: try again later).
 
         On Redis the write is a compare-and-set (one script: set it only if it still holds the
-        value read), so a lease that expired and was taken by another replica in between is
-        never overwritten. Memcached has no such command through aiocache: there, a lease taken
-        over between the read and the write (a window of one round trip) is overwritten."""
+        value this replica last wrote), so a lease that expired and was taken by another replica
+        in between is never overwritten; it is one round trip while all is well. Memcached has
+        no such command through aiocache: there, a lease taken over between the read and the
+        write (a window of one round trip) is overwritten."""
+        ttl = min(ttl, MAX_LEASE_TTL)
         name = self._lease_name(key)
-        ok, holder = await self._call("lease", self.cache.get, name)
+        value = self._new_lease(key, ttl)
+        mine = self._held.get(name)
+        if mine is not None and not self._memcached:
+            ok, done = await self._call(
+                "lease", self.cache.set, name, value, ttl=self._ttl(ttl), _cas_token=mine[1]
+            )
+            if not ok:
+                return None
+            if done:
+                self._held[name] = (key, value)
+                return True
+        # Not the value last written (gone, taken over, or a write whose answer was lost): look.
+        ok, holder = await self._fetch("lease", name, _MAX_LEASE_VALUE)
         if not ok:
             return None
         if holder is None:
             return await self.take_lease(key, ttl)
-        if self._lease_holder(key, holder) != self.owner:
+        if not isinstance(holder, bytes) or self._read_lease(key, holder) != self.owner:
+            self._held.pop(name, None)
             return False
-        value = self.lease_value(key, self.owner, time.time() + ttl)
-        if "Memcached" in type(self.cache).__name__:
-            ok, _ = await self._call("lease", self.cache.multi_set, [(name, value)], ttl=max(1, int(ttl)))
+        if self._memcached:
+            ok, _ = await self._call("lease", self.cache.multi_set, [(name, value)], ttl=self._ttl(ttl))
+            if ok:
+                self._held[name] = (key, value)
             return True if ok else None
         ok, done = await self._call(
-            "lease", self.cache.set, name, value, ttl=max(1, int(ttl)), _cas_token=holder
+            "lease", self.cache.set, name, value, ttl=self._ttl(ttl), _cas_token=holder
         )
         if not ok:
             return None
+        if done:
+            self._held[name] = (key, value)
         return bool(done)  # no: it changed since it was read (another replica's now)
 
     async def release_lease(self, key: str) -> None:
-        ok, holder = await self._call("lease", self.cache.get, self._lease_name(key))
-        if ok and holder is not None and self._lease_holder(key, holder) == self.owner:
-            await self._call("lease", self.cache.delete, self._lease_name(key))
+        """Give back this replica's lease on ``key`` (no-op where it holds none). A fault leaves
+        it to ``close()`` (one more try) and to its expiry."""
+        name = self._lease_name(key)
+        ok, holder = await self._fetch("lease", name, _MAX_LEASE_VALUE)
+        if not ok:
+            return
+        if isinstance(holder, bytes) and self._read_lease(key, holder, live=False) == self.owner:
+            if not await self._drop_lease(name, holder):
+                return
+        self._held.pop(name, None)
+
+    async def _drop_lease(self, name: str, value: bytes) -> bool:
+        """Delete the lease ``name`` where it still holds ``value`` (on Redis, in one script; a
+        plain delete elsewhere); True where the tier answered."""
+        script = self._script(_DELETE_IF)
+        if script is not None:
+            ok, _ = await self._call("lease", script, keys=[self.cache.build_key(name)], args=[value])
+        else:
+            ok, _ = await self._call("lease", self.cache.delete, name)
+        return ok
+
+    async def _give_back_now(self, key: str, name: str, value: bytes) -> None:
+        """``release_lease`` at exit: now, past the tier's back-off and queue; raises its faults."""
+        script = self._script(_DELETE_IF)
+        if script is not None:
+            await script(keys=[self.cache.build_key(name)], args=[value])
+        else:
+            held = await self.cache.get(name)
+            if isinstance(held, bytes) and self._read_lease(key, held, live=False) == self.owner:
+                await self.cache.delete(name)
+        self._held.pop(name, None)
 
     async def lease_held(self, key: str) -> bool:
-        """Whether another replica holds a lease on ``key`` that is to be honoured."""
-        ok, holder = await self._call("lease", self.cache.get, self._lease_name(key))
-        return bool(ok and self._lease_holder(key, holder) is not None)
+        """Whether a lease on ``key`` is held that is to be honoured (see ``_honoured``)."""
+        ok, holder = await self._fetch("lease", self._lease_name(key), _MAX_LEASE_VALUE)
+        return ok and self._honoured(key, holder) is not None

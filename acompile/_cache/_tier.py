@@ -13,13 +13,21 @@ other tiers; ``TierChain`` puts tiers in order. The contract every tier keeps:
   appear in ``stats()["cache"]`` and under which names.
 
 A tier that can also hold a fleet-wide lease (single flight across replicas) implements
-``LeaseTier`` as well. Adding a tier is one module with a class like these, handed to the chain.
+``LeaseTier`` as well. A lease says that its holder is alive and compiling: it lasts seconds
+(``MAX_LEASE_TTL`` at most), and its holder renews it every third of its life until it publishes,
+so that a holder that dies, stalls or loses the tier stops holding anyone up within seconds, however
+long its compile may run. Adding a tier is one module with a class like these, handed to the chain.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from typing import Any, Protocol, runtime_checkable
+
+# The longest a lease lasts without a renewal, in seconds. A replica waits on another's lease only
+# while its holder keeps renewing it: a lease that claims to last longer is not honoured, and a
+# lease whose value has not changed for this long is taken for a dead (or replayed) one.
+MAX_LEASE_TTL = 6.0
 
 
 @runtime_checkable
@@ -53,7 +61,8 @@ class LeaseTier(Tier, Protocol):
     """A tier a fleet of replicas shares, that can also hold a lease per key with a TTL."""
 
     async def take_lease(self, key: str, ttl: float) -> bool | None:
-        """True: ours to compile; False: another replica compiles it; None: no single flight."""
+        """True: ours to compile; False: another replica compiles it; None: no single flight.
+        ``ttl`` is at most ``MAX_LEASE_TTL``: the holder renews the lease to keep it."""
 
     async def renew_lease(self, key: str, ttl: float) -> bool | None:
         """Extend this replica's lease on ``key`` to ``ttl`` from now: True, renewed; False, it

@@ -31,6 +31,7 @@ from acompile._cache._layout import logs_dir, toolchain_dir
 from acompile._farm import _reaper
 from acompile._version import __version__
 from acompile._workers import Job, WorkerPool, run_job
+from acompile._workers._process import remove_work_folder
 
 # The native backends' payloads carry the parent's compiler command; on a node it is looked up
 # again by name (another machine keeps its compilers elsewhere), and its version checked.
@@ -137,7 +138,7 @@ class FarmWorker:
             except OSError:
                 pass
         if self.workdir:
-            await anyio.to_thread.run_sync(lambda: shutil.rmtree(self.workdir, ignore_errors=True))
+            await anyio.to_thread.run_sync(remove_work_folder, self.workdir)
 
     def _localize_native(self, payload: dict[str, Any]) -> dict[str, Any]:
         """This node's compiler for a native job, and a refusal if its version differs from
@@ -193,9 +194,12 @@ def _start_reaper() -> IO[bytes]:
 
 
 def _node_cache_root() -> Path:
+    """The node's cache folder (its toolchain memos, compile logs), checked as a pool checks
+    its own: this user's alone, or ``UntrustedFolderError``."""
     from acompile._cache import default_cache_dir
+    from acompile._trust import own_folder
 
-    return default_cache_dir()
+    return own_folder(default_cache_dir(), "the node's cache folder", resolve=True)
 
 
 async def _worker_config(backends: list[str], memo: Path) -> dict[str, Any]:
@@ -220,15 +224,20 @@ def node_toolchain(memo: Path) -> dict[str, Any]:
 
 
 def _make_workdir() -> str:
-    """A work folder for this actor's pool, in a folder shared by the node's farm actors; those
-    of actors that are gone (killed, so they never cleaned up) are removed on the way."""
-    parent = Path(tempfile.gettempdir()) / f"acompile-farm-{os.getuid()}"
-    parent.mkdir(mode=0o700, exist_ok=True)
-    for old in parent.iterdir():
-        pid = old.name.split("-", 1)[0]
+    """A work folder for this actor's pool: a private folder of its own in the node's temporary
+    folder, with a name nobody can guess (``WorkerPool.make_workdir``). Not in a folder the
+    node's actors share: that one's name is known in advance, another user who made it first
+    owns it, and could swap an actor's folder in it for their own (its sockets, its stderr
+    files). The folders of this user's actors that are gone (killed, so they never cleaned up)
+    are removed on the way: found by name (this user's prefix and a pid no process has), and
+    removed only where they are this user's folders, not links (``remove_work_folder``)."""
+    prefix = f"acompile-farm-{os.getuid()}-"
+    temporary = os.path.realpath(tempfile.gettempdir())
+    for name in os.listdir(temporary):
+        pid = name[len(prefix) :].split("-", 1)[0] if name.startswith(prefix) else ""
         if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(old, ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=parent)
+            remove_work_folder(os.path.join(temporary, name))
+    return WorkerPool.make_workdir(f"{prefix}{os.getpid()}-")
 
 
 def _alive(pid: int) -> bool:

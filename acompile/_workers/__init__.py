@@ -30,6 +30,7 @@ if _typing.TYPE_CHECKING or _lazy.eager(__name__):
     from acompile._workers._executor import run_job as run_job
     from acompile._workers._pool import LocalExecutor as LocalExecutor
     from acompile._workers._pool import WorkerPool as WorkerPool
+    from acompile._workers._process import remove_work_folder as remove_work_folder
     from acompile._workers._queue import BACKGROUND as BACKGROUND
     from acompile._workers._queue import URGENT as URGENT
     from acompile._workers._queue import Job as Job
@@ -47,5 +48,6 @@ __all__ = (
     "LocalExecutor",
     "WorkerPool",
     "idle_stats",
+    "remove_work_folder",
     "run_job",
 )

@@ -311,19 +311,24 @@ def _helper(paths: list[str], folder: str, caller: int) -> None:
         os._exit(code)
 
 
+# Triton's largest module compiles to about 200 KB of bytecode: a file many times that is not one.
+_MAX_BYTECODE = 16 << 20
+
+
 def _read_regular_file(path: str) -> bytes | None:
-    """The file's bytes, or None where it is missing, unreadable or not a regular file (a FIFO
-    would block the read for ever)."""
+    """The file's bytes, or None where it is missing, unreadable, a link, not a regular file (a
+    FIFO would block the read for ever) or larger than any module's bytecode is."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
     try:
         # Checked before the descriptor becomes a file object: open() of a folder's raises.
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > _MAX_BYTECODE:
             return None
         with open(fd, "rb", closefd=False) as file:
-            return file.read()
+            return file.read(_MAX_BYTECODE + 1)
     except OSError:
         return None
     finally:

@@ -1,10 +1,16 @@
-"""The two Linux process controls the pool's child processes set (``prctl``); elsewhere, and
-where libc has no ``prctl``, they do nothing. Imports nothing heavy: the short-lived processes
-that use it (a source probe, a bytecode helper) start in milliseconds."""
+"""The Linux process controls the pool's child processes set (``prctl``), and what the pool
+reads of a process group (its members' memory, from ``/proc``); elsewhere, and where libc has no
+``prctl``, they do nothing. Imports nothing heavy: the short-lived processes that use it (a source
+probe, a bytecode helper) start in milliseconds."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sys
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -31,3 +37,56 @@ def signal_at_parent_death(signum: int) -> None:
 def set_name(name: str) -> None:
     """This process's name in ``/proc/<pid>/comm`` and ``ps`` (15 bytes at most)."""
     _prctl(_PR_SET_NAME, name.encode()[:15])
+
+
+# The memory limit (bytes) of the pool that is preparing a request in this task, or None for
+# none. ``CompilePool`` sets it around a backend's ``prepare()``: the short-lived processes started
+# there, outside the workers (a source string's probe), are held to the limit the workers are.
+pool_memory_limit: ContextVar[int | None] = ContextVar("acompile_pool_memory_limit", default=None)
+
+
+@contextlib.contextmanager
+def under_memory_limit(limit: int | None) -> Iterator[None]:
+    """Within the block, what this task starts outside the workers is held to ``limit`` (see
+    ``pool_memory_limit``): a pool wraps each ``backend.prepare()`` in it."""
+    token = pool_memory_limit.set(limit)
+    try:
+        yield
+    finally:
+        pool_memory_limit.reset(token)
+
+
+def group_rss(pgid: int) -> int:
+    """The resident memory, in bytes, of every process in process group ``pgid`` together (0
+    where there is no ``/proc``). A group rather than a process: what a process starts stays in
+    its group unless it leaves on purpose, and a child that holds the memory counts as much as
+    the process itself."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                # The name is in parentheses and may hold spaces: from the state after ")", the
+                # group is the third field and the resident pages the twenty-second.
+                fields = f.read().rpartition(b")")[2].split()
+            if int(fields[2]) == pgid:
+                total += int(fields[21]) * page
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL every process in group ``pgid``; nothing if there is none left. The group's id is
+    not given to another process while any member lives, so a group whose leader was reaped is
+    still the one meant."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

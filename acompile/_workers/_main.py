@@ -24,12 +24,14 @@ import stat
 import sys
 import time
 import traceback
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from acompile import _trust
 from acompile._errors import AcompileError, BackendUnavailableError, CompileError, bounded
 from acompile._workers import _bytecode, _late, _linux, _protocol
-from acompile._workers._process import lower_priority, short_backend, stderr_tail
+from acompile._workers._process import lower_priority, remove_work_folder, short_backend, stderr_tail
 
 
 def _die_with_parent(parent_pid: int, *, template: bool = False) -> None:
@@ -82,9 +84,7 @@ def _remove_work_folder_of_a_dead_pool(wait: float = 0.0) -> None:
         if time.monotonic() >= deadline:
             return
         time.sleep(0.002)
-    import shutil
-
-    shutil.rmtree(workdir, ignore_errors=True)
+    remove_work_folder(workdir)  # where it is still this user's folder, not one put in its place
 
 
 def _exit_template(*_: object) -> None:
@@ -226,7 +226,8 @@ class Template:
 
     It answers each ``Fork`` with ``Forked``, and sends ``Exited`` when a worker it forked is
     gone (it is their parent and reaps them). A forked worker connects to the pool's Unix socket
-    (config["address"]) and introduces itself with ``Hello`` before its ``Ready``.
+    (config["address"]), once it knows the socket is its pool's (``_connect_to_pool``), and
+    introduces itself with ``Hello`` before its ``Ready``.
     """
 
     serving = False  # set once it takes fork requests (its preload is over)
@@ -323,8 +324,6 @@ class Template:
             )
 
     def become_worker(self, slot: int, config: dict[str, Any]) -> None:
-        import socket
-
         code = 1
         try:
             signal.set_wakeup_fd(-1)
@@ -336,17 +335,22 @@ class Template:
             os.close(self.worker.fd_out)
             os.environ.pop("ACOMPILE_WORKDIR", None)  # the template's to remove, not ours
             _die_with_parent(int(config["template_pid"]))
-            stderr = os.open(config["stderr_path"], os.O_RDWR | os.O_APPEND)
+            stderr = os.open(config["stderr_path"], os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW)
             os.dup2(stderr, 2)
             os.dup2(stderr, 1)
             os.close(stderr)
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.connect(config["address"])
-            fd = sock.detach()
+            try:
+                fd = _connect_to_pool(config["address"])
+            except OSError as exc:
+                # On its fd 2, which the pool reads into the error of this start.
+                os.write(2, f"the forked worker did not connect to its pool: {exc}\n".encode())
+                return
             worker = self.worker
             worker.fd_in = worker.fd_out = fd
             worker.config = dict(worker.config, **config)
-            _protocol.write_message(fd, _protocol.Hello(slot, os.getpid(), config["token"]))
+            hello = _protocol.Hello(slot, os.getpid(), config["token"]).pack()
+            while hello:
+                hello = hello[os.write(fd, hello) :]
             try:
                 for module in worker.backends.values():
                     module.setup(worker.config)
@@ -363,6 +367,30 @@ class Template:
         finally:
             sys.stdout.flush()
             os._exit(code)
+
+
+def _connect_to_pool(address: str) -> int:
+    """A descriptor of a connection to the pool's socket at ``address``, once it is known to be
+    the pool's: its folder is a private folder of this user's, and the process that listens
+    there is this user's (the kernel says whose: ``SO_PEERCRED``). Checked before the token is
+    sent or anything is read: what a listener of another user sent would be unpickled here.
+    Raises ``OSError`` (``UntrustedFolderError`` for the folder) otherwise."""
+    import socket
+
+    _trust.check_folder(Path(os.path.dirname(address)), "the pool's work folder")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(address)
+        listener = _protocol.peer_uid(sock)
+        if listener != os.geteuid():
+            raise PermissionError(
+                f"the socket {address} is served by {_trust.user_name(listener)}, not by "
+                f"{_trust.user_name(os.geteuid())}: a worker connects only to its own pool"
+            )
+    except BaseException:
+        sock.close()
+        raise
+    return sock.detach()
 
 
 def _as_compile_error(exc: BaseException, backend: str, payload: Any) -> AcompileError:

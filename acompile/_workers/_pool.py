@@ -21,6 +21,7 @@ next. The template outlives epochs, so waking is a matter of forks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import heapq
 import json
@@ -29,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -59,6 +61,7 @@ from acompile._errors import (
     WorkerStartError,
 )
 from acompile._sizing import usable_cpus
+from acompile._trust import own_folder
 from acompile._workers import _bytecode, _protocol
 from acompile._workers._executor import ExecutorStats, run_job
 from acompile._workers._process import (
@@ -239,6 +242,30 @@ class WorkerPool:
         self._template_lock = anyio.Lock()
         self._tg: anyio.abc.TaskGroup | None = None
 
+    @staticmethod
+    def make_workdir(prefix: str) -> str:
+        """A new work folder for a pool (blocking): in the temporary folder, as ``mkdtemp`` makes
+        one (this user's, mode 700, a name nobody can guess, made where nothing was), reached
+        through no link, under folders no other user can swap it in (``_trust``: ``/tmp`` is
+        sticky). Raises ``UntrustedFolderError`` where the temporary folder is not such a place."""
+        folder = tempfile.mkdtemp(prefix=prefix, dir=os.path.realpath(tempfile.gettempdir()))
+        try:
+            own_folder(folder, "the pool's work folder", make=False)
+            # And the folders above it: resolved, then checked.
+            own_folder(folder, "the pool's work folder", resolve=True, make=False)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+            raise
+        return folder
+
+    def _work_folder(self) -> str:
+        """The work folder, checked (blocking): this user's, private, no link; made again if
+        something removed it (a /tmp cleaner). Raises ``UntrustedFolderError`` (another user's
+        folder in its place, say) and ``OSError``."""
+        own_folder(self.workdir, "the pool's work folder")
+        return self.workdir
+
     # -- the caller's side -------------------------------------------------------------------
 
     @property
@@ -355,7 +382,7 @@ class WorkerPool:
         self.config["late_config"] = ""
 
     def _write_late_config(self, path: str, prepared: dict[str, Any]) -> None:
-        os.makedirs(self.workdir, mode=0o700, exist_ok=True)
+        self._work_folder()
         _bytecode.write_whole(path, json.dumps(prepared).encode())  # a worker never reads half
 
     def wakeup(self) -> None:
@@ -493,12 +520,18 @@ class WorkerPool:
         """A new, empty fd-2 file for a worker or the template in the work folder (made again
         if something removed it: a /tmp cleaner). Read-write (the worker reads its own tail
         back) and append-only (after the worker truncates it at a job's start, writes land at
-        the new end, not at the old offset). Raises ``WorkerStartError`` where it cannot be
-        made: that start fails, and is tried again, as any other."""
+        the new end, not at the old offset). Made anew, never opened as it was found: whatever
+        is at its name (the last worker's file, a link to a file of ours) is removed, not
+        truncated or followed. Raises ``WorkerStartError`` where it cannot be made (the work
+        folder is not this user's alone, say): that start fails, and is tried again, as any
+        other."""
         path = os.path.join(self.workdir, name)
         try:
-            os.makedirs(self.workdir, mode=0o700, exist_ok=True)
-            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600))
+            self._work_folder()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND | os.O_CLOEXEC
+            os.close(os.open(path, flags, 0o600))
         except OSError as exc:
             raise WorkerStartError(
                 f"cannot make the worker's stderr file {path}: {exc.strerror or exc}"
@@ -574,7 +607,8 @@ class WorkerPool:
         return [sys.executable, "-c", _BOOT, *extra, *self.config.get("preload", ())], env
 
     async def _open(self, command: list[str], env: dict[str, str], stderr_path: str) -> anyio.abc.Process:
-        stderr_fd = os.open(stderr_path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        flags = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+        stderr_fd = os.open(stderr_path, flags, 0o600)  # made by _stderr_file a moment ago
         try:
             # Starting a process blocks the loop until the child has exec'd (a few ms). One at a
             # time, with the loop's other work in between: sixteen slots starting in the same
@@ -656,7 +690,7 @@ class WorkerPool:
 
     async def _start_template(self) -> Template:
         assert self._tg is not None
-        stderr_path = self._stderr_file("template.stderr")
+        stderr_path = self._stderr_file("template.stderr")  # the work folder checked: ours alone
         self._templates_started += 1
         address = os.path.join(self.workdir, f"workers-{self._templates_started}.sock")
         try:

@@ -5,12 +5,16 @@ it started), speaks the framed protocol (``_protocol``) on a pipe or a Unix sock
 fd 2 to a file the pool made, whose tail explains a crash. ``SpawnedWorker`` is a fresh
 interpreter the pool started; ``ForkedWorker`` one the template forked (the template reaps it and
 reports its exit).
+
+And what is left of them: their work folder, removed only where it is this user's
+(``remove_work_folder``).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -47,7 +51,7 @@ def stderr_tail(source: str | int) -> str:
     try:
         if isinstance(source, int):
             return _tail(source)
-        fd = os.open(source, os.O_RDONLY)
+        fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # a link: not ours
         try:
             return _tail(fd)
         finally:
@@ -60,6 +64,21 @@ def _tail(fd: int) -> str:
     size = os.fstat(fd).st_size
     start = max(0, size - STDERR_TAIL)
     return os.pread(fd, size - start, start).decode("utf-8", "replace")
+
+
+def remove_work_folder(path: str) -> None:
+    """Remove the work folder at ``path`` (blocking), where it is a folder of this user's: not a
+    link, not another user's folder made in its place (a /tmp cleaner took ours, someone made
+    one by that name), whose content is theirs to keep. (``shutil.rmtree`` follows no link
+    inside, and checks that what it opens is what it looked at.)"""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return
+    if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+        import shutil  # here: a worker that never removes one does without it (and bz2, lzma)
+
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class _WorkerBase:

@@ -4,13 +4,16 @@ The template (``acompile._workers._main --template``) does a worker's whole prel
 then forks a worker for each ``Fork`` request: a forked worker is ready in milliseconds instead of
 the second a fresh interpreter needs. Forked workers are the template's children, not ours: it
 reaps them and reports each exit (``Exited``); each connects back to the pool's Unix socket and
-introduces itself (``Hello``, with a token only our template knows).
+introduces itself (``Hello``, with a token only our template knows). The socket accepts only
+processes of this user, and nothing a connector sends is unpickled before its hello is read and
+its token checked (see ``_protocol`` for both ends' checks).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import secrets
 import signal
@@ -25,7 +28,18 @@ import anyio.lowlevel
 
 from acompile._errors import WorkerStartError
 from acompile._workers import _protocol
-from acompile._workers._process import EXTERNAL, ForkedWorker, close_quietly, describe_exit, kill_group
+from acompile._workers._process import (
+    EXTERNAL,
+    ForkedWorker,
+    close_quietly,
+    describe_exit,
+    kill_group,
+    stderr_tail,
+)
+
+logger = logging.getLogger("acompile")
+# How long a connector has to say hello.
+_HELLO_TIMEOUT = 30.0
 
 
 class WorkerConnection(asyncio.Protocol):
@@ -175,7 +189,11 @@ class UnixListener:
     (the readiness and the cancellation in one step of the loop); the connection it accepted is
     then set on a cancelled future (``InvalidStateError``) and leaks. Here a readiness that comes
     after cancellation leaves the connection in the socket's backlog, and a connection accepted
-    is returned."""
+    is returned.
+
+    A connection from a process of another user (the kernel says whose: ``SO_PEERCRED``) is
+    closed as it is accepted, before a byte of it is read: its socket's folder is private, but
+    whatever reaches the socket anyway is never trusted."""
 
     def __init__(self, address: str) -> None:
         self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -187,23 +205,65 @@ class UnixListener:
             self.socket.close()
             raise
 
-    async def accept(self) -> WorkerConnection:
-        loop = asyncio.get_running_loop()
+    async def accept(self) -> Incoming:
+        me = os.geteuid()
         while True:
             try:
                 connection, _ = self.socket.accept()
-                break
             except (BlockingIOError, InterruptedError):
                 await anyio.wait_readable(self.socket)
-        try:
-            connection.setblocking(False)
-            # Shielded: a connection accepted is handed over, to be introduced (or closed by the
-            # caller's cancellation), not dropped half made.
-            with anyio.CancelScope(shield=True):
-                _, protocol = await loop.create_unix_connection(WorkerConnection, sock=connection)
-        except BaseException:
+                continue
+            try:
+                connection.setblocking(False)
+                uid = _protocol.peer_uid(connection)
+            except OSError:
+                connection.close()
+                continue
+            if uid == me:
+                return Incoming(connection)
             connection.close()
-            raise
+            logger.warning(
+                "refused a connection to the workers' socket %s from a process of uid %d (not this "
+                "user's): nothing it sent was read",
+                self.socket.getsockname(),
+                uid,
+            )
+
+    async def aclose(self) -> None:
+        self.socket.close()
+        await anyio.lowlevel.checkpoint()
+
+
+class Incoming:
+    """A connection accepted from a process of this user, before it has introduced itself: a
+    plain socket, from which only the hello is read (never unpickled) until the hello proves the
+    connector one of our forked workers (``connect``)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.socket = sock
+
+    async def hello(self) -> bytes:
+        """The connector's first ``HELLO.size`` bytes (fewer where it closed first); not a byte
+        past them is read here: what follows is the connection's, once made."""
+        data = b""
+        while len(data) < _protocol.HELLO.size:
+            try:
+                chunk = self.socket.recv(_protocol.HELLO.size - len(data))
+            except (BlockingIOError, InterruptedError):
+                await anyio.wait_readable(self.socket)
+                continue
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+    async def connect(self) -> WorkerConnection:
+        """The connection, frames both ways (for a connector whose hello was ours)."""
+        loop = asyncio.get_running_loop()
+        # Shielded: a connection introduced is handed over, to be used (or closed by the caller's
+        # cancellation), not dropped half made.
+        with anyio.CancelScope(shield=True):
+            _, protocol = await loop.create_unix_connection(WorkerConnection, sock=self.socket)
         return protocol
 
     async def aclose(self) -> None:
@@ -294,32 +354,33 @@ class Template:
 
                 tg.start_soon(close_when_lost)
                 while True:
-                    stream = await listener.accept()
-                    tg.start_soon(self._introduce, stream)
+                    incoming = await listener.accept()
+                    tg.start_soon(self._introduce, incoming)
         finally:
             # Shielded: closing must happen even as the pool's cancellation arrives.
             with anyio.CancelScope(shield=True):
                 await listener.aclose()
 
-    async def _introduce(self, stream: WorkerConnection) -> None:
+    async def _introduce(self, incoming: Incoming) -> None:
+        """Hand a connection to the fork that waits for it, once its first bytes are a hello with
+        our token; nothing it sent is unpickled before that (see ``_protocol``)."""
         try:
-            with anyio.fail_after(30):
-                hello = await stream.receive()
+            with anyio.fail_after(_HELLO_TIMEOUT):
+                hello = _protocol.Hello.read(await incoming.hello(), self.token)
+            # None: not one of ours. No fork waits for its slot: given up (quiesce, shutdown).
+            waiting = self.connections.get(hello.slot) if hello is not None else None
+            if waiting is None:
+                await close_quietly(incoming)
+                return
+            stream = await incoming.connect()
         except Exception:
-            # A worker killed right after it connected, or a stranger: that connection is lost,
-            # nothing else (the fork that waits for it sees the worker exit).
-            await close_quietly(stream)
+            # A worker killed right after it connected, or a stranger that says nothing: that
+            # connection is lost, nothing else (the fork that waits for it sees the worker exit).
+            await close_quietly(incoming)
             return
         except BaseException:
-            await close_quietly(stream)
+            await close_quietly(incoming)
             raise
-        if not (isinstance(hello, _protocol.Hello) and hello.token == self.token):
-            await close_quietly(stream)  # not one of ours
-            return
-        waiting = self.connections.get(hello.slot)
-        if waiting is None:
-            await close_quietly(stream)  # its fork was given up (quiesce, shutdown)
-            return
         waiting[1].append(stream)
         waiting[0].set()
 
@@ -359,9 +420,15 @@ class Template:
                         code = self.early_exits.pop(pid)
                         pid = None  # reaped: the number may be another process's by now
                         # Killed from outside (or with the template): worth another try. Any
-                        # other end is its own failure, counted towards giving up.
-                        error = TransientStartError if code in EXTERNAL else WorkerStartError
-                        raise error(f"a forked worker {describe_exit(code)} before it connected")
+                        # other end is its own failure, counted towards giving up, with what
+                        # it said (a socket it would not trust, say).
+                        if code in EXTERNAL:
+                            raise TransientStartError(
+                                f"a forked worker {describe_exit(code)} before it connected"
+                            )
+                        tail = await anyio.to_thread.run_sync(stderr_tail, config.get("stderr_path", ""))
+                        message = f"a forked worker {describe_exit(code)} before it connected\n{tail}"
+                        raise WorkerStartError(message.rstrip())
                     if self.lost.is_set():
                         raise TransientStartError("the template process died while a worker started")
                     with anyio.move_on_after(0.05):
