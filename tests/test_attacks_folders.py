@@ -139,11 +139,11 @@ def test_the_cli_refuses_another_users_cache_folder_with_exit_2(shared: Path, tm
     as_nobody(os.mkdir, str(theirs), 0o755)
     manifest = Path(__file__).parent.parent / "examples" / "manifest.toml"
     env = dict(os.environ, ACOMPILE_CACHE_DIR=str(theirs))
-    acompile_command = os.path.join(os.path.dirname(sys.executable), "acompile")
+    acompile_command = [sys.executable, "-m", "acompile"]
     bundle = tmp_path / "mine.tar"  # a bundle of this user's own (empty) cache
     (tmp_path / "mine").mkdir(mode=0o700)
     made = subprocess.run(
-        [acompile_command, "cache", "export", str(bundle), "--cache-dir", str(tmp_path / "mine")],
+        [*acompile_command, "cache", "export", str(bundle), "--cache-dir", str(tmp_path / "mine")],
         capture_output=True,
         text=True,
         timeout=300,
@@ -157,7 +157,7 @@ def test_the_cli_refuses_another_users_cache_folder_with_exit_2(shared: Path, tm
         ["cache", "export", str(tmp_path / "theirs.tar")],
     ):
         done = subprocess.run(
-            [acompile_command, *command],
+            [*acompile_command, *command],
             env=env,
             capture_output=True,
             text=True,
