@@ -35,7 +35,6 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
-from urllib.parse import urlparse
 
 import anyio
 
@@ -509,19 +508,14 @@ _SHARED_URL_FORMS = (
 
 
 def _shared_url_problem(url: str) -> str | None:
-    """What is wrong with a shared-cache URL, before any client is imported; None if nothing."""
-    parsed = urlparse(url)
-    if parsed.scheme not in ("redis", "rediss", "memcached"):
-        return f"not a shared cache URL; use {_SHARED_URL_FORMS}"
+    """What is wrong with a shared-cache URL, before any client is imported; None if nothing.
+    The pool's own check (its constructor makes it), with the forms a good URL takes."""
+    from acompile._cache._shared import check_target
+
     try:
-        parsed.port  # noqa: B018 (parsing it is the check)
-    except ValueError:
-        return f"the port is not a number; use {_SHARED_URL_FORMS}"
-    if not parsed.hostname:
-        return f"no host (a URL starts scheme://HOST); use {_SHARED_URL_FORMS}"
-    db = parsed.path.lstrip("/")
-    if parsed.scheme != "memcached" and db and not db.isdigit():
-        return f"the database after the host must be a number, got {db!r}; use {_SHARED_URL_FORMS}"
+        check_target(url)
+    except ValueError as exc:
+        return f"{exc}; use {_SHARED_URL_FORMS}"
     return None
 
 

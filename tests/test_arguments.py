@@ -135,3 +135,24 @@ def test_more_workers_than_cpus_is_allowed_with_a_warning(
         acompile.CompilePool(cpus + 1, cache_dir=tmp_path)
     warned = [r.getMessage() for r in caplog.records if "usable CPU" in r.getMessage()]
     assert warned and f"workers={cpus + 1} on {cpus} usable CPU" in warned[0], warned
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("redis:/bad", r"names no host"),
+        ("redis://h:notaport/0", r"the port must be a number"),
+        ("redis://h:70000/0", r"the port must be a number"),
+        ("redis://h:6379/x", r"the database must be a number"),
+        ("redis://h/0?max_connections=abc", r"max_connections .* must be a positive integer"),
+        ("redis://h/0?max_value=lots", r"max_value in the shared cache URL"),
+        ("http://h/0", r"unknown shared cache URL"),
+        ("redis://:s3cret@h:notaport/0", r"redis://:\*\*\*@h:notaport/0"),
+    ],
+)
+def test_a_shared_cache_url_that_cannot_work_is_refused_by_the_constructor(
+    tmp_path: Path, url: str, says: str
+) -> None:
+    with pytest.raises(ValueError, match=says) as refused:
+        acompile.CompilePool(1, target=TARGET, cache_dir=tmp_path, shared_cache=url)
+    assert "s3cret" not in str(refused.value)

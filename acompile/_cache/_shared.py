@@ -209,12 +209,31 @@ def redact_url(url: str) -> str:
 
 
 def check_target(target: Any) -> None:
-    """Refuse a shared-cache argument that cannot work, without importing any client."""
+    """Refuse a shared-cache argument that cannot work, without importing any client: the
+    constructor says so, not the pool's entry (``ValueError`` naming what is wrong)."""
     if isinstance(target, str):
-        if urlparse(target).scheme not in ("redis", "rediss", "memcached"):
+        parts = urlparse(target)
+        shown = redact_url(target)
+        if parts.scheme not in ("redis", "rediss", "memcached"):
             raise ValueError(
-                f"unknown shared cache URL {redact_url(target)!r}: use redis://host:port/db, "
+                f"unknown shared cache URL {shown!r}: use redis://host:port/db, "
                 "rediss://host:port/db (TLS) or memcached://host:port"
+            )
+        if not parts.hostname:
+            raise ValueError(
+                f"shared cache URL {shown!r} names no host: write {parts.scheme}://host:port/..."
+            )
+        try:
+            parts.port  # noqa: B018 (urllib parses the port as it is read)
+        except ValueError:
+            raise ValueError(
+                f"shared cache URL {shown!r}: the port must be a number from 1 to 65535"
+            ) from None
+        database = parts.path.strip("/")
+        if parts.scheme != "memcached" and database and not database.isdigit():
+            raise ValueError(
+                f"shared cache URL {shown!r}: the database must be a number (redis://host:6379/0), "
+                f"got {database!r}"
             )
         _url_max_connections(target)
         _url_max_value(target)
