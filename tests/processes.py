@@ -15,16 +15,26 @@ import pytest
 forked_and_fresh = pytest.mark.parametrize("fork_workers", [True, False], ids=["forked", "fresh"])
 
 
-def pool_processes() -> list[psutil.Process]:
-    """Every live process of a pool under this one: workers and the template."""
+def children_running(marker: str) -> list[psutil.Process]:
+    """Every live process under this one whose command line holds ``marker``."""
     found = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if "acompile._worker" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
+            if marker in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
                 found.append(child)
         except psutil.Error:
             pass  # gone while we looked
     return found
+
+
+def pool_processes() -> list[psutil.Process]:
+    """Every live process of a pool under this one: workers and the template."""
+    return children_running("acompile._worker")
+
+
+def probe_processes() -> list[psutil.Process]:
+    """Every live process that runs a source string's probe under this one."""
+    return children_running("_triton_probe")
 
 
 def is_template(proc: psutil.Process) -> bool:

@@ -24,7 +24,7 @@ import anyio
 import psutil
 import pytest
 from conftest import TARGET, subprocess_env
-from processes import gone, until
+from processes import gone, probe_processes, until
 
 import acompile
 from acompile._backends import _triton, _triton_probe
@@ -56,17 +56,6 @@ def pool(cache_dir: Path, **kw: object) -> acompile.CompilePool:
     return acompile.CompilePool(1, target=TARGET, cache_dir=cache_dir, **kw)  # type: ignore[arg-type]
 
 
-def _probes() -> list[psutil.Process]:
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if "_triton_probe" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
-                found.append(child)
-        except psutil.Error:
-            pass
-    return found
-
-
 # The processes the texts started (their pids, one a line), for the check that none is left.
 @pytest.fixture
 def started(tmp_path: Path) -> object:
@@ -88,7 +77,7 @@ def started(tmp_path: Path) -> object:
 def no_probe_left_behind() -> object:
     yield
     deadline = time.monotonic() + 2
-    while (left := _probes()) and time.monotonic() < deadline:
+    while (left := probe_processes()) and time.monotonic() < deadline:
         time.sleep(0.02)
     for proc in left:
         try:

@@ -18,7 +18,7 @@ import pytest
 import triton
 from conftest import TARGET, subprocess_env
 from kernels_for_tests import ADD_SIG, add_kernel
-from processes import gone
+from processes import gone, probe_processes
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -51,21 +51,10 @@ def pool(cache_dir: Path, workers: int = 1, **kw: object) -> acompile.CompilePoo
     return acompile.CompilePool(workers, target=TARGET, cache_dir=cache_dir, **kw)  # type: ignore[arg-type]
 
 
-def _helpers() -> list[psutil.Process]:
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if "_triton_probe" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
-                found.append(child)
-        except psutil.Error:
-            pass
-    return found
-
-
 @pytest.fixture(autouse=True)
 def no_helper_left_behind() -> object:
     yield
-    assert not _helpers(), "a source string's process outlived its request"
+    assert not probe_processes(), "a source string's process outlived its request"
 
 
 async def test_the_same_ptx_as_triton_and_the_text_never_runs_here(cache_dir: Path, tmp_path: Path) -> None:
@@ -107,7 +96,7 @@ async def test_a_deadline_stops_a_source_that_sleeps_or_spins(cache_dir: Path) -
                 with anyio.fail_after(3):
                     await p.triton(source(top=top), signature={"x_ptr": "*fp32", "n": "i32"})
             assert time.monotonic() - start < 10, top
-            assert not _helpers()
+            assert not probe_processes()
         # The pool is none the worse: the same kernel without the stall compiles.
         assert (await p.triton(source(), signature={"x_ptr": "*fp32", "n": "i32"})).cubin
 
