@@ -53,3 +53,25 @@ def slow_to_compile_kernel(x_ptr, out_ptr, N: tl.constexpr):
     for i in tl.static_range(N):
         acc += tl.load(x_ptr + i * 16 + tl.arange(0, 16)) * (i + 1)
     tl.store(out_ptr + tl.arange(0, 16), acc)
+
+
+# A kernel given as a source string, for the tests of what its top-level code may do: ``top`` is
+# that code, ``n`` what the kernel adds (another n, another kernel).
+SOURCE_SIG = {"x_ptr": "*fp32", "n": "i32"}
+_SOURCE = """
+import os, sys, subprocess, time
+import triton
+import triton.language as tl
+
+{top}
+
+@triton.jit
+def scaled(x_ptr, n, BLOCK: tl.constexpr = 128):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=m) * 3.0 + {n}, mask=m)
+"""
+
+
+def source_text(top: str = "", n: int = 0) -> str:
+    return _SOURCE.format(top=top, n=n)

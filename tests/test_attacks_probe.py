@@ -24,6 +24,7 @@ import anyio
 import psutil
 import pytest
 from conftest import TARGET, subprocess_env
+from kernels_for_tests import SOURCE_SIG, source_text
 from processes import gone, probe_processes, until
 
 import acompile
@@ -31,25 +32,11 @@ from acompile._backends import _triton, _triton_probe
 
 pytestmark = pytest.mark.anyio
 
-SIG = {"x_ptr": "*fp32", "n": "i32"}
-
-KERNEL = """
-import os, sys, subprocess, time
-import triton
-import triton.language as tl
-
-{top}
-
-@triton.jit
-def scaled(x_ptr, n, BLOCK: tl.constexpr = 128):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=m) * 3.0 + {n}, mask=m)
-"""
+SIG = SOURCE_SIG
 
 
 def source(top: str = "", n: int = 0) -> str:
-    return KERNEL.format(top=top, n=n)
+    return source_text(top, n)
 
 
 def pool(cache_dir: Path, **kw: object) -> acompile.CompilePool:

@@ -21,27 +21,14 @@ from typing import Any
 import anyio
 import pytest
 from conftest import TARGET
+from kernels_for_tests import SOURCE_SIG, source_text
 from processes import forked_and_fresh
 
 import acompile
 from acompile import _errors
 from acompile._workers import _protocol as wire
 
-SIG = {"x_ptr": "*fp32", "n": "i32"}
-
-KERNEL = """
-import os, sys
-import triton
-import triton.language as tl
-
-{top}
-
-@triton.jit
-def scaled(x_ptr, n, BLOCK: tl.constexpr = 128):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=m) * 3.0 + {n}, mask=m)
-"""
+SIG = SOURCE_SIG
 
 # Top-level code that, in a worker only (the probe that keys the text runs it too, and has its own
 # tests), writes a frame whose pickle makes the marker folder when it is unpickled to every pipe and
@@ -77,7 +64,7 @@ if "acompile._workers._main" in sys.modules:
 
 
 def source(top: str = "", n: int = 0) -> str:
-    return KERNEL.format(top=top, n=n)
+    return source_text(top, n)
 
 
 pytestmark = pytest.mark.anyio
