@@ -84,3 +84,17 @@ def matmul_kernel(
         c,
         mask=(rm[:, None] < M) & (rn[None, :] < N),
     )
+
+
+@triton.jit
+def unrolled_kernel(x_ptr, out_ptr, n, STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    # STEPS Euler steps of dx/dt = exp(-x) - x, unrolled at compile time (tl.static_range): the
+    # compiler sees STEPS copies of the body, each with its own step size, so the compile time
+    # grows with STEPS (seconds for a few hundred on 2 cores), as a large fused kernel's does.
+    # The example server's tests use it to hold a compile in flight.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    for i in tl.static_range(STEPS):
+        x = x + (tl.exp(-x) - x) / (i + 8)
+    tl.store(out_ptr + offs, x, mask=mask)

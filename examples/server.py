@@ -1,7 +1,7 @@
 """A model server that compiles Triton kernels on demand, with acompile behind it.
 
     uvicorn examples.server:app                      # from the repository root
-    uvicorn server:app --app-dir examples --port 8000
+    uvicorn server:app --app-dir examples --port 8000 --timeout-graceful-shutdown 5
     python examples/server.py --host 0.0.0.0 --port 8000
 
 Routes:
@@ -10,7 +10,9 @@ Routes:
     POST /compile   ``{"kernel": "add_kernel", "constexprs": {"BLOCK": 512}, "num_warps": 4}``
                     compiles (or takes from the cache) and answers ``{"name", "key", "tier",
                     "cubin_bytes", "seconds"}``; a wrong request is a 400, a kernel Triton
-                    rejects a 422, each with the message that says why.
+                    rejects a 422, each with the message that says why. A client that hangs
+                    up cancels its compile; on SIGTERM or SIGINT, every compile request in
+                    flight is answered at once with a 503 ("the server is shutting down").
     GET  /matmul    which matmul the server launches now: ``{"stage": "fast" | "best", "config",
                     "key", ...}`` (a 503 while neither version has compiled yet).
     POST /quiesce   stops the compile workers (what a server calls before CUDA-graph capture)
@@ -36,19 +38,23 @@ many idle seconds; default never), ``ACOMPILE_HOST`` and ``ACOMPILE_PORT`` (for
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import Any, TypeVar
 
 import anyio
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
@@ -65,6 +71,11 @@ if _HERE not in sys.path:
 import kernels  # noqa: E402
 
 logger = logging.getLogger("acompile.example")
+
+# On SIGTERM, uvicorn's bound on the wait for requests in flight (its --timeout-graceful-shutdown).
+# The handlers that await the pool answer a 503 at once (stop_signals_set): this is only a
+# backstop, for a client slow to read its answer, say. Past it, uvicorn cancels what is left.
+GRACEFUL_SHUTDOWN_S = 5
 
 # A deadline for one on-demand compile: a compile that takes longer is abandoned (its worker is
 # replaced) and the caller gets a 504 instead of a hung connection.
@@ -100,6 +111,8 @@ KERNELS: dict[str, tuple[Any, dict[str, str]]] = {
             "stride_cn": "i32",
         },
     ),
+    # Compiles for seconds (STEPS=800: 3-6 s on 2 cores): a compile a client may give up on.
+    "unrolled_kernel": (kernels.unrolled_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"}),
 }
 
 # The variants compiled at start-up (those of examples/manifest.toml), as
@@ -124,6 +137,111 @@ _REQUEST_FIELDS = {"kernel", "constexprs", "num_warps", "num_stages"}
 
 class BadRequest(Exception):
     """The request body is wrong before acompile sees it (answered with a 400)."""
+
+
+# Ending the work of a request nobody waits for any more. Two helpers a server can copy as they
+# are: run_unless_gone() around a handler's await, stop_signals_set() in the lifespan.
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client hung up before its answer was ready; its work was cancelled."""
+
+
+class ShuttingDown(Exception):
+    """The server began to shut down before the answer was ready; its work was cancelled
+    (answered with a 503, so that the client retries elsewhere)."""
+
+
+async def run_unless_gone(
+    request: Request, stopping: anyio.Event, fn: Callable[..., Awaitable[T]], *args: Any
+) -> T:
+    """Return ``await fn(*args)``, unless the client hangs up or ``stopping`` is set first: then
+    cancel it and raise ``ClientGone`` or ``ShuttingDown``. Call it once the body is read.
+
+    Why: for a plain (non-streaming) response nothing tells a handler that its client hung up:
+    Starlette awaits it to its end (a 27 s compile, for nobody) and the server drops the answer.
+    The ASGI server knows, and answers ``receive()`` with ``http.disconnect``: whoever reads it
+    must cancel the work. acompile then drops the job if it is queued, or stops the worker
+    running it (a fresh one takes its place) if nobody else waits for the same kernel.
+    """
+    gone: Exception | None = None
+    result: list[T] = []
+    failure: list[Exception] = []
+    async with anyio.create_task_group() as watchers:
+
+        async def watch_client() -> None:
+            nonlocal gone
+            # The body has been read: the next message comes when the client hangs up.
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            gone = ClientGone("the client closed the connection")
+            watchers.cancel_scope.cancel()
+
+        async def watch_server() -> None:
+            nonlocal gone
+            await stopping.wait()
+            gone = ShuttingDown("the server is shutting down; send the request again (to another replica)")
+            watchers.cancel_scope.cancel()
+
+        watchers.start_soon(watch_client)
+        watchers.start_soon(watch_server)
+        try:
+            result.append(await fn(*args))
+        except Exception as exc:
+            # Raised as it is after the task group: raised in it, it would come out wrapped in
+            # an ExceptionGroup. (A cancellation is no Exception: it goes through untouched.)
+            failure.append(exc)
+        watchers.cancel_scope.cancel()
+    if result:  # an answer wins over a hang-up that came with it
+        return result[0]
+    if failure:
+        raise failure[0]
+    assert gone is not None  # the work can only have been cancelled by a watcher
+    raise gone
+
+
+@contextlib.contextmanager
+def stop_signals_set(stopping: anyio.Event) -> Iterator[None]:
+    """Set ``stopping`` as soon as the process receives SIGTERM or SIGINT, then hand the signal
+    on to the handler that was there before (the server's own, which starts its shutdown).
+
+    Why: on SIGTERM uvicorn stops accepting connections, then waits for every request in flight
+    before it runs the lifespan's shutdown: a handler awaiting a long compile holds the process
+    up to the end of that compile (59 s measured). ``--timeout-graceful-shutdown`` bounds the
+    wait by cancelling the handlers' tasks from outside, which logs a ``CancelledError``
+    traceback and answers a 500 for each. The app is told nothing before that, so it listens for
+    the signal itself, with a handler put in front of the server's; requests in flight then
+    answer a 503 at once and the server's shutdown finds nothing to wait for.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        # Only the main thread may set signal handlers (a server run in a thread, in a test):
+        # there ``stopping`` is set when the lifespan exits, after the requests in flight.
+        yield
+        return
+    loop = asyncio.get_running_loop()  # uvicorn runs on asyncio (or uvloop)
+    previous: dict[int, Any] = {}
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        # A signal handler runs between two bytecodes of whatever the main thread does, the
+        # event loop's own code included: it only schedules the event's setting.
+        loop.call_soon_threadsafe(stopping.set)
+        chained = previous[signum]
+        if callable(chained):
+            chained(signum, frame)
+        else:  # SIG_DFL or SIG_IGN: do what it would have done
+            signal.signal(signum, chained)
+            signal.raise_signal(signum)
+
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        previous[stop_signal] = signal.signal(stop_signal, handler)
+    try:
+        yield
+    finally:
+        for signum, chained in previous.items():
+            if chained is not None:  # None: set outside Python; nothing to restore
+                signal.signal(signum, chained)
 
 
 class _Warmup:
@@ -256,6 +374,8 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         warmup = _Warmup()
         replay = _Replay(record_path, await anyio.Path(record_path).exists())
+        # Set on SIGTERM or SIGINT: requests in flight then answer a 503 (run_unless_gone).
+        stopping = anyio.Event()
         async with (
             acompile.CompilePool(
                 workers, target=target, record=record_path, idle_timeout=idle_timeout
@@ -268,9 +388,17 @@ def create_app(
             # Not awaited here: the server takes requests while these run.
             tg.start_soon(_warm_up, pool, warmup)
             tg.start_soon(_replay, pool, replay)
-            yield {"pool": pool, "warmup": warmup, "replay": replay, "matmul": matmul}
+            with stop_signals_set(stopping):
+                yield {
+                    "pool": pool,
+                    "warmup": warmup,
+                    "replay": replay,
+                    "matmul": matmul,
+                    "stopping": stopping,
+                }
             # Shutting down: warm-up and replay still running are dropped; leaving the pool
             # stops the workers and cancels the matmul's compiles if they are still pending.
+            stopping.set()
             tg.cancel_scope.cancel()
 
     async def health(request: Request) -> JSONResponse:
@@ -314,15 +442,25 @@ def create_app(
         pool: acompile.CompilePool = request.state.pool
         t0 = time.perf_counter()
         await pool.quiesce()
-        # quiesce() returns at once and the workers stop within milliseconds: answer once they
-        # have, so that a caller about to capture CUDA graphs knows the machine is quiet. Work
-        # still queued (a warm-up) wakes the pool again by itself: the answer then says so.
-        with anyio.move_on_after(5):
-            while True:
-                workers = pool.stats()["workers"]
-                if workers["alive"] == 0 or workers["awake"]:
-                    break
-                await anyio.sleep(0.005)
+
+        async def stopped() -> None:
+            # quiesce() returns at once and the workers stop within milliseconds: answer once
+            # they have, so that a caller about to capture CUDA graphs knows the machine is
+            # quiet. Work still queued (a warm-up) wakes the pool again by itself: the answer
+            # then says so.
+            with anyio.move_on_after(5):
+                while True:
+                    workers = pool.stats()["workers"]
+                    if workers["alive"] == 0 or workers["awake"]:
+                        break
+                    await anyio.sleep(0.005)
+
+        try:
+            await run_unless_gone(request, request.state.stopping, stopped)
+        except ShuttingDown as exc:
+            return _error(503, str(exc))
+        except ClientGone as exc:
+            return _error(499, str(exc))  # nobody reads it
         stats = pool.stats()
         return JSONResponse(
             {
@@ -344,14 +482,22 @@ def create_app(
                 body.get("num_warps", 4),
                 body.get("num_stages", 3),
             )
+            # A client that hangs up, or a server told to stop, cancels the compile: acompile
+            # then stops it, unless another request waits for the same kernel.
             with anyio.fail_after(COMPILE_DEADLINE_S):
-                kernel, tier = await pool.compile_with_tier(spec)
+                kernel, tier = await run_unless_gone(
+                    request, request.state.stopping, pool.compile_with_tier, spec
+                )
         except (BadRequest, acompile.InvalidSpecError) as exc:
             return _error(400, str(exc))
         except acompile.CompileError as exc:
             return _error(422, str(exc))
-        except acompile.PoolClosedError as exc:
+        except (acompile.PoolClosedError, ShuttingDown) as exc:
             return _error(503, str(exc))
+        except ClientGone as exc:
+            # The ASGI server drops an answer to a connection that is gone; 499 is what proxies
+            # log for a client that closed its request.
+            return _error(499, str(exc))
         except TimeoutError:
             return _error(504, f"the compile took longer than {COMPILE_DEADLINE_S:g} s and was abandoned")
         return JSONResponse(
@@ -380,6 +526,8 @@ async def _read_body(request: Request) -> dict[str, Any]:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the body is not JSON: {exc}") from None
+    except ClientDisconnect:  # hung up before the whole body came
+        raise ClientGone("the client closed the connection while sending its request") from None
     if not isinstance(body, dict):
         raise BadRequest(f"the body must be a JSON object such as {_EXAMPLE}, got {type(body).__name__}")
     unknown = sorted(set(body) - _REQUEST_FIELDS)
@@ -416,6 +564,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--idle-timeout", type=float, default=None, help="quiesce workers after this many idle seconds"
     )
+    parser.add_argument(
+        "--timeout-graceful-shutdown",
+        type=int,
+        default=GRACEFUL_SHUTDOWN_S,
+        help=f"on SIGTERM, wait at most this long for requests in flight (default {GRACEFUL_SHUTDOWN_S} s)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     default = all(v is None for v in (args.target, args.workers, args.record, args.idle_timeout))
@@ -424,7 +578,12 @@ def main(argv: list[str] | None = None) -> None:
         if default
         else create_app(args.target, args.workers, record=args.record, idle_timeout=args.idle_timeout)
     )
-    uvicorn.run(server_app, host=args.host, port=args.port)
+    uvicorn.run(
+        server_app,
+        host=args.host,
+        port=args.port,
+        timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+    )
 
 
 if __name__ == "__main__":

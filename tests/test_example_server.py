@@ -9,6 +9,7 @@ process table after shutdown.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -53,6 +54,18 @@ STORM: list[dict[str, Any]] = [
 
 # /health must answer in this time whatever is compiling: generous, for a busy 2-core machine.
 HEALTH_BOUND_S = 1.0
+
+# A compile that takes seconds (3-6 s on 2 cores; examples/kernels.py: unrolled_kernel), to have
+# one in flight when a client hangs up or the server is stopped. Vary STEPS for distinct kernels.
+SLOW: dict[str, Any] = {
+    "kernel": "unrolled_kernel",
+    "constexprs": {"STEPS": 800, "BLOCK": 256},
+    "num_warps": 4,
+}
+
+# SIGTERM with compiles in flight: the server must be gone within 2 s; the test allows twice that
+# for a loaded CI machine (the compiles it stops would take far longer: the test prints both).
+SHUTDOWN_BOUND_S = 4.0
 
 # The server's progressive matmul (examples/server.py: MATMUL_FAST, MATMUL_BEST), as /matmul says.
 MATMUL_FAST = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
@@ -577,6 +590,159 @@ async def test_idle_timeout_quiesces_the_pool_until_the_next_miss(tmp_path: Path
     assert health["pool"]["failed"] == 0, health
 
 
+def slow(steps: int) -> dict[str, Any]:
+    """SLOW with its own number of steps: another kernel, compiled on its own (no single flight)."""
+    return {**SLOW, "constexprs": {**SLOW["constexprs"], "STEPS": steps}}
+
+
+def raw_post(path: str, body: Any) -> bytes:
+    """An HTTP/1.1 POST as bytes, for a client that sends a request and hangs up without reading."""
+    payload = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+    return f"{head}content-length: {len(payload)}\r\n\r\n".encode() + payload
+
+
+def pool_children(server: Server) -> tuple[list[psutil.Process], list[int]]:
+    """The server's pool processes (the template, its workers, their helpers), and the workers'
+    pids. Workers are forked from the template and keep its command line: the template is the
+    one whose parent is the server."""
+    ours = [
+        p
+        for p in psutil.Process(server.process.pid).children(recursive=True)
+        if "acompile._worker" in " ".join(_cmdline(p)) and _status(p) != psutil.STATUS_ZOMBIE
+    ]
+    workers = [p.pid for p in ours if _ppid(p) != server.process.pid and _name(p) != "acompile-pyc"]
+    return ours, workers
+
+
+@pytest.mark.timeout(180)
+async def test_a_client_that_hangs_up_cancels_its_compile(tmp_path: Path, server_loop: str) -> None:
+    # One worker: the one that runs the compile is the one to watch.
+    async with (
+        serve(tmp_path / "cache", server_loop, ACOMPILE_WORKERS="1") as server,
+        client_of(server) as client,
+    ):
+        before = (await wait_until_settled(client))["pool"]
+        _, workers = pool_children(server)
+        assert len(workers) == 1, workers
+
+        # The client sends its request on a connection of its own and hangs up once its
+        # compile runs (not a moment sooner: a job still queued is dropped, not stopped).
+        stream = await anyio.connect_tcp("127.0.0.1", httpx.URL(server.url).port or 80)
+        await stream.send(raw_post("/compile", SLOW))
+        with anyio.fail_after(30):
+            while True:
+                if (await client.get("/health")).json()["pool"]["jobs"]["running"] > 0:
+                    break
+                await anyio.sleep(0.01)
+        await stream.aclose()
+        hung_up = time.perf_counter()
+
+        # Then the compile is cancelled, or (if the server does not notice) it runs to its end.
+        with anyio.fail_after(120):
+            while True:
+                after = (await client.get("/health")).json()["pool"]
+                if after["jobs"]["cancelled"] > before["jobs"]["cancelled"]:
+                    break
+                if after["jobs"]["done"] > before["jobs"]["done"]:
+                    break
+                await anyio.sleep(0.01)
+        cancel_seconds = time.perf_counter() - hung_up
+        assert after["jobs"]["done"] == before["jobs"]["done"], (
+            f"the compile ran to its end ({cancel_seconds:.2f} s after the client hung up) for nobody: {after}"
+        )
+        assert after["jobs"]["cancelled"] == before["jobs"]["cancelled"] + 1, after
+        # The worker that ran it is stopped (its compiler with it), and a fresh one takes its place.
+        with anyio.fail_after(30):
+            while True:
+                _, replaced = pool_children(server)
+                if len(replaced) == 1 and replaced != workers:
+                    break
+                await anyio.sleep(0.01)
+        replaced_seconds = time.perf_counter() - hung_up
+
+        # The same compile for a client that waits: how long the cancelled one would have run
+        # (nothing of it was cached). Measured here, on this machine, under the same load.
+        t0 = time.perf_counter()
+        full = await post_compile(client, SLOW)
+        compile_seconds = time.perf_counter() - t0
+        last = (await client.get("/health")).json()["pool"]
+
+    summary = (
+        f"cancelled {cancel_seconds:.2f} s and its worker replaced {replaced_seconds:.2f} s after the "
+        f"client hung up; the same compile takes {compile_seconds:.2f} s"
+    )
+    print(summary)
+    replacements = {
+        cause: last["workers"]["restarts"].get(cause, 0) - before["workers"]["restarts"].get(cause, 0)
+        for cause in ("abandoned", "crash", "killed")
+    }
+    assert replacements == {"abandoned": 1, "crash": 0, "killed": 0}, last["workers"]
+    assert full.status_code == 200 and full.json()["tier"] == "compile", full.text
+    assert last["jobs"]["cancelled"] == before["jobs"]["cancelled"] + 1, last
+    assert last["failed"] == 0, last
+    assert replaced_seconds < compile_seconds / 3, summary
+    assert "Traceback" not in server.log, server.log
+
+
+@pytest.mark.timeout(180)
+async def test_sigterm_with_compiles_in_flight_answers_503_and_exits_at_once(
+    tmp_path: Path, server_loop: str
+) -> None:
+    bodies = [slow(800 + i) for i in range(4)]
+    answers: dict[int, httpx.Response | Exception] = {}
+    # Two workers, whatever the machine: two of the compiles run, the other two wait in the queue.
+    async with (
+        serve(tmp_path / "cache", server_loop, ACOMPILE_WORKERS="2") as server,
+        client_of(server) as client,
+    ):
+        size = (await wait_until_settled(client))["pool"]["workers"]["size"]
+        assert size == 2, size
+
+        async def ask(i: int) -> None:
+            try:
+                answers[i] = await post_compile(client, bodies[i])
+            except httpx.TransportError as exc:  # no answer at all: the test says so below
+                answers[i] = exc
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(bodies)):
+                tg.start_soon(ask, i)
+            # Every worker runs one of them, and the rest are queued.
+            with anyio.fail_after(30):
+                while True:
+                    jobs = (await client.get("/health")).json()["pool"]["jobs"]
+                    if (jobs["running"], jobs["queued"]) == (size, len(bodies) - size):
+                        break
+                    await anyio.sleep(0.01)
+            children, _ = pool_children(server)
+            t0 = time.perf_counter()
+            server.process.send_signal(signal.SIGTERM)
+            with anyio.fail_after(60):
+                code = await server.process.wait()
+            seconds = time.perf_counter() - t0
+
+    print(
+        f"SIGTERM with {size} compiles running and {len(bodies) - size} queued: exit {code} in {seconds:.2f} s"
+    )
+    assert seconds < SHUTDOWN_BOUND_S, f"shutdown took {seconds:.2f} s\n{server.log}"
+    assert code in (0, -signal.SIGTERM), f"exit status {code}\n{server.log}"
+    got = {
+        i: (a.status_code, a.text) if isinstance(a, httpx.Response) else repr(a) for i, a in answers.items()
+    }
+    assert all(
+        isinstance(a, httpx.Response)
+        and a.status_code == 503
+        and "the server is shutting down" in a.json()["error"]
+        for a in answers.values()
+    ), f"{got}\n{server.log}"
+    assert len(answers) == len(bodies), got
+    assert "Traceback" not in server.log and "CancelledError" not in server.log, server.log
+    _, alive = psutil.wait_procs(children, timeout=3)
+    alive = [p for p in alive if _status(p) != psutil.STATUS_ZOMBIE]
+    assert not alive, f"left running after shutdown: {alive}"
+
+
 def _cmdline(process: psutil.Process) -> list[str]:
     try:
         return list(process.cmdline())
@@ -589,3 +755,17 @@ def _status(process: psutil.Process) -> str:
         return str(process.status())
     except psutil.NoSuchProcess:
         return str(psutil.STATUS_DEAD)
+
+
+def _ppid(process: psutil.Process) -> int:
+    try:
+        return process.ppid()
+    except psutil.Error:
+        return -1
+
+
+def _name(process: psutil.Process) -> str:
+    try:
+        return process.name()
+    except psutil.Error:
+        return ""
