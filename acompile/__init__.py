@@ -11,29 +11,71 @@ from __future__ import annotations
 import typing as _typing
 
 from acompile import _lazy
+from acompile._version import __version__ as __version__
 
-# In a pool's worker process, the names below are imported at the first one used (see
-# acompile._lazy); everywhere else, with the package.
-if _typing.TYPE_CHECKING or _lazy.eager(__name__):
-    # torch.compile served (acompile.inductor.serve): the module imports no torch until used.
+# Each name, by the module it lives in (and its name there where it differs); see acompile._lazy.
+_NAMES: dict[str, str | tuple[str, str]] = {
+    "inductor": ("inductor", ""),
+    "Trial": "_autotune",
+    "TunedKernel": "_autotune",
+    "TuneResult": "_autotune",
+    "CppSpec": "_backends",
+    "CudaFunction": "_backends",
+    "CudaModule": "_backends",
+    "CudaSpec": "_backends",
+    "ObjectFile": "_backends",
+    "SharedLibrary": "_backends",
+    "TritonKernel": "_backends",
+    "TritonSpec": "_backends",
+    "BundleReport": "_cache",
+    "PruneReport": "_cache",
+    "explain_key": "_cache",
+    "export_bundle": "_cache",
+    "import_bundle": "_cache",
+    "prune_cache": ("_cache", "prune"),
+    "CompilePool": "_compiler",
+    "AcompileError": "_errors",
+    "BackendUnavailableError": "_errors",
+    "CompileError": "_errors",
+    "CompileTimeoutError": "_errors",
+    "CppCompileError": "_errors",
+    "CUDACompileError": "_errors",
+    "DeviceUnavailableError": "_errors",
+    "FarmToolchainError": "_errors",
+    "FarmUnreachableError": "_errors",
+    "InvalidSpecError": "_errors",
+    "KernelNotReadyError": "_errors",
+    "PoolClosedError": "_errors",
+    "PoolError": "_errors",
+    "UnknownTargetError": "_errors",
+    "UntrustedFolderError": "_errors",
+    "WorkerCrashedError": "_errors",
+    "WorkerStartError": "_errors",
+    "RayFarm": "_farm",
+    "load_manifest": "_manifest",
+    "BackgroundKernel": "_progressive",
+    "ProgressiveKernel": "_progressive",
+    "Target": "_targets",
+}
+if _typing.TYPE_CHECKING:
     from acompile import inductor as inductor
     from acompile._autotune import Trial as Trial
     from acompile._autotune import TunedKernel as TunedKernel
     from acompile._autotune import TuneResult as TuneResult
-    from acompile._backends._cpp import CppSpec as CppSpec
-    from acompile._backends._cuda import CudaSpec as CudaSpec
-    from acompile._backends._driver import CudaFunction as CudaFunction
-    from acompile._backends._driver import CudaModule as CudaModule
-    from acompile._backends._native import ObjectFile as ObjectFile
-    from acompile._backends._native import SharedLibrary as SharedLibrary
-    from acompile._backends._triton import TritonKernel as TritonKernel
-    from acompile._backends._triton import TritonSpec as TritonSpec
-    from acompile._cache._bundle import BundleReport as BundleReport
-    from acompile._cache._bundle import export_bundle as export_bundle
-    from acompile._cache._bundle import import_bundle as import_bundle
-    from acompile._cache._explain import explain_key as explain_key
-    from acompile._cache._prune import PruneReport as PruneReport
-    from acompile._cache._prune import prune as prune_cache
+    from acompile._backends import CppSpec as CppSpec
+    from acompile._backends import CudaFunction as CudaFunction
+    from acompile._backends import CudaModule as CudaModule
+    from acompile._backends import CudaSpec as CudaSpec
+    from acompile._backends import ObjectFile as ObjectFile
+    from acompile._backends import SharedLibrary as SharedLibrary
+    from acompile._backends import TritonKernel as TritonKernel
+    from acompile._backends import TritonSpec as TritonSpec
+    from acompile._cache import BundleReport as BundleReport
+    from acompile._cache import PruneReport as PruneReport
+    from acompile._cache import explain_key as explain_key
+    from acompile._cache import export_bundle as export_bundle
+    from acompile._cache import import_bundle as import_bundle
+    from acompile._cache import prune as prune_cache
     from acompile._compiler import CompilePool as CompilePool
     from acompile._errors import AcompileError as AcompileError
     from acompile._errors import BackendUnavailableError as BackendUnavailableError
@@ -57,9 +99,7 @@ if _typing.TYPE_CHECKING or _lazy.eager(__name__):
     from acompile._progressive import BackgroundKernel as BackgroundKernel
     from acompile._progressive import ProgressiveKernel as ProgressiveKernel
     from acompile._targets import Target as Target
-else:
-    __getattr__ = _lazy.on_first_use(__name__)
-from acompile._version import __version__ as __version__
+__getattr__, __dir__ = _lazy.face(__name__, _NAMES, eager=True)
 
 __all__ = (
     "AcompileError",

@@ -48,15 +48,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from acompile._backends import _triton
-from acompile._backends._triton import TritonKernel, TritonRequest, TritonSpec
-from acompile._cache._entry import Entry
-from acompile._cache._keys import make_key
+from acompile import _linux
+from acompile._backends import TritonKernel, TritonRequest, TritonSpec, prepare_triton
+from acompile._cache import Entry, make_key
 from acompile._errors import (
     BackendUnavailableError,
     CompileError,
@@ -64,12 +63,8 @@ from acompile._errors import (
     InvalidSpecError,
 )
 from acompile._targets import Target, local_target
-from acompile._workers import _linux
 
-if TYPE_CHECKING:
-    from acompile._compiler import CompilePool
-
-__all__ = ["Records", "Trial", "TuneResult", "TunedKernel", "Tuner", "autotune", "pin_key"]
+__all__ = ["Pool", "Records", "Trial", "TuneResult", "TunedKernel", "Tuner", "autotune", "pin_key"]
 
 logger = logging.getLogger("acompile")
 
@@ -98,6 +93,21 @@ class Records(Protocol):
         """Store a record under ``key`` in every tier."""
 
 
+class Pool(Protocol):
+    """What a tuning asks of the pool it runs in: ``CompilePool``, which hands itself in (it is
+    the layer above: this module never imports it)."""
+
+    @property
+    def target(self) -> Target | None:
+        """The pool's default target, or None for the local GPU's."""
+
+    async def compile(self, spec: TritonSpec, *, background: bool = False) -> TritonKernel:
+        """The kernel ``spec`` asks for, from the pool's cache or its workers."""
+
+    async def autotune(self, fn: Any, configs: Any = None, **options: Any) -> TunedKernel:
+        """``Tuner.autotune`` for this pool."""
+
+
 class Tuner:
     """A pool's autotuning state, owned by the pool (``CompilePool.autotune`` uses it).
 
@@ -115,11 +125,11 @@ class Tuner:
         self.choices: dict[str, dict[str, Any]] = {}
 
     async def autotune(
-        self, pool: CompilePool, memo_dir: Path, fn: Any, configs: Any, **options: Any
+        self, pool: Pool, memo_dir: Path, memory_limit: int | None, fn: Any, configs: Any, **options: Any
     ) -> TunedKernel:
         """``autotune()`` for ``pool`` (running; the caller checks), whose backends keep their
-        toolchain memo in ``memo_dir``."""
-        return await _autotune(self, pool, memo_dir, fn, configs, **options)
+        toolchain memo in ``memo_dir`` and hold what they start to ``memory_limit``."""
+        return await _autotune(self, pool, memo_dir, memory_limit, fn, configs, **options)
 
 
 # --- results --------------------------------------------------------------------------------
@@ -385,17 +395,16 @@ def _pinned_config(value: Any, configs: list[_Config]) -> tuple[int | None, _Con
 # --- the tuning -----------------------------------------------------------------------------
 
 
-async def autotune(
-    pool: CompilePool, fn: Any, configs: Sequence[Any] | None = None, **options: Any
-) -> TunedKernel:
+async def autotune(pool: Pool, fn: Any, configs: Sequence[Any] | None = None, **options: Any) -> TunedKernel:
     """``pool.autotune(fn, configs, **options)``: see ``_autotune`` for the arguments."""
     return await pool.autotune(fn, configs, **options)
 
 
 async def _autotune(
     tuner: Tuner,
-    pool: CompilePool,
+    pool: Pool,
     memo_dir: Path,
+    memory_limit: int | None,
     fn: Any,
     configs: Sequence[Any] | None,
     *,
@@ -507,8 +516,8 @@ async def _autotune(
     requests = []
     for i, spec in enumerate(specs):
         try:
-            with _linux.under_memory_limit(pool._memory_limit):
-                requests.append(await _triton.prepare(spec, pool.target, memo_dir))
+            with _linux.under_memory_limit(memory_limit):
+                requests.append(await prepare_triton(spec, pool.target, memo_dir))
         except InvalidSpecError as exc:
             raise type(exc)(f"config #{i} ({config_label(normalized[i].as_dict())}): {exc}") from exc
     runtime = [n for n in requests[0].signature if n not in requests[0].constants]
@@ -557,7 +566,7 @@ class _Tuning:
     def __init__(
         self,
         tuner: Tuner,
-        pool: CompilePool,
+        pool: Pool,
         configs: list[_Config],
         specs: list[TritonSpec],
         requests: list[TritonRequest],

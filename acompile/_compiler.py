@@ -23,19 +23,28 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
-from acompile import _autotune, _pacing, _progressive
+from acompile import _autotune, _linux, _pacing, _progressive
 from acompile._autotune import TunedKernel
-from acompile._backends import BACKENDS, _launcher, backend_of, load_parent, worker_module
-from acompile._cache import CorruptEntry, GuardedDisk, MemoryTier, Tier, TierChain, default_cache_dir
-from acompile._cache._costs import CostFeatures
-from acompile._cache._shared import SharedTier, signing_key_from
+from acompile._backends import BACKENDS, backend_of, load_parent, prepare_launcher, worker_module
+from acompile._cache import (
+    CorruptEntry,
+    CostFeatures,
+    GuardedDisk,
+    MemoryTier,
+    SharedTier,
+    Tier,
+    TierChain,
+    default_cache_dir,
+    signing_key_from,
+)
 from acompile._errors import AcompileError, CompileError, DeviceUnavailableError, PoolClosedError, PoolError
+from acompile._farm import RayFarm
 from acompile._manifest import Recorder
 from acompile._observe import Tracer
 from acompile._progressive import BackgroundKernel, ProgressiveKernel
 from acompile._sizing import default_workers, parse_size, usable_cpus
 from acompile._targets import Target, local_target, parse_target
-from acompile._torch._portal import Portal
+from acompile._torch import Portal
 from acompile._workers import (
     BACKGROUND,
     URGENT,
@@ -43,22 +52,26 @@ from acompile._workers import (
     Job,
     JobCancelled,
     WorkerPool,
-    _bytecode,
-    _linux,
+    bytecode_plan,
     idle_stats,
     remove_work_folder,
 )
 
 if TYPE_CHECKING:
-    from acompile._backends._contract import ParentBackend, Request
-    from acompile._backends._cpp import CppSpec
-    from acompile._backends._cuda import CudaSpec
-    from acompile._backends._driver import CudaModule
-    from acompile._backends._native import ObjectFile, SharedLibrary
-    from acompile._backends._triton import TritonKernel, TritonSpec
-    from acompile._farm import RayFarm
+    from acompile._backends import (
+        CppSpec,
+        CudaModule,
+        CudaSpec,
+        ObjectFile,
+        ParentBackend,
+        Request,
+        SharedLibrary,
+        TritonKernel,
+        TritonSpec,
+    )
     from acompile._observe import Stats
-    from acompile._torch._host import Host as TorchHost
+    from acompile._torch import Host as TorchHost
+    from acompile._workers import BackendConfig, WorkerConfig
 
     # What a compile returns, by spec: TritonSpec -> TritonKernel, CppSpec -> SharedLibrary,
     # CudaSpec -> CudaModule, SharedLibrary or ObjectFile (by its output).
@@ -234,8 +247,42 @@ class CompilePool:
         trace: str | os.PathLike[str] | None = None,
         farm: RayFarm | None = None,
     ) -> None:
-        if workers is not None and (not isinstance(workers, int) or workers < 1):
+        # Every argument is checked here, before anything starts: a server learns of a wrong one
+        # when it builds its pool, not at entry or at its first request.
+        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
             raise ValueError(f"workers must be a positive integer or None, got {workers!r}")
+        for name, flag in (
+            ("prestart", prestart),
+            ("fork_workers", fork_workers),
+            ("unsafe_unsigned_host_code", unsafe_unsigned_host_code),
+        ):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        if (
+            isinstance(memory_cache_size, bool)
+            or not isinstance(memory_cache_size, int)
+            or memory_cache_size < 0
+        ):
+            raise ValueError(f"memory_cache_size must be an integer >= 0, got {memory_cache_size!r}")
+        if not isinstance(preload, (tuple, list)) or not all(isinstance(name, str) for name in preload):
+            raise TypeError(f"preload must be a tuple of backend names such as ('triton',), got {preload!r}")
+        if signing_key is not None and not isinstance(signing_key, (str, bytes)):
+            raise TypeError(f"signing_key must be a string or bytes, got {type(signing_key).__name__}")
+        if (
+            shared_cache is not None
+            and not isinstance(shared_cache, str)
+            and not hasattr(shared_cache, "get")
+        ):
+            raise TypeError(
+                f"shared_cache must be a URL or an aiocache cache, got {type(shared_cache).__name__}"
+            )
+        if not _positive_seconds(fleet_wait):
+            raise ValueError(f"fleet_wait must be a positive number of seconds, got {fleet_wait!r}")
+        if farm is not None and not isinstance(farm, RayFarm):
+            raise TypeError(f"farm must be an acompile.RayFarm or None, got {farm!r}")
+        cache_dir = _path_argument("cache_dir", cache_dir)
+        record = _path_argument("record", record)
+        trace = _path_argument("trace", trace)
         self._size = workers if workers is not None else default_workers()
         if workers is not None and farm is None and workers > (cpus := usable_cpus()):
             # Allowed (a machine shared with a changing load, a test), but rarely what is meant.
@@ -278,20 +325,19 @@ class CompilePool:
         self._worker_nice = worker_nice
         _check_backends(preload)
         self._preload = preload
-        if idle_timeout is not None and not idle_timeout > 0:
+        if idle_timeout is not None and not _positive_seconds(idle_timeout):
             raise ValueError(
                 f"idle_timeout must be a positive number of seconds or None, got {idle_timeout!r}"
             )
         self._idle_timeout = idle_timeout
-        self._memory_limit = parse_size(memory_limit) if memory_limit is not None else None
-        if max_compile_seconds is not None and not max_compile_seconds > 0:
+        try:
+            self._memory_limit = parse_size(memory_limit) if memory_limit is not None else None
+        except ValueError as exc:
+            raise ValueError(f"memory_limit: {exc}") from None
+        if max_compile_seconds is not None and not _positive_seconds(max_compile_seconds):
             raise ValueError(f"max_compile_seconds must be positive or None, got {max_compile_seconds!r}")
         self._max_compile_seconds = max_compile_seconds
-        if (
-            isinstance(preload_timeout, bool)
-            or not isinstance(preload_timeout, (int, float))
-            or not preload_timeout > 0
-        ):
+        if not _positive_seconds(preload_timeout):
             raise ValueError(f"preload_timeout must be a positive number of seconds, got {preload_timeout!r}")
         self._preload_timeout = float(preload_timeout)
         self._fork_workers = fork_workers
@@ -341,7 +387,7 @@ class CompilePool:
                             'CompilePool(preload=("inductor",)))'
                         ) from exc
             if self._target is not None and self._target.backend == "cuda":
-                _launcher.prepare()  # imported off the first launch, where a GPU driver is
+                prepare_launcher()  # imported off the first launch, where a GPU driver is
             await self._cache.open()
             for name in self._preload:
                 # Imports (in a thread) and one-time costs now, not in the first request.
@@ -349,7 +395,7 @@ class CompilePool:
                 await backend.setup(self._memo_dir, self._target)
             self._workdir = await anyio.to_thread.run_sync(WorkerPool.make_workdir, "acompile-")
             bytecode, helpers = await anyio.to_thread.run_sync(self._bytecode_plan)
-            config = {
+            config: WorkerConfig = {
                 "sys_path": list(sys.path),
                 "cwd": os.getcwd(),
                 "target": str(self._target) if self._target is not None else "",
@@ -358,15 +404,37 @@ class CompilePool:
                 "bytecode_dir": bytecode,
                 "bytecode_helpers": helpers,
             }
+            workdir = self._workdir
+
+            def local_workers() -> WorkerPool:
+                local = WorkerPool(
+                    self._size,
+                    config,
+                    workdir,
+                    memory_limit=self._memory_limit,
+                    max_compile_seconds=self._max_compile_seconds,
+                    preload_timeout=self._preload_timeout,
+                    idle_timeout=self._idle_timeout,
+                    use_template=self._fork_workers,
+                )
+                # What the workers' preload needs from this process (Triton's key of its
+                # binaries, computed once per machine) is prepared when they first start.
+                local.prepare_config_with(self._worker_config)
+                return local
+
+            local = local_workers() if self._farm is None or self._local_workers else None
             farm: Executor | None = None
             if self._farm is not None:
                 from acompile._farm import SplitExecutor, open_executor
 
                 # Connects to the cluster (bounded by the farm's connect_timeout); None where it
-                # cannot be reached and the farm falls back to local workers.
+                # cannot be reached and the farm falls back to local workers. A farm lost later
+                # falls back (if it may) to the local workers, made then if the pool has none.
                 farm = await open_executor(
                     self._farm,
                     self._memo_dir,
+                    local=local,
+                    make_local=local_workers,
                     target=config["target"],
                     backends=list(self._preload),
                     preload=config["preload"],
@@ -378,22 +446,12 @@ class CompilePool:
                     preload_timeout=self._preload_timeout,
                     idle_timeout=self._idle_timeout,
                 )
-            if farm is None or self._local_workers:
-                local = WorkerPool(
-                    self._size,
-                    config,
-                    self._workdir,
-                    memory_limit=self._memory_limit,
-                    max_compile_seconds=self._max_compile_seconds,
-                    preload_timeout=self._preload_timeout,
-                    idle_timeout=self._idle_timeout,
-                    use_template=self._fork_workers,
-                )
-                # What the workers' preload needs from this process (Triton's key of its
-                # binaries, computed once per machine) is prepared when they first start.
-                local.prepare_config_with(self._worker_config)
-                # With a farm too, urgent requests stay local and background ones go there.
-                self._workers = SplitExecutor(local, farm) if farm is not None else local
+            if farm is None:
+                self._workers = local if local is not None else local_workers()
+            elif local is not None:
+                # With local workers too, urgent requests stay local and background ones go to
+                # the farm.
+                self._workers = SplitExecutor(local, farm)
             else:
                 self._workers = farm
             self._tg = anyio.create_task_group()
@@ -418,10 +476,7 @@ class CompilePool:
         """Where the workers keep their imports' bytecode (None: where the installation does),
         and the help their first template gets to compile Triton's (only for a pool that
         preloads Triton). Blocking: a look along sys.path, the cgroup's CPU quota."""
-        folder = _bytecode.folder_for_workers(self._memo_dir)
-        if folder is None or "triton" not in self._preload:
-            return folder, ""
-        return folder, _bytecode.helpers_env(_bytecode.helpers_for(usable_cpus()))
+        return bytecode_plan(self._memo_dir, "triton" in self._preload)
 
     async def _prestart_soon(self, scope: anyio.CancelScope) -> None:
         # A miss, wait_ready() or wakeup() start the workers at once; quiesce() before this
@@ -497,8 +552,8 @@ class CompilePool:
                 tg.start_soon(one, key)
         return found, written
 
-    async def _worker_config(self) -> dict[str, Any]:
-        extra: dict[str, Any] = {}
+    async def _worker_config(self) -> BackendConfig:
+        extra: BackendConfig = {}
         for name in self._preload:
             backend = load_parent(name)  # imported by __aenter__ already
             extra.update(await backend.worker_config(self._memo_dir))
@@ -583,7 +638,7 @@ class CompilePool:
             CompileError: Triton rejected the kernel; the error carries its message.
             PoolClosedError: the pool is not running.
         """
-        from acompile._backends._triton import TritonSpec
+        from acompile._backends import TritonSpec
 
         spec = TritonSpec(
             fn_or_source,
@@ -674,7 +729,7 @@ class CompilePool:
             CUDACompileError: the compiler rejected the source; it carries the log, the line
                 number and the source line of the first error.
         """
-        from acompile._backends._cuda import CudaSpec
+        from acompile._backends import CudaSpec
 
         return await self.compile(CudaSpec(source, output, arch, options, name_expressions, name))
 
@@ -692,7 +747,7 @@ class CompilePool:
         Raises ``InvalidSpecError`` for wrong arguments and ``CppCompileError`` (log, line,
         source line) when the compiler rejects the source.
         """
-        from acompile._backends._cpp import CppSpec
+        from acompile._backends import CppSpec
 
         return await self.compile(CppSpec(source, options, include_dirs, name))
 
@@ -934,7 +989,7 @@ class CompilePool:
         self._check_running()
         # The pool's Tuner holds its tunings in progress and its choices; records go through
         # the cache chain.
-        return await self._tuner.autotune(self, self._memo_dir, fn, configs, **options)
+        return await self._tuner.autotune(self, self._memo_dir, self._memory_limit, fn, configs, **options)
 
     def progressive(self, fast_spec: Any, best_spec: Any) -> ProgressiveKernel:
         """Serve a kernel at once and make it better while it is in use.
@@ -960,7 +1015,7 @@ class CompilePool:
         """What torch.compile served by this pool (``acompile.inductor.serve(pool)``) may use of
         it: its tiers, its executor, a way in from torch's threads. Raises ``PoolClosedError``
         outside ``async with``."""
-        from acompile._torch._host import Host
+        from acompile._torch import Host
 
         self._check_running()
         assert self._portal is not None and self._workers is not None
@@ -1106,6 +1161,21 @@ def _percentiles(values: list[float]) -> dict[str, float]:
         return values[min(len(values) - 1, int(q * len(values)))]
 
     return {"p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99), "max": values[-1]}
+
+
+def _positive_seconds(value: object) -> bool:
+    """Whether ``value`` is a positive, finite number of seconds (not a bool, not a string)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+
+
+def _path_argument(name: str, value: str | os.PathLike[str] | None) -> Path | None:
+    """A path argument as a ``Path``; ``TypeError`` naming the argument for anything else (an
+    empty string would be the current folder, which nobody means)."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise TypeError(f"{name} must be a path (a str or os.PathLike), got {value!r}")
+    return Path(value)
 
 
 def _check_backends(names: tuple[str, ...]) -> None:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from acompile._backends._triton import TritonSpec
+from acompile._backends import TritonSpec
 from acompile._errors import InvalidSpecError
 
 logger = logging.getLogger("acompile")

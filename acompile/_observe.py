@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, TypedDict
 
+from acompile import _files
+
 logger = logging.getLogger("acompile")
 
 _ORIGIN = time.perf_counter()
@@ -171,9 +173,7 @@ class Tracer:
 
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(self.document()))
-        os.replace(tmp, path)
+        _files.write_whole(path, json.dumps(self.document()).encode())
 
 
 def _request_args(request: Any) -> dict[str, Any]:

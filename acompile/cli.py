@@ -38,12 +38,10 @@ from typing import Any, TextIO
 
 import anyio
 
-from acompile._cache import DiskTier, default_cache_dir
-from acompile._cache._explain import read_header
-from acompile._cache._layout import human_bytes, is_key, toolchain_dir
+from acompile._cache import DiskTier, default_cache_dir, human_bytes, is_key, read_header, toolchain_dir
 from acompile._errors import AcompileError, UntrustedFolderError
 from acompile._version import __version__
-from acompile._workers._bytecode import FOLDER as BYTECODE_FOLDER
+from acompile._workers import BYTECODE_FOLDER
 
 WARMUP_EPILOG = """\
 columns: wait is the time a kernel queued for a free worker, compile the time a worker spent on it
@@ -113,7 +111,7 @@ class _LineHandler(logging.StreamHandler):  # type: ignore[type-arg]
 def _main(argv: list[str]) -> int:
     if argv[:1] == ["bench"]:
         # The benchmark parses its own options (acompile bench --help).
-        from acompile._bench.run import main as bench_main
+        from acompile._bench import main as bench_main
 
         return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="acompile", description="Compile GPU kernels ahead of time.")
@@ -282,8 +280,8 @@ def _main(argv: list[str]) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from acompile._cache._shared import signing_key_from
-    from acompile._torch._autoload import ENV
+    from acompile._cache import signing_key_from
+    from acompile._torch import SERVE_ENV as ENV
 
     command = list(args.argv)
     if command[:1] == ["--"]:
@@ -467,7 +465,7 @@ def _warmup(args: argparse.Namespace) -> int:
 def _signing_key_error() -> str | None:
     """What is wrong with ``$ACOMPILE_SIGNING_KEY`` (set but empty, too short), or None where it
     is a usable key or unset."""
-    from acompile._cache._shared import signing_key_from
+    from acompile._cache import signing_key_from
 
     try:
         signing_key_from(None)
@@ -478,7 +476,7 @@ def _signing_key_error() -> str | None:
 
 def _signing_key_problem() -> str | None:
     """Why there is no usable signing key in the environment, or None where there is one."""
-    from acompile._cache._shared import signing_key_from
+    from acompile._cache import signing_key_from
 
     try:
         return None if signing_key_from(None) is not None else "not set"
@@ -510,7 +508,7 @@ _SHARED_URL_FORMS = (
 def _shared_url_problem(url: str) -> str | None:
     """What is wrong with a shared-cache URL, before any client is imported; None if nothing.
     The pool's own check (its constructor makes it), with the forms a good URL takes."""
-    from acompile._cache._shared import check_target
+    from acompile._cache import check_target
 
     try:
         check_target(url)
@@ -733,8 +731,6 @@ def _print_models(models: list[dict[str, Any]], out: TextIO) -> None:
 def _absent_from_disk(cache_dir: Path, keys: set[str]) -> int:
     """How many of ``keys`` (the kernels warm-up compiled or found) are not in the cache folder
     (blocking: a stat per kernel)."""
-    from acompile._cache._disk import DiskTier
-
     disk = DiskTier(cache_dir)
     return sum(1 for key in keys if not disk.path(key).is_file())
 
@@ -873,7 +869,7 @@ def _untrusted_cache_folder(root: Path) -> str | None:
 
 def _shown(url: str) -> str:
     """A shared cache URL as it may be printed: its password, if any, never is."""
-    from acompile._cache._shared import redact_url
+    from acompile._cache import redact_url
 
     return redact_url(url)
 
@@ -946,7 +942,7 @@ def _cache_stats(root: Path) -> int:
 
 
 def _cache_export(args: argparse.Namespace, root: Path) -> int:
-    from acompile._cache._bundle import export_bundle
+    from acompile._cache import export_bundle
 
     keys: list[str] | None = None
     if args.target is not None and args.manifest is None:
@@ -959,7 +955,7 @@ def _cache_export(args: argparse.Namespace, root: Path) -> int:
     if problem := _output_path_problem(args.file):
         print(f"acompile cache export: cannot write {args.file}: {problem}", file=sys.stderr)
         return 2
-    from acompile._cache._shared import signing_key_from
+    from acompile._cache import signing_key_from
 
     try:
         signing_key_from(None)  # $ACOMPILE_SIGNING_KEY, which signs the bundle
@@ -1003,7 +999,7 @@ def _cache_export(args: argparse.Namespace, root: Path) -> int:
 
 def _manifest_keys(manifest: Path, target: str | None, root: Path) -> list[str]:
     """The keys the manifest's kernels have here (as `acompile warmup` computes them)."""
-    from acompile._backends._triton import prepare
+    from acompile._backends import prepare_triton as prepare
     from acompile._manifest import load_manifest
     from acompile._targets import parse_target
 
@@ -1042,7 +1038,7 @@ def _torch_entry_keys(root: Path) -> list[str]:
 
 
 def _cache_import(args: argparse.Namespace, root: Path) -> int:
-    from acompile._cache._bundle import import_bundle
+    from acompile._cache import import_bundle
 
     def spelled(text: str) -> str:
         """The API's switches, as this command spells them."""
@@ -1073,7 +1069,7 @@ def _cache_import(args: argparse.Namespace, root: Path) -> int:
 
 
 def _cache_prune(args: argparse.Namespace, root: Path) -> int:
-    from acompile._cache._prune import parse_age, prune
+    from acompile._cache import parse_age, prune
     from acompile._sizing import parse_size
 
     if args.max_size is None and args.max_age is None:
@@ -1130,7 +1126,7 @@ def _resolve_key(root: Path, text: str) -> tuple[str, str, int]:
 
 
 def _cache_explain(args: argparse.Namespace, root: Path) -> int:
-    from acompile._cache._explain import describe_factor, explain, explain_key, explain_miss
+    from acompile._cache import describe_factor, explain, explain_key, explain_miss
 
     keys = []
     for text in [args.key] + ([args.against] if args.against else []):
@@ -1201,7 +1197,7 @@ def _factors(n: int) -> str:
 
 
 def _factor_order(parts: dict[str, Any]) -> list[str]:
-    from acompile._cache._explain import FACTORS
+    from acompile._cache import FACTORS
 
     return [n for n in FACTORS if n in parts] + sorted(set(parts) - set(FACTORS))
 

@@ -46,13 +46,11 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from acompile._errors import AcompileError, BackendUnavailableError, PoolClosedError
-from acompile._torch._seams import SUPPORTED
+from acompile._torch import SUPPORTED, serve_with
 
 if TYPE_CHECKING:
     from acompile._compiler import CompilePool
-    from acompile._torch._host import Host
-    from acompile._torch._seams import Patches
-    from acompile._torch._served import Served
+    from acompile._torch import Host, Patches, Served
 
 __all__ = ("SUPPORTED", "Serving", "UnsupportedTorchWarning", "load_artifacts", "save_artifacts", "serve")
 
@@ -125,7 +123,7 @@ def serve(
 
 
 def _own_pool_options(options: dict[str, Any], unsafe: bool) -> dict[str, Any]:
-    from acompile._cache._shared import signing_key_from
+    from acompile._cache import signing_key_from
 
     options = dict(options)
     preload = tuple(options.get("preload", ()))
@@ -214,28 +212,22 @@ class Serving:
     # -- inside -----------------------------------------------------------------------------------
 
     def _start(self) -> None:
+        from acompile._torch import Served, Unsupported, find_seams, install_seams
+
         try:
-            from acompile._torch import _seams
-        except ImportError as exc:  # torch itself is missing (the module imports nothing else)
+            seams = find_seams()
+        except ImportError as exc:  # torch itself is missing
             raise BackendUnavailableError(
                 'serving torch.compile needs torch: pip install "acompile[torch]"'
             ) from exc
-        try:
-            seams = _seams.find()
-        except ImportError as exc:
-            raise BackendUnavailableError(
-                'serving torch.compile needs torch: pip install "acompile[torch]"'
-            ) from exc
-        except _seams.Unsupported as exc:
+        except Unsupported as exc:
             _warn_unsupported(str(exc))
             return
         host = self._host()
         if host.shared and not host.signed and not self._unsafe:
             raise ValueError(_UNSIGNED)
-        from acompile._torch._served import Served
-
         served = Served(host)
-        self._patches = _seams.install(seams, served)
+        self._patches = install_seams(seams, served)
         self._served = served
         self.active = True
 
@@ -457,7 +449,7 @@ class _OwnPool:
                 self._entered.set()
                 await self._stop_event.wait()
                 return
-            from acompile._torch._hostpool import HostPoolClient, HostPoolError
+            from acompile._torch import HostPoolClient, HostPoolError
 
             try:
                 async with HostPoolClient(self.pool.cache_dir, self._host_pool or None) as remote:
@@ -493,3 +485,8 @@ class _OwnPool:
                 loop.call_soon_threadsafe(event.set)
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+
+# torch's extension entry point (``acompile run``) serves through this module's ``serve``, handed
+# to it here: it sits below this module and does not import it.
+serve_with(serve)

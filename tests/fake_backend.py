@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from acompile._errors import CompileError
-from acompile._workers import _late
+from acompile._workers import late_config, outside_job_time
 
 if TYPE_CHECKING:
     from acompile import CompilePool
@@ -82,9 +82,9 @@ def compile(payload: dict[str, Any]) -> Any:
         # pool's late configuration) "wait_s" long, its second half in a nested block with
         # "nested", then "work_s" of the job's own.
         time.sleep(payload.get("before_s", 0.0))
-        with _late.paused():
+        with outside_job_time():
             time.sleep(payload["wait_s"] / 2)
-            with _late.paused() if payload.get("nested") else contextlib.nullcontext():
+            with outside_job_time() if payload.get("nested") else contextlib.nullcontext():
                 time.sleep(payload["wait_s"] / 2)
         time.sleep(payload.get("work_s", 0.0))
         return payload.get("value", "paused")
@@ -93,7 +93,7 @@ def compile(payload: dict[str, Any]) -> Any:
         entered = threading.Event()
 
         def elsewhere() -> None:
-            with _late.paused():
+            with outside_job_time():
                 entered.set()
                 time.sleep(payload["wait_s"])
 
@@ -103,7 +103,7 @@ def compile(payload: dict[str, Any]) -> Any:
     if action == "late":
         # What the pool's late configuration holds for this worker, as a backend reads it;
         # "config" instead of the worker's own (a file that never comes), then "work_s".
-        value = _late.prepared(payload.get("config") or _config, wait=True)
+        value = late_config(payload.get("config") or _config, wait=True)
         time.sleep(payload.get("work_s", 0.0))
         return value
     if action == "hold":

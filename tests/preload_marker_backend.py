@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from acompile._workers import _late
+from acompile._workers import late_config
 
 _config: dict[str, Any] = {}
 
@@ -26,4 +26,4 @@ def preload(config: dict[str, Any]) -> None:
 def compile(payload: Any) -> Any:
     if "from_hook" in _config:
         return _config["from_hook"]
-    return (_late.prepared(_config, wait=True) or {}).get("from_hook")
+    return (late_config(_config, wait=True) or {}).get("from_hook")

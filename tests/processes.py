@@ -47,10 +47,10 @@ def is_template(proc: psutil.Process) -> bool:
 
 def is_bytecode_helper(proc: psutil.Process) -> bool:
     # A template's bytecode helpers (forked, so with its command line) rename themselves.
-    from acompile._workers._bytecode import HELPER_NAME
+    from acompile._workers import BYTECODE_HELPER_NAME
 
     try:
-        return proc.name() == HELPER_NAME
+        return proc.name() == BYTECODE_HELPER_NAME
     except psutil.Error:
         return False
 

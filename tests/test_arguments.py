@@ -71,11 +71,11 @@ async def test_num_warps_true_is_not_a_cache_key_of_its_own(cache_dir: Path) -> 
     async with pool(cache_dir) as p:
         with pytest.raises(acompile.InvalidSpecError):
             await p.triton(add_kernel, **OK, num_warps=True)
-        from acompile._backends import _triton
+        from acompile._backends import prepare_triton
 
         for warps in (1, 2, 4, 8, 16, 32):
             spec = acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 64}, num_warps=warps)
-            request = await _triton.prepare(spec, p.target, p.cache_dir / "toolchain")
+            request = await prepare_triton(spec, p.target, p.cache_dir / "toolchain")
             assert request.key_parts["options"]["num_warps"] == warps
         assert p.stats()["workers"]["started"] == 0
 
@@ -156,3 +156,60 @@ def test_a_shared_cache_url_that_cannot_work_is_refused_by_the_constructor(
     with pytest.raises(ValueError, match=says) as refused:
         acompile.CompilePool(1, target=TARGET, cache_dir=tmp_path, shared_cache=url)
     assert "s3cret" not in str(refused.value)
+
+
+# Every argument of CompilePool with a value that cannot work, and what the error must say: the
+# constructor refuses each (a server learns at start-up, not at its first request or at entry),
+# naming the argument.
+CONSTRUCTOR_CASES: list[tuple[dict[str, Any], str]] = [
+    ({"workers": 0}, r"workers must be a positive integer or None, got 0"),
+    ({"workers": True}, r"workers must be a positive integer"),
+    ({"workers": 2.0}, r"workers must be a positive integer"),
+    ({"target": 90}, r"target must be a string such as 'cuda:90', got int"),
+    ({"target": "cuda:nine"}, r"unknown CUDA architecture in 'cuda:nine'; known: cuda:75"),
+    ({"cache_dir": 5}, r"cache_dir must be a path"),
+    ({"cache_dir": ""}, r"cache_dir must be a path"),
+    ({"memory_cache_size": -1}, r"memory_cache_size must be an integer >= 0, got -1"),
+    ({"memory_cache_size": "big"}, r"memory_cache_size must be an integer >= 0, got 'big'"),
+    ({"memory_cache_size": True}, r"memory_cache_size must be an integer >= 0"),
+    ({"prestart": "yes"}, r"prestart must be True or False, got 'yes'"),
+    ({"preload": "triton"}, r"preload must be a tuple of backend names"),
+    ({"preload": ("fortran",)}, r"unknown backend\(s\) to preload: \['fortran'\]"),
+    ({"worker_nice": 20}, r'worker_nice must be "idle" or an integer from 0 to 19, got 20'),
+    ({"worker_nice": "low"}, r"worker_nice must be"),
+    ({"idle_timeout": 0}, r"idle_timeout must be a positive number of seconds or None, got 0"),
+    ({"idle_timeout": "5"}, r"idle_timeout must be a positive number of seconds or None"),
+    ({"memory_limit": "lots"}, r"memory_limit: cannot read the size 'lots'"),
+    ({"memory_limit": 0}, r"memory_limit: a size must be positive"),
+    ({"max_compile_seconds": 0}, r"max_compile_seconds must be positive or None, got 0"),
+    ({"max_compile_seconds": "600"}, r"max_compile_seconds must be positive or None"),
+    ({"preload_timeout": -1}, r"preload_timeout must be a positive number of seconds, got -1"),
+    ({"fork_workers": 1}, r"fork_workers must be True or False, got 1"),
+    ({"shared_cache": 42}, r"shared_cache must be a URL or an aiocache cache, got int"),
+    ({"shared_cache": "redis:/bad"}, r"names no host"),
+    ({"signing_key": ""}, r"signing_key.*empty"),
+    ({"signing_key": 5}, r"signing_key must be a string or bytes"),
+    ({"unsafe_unsigned_host_code": "no"}, r"unsafe_unsigned_host_code must be True or False, got 'no'"),
+    ({"fleet_wait": 0}, r"fleet_wait must be a positive number of seconds, got 0"),
+    ({"fleet_wait": "60"}, r"fleet_wait must be a positive number of seconds"),
+    ({"record": 5}, r"record must be a path"),
+    ({"trace": 5}, r"trace must be a path"),
+    ({"farm": "ray://head:10001"}, r"farm must be an acompile.RayFarm or None, got 'ray://head:10001'"),
+]
+
+
+@pytest.mark.parametrize(("arguments", "says"), CONSTRUCTOR_CASES, ids=[str(a) for a, _ in CONSTRUCTOR_CASES])
+def test_every_argument_error_of_the_pool_is_raised_by_its_constructor(
+    tmp_path: Path, arguments: dict[str, Any], says: str
+) -> None:
+    kw: dict[str, Any] = {"target": TARGET, "cache_dir": tmp_path, **arguments}
+    with pytest.raises((ValueError, TypeError, acompile.AcompileError), match=says):
+        acompile.CompilePool(**kw)
+
+
+def test_every_argument_of_the_pool_is_tried_with_a_wrong_value() -> None:
+    # A new argument gets a case above: this fails until it does.
+    import inspect
+
+    tried = {name for arguments, _ in CONSTRUCTOR_CASES for name in arguments}
+    assert set(inspect.signature(acompile.CompilePool).parameters) == tried

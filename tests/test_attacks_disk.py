@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import os
 import stat
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -26,11 +27,8 @@ from conftest import TARGET
 from kernels_for_tests import ADD_SIG, add_kernel
 
 import acompile
-from acompile._backends import _triton, _triton_toolchain
-from acompile._cache import DiskTier
-from acompile._cache._costs import COSTS_FILE, LOCK_FILE
-from acompile._cache._entry import decode
-from acompile._cache._layout import lib_path, toolchain_dir
+from acompile._backends import _triton_toolchain, forget_triton
+from acompile._cache import COSTS_FILE, COSTS_LOCK_FILE, DiskTier, decode_entry, lib_path, toolchain_dir
 
 pytestmark = pytest.mark.anyio
 
@@ -96,9 +94,9 @@ class PeakRss:
 def fresh_toolchain_memo(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Forget what this process remembered of Triton's toolchain, so that the pool reads its
     memo files from the cache folder again."""
-    monkeypatch.setattr(_triton_toolchain, "_memo", {})
-    monkeypatch.setattr(_triton, "_toolchain_memo", None)
+    forget_triton()
     yield
+    forget_triton()  # what this test's folders made this process remember
 
 
 # --- FIFOs at the toolchain's memo files ---------------------------------------------------------------
@@ -149,7 +147,7 @@ async def test_a_huge_sparse_entry_is_a_miss_read_in_no_memory_and_replaced(cach
     assert grew < 200, f"this process grew by {grew} MiB reading one entry"
     assert tier == "compile" and stats["cache"]["disk_corrupt"] == 1
     assert path.stat().st_size < 1 << 20  # replaced by the fresh compile
-    assert decode(path.read_bytes(), good.key).blobs["so"] == lib.path.read_bytes()
+    assert decode_entry(path.read_bytes(), good.key).blobs["so"] == lib.path.read_bytes()
 
 
 # --- a folder where a library goes -----------------------------------------------------------------------
@@ -178,14 +176,14 @@ async def test_a_link_at_the_costs_lock_creates_nothing_where_it_points(
     cache_dir: Path, tmp_path: Path
 ) -> None:
     outside = own_folder(tmp_path / "outside") / "planted"
-    os.symlink(outside, own_folder(cache_dir) / LOCK_FILE)  # dangling: O_CREAT would make its target
+    os.symlink(outside, own_folder(cache_dir) / COSTS_LOCK_FILE)  # dangling: O_CREAT would make its target
     with anyio.fail_after(HANG):
         async with cpp_pool(cache_dir) as p:
             lib = await p.cpp(CPP)
     assert not (outside.exists() or outside.is_symlink())
     # The save went on, under a lock file of its own in place of the link.
     assert lib.key[:16] in (cache_dir / COSTS_FILE).read_text()
-    assert stat.S_ISREG(os.lstat(cache_dir / LOCK_FILE).st_mode)
+    assert stat.S_ISREG(os.lstat(cache_dir / COSTS_LOCK_FILE).st_mode)
 
 
 # --- a link where a folder of entries goes ------------------------------------------------------------------
@@ -206,7 +204,7 @@ async def test_a_link_in_place_of_a_folder_of_entries_is_neither_read_nor_writte
             _, tier = await p.compile_with_tier(acompile.CppSpec(CPP))
     assert tier == "compile"  # what the link led to was not read
     assert stat.S_ISDIR(os.lstat(folder).st_mode)  # a folder of the cache's own in its place
-    assert decode((folder / good.key).read_bytes(), good.key).key == good.key
+    assert decode_entry((folder / good.key).read_bytes(), good.key).key == good.key
     assert {path.name: path.read_bytes() for path in elsewhere.iterdir()} == before
 
 
@@ -215,12 +213,14 @@ def test_an_entry_header_announcing_gigabytes_is_not_read(tmp_path: Path) -> Non
     another user's: a file whose prefix announces a 2 GiB header is not one, and is not read."""
     import tracemalloc
 
-    from acompile._cache._entry import _PREFIX, MAGIC
-    from acompile._cache._explain import read_header
+    from acompile._cache import Entry, read_header
 
     path = tmp_path / ("ab" * 32)
+    # An entry's prefix (magic, format, the header's length, the digest: the layout acompile's
+    # cache entries document), here announcing a header of 2 GiB.
+    magic_and_format = Entry("ab" * 32, "cpp", "k", {}).encode()[:6]
     with open(path, "wb") as f:
-        f.write(_PREFIX.pack(MAGIC, 1, 2 << 30, b"\0" * 32))
+        f.write(magic_and_format + struct.pack(">I", 2 << 30) + bytes(32))
         f.truncate(2 << 30)  # sparse: no disk, all of it readable
     tracemalloc.start()
     try:

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 from attacker import as_nobody, nobody, shared_folder
+from conftest import subprocess_env
 
 import acompile
-from acompile._cache import _entry
+from acompile._cache import Entry, decode_entry
 
 BENIGN = 'extern "C" int answer() { return 42; }\n'
 
@@ -38,12 +39,12 @@ int answer(void) {{ return 666; }}
 """
 
 
-async def _benign_entry(scratch: Path) -> _entry.Entry:
+async def _benign_entry(scratch: Path) -> Entry:
     """The entry a pool publishes for BENIGN: its key is the one the attacker targets."""
     async with acompile.CompilePool(1, target="cuda:90", cache_dir=scratch, prestart=False) as pool:
         library = await pool.cpp(BENIGN)
     (path,) = [p for p in (scratch / "v1").rglob("*") if p.is_file() and p.name == library.key]
-    return _entry.decode(path.read_bytes(), library.key)
+    return decode_entry(path.read_bytes(), library.key)
 
 
 def _plant(folder: str, entry_bytes: bytes, key: str, source: str, workdir: str) -> str:
@@ -57,10 +58,10 @@ def _plant(folder: str, entry_bytes: bytes, key: str, source: str, workdir: str)
     with open(c_file, "w") as f:
         f.write(source)
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", so_file, c_file], check=True)
-    genuine = _entry.decode(entry_bytes, key)
+    genuine = decode_entry(entry_bytes, key)
     (blob,) = [name for name, data in genuine.blobs.items() if data.startswith(b"\x7fELF")]
     with open(so_file, "rb") as f:
-        forged = _entry.Entry(
+        forged = Entry(
             key, genuine.backend, genuine.name, dict(genuine.blobs, **{blob: f.read()}), genuine.meta
         )
     path = os.path.join(folder, "v1", key[:2], key)
@@ -168,23 +169,29 @@ def test_the_cli_refuses_another_users_cache_folder_with_exit_2(shared: Path, tm
         assert not any(theirs.iterdir()), f"{command} wrote into nobody's folder"
 
 
-def test_the_launcher_is_never_loaded_from_a_folder_another_user_controls(
-    shared: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_launcher_is_never_loaded_from_a_folder_another_user_controls(shared: Path) -> None:
     """The launcher (a C extension acompile builds once per machine) lives in the default cache
     folder and is imported into this process: one of another user's there is never imported,
     and the launcher says why it is not used (kernels then launch through Triton's)."""
-    from acompile._backends import _launcher
-
     theirs = shared / "cache"
     as_nobody(os.mkdir, str(theirs), 0o755)
-    monkeypatch.setenv("ACOMPILE_CACHE_DIR", str(theirs))
-    monkeypatch.setattr(_launcher, "_module", None)
-    monkeypatch.setattr(_launcher, "_failed", None)
-    include = _launcher._cuda_include()
-    if include is None:
-        pytest.skip("Triton's CUDA headers are not installed")
-    assert _launcher.module(build=False) is None
-    problem = _launcher.problem()
-    assert problem is not None and "belongs to nobody" in problem, problem
+    # A fresh process: one that has not looked for its launcher yet, as a program starting.
+    code = (
+        "from acompile._backends import launcher_module, launcher_problem\n"
+        "print(launcher_module(build=False) is None)\n"
+        "print(launcher_problem())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=subprocess_env(ACOMPILE_CACHE_DIR=str(theirs)),
+    )
+    assert done.returncode == 0, done.stderr
+    unused, problem = done.stdout.splitlines()
+    if problem == "Triton's CUDA headers are not installed":
+        pytest.skip(problem)
+    assert unused == "True"
+    assert "belongs to nobody" in problem, problem
     assert not any(theirs.iterdir()), "the launcher's folders were made in nobody's folder"

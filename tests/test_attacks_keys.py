@@ -28,11 +28,17 @@ import pytest
 from conftest import ROOT, TARGET, RedisServer, subprocess_env
 
 import acompile
-from acompile._backends._cpp import CppSpec, prepare
-from acompile._cache import read_entry
-from acompile._cache._bundle import MANIFEST_NAME, export_bundle, import_bundle
-from acompile._cache._entry import Entry
-from acompile._cache._shared import SharedTier, key_id, open_cache
+from acompile._backends import CppSpec, load_parent
+from acompile._cache import (
+    BUNDLE_MANIFEST,
+    Entry,
+    SharedTier,
+    export_bundle,
+    import_bundle,
+    open_shared_cache,
+    read_entry,
+    signing_key_id,
+)
 
 pytestmark = pytest.mark.anyio
 KEY = "a-signing-key-for-the-tests"
@@ -91,10 +97,10 @@ def rewrite_bundle(path: Path, out: Path, key: str, data: bytes) -> None:
     updated too (an unsigned bundle's digests authenticate nothing)."""
     with tarfile.open(path, "r:gz") as tar:
         members = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers()]  # type: ignore[union-attr]
-    assert members[0][0] == MANIFEST_NAME
+    assert members[0][0] == BUNDLE_MANIFEST
     description = json.loads(members[0][1])
     description["digests"][key] = hashlib.sha256(data).hexdigest()
-    members[0] = (MANIFEST_NAME, json.dumps(description).encode())
+    members[0] = (BUNDLE_MANIFEST, json.dumps(description).encode())
     members = [(n, data if n == f"entries/{key}" else d) for n, d in members]
     with tarfile.open(out, "w:gz") as tar:
         for name, body in members:
@@ -241,7 +247,7 @@ async def test_a_forged_library_in_an_unsigned_shared_tier_is_never_loaded(
 
 
 async def key_of(spec: CppSpec, tmp_path: Path) -> str:
-    return (await prepare(spec, None, tmp_path / "memo")).key
+    return (await load_parent("cpp").prepare(spec, None, tmp_path / "memo")).key
 
 
 async def wait_before_compiling(p: acompile.CompilePool, spec: CppSpec) -> float:
@@ -281,7 +287,7 @@ async def test_a_replayed_lease_costs_a_replica_seconds_at_most(
     client: Any = redis_server.client()
     spec = CppSpec(SLOW % 1, options=("-O2",))
     key = await key_of(spec, tmp_path)
-    namespace = key_id(KEY.encode())
+    namespace = signing_key_id(KEY.encode())
     lease = f"acompile:lease:{namespace}:{key}"
     copies: list[bytes] = []
     async with pool(tmp_path / "a", shared_cache=redis_server.url, signing_key=KEY) as a:
@@ -341,7 +347,7 @@ async def test_no_lease_outlives_its_pool_after_a_redis_stall(
 
 @asynccontextmanager
 async def tier(redis: RedisServer, signing_key: bytes | None) -> AsyncIterator[SharedTier]:
-    shared = SharedTier(await anyio.to_thread.run_sync(open_cache, redis.url), signing_key)
+    shared = SharedTier(await anyio.to_thread.run_sync(open_shared_cache, redis.url), signing_key)
     try:
         yield shared
     finally:

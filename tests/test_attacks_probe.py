@@ -28,7 +28,7 @@ from kernels_for_tests import SOURCE_SIG, source_text
 from processes import gone, probe_processes, until
 
 import acompile
-from acompile._backends import _triton, _triton_probe
+from acompile._backends import _triton_probe, _triton_text
 
 pytestmark = pytest.mark.anyio
 
@@ -115,7 +115,7 @@ async def test_a_forged_answer_runs_no_code_in_the_pool(cache_dir: Path, tmp_pat
     text = source(FORGE.format(marker=str(marker), then=then))
     async with pool(cache_dir, prestart=False) as p:
         try:
-            fn, _ = await _triton._kernel_from_text(text, None)
+            fn, _ = await _triton_text.kernel_from_text(text, None)
         except acompile.InvalidSpecError as exc:
             assert "answer" in str(exc) or "status" in str(exc), exc
         else:
@@ -144,7 +144,7 @@ async def test_what_top_level_code_starts_ends_with_the_request(
     then = "" if end == "finished" else "time.sleep(60)"
     text = source(CHILD.format(started=str(started), then=then))
     if end == "timed-out":
-        monkeypatch.setattr(_triton, "SOURCE_RUN_SECONDS", 5.0)
+        monkeypatch.setattr(_triton_text, "SOURCE_RUN_SECONDS", 5.0)
     async with pool(cache_dir, prestart=False) as p:
         if end == "finished":
             # Probed only: no worker runs the text, so whatever is left is the probe's.
@@ -316,13 +316,13 @@ async def test_a_text_that_lies_about_its_key_is_never_served_as_another(
     """A text's Triton key is what its own process reports, and its top-level code may patch
     Triton to report another kernel's. Compiled first, such a text must not be what an honest
     request for that other kernel is served: each text is keyed by its own bytes too."""
-    from acompile._cache import _entry
+    from acompile._cache import decode_entry
 
     honest_text = source()
     async with pool(tmp_path / "scratch") as p:
         honest = await p.triton(honest_text, signature=SIG)
     (path,) = [f for f in (tmp_path / "scratch" / "v1").rglob(honest.key)]
-    triton_key = _entry.decode(path.read_bytes(), honest.key).meta["key_parts"]["kernel"]
+    triton_key = decode_entry(path.read_bytes(), honest.key).meta["key_parts"]["kernel"]
     liar = source(
         top=f"triton.runtime.jit.JITFunction.cache_key = property(lambda self: {triton_key!r})",
         n=7,  # another kernel: it adds 7

@@ -31,8 +31,7 @@ from fake_backend import local_executor, run_job
 from processes import forked_and_fresh, until
 
 import acompile
-from acompile._workers import Job, WorkerPool
-from acompile._workers._protocol import encode
+from acompile._workers import Job, WorkerPool, encode_frame
 
 pytestmark = pytest.mark.anyio
 FAKE = "fake_backend"
@@ -175,12 +174,12 @@ async def test_a_stranger_on_the_template_socket_is_never_unpickled(
     was where its folder was another user's: nobody connects and sends a pickle, and so does a
     process of this user; neither is unpickled, and the pool goes on forking workers."""
     marker = tmp_path / "unpickled"
-    frame = encode(Unpickled(marker))
+    frame = encode_frame(Unpickled(marker))
     report = theirs / "report"
     async with pool(cache_dir) as p:
         await p.wait_ready()
         workers = local_executor(p)
-        template = workers._template
+        template = workers.runners.template
         assert template is not None
         os.chmod(workers.workdir, 0o711)
         os.chmod(template.address, 0o777)
@@ -225,7 +224,7 @@ async def test_a_worker_refuses_a_listener_of_another_user(
     marker = tmp_path / "unpickled"
     report = theirs / "report"
     address = theirs / "workers-1.sock"
-    with Background(_listen, str(address), encode(Unpickled(marker)), str(report)):
+    with Background(_listen, str(address), encode_frame(Unpickled(marker)), str(report)):
         await until(address.exists)
         if where == "moved into ours":
             private = tmp_path / "private"
@@ -235,9 +234,11 @@ async def test_a_worker_refuses_a_listener_of_another_user(
         async with pool(cache_dir) as p:
             await p.wait_ready()
             workers = local_executor(p)
-            template = workers._template
+            template = workers.runners.template
             assert template is not None
-            stderr_path = workers._stderr_file("worker-7.stderr")
+            # The forked worker's stderr file, made where the pool makes its workers' own.
+            stderr_path = os.path.join(workers.workdir, "worker-7.stderr")
+            os.close(os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
             error: Exception | None = None
             ours, template.address = template.address, str(address)
             try:

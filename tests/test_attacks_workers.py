@@ -208,7 +208,7 @@ def test_a_frame_that_names_anything_else_is_refused_and_nothing_runs(
 def test_the_forgeries_of_a_real_attack_are_refused(tmp_path: Path) -> None:
     """Pickles made as an attacker makes them, by ``pickle.dumps`` of an object whose
     ``__reduce__`` calls what it wants run: alone, as a job's result, as a job's error."""
-    from acompile._backends._native import SharedLibrary
+    from acompile import SharedLibrary
 
     marker = tmp_path / "ran"
     for forged, named in (

@@ -17,13 +17,22 @@ import anyio
 import pytest
 from conftest import TARGET, subprocess_env
 
-from acompile._cache import DiskTier
-from acompile._cache import _bundle as bundle
-from acompile._cache._bundle import MANIFEST_NAME, export_bundle, import_bundle
-from acompile._cache._entry import Entry
-from acompile._cache._explain import ABSENT, describe_factor, explain, explain_key, explain_miss
-from acompile._cache._keys import make_key
-from acompile._cache._prune import parse_age, prune
+from acompile._cache import (
+    ABSENT,
+    BUNDLE_MANIFEST,
+    DiskTier,
+    Entry,
+    describe_factor,
+    explain,
+    explain_key,
+    explain_miss,
+    export_bundle,
+    import_bundle,
+    make_key,
+    parse_age,
+    prune,
+)
+from acompile._cache import _bundle as bundle  # its limit on a member's size, lowered by one test
 from acompile._errors import AcompileError
 
 pytestmark = pytest.mark.anyio
@@ -84,7 +93,7 @@ def write_bundle(
     """A bundle made by hand, with whatever members a test needs."""
     info = manifest or {"format": 1, "acompile": "0.1.0", "created": "now", "count": len(members)}
     with tarfile.open(path, "w:gz") as tar:
-        for name, data in [(MANIFEST_NAME, json.dumps(info).encode()), *members]:
+        for name, data in [(BUNDLE_MANIFEST, json.dumps(info).encode()), *members]:
             ti = tarfile.TarInfo(name)
             ti.size = len(data)
             tar.addfile(ti, io.BytesIO(data))
@@ -112,8 +121,8 @@ async def test_export_then_import_into_a_fresh_folder_round_trips(cache_dir: Pat
     assert [p.name for p in path.parent.iterdir()] == ["seed.tar.gz"]  # no temporary file left
     with tarfile.open(path, "r:gz") as tar:
         names = tar.getnames()
-        description = json.loads(tar.extractfile(MANIFEST_NAME).read())  # type: ignore[union-attr]
-    assert names[0] == MANIFEST_NAME and sorted(names[1:]) == sorted(f"entries/{k}" for k in entries)
+        description = json.loads(tar.extractfile(BUNDLE_MANIFEST).read())  # type: ignore[union-attr]
+    assert names[0] == BUNDLE_MANIFEST and sorted(names[1:]) == sorted(f"entries/{k}" for k in entries)
     assert description["format"] == 1 and description["count"] == 4 and description["acompile"]
 
     fresh = tmp_path / "replica"
@@ -181,10 +190,17 @@ async def test_members_outside_the_bundle_or_not_entries_are_refused(
 ) -> None:
     key, data = make_entry(parts_for(0))
     path = tmp_path / "b.tgz"
-    names = ["../evil", "/tmp/evil-abs", "entries/../../evil2", "entries/notakey", "other.txt", MANIFEST_NAME]
+    names = [
+        "../evil",
+        "/tmp/evil-abs",
+        "entries/../../evil2",
+        "entries/notakey",
+        "other.txt",
+        BUNDLE_MANIFEST,
+    ]
     with tarfile.open(path, "w:gz") as tar:
         for name, payload in [
-            (MANIFEST_NAME, json.dumps({"format": 1, "count": 2}).encode()),
+            (BUNDLE_MANIFEST, json.dumps({"format": 1, "count": 2}).encode()),
             *[(n, data) for n in names],
             (f"entries/{key}", data),
         ]:
@@ -201,7 +217,7 @@ async def test_members_outside_the_bundle_or_not_entries_are_refused(
     assert "outside the bundle" in reasons["../evil"] and "outside the bundle" in reasons["/tmp/evil-abs"]
     assert "outside the bundle" in reasons["entries/../../evil2"]
     assert "not an entry" in reasons["entries/notakey"] and "not an entry" in reasons["other.txt"]
-    assert "second bundle description" in reasons[MANIFEST_NAME]
+    assert "second bundle description" in reasons[BUNDLE_MANIFEST]
     assert "not a regular file" in reasons[f"entries/{'a' * 64}"]
     assert not (tmp_path / "evil").exists() and not (tmp_path / "sub" / "evil2").exists()
 
@@ -233,9 +249,9 @@ def read_members(path: Path) -> tuple[dict[str, Any], list[tuple[str, bytes]]]:
 def forge(data: bytes, key: str) -> bytes:
     """The entry with its cubin replaced and its checksum recomputed: intact, but not what was
     exported."""
-    from acompile._cache._entry import decode
+    from acompile._cache import decode_entry
 
-    entry = decode(data, key)
+    entry = decode_entry(data, key)
     entry.blobs["cubin"] = b"\x7fELF evil code" + bytes(100)
     return entry.encode()
 
@@ -555,7 +571,7 @@ def test_cli_export_import_and_their_exit_codes(cache_dir: Path, tmp_path: Path)
 def test_cli_export_of_a_manifest_takes_its_kernels_only(cache_dir: Path, tmp_path: Path) -> None:
     from kernels_for_tests import ADD_SIG, add_kernel
 
-    from acompile._backends._triton import TritonSpec, prepare
+    from acompile._backends import TritonSpec, prepare_triton
     from acompile._targets import parse_target
 
     manifest = tmp_path / "m.toml"
@@ -568,7 +584,7 @@ def test_cli_export_of_a_manifest_takes_its_kernels_only(cache_dir: Path, tmp_pa
 
     async def key(block: int) -> str:
         spec = TritonSpec(add_kernel, ADD_SIG, {"BLOCK": block})
-        return (await prepare(spec, parse_target(TARGET), cache_dir / "toolchain")).key
+        return (await prepare_triton(spec, parse_target(TARGET), cache_dir / "toolchain")).key
 
     keys = [anyio.run(key, 64), anyio.run(key, 128)]
     unrelated = anyio.run(fill, cache_dir, 2)
@@ -584,7 +600,7 @@ def test_cli_export_of_a_manifest_takes_its_kernels_only(cache_dir: Path, tmp_pa
     assert "exported 1 entry" in out.stdout and f"missing {keys[1]}" in out.stderr
     assert "run `acompile warmup` on the manifest first" in out.stderr
     with tarfile.open(path) as tar:
-        assert tar.getnames() == [MANIFEST_NAME, f"entries/{keys[0]}"]
+        assert tar.getnames() == [BUNDLE_MANIFEST, f"entries/{keys[0]}"]
     assert not set(unrelated) & set(keys)
     anyio.run(disk.set, keys[1], Entry(keys[1], "triton", "add_kernel", {"cubin": b"\x01"}).encode())
     out = acompile_cmd(*args, "--target", TARGET)

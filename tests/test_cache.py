@@ -17,8 +17,19 @@ from conftest import TARGET, run_python, subprocess_env
 from kernels_for_tests import ADD_SIG, add_kernel
 
 import acompile
-from acompile._cache import DiskTier, GuardedDisk, LeaseTier, MemoryTier, Tier, TierChain
-from acompile._cache._entry import CorruptEntry, Entry, decode
+from acompile._backends import prepare_triton
+from acompile._cache import (
+    CorruptEntry,
+    DiskTier,
+    Entry,
+    GuardedDisk,
+    LeaseTier,
+    MemoryTier,
+    Tier,
+    TierChain,
+    decode_entry,
+    toolchain_dir,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -46,7 +57,7 @@ def sample_entry() -> Entry:
 
 def test_an_entry_round_trips() -> None:
     e = sample_entry()
-    back = decode(e.encode(), e.key)
+    back = decode_entry(e.encode(), e.key)
     assert back.blobs == e.blobs and back.meta == e.meta and back.name == "k"
 
 
@@ -57,19 +68,19 @@ def test_every_damaged_byte_and_every_truncation_is_detected() -> None:
         damaged = bytearray(data)
         damaged[i] ^= 0x41
         try:
-            back = decode(bytes(damaged), key)
+            back = decode_entry(bytes(damaged), key)
         except CorruptEntry:
             continue
         # A flip inside JSON whitespace-free text that still parses must not change the content.
         assert back.blobs == sample_entry().blobs and back.key == key, f"byte {i} changed content silently"
     for n in range(len(data)):
         with pytest.raises(CorruptEntry):
-            decode(data[:n], key)
+            decode_entry(data[:n], key)
 
 
 def test_an_entry_for_another_key_is_refused() -> None:
     with pytest.raises(CorruptEntry, match="holds key"):
-        decode(sample_entry().encode(), "cd" * 32)
+        decode_entry(sample_entry().encode(), "cd" * 32)
 
 
 def test_memory_tier_is_bounded_lru() -> None:
@@ -141,7 +152,7 @@ async def test_a_damaged_disk_entry_is_a_miss_and_is_replaced(
     assert tier == "compile" and k.asm["ptx"] == good.asm["ptx"]
     assert stats["cache"]["disk_corrupt"] == 1
     assert any("damaged" in r.message for r in caplog.records)
-    assert decode(path.read_bytes(), good.key).blobs["cubin"] == good.cubin  # overwritten whole
+    assert decode_entry(path.read_bytes(), good.key).blobs["cubin"] == good.cubin  # overwritten whole
 
 
 async def test_a_warm_start_reads_its_entries_together_and_verifies_each(cache_dir: Path) -> None:
@@ -221,7 +232,7 @@ async def test_an_intact_entry_without_a_loadable_kernel_is_a_miss_and_is_replac
     async with pool(cache_dir) as p:
         good = await p.compile(spec)
     path = entry_path(cache_dir, good.key)
-    entry = decode(path.read_bytes(), good.key)
+    entry = decode_entry(path.read_bytes(), good.key)
     good_json = entry.blobs["json"]
     named, edit = INTACT_BUT_UNLOADABLE[damage]
     edit(entry.blobs)
@@ -238,7 +249,7 @@ async def test_an_intact_entry_without_a_loadable_kernel_is_a_miss_and_is_replac
     assert k.metadata._asdict() == good.metadata._asdict() and k.metadata.name == "add_kernel"
     assert (k.asm["ptx"], k.asm["ttir"]) == (good.asm["ptx"], good.asm["ttir"])
     assert k.compiled.packed_metadata == good.compiled.packed_metadata
-    replaced = decode(path.read_bytes(), good.key).blobs
+    replaced = decode_entry(path.read_bytes(), good.key).blobs
     assert json.loads(replaced["json"]) == json.loads(good_json)
     assert {ext: replaced[ext] for ext in good.asm} == {
         ext: stage if isinstance(stage, bytes) else stage.encode() for ext, stage in good.asm.items()
@@ -277,17 +288,14 @@ class LoopPasses:
 async def test_many_kernels_at_once_are_served_a_slice_of_the_loop_at_a_time(cache_dir: Path) -> None:
     import gc
 
-    from acompile._backends import _triton
-    from acompile._cache._layout import toolchain_dir
-
     # The disk holds entries for 150 requests: one compiled kernel's bytes, under each key.
     specs = [acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 64 + i}) for i in range(150)]
     async with pool(cache_dir) as p:
-        model = decode(entry_path(cache_dir, (await p.compile(specs[0])).key).read_bytes())
+        model = decode_entry(entry_path(cache_dir, (await p.compile(specs[0])).key).read_bytes())
     target = acompile.Target("cuda", 90)
     disk = DiskTier(cache_dir)
     for spec in specs[1:]:
-        key = (await _triton.prepare(spec, target, toolchain_dir(cache_dir))).key
+        key = (await prepare_triton(spec, target, toolchain_dir(cache_dir))).key
         await disk.set(key, Entry(key, model.backend, model.name, model.blobs, model.meta).encode())
     gc.disable()  # the collector's passes are not the pool's
     try:
@@ -322,15 +330,11 @@ async def test_keys_are_portable_across_cache_folders_users_and_working_director
             1, target=TARGET, cache_dir=tmp_path / f"cache{i}", prestart=False
         ) as p:
             # Keys are computed in the parent: no compile needed to know one.
-            from acompile._backends import _triton
-
-            keys.append((await _triton.prepare(spec, p.target, tmp_path / f"memo{i}")).key)
+            keys.append((await prepare_triton(spec, p.target, tmp_path / f"memo{i}")).key)
     assert keys[0] == keys[1]
 
 
 async def test_the_key_follows_what_changes_the_binary(cache_dir: Path) -> None:
-    from acompile._backends import _triton
-
     base = acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 64})
     variants = [
         base,
@@ -343,10 +347,10 @@ async def test_the_key_follows_what_changes_the_binary(cache_dir: Path) -> None:
         acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 64}, options={"enable_fp_fusion": False}),
     ]
     target = acompile.Target("cuda", 90)
-    keys = [(await _triton.prepare(s, target, cache_dir)).key for s in variants]
+    keys = [(await prepare_triton(s, target, cache_dir)).key for s in variants]
     assert len(set(keys)) == len(keys)
-    assert (await _triton.prepare(base, target, cache_dir)).key == keys[0]
-    parts = (await _triton.prepare(base, target, cache_dir)).key_parts
+    assert (await prepare_triton(base, target, cache_dir)).key == keys[0]
+    parts = (await prepare_triton(base, target, cache_dir)).key_parts
     assert str(Path.home()) not in json.dumps(parts) and str(cache_dir) not in json.dumps(parts)
     assert parts["toolchain"]["triton"] == __import__("triton").__version__
 
@@ -376,7 +380,7 @@ def test_several_processes_share_one_cache_folder(cache_dir: Path) -> None:
     assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
     assert len({o[0] for o in outs}) == 1
     for key in outs[0][0].split():
-        decode(entry_path(cache_dir, key).read_bytes(), key)
+        decode_entry(entry_path(cache_dir, key).read_bytes(), key)
     leftovers = [p for p in (cache_dir / "v1").rglob(".*") if p.is_file()]
     assert leftovers == []
 
@@ -569,4 +573,4 @@ def test_an_entry_whose_header_has_the_wrong_shape_is_corrupt_even_with_a_valid_
     fields: dict[str, Any] = {"key": "ab" * 32, "backend": "cuda", "name": "k", "meta": {"a": 1}}
     entry = Entry(blobs={"cubin": b"\0"}, **(fields | {field: value}))
     with pytest.raises(CorruptEntry, match="malformed header"):
-        decode(entry.encode(), "ab" * 32)
+        decode_entry(entry.encode(), "ab" * 32)

@@ -24,14 +24,15 @@ from conftest import subprocess_env
 from kernels_for_tests import ADD_SIG, add_kernel
 
 import acompile
-from acompile._cache import GuardedDisk, _costs
-from acompile._cache._costs import (
+from acompile._cache import (
     COSTS_FILE,
-    LOCK_FILE,
-    MAX_FILE_BYTES,
-    MAX_RECORDS,
+    COSTS_LOCK_FILE,
+    COSTS_MAX_BYTES,
+    COSTS_MAX_RECORDS,
     CompileCosts,
     CostFeatures,
+    GuardedDisk,
+    _costs,  # its write, made to fail (a full disk) by one test
 )
 
 pytestmark = pytest.mark.anyio
@@ -96,13 +97,13 @@ async def test_rows_that_make_no_sense_are_ignored_and_not_written_back(tmp_path
 
 async def test_a_save_merging_a_file_with_a_huge_number_neither_raises_nor_keeps_it(tmp_path: Path) -> None:
     # More rows than are kept, so that the save sorts them by time: one time is 10**400.
-    rows = {f"{i:016x}": '[0.1,"family",100,4,3,1700000000]' for i in range(MAX_RECORDS + 50)}
+    rows = {f"{i:016x}": '[0.1,"family",100,4,3,1700000000]' for i in range(COSTS_MAX_RECORDS + 50)}
     write_rows(tmp_path, {**rows, "huge": f'[0.1,"family",100,4,3,{HUGE}]'})
     costs = CompileCosts(await opened(tmp_path))
     assert costs.record(features("new"), 1.0)
     await costs.save()  # never raises: it runs behind the pool, in its task group
     kept = stored(tmp_path)
-    assert len(kept) == MAX_RECORDS
+    assert len(kept) == COSTS_MAX_RECORDS
     assert "new" in kept and "huge" not in kept
 
 
@@ -165,9 +166,9 @@ async def test_a_fifo_in_place_of_the_file_blocks_nothing_and_is_replaced(tmp_pa
 
 
 async def test_a_file_too_large_is_not_read_and_is_replaced(tmp_path: Path) -> None:
-    filler = {f"{i:016x}": '[0.1,"family",100,4,3,1700000000]' for i in range(MAX_FILE_BYTES // 40)}
+    filler = {f"{i:016x}": '[0.1,"family",100,4,3,1700000000]' for i in range(COSTS_MAX_BYTES // 40)}
     write_rows(tmp_path, {"k": '[9.0,"family",1000,4,3,1800000000]', **filler})
-    assert (tmp_path / COSTS_FILE).stat().st_size > MAX_FILE_BYTES
+    assert (tmp_path / COSTS_FILE).stat().st_size > COSTS_MAX_BYTES
     costs = CompileCosts(await opened(tmp_path))
     assert await costs.expect(features("k")) != pytest.approx(9.0)
     assert costs.record(features("new"), 1.0)
@@ -185,8 +186,7 @@ async def test_a_load_cancelled_with_its_request_is_done_again_by_the_next(tmp_p
 
 CHILD = """
 import sys, anyio
-from acompile._cache import GuardedDisk
-from acompile._cache._costs import CompileCosts, CostFeatures
+from acompile._cache import CompileCosts, CostFeatures, GuardedDisk
 
 async def main(folder, tag, count):
     disk = GuardedDisk(folder)
@@ -213,7 +213,7 @@ def test_processes_saving_at_once_lose_no_record(tmp_path: Path) -> None:
 async def test_a_stuck_lock_holder_delays_a_save_a_moment_only(tmp_path: Path) -> None:
     costs = CompileCosts(await opened(tmp_path))
     await costs.expect(features("k"))
-    held = os.open(tmp_path / LOCK_FILE, os.O_RDWR | os.O_CREAT)
+    held = os.open(tmp_path / COSTS_LOCK_FILE, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(held, fcntl.LOCK_EX)  # a holder that never lets go
         assert costs.record(features("k"), 1.5)

@@ -25,8 +25,11 @@ from conftest import TARGET, run_python
 from kernels_for_tests import ADD_SIG, add_kernel
 
 import acompile
-from acompile._cache import DiskTier, _layout
-from acompile._cache._entry import decode
+from acompile._cache import (
+    DiskTier,
+    _layout,  # its read flags, made blocking (a hung filesystem) by two tests
+    decode_entry,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -201,7 +204,7 @@ async def test_a_fifo_at_an_entry_path_is_a_miss_and_hangs_nothing(
     assert tier == "compile" and k.cubin == good.cubin and stats["cache"]["disk_corrupt"] == 1
     assert answered < 30 and left < 5  # "did not hang", generously
     assert any("damaged" in m and "not a regular file" in m for m in warnings_of(caplog)), warnings_of(caplog)
-    assert decode(path.read_bytes(), good.key).blobs["cubin"] == good.cubin  # the FIFO was replaced
+    assert decode_entry(path.read_bytes(), good.key).blobs["cubin"] == good.cubin  # the FIFO was replaced
 
 
 async def test_a_read_stuck_in_the_kernel_is_abandoned_after_a_deadline(
@@ -345,4 +348,4 @@ async def test_a_damaged_byte_in_the_middle_of_a_large_entry_is_a_miss(
     assert tier == "compile" and stats["cache"]["disk_corrupt"] == 1
     assert k.asm["ptx"] == good.asm["ptx"]
     assert any("does not match its checksum" in m for m in warnings_of(caplog)), warnings_of(caplog)
-    assert decode(path.read_bytes(), good.key).blobs["cubin"] == good.cubin  # replaced whole
+    assert decode_entry(path.read_bytes(), good.key).blobs["cubin"] == good.cubin  # replaced whole

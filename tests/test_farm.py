@@ -8,6 +8,7 @@ the fixture then checks that none of its processes (GCS, raylets, Ray workers) i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -27,9 +28,11 @@ from kernels_for_tests import ADD_SIG, add_kernel, broken_kernel, scale_add_kern
 from processes import until
 
 import acompile
+from acompile._workers import Job
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
+from ray_clusters import ray_cluster  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 
@@ -46,49 +49,8 @@ RUNTIME_ENV = {"env_vars": {"PYTHONPATH": str(ROOT / "tests")}}
 FAKE = "fake_backend"
 
 
-def _cluster(*nodes: dict[str, Any]) -> Iterator[tuple[Cluster, list[str]]]:
-    """A cluster with a head node and ``nodes``, shut down however the tests end; with the ids
-    of the nodes added, in order."""
-    head, *others = nodes
-    cluster = Cluster(initialize_head=True, head_node_args=head)
-    try:
-        ids = []
-        for node in others:
-            env = node.pop("env", {})
-            saved = {name: os.environ.get(name) for name in env}
-            os.environ.update(env)  # the node's raylet, and the workers it starts, inherit it
-            try:
-                ids.append(cluster.add_node(**node).node_id)
-            finally:
-                for name, value in saved.items():
-                    if value is None:
-                        os.environ.pop(name, None)
-                    else:
-                        os.environ[name] = value
-        cluster.wait_for_nodes()
-        yield cluster, ids
-    finally:
-        cluster.shutdown()
-        # Every process of the cluster (GCS, raylets, the workers they started) is gone.
-        deadline = time.monotonic() + 10
-        while (left := _ray_processes()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not left, f"Ray processes left after the cluster's shutdown: {left}"
-
-
-def _ray_processes() -> list[str]:
-    """Ray's processes under this one (a cluster started here is this process's children)."""
-    found = []
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            line = " ".join(proc.cmdline())
-            if proc.status() != psutil.STATUS_ZOMBIE and any(
-                n in line for n in ("ray::", "raylet", "gcs_server")
-            ):
-                found.append(f"{proc.pid} {line[:60]}")
-        except psutil.Error:
-            pass
-    return found
+# The name tests/test_attacks_sockets.py imports; the clusters' helpers live in ray_clusters.py.
+_cluster = ray_cluster
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +142,7 @@ async def test_an_unreachable_farm_fails_fast_unless_a_local_fallback_is_asked_f
             async with acompile.CompilePool(
                 target=TARGET, farm=farm, cache_dir=tmp_path, workers=1, preload=()
             ) as pool:
-                job = acompile._workers.Job(FAKE, {"name": "k", "action": "pid"}, "k")
+                job = Job(FAKE, {"name": "k", "action": "pid"}, "k")
                 pid = await pool.executor.run(job)
                 # A local worker ran it: a process of ours, not of a cluster.
                 assert pid in {p.pid for p in psutil.Process().children(recursive=True)}
@@ -310,9 +272,7 @@ async def test_ray_workers_sigkilled_mid_storm_lose_no_job(cluster: Cluster, tmp
         results: dict[int, Any] = {}
 
         async def one(i: int) -> None:
-            job = acompile._workers.Job(
-                FAKE, {"name": f"k{i}", "action": "sleep", "seconds": 0.15, "value": i}, f"k{i}"
-            )
+            job = Job(FAKE, {"name": f"k{i}", "action": "sleep", "seconds": 0.15, "value": i}, f"k{i}")
             results[i] = await pool.executor.run(job)
 
         async def kill_twice() -> None:
@@ -370,7 +330,7 @@ async def test_cancelling_a_running_compile_frees_its_ray_worker_within_a_second
 async def test_with_local_workers_too_urgent_requests_stay_here_and_background_ones_go_to_the_farm(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    from acompile._workers import BACKGROUND, URGENT, Job
+    from acompile._workers import BACKGROUND, URGENT
 
     farm = acompile.RayFarm(cluster.address, runtime_env=RUNTIME_ENV)
     async with acompile.CompilePool(1, target=TARGET, farm=farm, cache_dir=tmp_path, preload=()) as pool:
@@ -456,7 +416,7 @@ async def test_actors_that_die_idle_are_replaced_and_the_next_request_runs(
         # A request sent at once after both die reaches dead actors first: it never ran there,
         # so those losses are not its retry, and it runs on a replacement.
         kill_every_actor()
-        job = acompile._workers.Job(FAKE, {"name": "k", "action": "pid"}, "k")
+        job = Job(FAKE, {"name": "k", "action": "pid"}, "k")
         with anyio.fail_after(60):
             pid = await pool.executor.run(job)
         on_nodes = _node_workers()
@@ -574,3 +534,118 @@ def _exists(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def _storm_specs(n: int) -> list[acompile.TritonSpec]:
+    """``n`` distinct real compiles (up to 48): two kernels, six block sizes, four warp counts."""
+    specs = [
+        acompile.TritonSpec(kernel, ADD_SIG, {"BLOCK": block}, num_warps=warps)
+        for kernel in (add_kernel, scale_add_kernel)
+        for block in (64, 128, 256, 512, 1024, 2048)
+        for warps in (1, 2, 4, 8)
+    ]
+    assert len(specs) >= n
+    return specs[:n]
+
+
+def _preloading(actor: int) -> bool:
+    """Whether the farm actor ``actor`` is inside its start's preload: its local pool's template
+    runs and has forked no worker yet (a worker is forked only once the preload is over, and the
+    actor says it is ready only after that)."""
+    from processes import is_bytecode_helper
+
+    try:
+        templates = [p for p in psutil.Process(actor).children() if "--template" in _cmdline(p)]
+        if not templates:
+            return False
+        workers = [w for t in templates for w in t.children() if _cmdline(w) and not is_bytecode_helper(w)]
+    except psutil.Error:
+        return False
+    return not workers
+
+
+async def test_actors_killed_while_they_start_or_preload_cost_no_job_of_a_storm(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Forty real compiles sent to a farm whose actors' processes are SIGKILLed six times as they
+    start: three as soon as the actor exists (its local pool not begun), three while their
+    template preloads Triton; the first two kills leave no actor alive anywhere. A start killed
+    from outside is a transient failure: another actor is started, on any node with room, and
+    the jobs wait for it. Every job succeeds, none fails, and the farm ends at its full size.
+    (The farm used to fail every queued job with WorkerStartError at the second failed start
+    with no actor alive.)"""
+    farm = acompile.RayFarm(cluster.address)
+    specs = _storm_specs(40)
+    kills: list[str] = []
+
+    async def kill_actors_as_they_start() -> None:
+        seen: set[int] = set()
+        while len(kills) < 6:
+            for pid in _farm_worker_pids():
+                phase = "start" if len(kills) % 2 == 0 else "preload"
+                if pid in seen or (phase == "preload" and not _preloading(pid)):
+                    continue
+                seen.add(pid)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    continue
+                kills.append(phase)
+                break
+            await anyio.sleep(0.005)
+
+    async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path) as pool:
+        with anyio.fail_after(240):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(kill_actors_as_they_start)
+                kernels = await pool.gather(*specs, return_exceptions=True)
+                tg.cancel_scope.cancel()
+            await until(lambda: pool.stats()["workers"]["alive"] == 2, 60)
+        stats = pool.stats()
+    failed = [k for k in kernels if isinstance(k, BaseException)]
+    assert not failed, f"{len(failed)} of {len(specs)} jobs failed: {failed[:3]}"
+    assert all(k.cubin for k in kernels)  # type: ignore[union-attr]
+    assert kills == ["start", "preload"] * 3, kills
+    assert stats["jobs"]["done"] == len(specs) and stats["jobs"]["failed"] == 0, stats["jobs"]
+    # Each kill cost a start (or, where a kill landed as the actor became ready, an actor).
+    restarts = stats["workers"]["restarts"]
+    assert restarts.get("start_failed", 0) + restarts.get("killed", 0) >= len(kills), restarts
+
+
+async def test_a_farm_whose_actors_all_die_as_they_start_gives_up_after_preload_timeout(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Every actor's process is SIGKILLed as soon as it exists, on both nodes: the farm starts
+    actor after actor, and the job waits; only once no actor has been alive for preload_timeout
+    (5 s here) does the farm fail it, with a WorkerStartError that says so and names the node and
+    Ray's account of the death. The kills stop: the farm, still trying, starts its actors, and
+    the next job runs on one."""
+    farm = acompile.RayFarm(cluster.address, runtime_env=RUNTIME_ENV)
+    killing = anyio.Event()
+
+    async def kill_every_actor() -> None:
+        while not killing.is_set():
+            for pid in _farm_worker_pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            await anyio.sleep(0.005)
+
+    async with acompile.CompilePool(
+        target=TARGET, farm=farm, cache_dir=tmp_path, preload=(), preload_timeout=5
+    ) as pool:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(kill_every_actor)
+            t0 = time.perf_counter()
+            with anyio.fail_after(120), pytest.raises(acompile.WorkerStartError) as failed:
+                await pool.executor.run(Job(FAKE, {"name": "k", "action": "pid"}, "k"))
+            waited = time.perf_counter() - t0
+            killing.set()
+        message = str(failed.value)
+        assert "preload_timeout=5" in message and "from outside" in message, message
+        assert "a farm worker on" in message and "ActorDiedError" in message, message
+        assert waited >= 5.0
+        assert pool.stats()["workers"]["restarts"]["start_failed"] >= 2
+        await until(lambda: pool.stats()["workers"]["alive"] == 2, 60)
+        with anyio.fail_after(60):
+            pid = await pool.executor.run(Job(FAKE, {"name": "k", "action": "pid"}, "k"))
+        assert pid in _node_workers()

@@ -30,8 +30,7 @@ from fake_backend import local_executor, run_job
 from processes import forked_and_fresh, gone, is_template, pool_processes, template_pids, until, worker_pids
 
 import acompile
-from acompile._workers import Job, JobCancelled
-from acompile._workers._process import ForkedWorker
+from acompile._workers import Job, JobCancelled, TransientStartError
 
 pytestmark = pytest.mark.anyio
 FAKE = "fake_backend"
@@ -229,7 +228,7 @@ async def test_leaving_a_pool_whose_template_is_stopped_does_not_wait_for_it(cac
 
 @forked_and_fresh
 async def test_wait_ready_raises_as_soon_as_the_pool_gives_up_on_starting_workers(
-    cache_dir: Path, fork_workers: bool
+    cache_dir: Path, fork_workers: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Every worker fails to start, slot 0's at once and slot 1's seconds later: the pool gives
     up when the last start fails, and wait_ready() (which waits for each slot in turn) raises
@@ -240,7 +239,8 @@ async def test_wait_ready_raises_as_soon_as_the_pool_gives_up_on_starting_worker
         gave_up: list[float] = []
 
         async def watch() -> None:
-            while executor._start_error is None:  # noqa: ASYNC110 - no event for it
+            # The moment it gives up, as its log tells (no event says so).
+            while "workers cannot start" not in caplog.text:  # noqa: ASYNC110 - no event for it
                 await anyio.sleep(0.005)
             gave_up.append(time.perf_counter())
 
@@ -285,6 +285,38 @@ async def test_a_preload_that_hangs_fails_the_waiting_jobs_after_preload_timeout
     assert len(stopped) >= 2
 
 
+@forked_and_fresh
+async def test_workers_killed_as_they_start_stop_the_pool_only_after_preload_timeout(
+    cache_dir: Path, tmp_path: Path, fork_workers: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every worker is SIGKILLed during its preload, start after start (a fault from outside that
+    does not stop). A failure from outside is tried again, and the job waits: the pool gives up
+    only once no worker has been alive for preload_timeout (2 s here), failing the waiting job
+    with a WorkerStartError that says so and names the last kill (not after two failures, as
+    for a start that fails for a reason of its own). The kills stop: the slots, still trying,
+    start workers, the error is cleared, and a job runs."""
+    from killed_at_start_backend import MARKER
+
+    killing = tmp_path / "killing"
+    killing.touch()
+    monkeypatch.setenv(MARKER, str(killing))
+    async with pool(cache_dir, workers=2, fork_workers=fork_workers, preload_timeout=2) as p:
+        local_executor(p).config["preload"] = ["killed_at_start_backend"]
+        t0 = time.perf_counter()
+        with anyio.fail_after(60), pytest.raises(acompile.WorkerStartError) as failed:
+            await run_job(p, FAKE, {"name": "e", "action": "echo", "value": 1}, "e")
+        waited = time.perf_counter() - t0
+        assert p.stats()["workers"]["restarts"]["start_failed"] > 2
+        message = str(failed.value)
+        assert "preload_timeout=2" in message and "from outside" in message, message
+        assert "killed by SIGKILL" in message, message
+        assert waited >= 2.0
+        killing.unlink()
+        await until(lambda: p.stats()["workers"]["alive"] == 2, 30)
+        with anyio.fail_after(30):
+            assert await run_job(p, FAKE, {"name": "e", "action": "echo", "value": 7}, "e") == 7
+
+
 async def test_a_worker_stopped_by_sigstop_is_replaced_and_its_job_retried(cache_dir: Path) -> None:
     async with pool(cache_dir, workers=1) as p:
         await p.wait_ready()
@@ -315,10 +347,10 @@ async def test_a_job_submitted_as_idle_workers_are_found_dead_runs_on_their_repl
         await p.wait_ready()
         executor = local_executor(p)
         workers = list(executor.alive.values())
-        assert all(isinstance(w, ForkedWorker) for w in workers)
+        assert p.stats()["workers"]["forked"] == len(workers)  # forked, each told of its exit
         job = Job(FAKE, {"name": "after", "action": "echo", "value": "ran"}, "after")
 
-        def submit_as_the_last_exit_is_known(worker: ForkedWorker) -> None:
+        def submit_as_the_last_exit_is_known(worker: Any) -> None:
             set_exited = worker.set_exited
 
             def exited(code: int) -> None:
@@ -329,7 +361,6 @@ async def test_a_job_submitted_as_idle_workers_are_found_dead_runs_on_their_repl
             monkeypatch.setattr(worker, "set_exited", exited)
 
         for worker in workers:
-            assert isinstance(worker, ForkedWorker)
             submit_as_the_last_exit_is_known(worker)
         (pid,) = template_pids() if victim == "template" else [workers[0].pid]
         os.kill(pid, signal.SIGKILL)
@@ -574,8 +605,7 @@ def test_a_ctrl_c_that_reaches_a_starting_pool_process_is_a_transient_start_fail
     sent to that group then (a REPL, a notebook) ends its interpreter's start with status 1 and
     a KeyboardInterrupt. That is a fault from outside, retried, not a failed pool: the text is
     what CPython 3.11 prints for it."""
-    from acompile._workers._pool import TransientStartError, start_error
-    from acompile._workers._pool import WorkerStartError as StartError
+    from acompile._workers._pool import start_error  # the rule itself: no start can be interrupted on cue
 
     interrupted = (
         "Fatal Python error: init_import_site: Failed to import the site module\n"
@@ -584,8 +614,8 @@ def test_a_ctrl_c_that_reaches_a_starting_pool_process_is_a_transient_start_fail
     )
     assert start_error(1, interrupted) is TransientStartError
     assert start_error(-signal.SIGINT, "") is TransientStartError
-    assert start_error(1, "ModuleNotFoundError: No module named 'nope'") is StartError
-    assert start_error(-signal.SIGSEGV, "KeyboardInterrupt") is StartError
+    assert start_error(1, "ModuleNotFoundError: No module named 'nope'") is acompile.WorkerStartError
+    assert start_error(-signal.SIGSEGV, "KeyboardInterrupt") is acompile.WorkerStartError
 
 
 @pytest.mark.parametrize("fork_workers", [True, False], ids=["forked", "fresh"])

@@ -64,11 +64,11 @@ async def test_every_library_kernel_launched_by_the_pool_computes_what_tritons_j
     cache_dir: Path,
 ) -> None:
     torch = torch_cuda()
-    from acompile._backends import _launcher
+    from acompile._backends import launcher_module, launcher_problem
     from acompile._bench import library
     from acompile._bench.corpus import acompile_specs
 
-    assert _launcher.module(wait=True) is not None, _launcher.problem()
+    assert launcher_module(wait=True) is not None, launcher_problem()
     # Two identical sets of arguments (the same seed): some kernels write their inputs in place.
     ours, theirs = library.cases(seed=1), library.cases(seed=1)
     async with acompile.CompilePool(2, cache_dir=cache_dir) as pool:
@@ -77,7 +77,7 @@ async def test_every_library_kernel_launched_by_the_pool_computes_what_tritons_j
         kernel[mine.grid](*mine.args)
         jit.spec.fn[jit.grid](*jit.args, **jit.keywords())
     # acompile's launcher launched every one of them (not Triton's, its fallback).
-    assert {k.name: k._launches.launcher for k in kernels} == {k.name: "acompile" for k in kernels}
+    assert {k.name: k.launcher for k in kernels} == {k.name: "acompile" for k in kernels}
     torch.cuda.synchronize()
     for mine, jit in zip(ours, theirs, strict=True):
         for a, b in zip(mine.outputs, jit.outputs, strict=True):
@@ -305,13 +305,13 @@ _SCALARS = (5, -300, -70_000, -(2**40), 200, 60_000, 4_000_000_000, 2**63 + 5, 1
 @pytest.mark.gpu
 async def test_acompiles_launcher_passes_every_scalar_kind_as_tritons_does(cache_dir: Path) -> None:
     torch = torch_cuda()
-    from acompile._backends import _launcher
+    from acompile._backends import launcher_module, launcher_problem
 
-    assert _launcher.module(wait=True) is not None, _launcher.problem()
+    assert launcher_module(wait=True) is not None, launcher_problem()
     async with acompile.CompilePool(1, cache_dir=cache_dir) as pool:
         k = await pool.triton(_scalars_kernel, signature=_SCALARS_SIG)
     k.load()
-    assert k._launches.launcher == "acompile"
+    assert k.launcher == "acompile"
     ours_i, ours_f = (
         torch.zeros(8, dtype=torch.int64, device="cuda"),
         torch.zeros(4, dtype=torch.float64, device="cuda"),
@@ -352,9 +352,9 @@ async def test_acompiles_launcher_passes_every_scalar_kind_as_tritons_does(cache
 @pytest.mark.gpu
 async def test_acompiles_launcher_refuses_bad_arguments_by_name_and_launches_nothing(cache_dir: Path) -> None:
     torch = torch_cuda()
-    from acompile._backends import _launcher
+    from acompile._backends import launcher_module, launcher_problem
 
-    assert _launcher.module(wait=True) is not None, _launcher.problem()
+    assert launcher_module(wait=True) is not None, launcher_problem()
     n = 4096
     x, y = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
     out = torch.zeros_like(x)
@@ -362,7 +362,7 @@ async def test_acompiles_launcher_refuses_bad_arguments_by_name_and_launches_not
         k = await pool.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 1024})
     grid = (triton_cdiv(n, 1024),)
     k[grid](x, y, out, n)
-    assert k._launches.launcher == "acompile"
+    assert k.launcher == "acompile"
     with pytest.raises(
         ValueError, match=r"argument x_ptr: pointer 0x[0-9a-f]+ is not memory the GPU can access"
     ):

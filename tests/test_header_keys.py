@@ -19,9 +19,8 @@ import pytest
 from conftest import RedisServer
 
 import acompile
-from acompile._backends import _native, _native_worker
-from acompile._cache._disk import DiskTier
-from acompile._cache._entry import Entry, decode
+from acompile._backends import _native, _native_worker  # the dependency rules, one at a time (below)
+from acompile._cache import DiskTier, Entry, decode_entry
 
 pytestmark = pytest.mark.anyio
 
@@ -140,7 +139,7 @@ async def test_system_headers_are_recorded_with_the_source_s_own(tmp_path: Path)
     source = "#include <vector>\n#include <algorithm>\n" + SOURCE
     async with cpp_pool(tmp_path / "cache") as p:
         library = await p.cpp(source, include_dirs=[str(include)])
-    entry = decode(DiskTier(tmp_path / "cache").path(library.key).read_bytes(), library.key)
+    entry = decode_entry(DiskTier(tmp_path / "cache").path(library.key).read_bytes(), library.key)
     paths = [path for path, *_ in entry.meta["deps"]]
     assert str(include / "answer.h") in paths
     assert any(path.endswith("/vector") for path in paths) and any(p.endswith("/algorithm") for p in paths)
@@ -155,7 +154,7 @@ async def test_an_entry_recorded_before_dependencies_were_is_compiled_once_more(
     async with cpp_pool(cache) as p:
         library = await p.cpp(SOURCE, include_dirs=[str(include)])
     path = DiskTier(cache).path(library.key)
-    old = decode(path.read_bytes(), library.key)
+    old = decode_entry(path.read_bytes(), library.key)
     del old.meta["deps"]
     path.write_bytes(Entry(old.key, old.backend, old.name, old.blobs, old.meta).encode())
     assert (await build(cache, include))[:2] == (42, "compile")

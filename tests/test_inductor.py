@@ -132,28 +132,40 @@ def test_forged_and_damaged_shared_entries_are_refused_counted_and_compiled_agai
     server, _, headers = fleet
     import redis
 
-    from acompile._cache._shared import SharedTier
+    from acompile._cache import SharedTier
 
     client: Any = server.client()
     copy = redis.Redis(port=server.port, db=1)
-    tier = SharedTier(None, KEY.encode())
-    forged = damaged = 0
-    for i, name in enumerate(sorted(client.keys(f"acompile:{tier.namespace}:*"))):
-        value = client.get(name)
-        entry_name = name.decode().split(":", 1)[1]
-        if i % 2:
-            changed = value[:-1] + bytes([value[-1] ^ 1])  # the signature no longer verifies
-            forged += 1
-        else:
-            inner = tier._unwrap(entry_name, value)
-            assert inner is not None
-            body = bytearray(inner)
-            body[-1] ^= 1  # signed anew over a damaged entry: only its checksum says so
-            changed = tier._wrap(entry_name, bytes(body))
-            damaged += 1
-        copy.set(name, changed)
-    assert forged and damaged
     url = server.url[: -len("/0")] + "/1"
+
+    async def copy_each_changed() -> tuple[int, int]:
+        # The fleet's tier, and the copy's, as a holder of the signing key writes them.
+        fleet_tier = SharedTier.connect_later(server.url, KEY.encode())
+        copy_tier = SharedTier.connect_later(url, KEY.encode())
+        forged = damaged = 0
+        try:
+            await fleet_tier.open()
+            await copy_tier.open()
+            for i, name in enumerate(sorted(client.keys(f"acompile:{fleet_tier.namespace}:*"))):
+                if i % 2:
+                    value = client.get(name)
+                    copy.set(name, value[:-1] + bytes([value[-1] ^ 1]))  # the signature no longer verifies
+                    forged += 1
+                else:
+                    key = name.decode().rsplit(":", 1)[1]
+                    entry = await fleet_tier.get(key)
+                    assert entry is not None
+                    body = bytearray(entry)
+                    body[-1] ^= 1  # signed anew over a damaged entry: only its checksum says so
+                    assert await copy_tier.set(key, bytes(body))
+                    damaged += 1
+        finally:
+            await fleet_tier.close()
+            await copy_tier.close()
+        return forged, damaged
+
+    forged, damaged = anyio.run(copy_each_changed)
+    assert forged and damaged
     third = compile_in(
         {**machine(tmp_path, "third", headers=headers), **serve_options(shared_cache=url, signing_key=KEY)}
     )

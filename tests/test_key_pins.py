@@ -36,9 +36,8 @@ from conftest import TARGET, RedisServer, subprocess_env
 from kernels_for_tests import ADD_SIG, add_kernel
 
 import acompile
-from acompile._backends import _triton, _triton_toolchain
-from acompile._cache import DiskTier
-from acompile._cache._entry import decode, peek_header
+from acompile._backends import forget_triton, prepare_triton
+from acompile._cache import DiskTier, decode_entry
 
 pytestmark = pytest.mark.anyio
 
@@ -94,9 +93,11 @@ def triton_with_another(changed: str, folder: Path) -> Iterator[None]:
     metadata tells: the toolchain is worked out afresh, not taken from this process's memo."""
     with pytest.MonkeyPatch.context() as m:
         m.syspath_prepend(str(triton_metadata_with_another(changed, folder)))
-        m.setattr(_triton, "_toolchain_memo", None)
-        m.setattr(_triton_toolchain, "_memo", {})
-        yield
+        forget_triton()
+        try:
+            yield
+        finally:
+            forget_triton()  # what the other installation made this process remember
 
 
 async def test_an_entry_built_by_other_triton_compiler_files_of_the_same_release_is_not_served(
@@ -110,11 +111,11 @@ async def test_an_entry_built_by_other_triton_compiler_files_of_the_same_release
     target = acompile.Target("cuda", 90)
     async with pool(tmp_path / "a") as p:
         built = await p.compile(spec)
-    parts = (await _triton.prepare(spec, target, tmp_path / "memo")).key_parts
+    parts = (await prepare_triton(spec, target, tmp_path / "memo")).key_parts
     keys = {built.key}
     for i, changed in enumerate(COMPILER_FILES):
         with triton_with_another(changed, tmp_path / f"other{i}"):
-            request = await _triton.prepare(spec, target, tmp_path / f"memo{i}")
+            request = await prepare_triton(spec, target, tmp_path / f"memo{i}")
         keys.add(request.key)
         tools, other_tools = parts["toolchain"], request.key_parts["toolchain"]
         differ = {
@@ -220,8 +221,8 @@ async def test_a_disk_entry_whose_library_was_changed_is_rebuilt_not_loaded(tmp_
     path = DiskTier(tmp_path / "a").path(first.key)
     data = bytearray(path.read_bytes())
     # Where the library's bytes start in the entry: past the header, and any blob before it.
-    entry = decode(bytes(data), first.key)
-    offset = peek_header(bytes(data))["_end"]
+    entry = decode_entry(bytes(data), first.key)
+    offset = len(data) - entry.size  # the blobs end the entry, in their order
     for name, blob in entry.blobs.items():
         if name == "so":
             break
@@ -239,7 +240,7 @@ async def test_a_disk_entry_whose_library_was_changed_is_rebuilt_not_loaded(tmp_
     again.greeting.restype = ctypes.c_char_p
     assert (tier, again.greeting()) == ("compile", b"built from this source")
     assert (stats["cache"]["disk_corrupt"], stats["cache"]["misses"], stats["compiled"]) == (1, 1, 1)
-    rebuilt = decode(DiskTier(tmp_path / "b").path(first.key).read_bytes(), first.key)  # intact
+    rebuilt = decode_entry(DiskTier(tmp_path / "b").path(first.key).read_bytes(), first.key)  # intact
     assert b"built from this source" in rebuilt.blobs["so"]
 
 
@@ -335,4 +336,4 @@ def test_four_processes_racing_on_one_key_compile_it_once(tmp_path: Path, redis_
     [key] = {r["key"] for r in results}
     assert len({r["cubin"] for r in results}) == 1
     for i in range(4):
-        decode(DiskTier(tmp_path / f"cache{i}").path(key).read_bytes(), key)
+        decode_entry(DiskTier(tmp_path / f"cache{i}").path(key).read_bytes(), key)

@@ -413,9 +413,9 @@ def test_the_launcher_is_off_where_asked_and_says_why_it_cannot_build(tmp_path: 
     assert done.returncode == 0, done.stderr[-3000:]
     # A cache folder it cannot use (a name too long here) is a reason, not an error at a launch.
     unusable = textwrap.dedent("""
-        from acompile._backends import _launcher
-        assert _launcher.module(wait=True) is None
-        print(_launcher.problem())
+        from acompile._backends import launcher_module, launcher_problem
+        assert launcher_module(wait=True) is None
+        print(launcher_problem())
     """)
     env_long = {**os.environ, "ACOMPILE_CACHE_DIR": str(tmp_path / ("z" * 300))}
     long = subprocess.run(
@@ -443,8 +443,8 @@ def test_the_launcher_builds_below_the_callers_priority(tmp_path: Path) -> None:
     wrapper.chmod(0o755)
     code = textwrap.dedent("""
         import os
-        from acompile._backends import _launcher
-        assert _launcher.module(wait=True) is not None, _launcher.problem()
+        from acompile._backends import launcher_module, launcher_problem
+        assert launcher_module(wait=True) is not None, launcher_problem()
         print(os.getpriority(os.PRIO_PROCESS, 0))
     """)
     env = {**os.environ, "ACOMPILE_CACHE_DIR": str(tmp_path / "cache"), "CC": str(wrapper)}

@@ -331,6 +331,7 @@ async def test_a_worker_failure_with_a_huge_message_is_cut(cache_dir: Path) -> N
 
 def test_each_backend_is_one_entry_of_the_registry_and_its_specs_name_it() -> None:
     import importlib
+    import importlib.util
 
     from acompile._backends import BACKENDS, backend_of, load_parent, worker_module
 
@@ -339,6 +340,10 @@ def test_each_backend_is_one_entry_of_the_registry_and_its_specs_name_it() -> No
             module, _, cls = qualname.rpartition(".")
             assert getattr(importlib.import_module(module), cls).backend == name
         assert worker_module(name) == backend.worker
+        # A parent half names its worker module itself (it never imports the registry that
+        # loads it): the two say the same.
+        if backend.requires is None or importlib.util.find_spec(backend.requires) is not None:
+            assert load_parent(name).WORKER_MODULE == backend.worker, name
     assert [backend_of(s) for s in (acompile.CudaSpec("x"), acompile.CppSpec("x"))] == ["cuda", "cpp"]
     assert backend_of(acompile.TritonSpec(None, {})) == "triton"
     assert load_parent("cuda").WORKER_MODULE == load_parent("cpp").WORKER_MODULE == worker_module("cpp")
@@ -352,6 +357,40 @@ def test_each_backend_is_one_entry_of_the_registry_and_its_specs_name_it() -> No
             backend_of(thing)
     with pytest.raises(ValueError, match="unknown backend 'nope'"):
         load_parent("nope")
+
+
+def test_the_backends_face_imports_each_name_on_first_use_and_no_backend_before() -> None:
+    """The rest of acompile takes backend names from ``acompile._backends``, which imports each
+    from its module the first time it is asked for: a worker importing a backend's worker half
+    imports no other backend, nor the registry, and every name is the one its module defines."""
+    code = """
+import importlib, sys
+import acompile._backends._native_worker
+print(sorted(m for m in sys.modules if m.startswith("acompile._backends")))
+import acompile._backends as face
+for name in face.__all__:
+    where = face._NAMES[name]
+    module, there = (where, name) if isinstance(where, str) else where
+    home = importlib.import_module("acompile._backends." + module)
+    assert getattr(face, name) is getattr(home, there), name
+try:
+    face.nope
+except AttributeError as exc:
+    print(exc)
+from acompile._backends import _launcher
+print(_launcher.__name__)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        env=subprocess_env(ACOMPILE_WORKER="1"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    loaded, missing, launcher = out.stdout.splitlines()
+    assert loaded == str(
+        ["acompile._backends", "acompile._backends._logs", "acompile._backends._native_worker"]
+    )
+    assert missing == "module 'acompile._backends' has no attribute 'nope'"
+    assert launcher == "acompile._backends._launcher"
 
 
 def test_preloading_unknown_backends_names_the_known_ones(cache_dir: Path) -> None:

@@ -4,9 +4,9 @@ code until the kernel is ready).
 Real Triton compiles for cuda:90 show the swaps, the lanes and the shutdown; launching needs a
 GPU, so the launch path itself is exercised through its seam: a handle launches whatever object
 its pool's ``compile_with_tier`` returned, by ``kernel[grid](*args)``. ``GatedPool`` below is
-that seam's other side, the three things the handles use of a ``CompilePool`` (``_check_running``,
-``_tg``, ``compile_with_tier``), returning fake kernels that record their launches, each compile
-finishing when the test opens its gate.
+that seam's other side, the ``Host`` the handles are given by a ``CompilePool`` (its
+``compile_with_tier`` and a task group's ``start_soon``), returning fake kernels that record their
+launches, each compile finishing when the test opens its gate.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def pool(cache_dir: Path, workers: int = 2) -> acompile.CompilePool:
 
 async def occupy(p: acompile.CompilePool, seconds: float) -> None:
     """Hold a worker with a background job (queued behind urgent work, ahead of later
-    background work). Runs in the pool's task group; its end at shutdown is not an error."""
+    background work). Runs in a task group around the pool: a job still running as the pool
+    is left ends with the pool's error, which is not the test's."""
     try:
         await run_job(
             p, FAKE, {"name": "blocker", "action": "sleep", "seconds": seconds}, "blocker", background=True
@@ -76,10 +77,10 @@ def add_fallback(calls: list[tuple[Any, ...]]) -> Any:
 
 @no_gpu_here
 async def test_progressive_returns_at_once_then_fast_then_best(cache_dir: Path) -> None:
-    async with pool(cache_dir, workers=1) as p:
+    async with anyio.create_task_group() as tg, pool(cache_dir, workers=1) as p:
         # One worker, and a background job ahead of the best compile: the fast (urgent) compile
         # goes first, the best one lands only after the blocker's half second.
-        p._tg.start_soon(occupy, p, 0.5)  # type: ignore[union-attr]
+        tg.start_soon(occupy, p, 0.5)
         await until_queued(p, 1)
         h = p.progressive(FAST, BEST)
         # Returned at once: nothing is compiled yet (the only worker is held).
@@ -115,8 +116,8 @@ async def test_progressive_returns_at_once_then_fast_then_best(cache_dir: Path) 
 @no_gpu_here
 async def test_background_runs_the_fallback_until_the_kernel_is_ready(cache_dir: Path) -> None:
     calls: list[tuple[Any, ...]] = []
-    async with pool(cache_dir, workers=1) as p:
-        p._tg.start_soon(occupy, p, 0.3)  # type: ignore[union-attr]
+    async with anyio.create_task_group() as tg, pool(cache_dir, workers=1) as p:
+        tg.start_soon(occupy, p, 0.3)
         await until_queued(p, 1)
         bk = p.background(FAST, add_fallback(calls))
         # Returned at once: nothing is compiled yet (the only worker is held).
@@ -139,10 +140,10 @@ async def test_failed_compiles_keep_what_works(cache_dir: Path, caplog: pytest.L
     caplog.set_level(logging.WARNING, logger="acompile")
     calls: list[tuple[Any, ...]] = []
     broken_fast = acompile.TritonSpec(broken_kernel, {"x_ptr": "*fp32", "n": "i32"}, {"BLOCK": 128})
-    async with pool(cache_dir, workers=1) as p:
+    async with anyio.create_task_group() as tg, pool(cache_dir, workers=1) as p:
         # Everything queues behind the blocker, then runs urgent lane first: both fast compiles,
         # then the best ones and the background one.
-        p._tg.start_soon(occupy, p, 0.3)  # type: ignore[union-attr]
+        tg.start_soon(occupy, p, 0.3)
         await until_queued(p, 1)
         keeps_fast = p.progressive(FAST, BROKEN)
         uses_best = p.progressive(broken_fast, BEST)
@@ -178,9 +179,9 @@ async def test_failed_compiles_keep_what_works(cache_dir: Path, caplog: pytest.L
 async def test_leaving_the_pool_cancels_pending_compiles(cache_dir: Path) -> None:
     calls: list[tuple[Any, ...]] = []
     tasks_before = asyncio.all_tasks()
-    async with pool(cache_dir, workers=1) as p:
+    async with anyio.create_task_group() as tg, pool(cache_dir, workers=1) as p:
         # The only worker sleeps through the rest of the pool's life: nothing else gets compiled.
-        p._tg.start_soon(occupy, p, 60)  # type: ignore[union-attr]
+        tg.start_soon(occupy, p, 60)
         await until_queued(p, 1)
         h = p.progressive(FAST, BEST)
         bk = p.background(BEST, add_fallback(calls))

@@ -24,9 +24,8 @@ from processes import forked_and_fresh, until
 from slow_start_backend import SLOW_START
 
 import acompile
-from acompile._backends import _cpp
-from acompile._cache import GuardedDisk
-from acompile._cache._costs import COSTS_FILE, MAX_RECORDS, CompileCosts, CostFeatures
+from acompile._backends import load_parent
+from acompile._cache import COSTS_FILE, COSTS_MAX_RECORDS, CompileCosts, CostFeatures, GuardedDisk
 from acompile._workers import BACKGROUND, URGENT, Job, WorkerPool
 
 pytestmark = pytest.mark.anyio
@@ -122,14 +121,15 @@ async def test_a_background_compile_a_caller_joins_before_it_is_queued_runs_urge
 
     monkeypatch.setattr(CompileCosts, "expect", slow_expect)
     prepared: list[object] = []
-    prepare = _cpp.prepare
+    cpp = load_parent("cpp")
+    prepare = cpp.prepare
 
     async def counted_prepare(*args: Any) -> Any:
         request = await prepare(*args)
         prepared.append(request)  # the caller joins (or starts) the flight without waiting again
         return request
 
-    monkeypatch.setattr(_cpp, "prepare", counted_prepare)
+    monkeypatch.setattr(cpp, "prepare", counted_prepare)
     spec = acompile.CppSpec('extern "C" int answer() { return 42; }')
     async with acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir, preload=()) as p:
         await p.wait_ready()
@@ -225,7 +225,7 @@ async def test_a_configuration_that_never_comes_does_not_hold_the_workers(
 
 @forked_and_fresh
 async def test_a_wait_that_is_not_the_jobs_work_counts_neither_against_its_time_limit_nor_as_its_time(
-    tmp_path: Path, fork_workers: bool
+    tmp_path: Path, fork_workers: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A worker waits inside a job for something that is not the job's work (the pool's late
     configuration, Triton's hash of its binaries which the pool could not hand it): the job's
@@ -238,13 +238,16 @@ async def test_a_wait_that_is_not_the_jobs_work_counts_neither_against_its_time_
         1, config, str(tmp_path), use_template=fork_workers, max_compile_seconds=1.0, preload_timeout=3.0
     )
     checks = []
-    own_check = workers._check_deadline
+    # Each worker's time-limit timer (a method of the runner that serves the worker's slot).
+    from acompile._workers._pool import LocalRunner
 
-    def check_deadline(worker: Any) -> None:
+    own_check = LocalRunner._check_deadline
+
+    def check_deadline(runner: LocalRunner) -> None:
         checks.append(time.perf_counter())
-        own_check(worker)
+        own_check(runner)
 
-    workers._check_deadline = check_deadline  # type: ignore[method-assign]
+    monkeypatch.setattr(LocalRunner, "_check_deadline", check_deadline)
     never = str(tmp_path / "never.json")
     async with anyio.create_task_group() as tg:
         tg.start_soon(workers.serve)
@@ -303,7 +306,7 @@ async def test_a_worker_started_after_the_configuration_failed_does_not_wait_for
         raise OSError(30, "Read-only file system")
 
     workers.prepare_config_with(hook)
-    monkeypatch.setattr(workers, "_write_late_config", unwritable)
+    monkeypatch.setattr(workers.runners, "_write_late_config", unwritable)
     assert workers.config["late_config_timeout"] == 10
     async with anyio.create_task_group() as tg:
         tg.start_soon(workers.serve)
@@ -324,26 +327,26 @@ def test_a_late_configuration_that_is_not_the_pools_reads_as_none_at_once(tmp_pa
     """What a worker reads as the pool's late configuration: the JSON object the pool wrote;
     anything else in its place (a FIFO, a folder, garbage, a list) reads at once as nothing, and
     so does a file that never comes, after the configuration's wait."""
-    from acompile._workers import _late
+    from acompile._workers import late_config
 
     path = tmp_path / "late-config.json"
     config = {"late_config": str(path), "late_config_timeout": 0.3}
-    assert _late.prepared(config, wait=False) is None
+    assert late_config(config, wait=False) is None
     t0 = time.monotonic()
-    assert _late.prepared(config, wait=True) == {}
+    assert late_config(config, wait=True) == {}
     assert 0.3 <= time.monotonic() - t0 < 5
     os.mkfifo(path)
-    assert _late.prepared(config, wait=True) == {}  # would block in open() without O_NONBLOCK
+    assert late_config(config, wait=True) == {}  # would block in open() without O_NONBLOCK
     path.unlink()
     path.mkdir()
-    assert _late.prepared(config, wait=True) == {}
+    assert late_config(config, wait=True) == {}
     path.rmdir()
     for text in ("{not json", "[1, 2]"):
         path.write_text(text)
-        assert _late.prepared(config, wait=True) == {}
+        assert late_config(config, wait=True) == {}
     path.write_text('{"triton_key": "k"}')
-    assert _late.prepared(config, wait=False) == {"triton_key": "k"}
-    assert _late.prepared({}, wait=True) == {}
+    assert late_config(config, wait=False) == {"triton_key": "k"}
+    assert late_config({}, wait=True) == {}
 
 
 @forked_and_fresh
@@ -440,7 +443,7 @@ async def test_processes_sharing_a_cache_folder_merge_their_costs(tmp_path: Path
 async def test_the_cost_file_keeps_the_newest_records_only(tmp_path: Path) -> None:
     disk = GuardedDisk(tmp_path)
     await disk.open()
-    old = {f"old{i}": [0.5, "family", 1000, 4, 3, 1] for i in range(MAX_RECORDS)}
+    old = {f"old{i}": [0.5, "family", 1000, 4, 3, 1] for i in range(COSTS_MAX_RECORDS)}
     (tmp_path / COSTS_FILE).write_text(json.dumps({"format": 1, "records": old}))
     costs = CompileCosts(disk)
     await costs.expect(features("x"))
@@ -448,7 +451,7 @@ async def test_the_cost_file_keeps_the_newest_records_only(tmp_path: Path) -> No
         costs.record(features(f"new{i}"), 1.0)
     await costs.save()
     kept = json.loads((tmp_path / COSTS_FILE).read_text())["records"]
-    assert len(kept) == MAX_RECORDS
+    assert len(kept) == COSTS_MAX_RECORDS
     assert all(f"new{i}" in kept for i in range(5))
 
 

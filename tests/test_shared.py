@@ -13,8 +13,8 @@ from conftest import TARGET, RedisServer
 from kernels_for_tests import ADD_SIG, add_kernel, slow_to_compile_kernel
 
 import acompile
-from acompile._cache._entry import decode
-from acompile._cache._shared import SharedTier
+from acompile._backends import prepare_triton
+from acompile._cache import SharedTier, decode_entry
 
 pytestmark = pytest.mark.anyio
 KEY = "a-signing-key-for-the-tests"
@@ -90,7 +90,7 @@ async def test_a_damaged_shared_entry_is_a_miss_and_is_replaced(
             _, tier = await p.compile_with_tier(spec())
             assert tier == "compile" and p.stats()["cache"]["shared_corrupt"] == 1
         # ...and the fresh compile was published over the damaged one.
-        decode(client.get(name), good.key)
+        decode_entry(client.get(name), good.key)
 
 
 async def test_redis_down_then_back(
@@ -189,9 +189,7 @@ async def test_a_lease_left_by_a_dead_replica_does_not_block_forever(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
     async with pool(tmp_path / "probe", redis_server, prestart=False) as p:
-        from acompile._backends import _triton
-
-        key = (await _triton.prepare(spec(512), p.target, tmp_path / "memo")).key
+        key = (await prepare_triton(spec(512), p.target, tmp_path / "memo")).key
     client: Any = redis_server.client()
     async with pool(tmp_path / "a", redis_server, fleet_wait=0.5) as p:
         # A lease as a replica of this fleet (no signing key) writes it: it lasts seconds.
@@ -209,9 +207,7 @@ async def test_a_planted_lease_makes_nobody_wait(
     tmp_path: Path, redis_server: RedisServer, signing_key: str | None
 ) -> None:
     async with pool(tmp_path / "probe", redis_server, prestart=False, signing_key=signing_key) as p:
-        from acompile._backends import _triton
-
-        key = (await _triton.prepare(spec(1024), p.target, tmp_path / "memo")).key
+        key = (await prepare_triton(spec(1024), p.target, tmp_path / "memo")).key
         namespace = p.stats()["cache"]["shared_namespace"]
     client: Any = redis_server.client()
     client.set(f"acompile:lease:{namespace}:{key}", b"planted, no TTL")

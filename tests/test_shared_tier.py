@@ -17,7 +17,7 @@ import pytest
 from conftest import RedisServer
 
 import acompile
-from acompile._cache._shared import SharedTier, key_id, open_cache
+from acompile._cache import SharedTier, open_shared_cache, signing_key_id
 
 pytestmark = pytest.mark.anyio
 KEY = b"a-signing-key-for-the-tests"
@@ -27,7 +27,7 @@ OTHER_KEY = b"another-signing-key-of-16-bytes"
 @asynccontextmanager
 async def tier(redis: RedisServer, signing_key: bytes | None = KEY, **kw: Any) -> AsyncIterator[SharedTier]:
     url = redis.url + kw.pop("query", "")
-    shared = SharedTier(await anyio.to_thread.run_sync(open_cache, url), signing_key, **kw)
+    shared = SharedTier(await anyio.to_thread.run_sync(open_shared_cache, url), signing_key, **kw)
     try:
         yield shared
     finally:
@@ -62,7 +62,7 @@ async def test_a_burst_of_500_publications_all_arrive_within_the_pool(redis_serv
         # Never more connections than configured (idle ones stay in the pool: this is the peak).
         connections = [c for c in client(redis_server).client_list() if c["cmd"] != "client|list"]
         assert 1 <= len(connections) <= 8
-        assert len(entry_keys(redis_server, key_id(KEY))) == 500
+        assert len(entry_keys(redis_server, signing_key_id(KEY))) == 500
         # ...and the same burst reads back whole.
         got: list[bytes | None] = []
 
@@ -94,7 +94,7 @@ async def test_500_concurrent_misses_of_a_pool_are_all_published(
                 tg.start_soon(p._cache.put_record, cache_key(i), f"record{i}", {"choice": b"%d" % i}, {})
     stats = p.stats()["cache"]
     assert stats["shared_writes"] == 500 and stats["shared_errors"] == 0
-    assert len(entry_keys(redis_server, key_id(KEY))) == 500
+    assert len(entry_keys(redis_server, signing_key_id(KEY))) == 500
 
 
 async def test_a_stall_costs_only_the_operations_during_it(redis_server: RedisServer) -> None:
@@ -130,7 +130,7 @@ async def test_a_stall_costs_only_the_operations_during_it(redis_server: RedisSe
             for i in range(1, 501):
                 tg.start_soon(publish, i)
         assert results.count(True) == 500 and shared.available
-        assert len(entry_keys(redis_server, key_id(KEY))) == 501
+        assert len(entry_keys(redis_server, signing_key_id(KEY))) == 501
 
 
 async def test_a_dead_server_is_probed_by_one_operation_at_a_time(redis_server: RedisServer) -> None:

@@ -23,7 +23,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import acompile
-from acompile._backends import _triton, _triton_source
+
+# _triton_source and _triton_text: the bounds of their memos, each tested in its module.
+from acompile._backends import _triton_source, _triton_text, forget_triton
 
 pytestmark = pytest.mark.anyio
 
@@ -189,14 +191,14 @@ async def test_errors_in_the_source_are_invalid_spec_errors(cache_dir: Path) -> 
 async def test_what_the_pool_keeps_of_source_strings_is_bounded(
     cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_triton, "SOURCE_MEMO_SIZE", 3)
-    monkeypatch.setattr(_triton, "_source_memo", type(_triton._source_memo)())
+    monkeypatch.setattr(_triton_text, "SOURCE_MEMO_SIZE", 3)
+    forget_triton()
     big = "# " + "padding " * 12_000  # ~100 KB a source
     async with pool(cache_dir, prestart=False) as p:
         for i in range(8):
             text = source(n=i, top=big)
-            fn, _ = await _triton._kernel_from_text(text, None)
-            assert fn.__name__ == "scaled" and len(_triton._source_memo) <= 3
+            fn, _ = await _triton_text.kernel_from_text(text, None)
+            assert fn.__name__ == "scaled" and len(_triton_text._source_memo) <= 3
         assert p.stats()["workers"]["started"] == 0
     # Only small facts are kept, never the text or what it defined.
     assert not any(str(name).startswith("<acompile-source-") for name in linecache.cache)

@@ -65,7 +65,7 @@ async def test_compiles_the_same_kernel_triton_compile_does(cache_dir: Path, tmp
 async def test_a_kernel_from_the_disk_cache_is_the_kernel_triton_compile_builds(
     cache_dir: Path, tmp_path: Path
 ) -> None:
-    from acompile._backends._triton import TritonKernel
+    from acompile._backends import TritonKernel
 
     spec = acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 1024})
     async with pool(cache_dir) as p:
@@ -187,7 +187,9 @@ def test_a_template_warms_up_without_hashing_triton_and_its_workers_take_the_par
     script = textwrap.dedent(
         f"""
         import triton.runtime.cache as cache
-        from acompile._backends import _triton_worker as worker
+        from acompile._backends import load_worker
+
+        worker = load_worker("triton")
 
         def hashing():
             raise AssertionError("the warm-up hashed Triton's binaries")
@@ -263,7 +265,7 @@ async def test_waiting_for_the_parents_key_counts_neither_against_the_time_limit
     the kernel (which orders later queues) is not it."""
     import json
 
-    from acompile._cache._costs import COSTS_FILE
+    from acompile._cache import COSTS_FILE
 
     hashing, _ = slow_triton_key(monkeypatch, hold_s=4.0)
     async with pool(cache_dir, workers=1, max_compile_seconds=2.0) as p:
@@ -296,15 +298,16 @@ def test_a_kernel_compiled_before_the_parents_key_is_compiled_once_and_takes_tri
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
         from acompile import Target, TritonSpec
-        from acompile._backends import _triton, _triton_worker as worker
-        from acompile._cache._entry import decode
+        from acompile._backends import load_parent, load_worker
+        from acompile._cache import decode_entry
         from kernels_for_tests import ADD_SIG, add_kernel
 
+        parent, worker = load_parent("triton"), load_worker("triton")
         tmp = Path({str(tmp_path)!r})
         request = anyio.run(
-            _triton.prepare, TritonSpec(add_kernel, ADD_SIG, {{"BLOCK": 64}}), Target("cuda", 90), tmp / "memo"
+            parent.prepare, TritonSpec(add_kernel, ADD_SIG, {{"BLOCK": 64}}), Target("cuda", 90), tmp / "memo"
         )
-        payload = anyio.run(_triton.payload, request)
+        payload = anyio.run(parent.payload, request)
         ref = triton.compile(
             ASTSource(add_kernel, {{**ADD_SIG, "BLOCK": "constexpr"}}, {{"BLOCK": 64}}),
             target=GPUTarget("cuda", 90, 32),
@@ -328,7 +331,7 @@ def test_a_kernel_compiled_before_the_parents_key_is_compiled_once_and_takes_tri
                 os.replace(path.with_suffix(".tmp"), path)
             threading.Thread(target=later).start()
             compiles.clear()
-            entry = decode(worker.compile(payload))
+            entry = decode_entry(worker.compile(payload))
             meta = json.loads(entry.blobs["json"])
             assert entry.meta["hash"] == meta["hash"] == ref.hash, (late, entry.meta["hash"], ref.hash)
             assert entry.blobs["cubin"] == ref.asm["cubin"]
@@ -487,9 +490,9 @@ async def test_a_compiled_kernel_this_process_cannot_load_is_a_compile_error(
     """A result Triton's loader here would not take (another Triton's metadata, say; faked by
     requiring a field no kernel has) is an AcompileError naming the kernel, not a bare
     ValueError out of the cache's internals."""
-    from acompile._backends import _triton
+    from acompile._backends import _triton_load
 
-    monkeypatch.setitem(_triton._FIELD_TYPES, "no_such_field", _triton._INT)
+    monkeypatch.setitem(_triton_load._FIELD_TYPES, "no_such_field", _triton_load._INT)
     for _ in range(2):
         async with pool(cache_dir, prestart=False) as p:
             with pytest.raises(
@@ -507,7 +510,7 @@ async def test_the_switch_interval_is_short_while_kernels_are_parsed_and_put_bac
     """Parsing a kernel (pure Python, on the pool's thread) competes with the event loop for the
     GIL: while it runs, the interpreter switches threads every 0.5 ms, not every 5, and what was
     set before is back after it; a value set meanwhile by someone else, or a shorter one, stays."""
-    from acompile._backends import _triton
+    from acompile._backends import _triton_once
 
     seen: list[float] = []
 
@@ -522,13 +525,13 @@ async def test_the_switch_interval_is_short_while_kernels_are_parsed_and_put_bac
     before = sys.getswitchinterval()
     try:
         sys.setswitchinterval(0.005)
-        assert await _triton._once(("switch-test", 1), lambda: None, work) == "parsed"
+        assert await _triton_once.once(("switch-test", 1), lambda: None, work) == "parsed"
         assert seen == [pytest.approx(0.0005)] and sys.getswitchinterval() == pytest.approx(0.005)
-        await _triton._once(("switch-test", 2), lambda: None, theirs)
+        await _triton_once.once(("switch-test", 2), lambda: None, theirs)
         assert sys.getswitchinterval() == pytest.approx(0.002)
         sys.setswitchinterval(0.0001)  # shorter than ours: never raised
         seen.clear()
-        await _triton._once(("switch-test", 3), lambda: None, work)
+        await _triton_once.once(("switch-test", 3), lambda: None, work)
         assert seen == [pytest.approx(0.0001)] and sys.getswitchinterval() == pytest.approx(0.0001)
         # Put back exactly: 0.007 reads back as 0.006999999999999999, which set again would be
         # 6998 microseconds (the interpreter truncates).
@@ -562,16 +565,16 @@ def test_pools_on_event_loops_in_several_threads_parse_the_same_kernel_at_once(
     import asyncio
     import time
 
-    from acompile._backends import _triton
+    from acompile._backends import _triton_describe, forget_triton
 
-    describe = _triton._describe
+    describe = _triton_describe._describe
 
     def slow_describe(fn: Any) -> dict[str, Any]:
         time.sleep(0.3)
         return describe(fn)
 
-    monkeypatch.setattr(_triton, "_describe", slow_describe)
-    monkeypatch.setattr(_triton, "_described", {})
+    monkeypatch.setattr(_triton_describe, "_describe", slow_describe)
+    forget_triton()
     results: dict[int, str] = {}
     start = threading.Barrier(3)
 

@@ -80,15 +80,15 @@ def test_mypy_finds_acompile_in_an_editable_install(tmp_path: Path) -> None:
     revealed = [t.replace("builtins.", "") for t in re.findall(r'Revealed type is "(.*)"', out.stdout)]
     assert "Cannot find implementation" not in out.stdout, out.stdout
     assert revealed[:10] == [
-        "acompile._backends._triton.TritonKernel",
+        "acompile._backends._triton_kernel.TritonKernel",
         "acompile._backends._driver.CudaModule",
         "acompile._backends._driver.CudaModule",
         "acompile._backends._native.SharedLibrary",
         "acompile._backends._native.ObjectFile",
         "acompile._backends._native.SharedLibrary",
-        "list[acompile._backends._triton.TritonKernel]",
-        "list[acompile._backends._triton.TritonKernel | acompile._errors.AcompileError]",
-        "acompile._backends._triton.TritonKernel",
+        "list[acompile._backends._triton_kernel.TritonKernel]",
+        "list[acompile._backends._triton_kernel.TritonKernel | acompile._errors.AcompileError]",
+        "acompile._backends._triton_kernel.TritonKernel",
         "int",
     ], out.stdout
     assert 'has no key "no_such_field"' in out.stdout  # a typo in a stats field is an error

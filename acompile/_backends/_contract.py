@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from acompile._cache._entry import Entry
+    from acompile._cache import Entry
     from acompile._targets import Target
+    from acompile._workers import BackendConfig, WorkerConfig
 
 SpecT = TypeVar("SpecT", contravariant=True)
 RequestT = TypeVar("RequestT", bound="Request")
@@ -79,7 +80,7 @@ class ParentBackend(Protocol[SpecT, RequestT, KernelT]):
         """
         ...
 
-    async def worker_config(self, memo_dir: Path) -> dict[str, Any]:
+    async def worker_config(self, memo_dir: Path) -> BackendConfig:
         """What the workers' ``setup``/``preload`` need from the parent, merged into their config.
 
         Called by the pool when it first starts workers (not in ``__aenter__``), for each
@@ -124,7 +125,7 @@ class ParentBackend(Protocol[SpecT, RequestT, KernelT]):
 class WorkerBackend(Protocol):
     """The worker's half of a backend, as a worker process calls it."""
 
-    def setup(self, config: dict[str, Any]) -> None:
+    def setup(self, config: WorkerConfig) -> None:
         """Configure the process (folders, environment) from the pool's config.
 
         Called once per worker process, the first time the module is used there: before
@@ -132,7 +133,7 @@ class WorkerBackend(Protocol):
         """
         ...
 
-    def preload(self, config: dict[str, Any]) -> None:
+    def preload(self, config: WorkerConfig) -> None:
         """Import the compiler and pay its first-use costs before any job: once, in the template
         process, so that every worker forked from it starts warm (in each worker when workers
         are not forked). Called for each backend the pool was asked to preload."""

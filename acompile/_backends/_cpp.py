@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from acompile._backends._native import (
+    WORKER_MODULE,
     NativeRequest,
     SharedLibrary,
     check_source,
@@ -24,13 +25,10 @@ from acompile._backends._native import (
     setup,
     worker_config,
 )
-from acompile._backends._registry import BACKENDS
-from acompile._cache._entry import Entry
+from acompile._cache import Entry
 from acompile._targets import Target
 
 __all__ = ("WORKER_MODULE", "CppSpec", "load", "payload", "prepare", "setup", "worker_config")
-
-WORKER_MODULE = BACKENDS["cpp"].worker
 
 
 @dataclass(frozen=True)

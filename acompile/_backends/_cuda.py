@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from acompile._backends._driver import CudaModule
 from acompile._backends._native import (
+    WORKER_MODULE,
     NativeRequest,
     ObjectFile,
     SharedLibrary,
@@ -30,14 +31,12 @@ from acompile._backends._native import (
     verify,
     worker_config,
 )
-from acompile._backends._registry import BACKENDS
-from acompile._cache._entry import Entry
+from acompile._cache import Entry
 from acompile._errors import InvalidSpecError
 from acompile._targets import Target, parse_target
 
 __all__ = ("WORKER_MODULE", "CudaSpec", "load", "payload", "prepare", "setup", "worker_config")
 
-WORKER_MODULE = BACKENDS["cuda"].worker
 _OUTPUTS = ("cubin", "ptx", "so", "o")
 
 

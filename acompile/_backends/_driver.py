@@ -14,7 +14,7 @@ from acompile._errors import DeviceUnavailableError
 
 if TYPE_CHECKING:
     from acompile._backends._native import NativeRequest
-    from acompile._cache._entry import Entry
+    from acompile._cache import Entry
 
 
 def _driver() -> Any:

@@ -38,9 +38,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from acompile import _files
 from acompile._errors import UntrustedFolderError
+from acompile._linux import lower_this_thread
 from acompile._trust import check_folder, own_folder
-from acompile._workers._process import lower_this_thread
 
 logger = logging.getLogger("acompile")
 
@@ -193,7 +194,7 @@ def _compiler() -> list[str]:
 
 
 def _build_dir(include: Path, *, make: bool = False) -> Path:
-    from acompile._cache._disk import default_cache_dir
+    from acompile._cache import default_cache_dir
 
     header = (include / "cuda.h").stat()  # a megabyte: its path, size and time stand for it
     digest = hashlib.sha256()
@@ -348,11 +349,11 @@ def build() -> Path:
         done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler[0]} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
-        checksum = Path(scratch) / "sha256"
-        checksum.write_text(hashlib.sha256(out.read_bytes()).hexdigest())
+        library = out.read_bytes()
         # The checksum first: a library in place always has its checksum beside it (a reader
-        # between the two renames sees the new checksum and no library, or an older one that
-        # does not match it, and builds too: never a library it would take for damaged).
-        os.replace(checksum, _checksum_path(target))
-        os.replace(out, target)
+        # between the two writes sees the new checksum and no library, or an older one that
+        # does not match it, and builds too: never a library it would take for damaged). The
+        # library keeps the mode a compiler gives its output.
+        _files.write_whole(_checksum_path(target), hashlib.sha256(library).hexdigest().encode())
+        _files.write_whole(target, library, mode=0o777)
     return target

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 
+from acompile import _files
 from acompile._errors import TEXT_LIMIT
 
 
@@ -25,17 +25,10 @@ def save_if_long(log: str, log_dir: str | None, name: str, key: str) -> tuple[st
     if not log_dir:
         return None, f"(the log, {len(log)} characters, was cut; no log folder to write it to)"
     path = os.path.join(log_dir, f"{name}-{key[:16]}.log")
-    tmp = os.path.join(log_dir, f".{name}-{key[:16]}.{os.getpid()}.{secrets.token_hex(4)}")
     try:
         os.makedirs(log_dir, mode=0o700, exist_ok=True)
-        with open(tmp, "w", encoding="utf-8", errors="replace") as f:
-            f.write(log)
-        os.replace(tmp, path)
+        _files.write_whole(path, log.encode("utf-8", errors="replace"))
     except OSError as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         why = "the disk is full" if exc.errno == errno.ENOSPC else f"{type(exc).__name__}: {exc}"
         return None, f"(the log, {len(log)} characters, was cut and could not be saved: {why})"
     return path, f"(the log, {len(log)} characters, was cut; the whole log is in {path})"

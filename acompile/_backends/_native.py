@@ -26,16 +26,12 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from acompile._backends._native_worker import file_digest
-from acompile._backends._registry import BACKENDS
-from acompile._cache._chain import StaleEntry
-from acompile._cache._entry import Entry
-from acompile._cache._keys import make_key
-from acompile._cache._layout import lib_path, logs_dir, read_state, write_state
+from acompile._cache import Entry, StaleEntry, lib_path, logs_dir, make_key, read_state, write_state
 from acompile._errors import (
     BackendUnavailableError,
     CppCompileError,
@@ -46,9 +42,14 @@ from acompile._errors import (
 from acompile._targets import Target
 from acompile._version import __version__
 
-# Both backends compile in one worker module: NVRTC, nvcc and the C++ compiler.
-WORKER_MODULE = BACKENDS["cuda"].worker
-NVRTC_HINT = BACKENDS["cuda"].install
+if TYPE_CHECKING:
+    from acompile._workers import BackendConfig
+
+# Both backends compile in one worker module: NVRTC, nvcc and the C++ compiler. The registry names
+# it too (a test holds them equal): a backend never imports the registry that loads it.
+WORKER_MODULE = "acompile._backends._native_worker"
+# What to install for NVRTC (the registry's hint for the CUDA backend).
+NVRTC_HINT = 'pip install "acompile[cuda]"'
 _GLOBAL_NAME = re.compile(r"__global__\s+(?:[\w:<>,\s*&]+?\s+)?(\w+)\s*\(")
 
 
@@ -73,7 +74,7 @@ async def setup(memo_dir: Path, target: Target | None) -> None:
     """Nothing to pay ahead: the compilers' versions are read on first use."""
 
 
-async def worker_config(memo_dir: Path) -> dict[str, Any]:
+async def worker_config(memo_dir: Path) -> BackendConfig:
     """Nothing: the workers need only what the payload carries."""
     return {}
 
@@ -133,7 +134,7 @@ def module_name(name: str | None, source: str, default: str) -> str:
 _tools: dict[str, str] = {}
 
 
-def _tool_version(kind: str) -> str:
+def tool_version(kind: str) -> str:
     """The compiler's own idea of its version, once per process (blocking: from a thread)."""
     if kind not in _tools:
         if kind == "nvrtc":
@@ -204,7 +205,7 @@ async def make_request(
     ``kind`` is the compiler (``"nvrtc"``, ``"nvcc"``, ``"cxx"``): its version is part of the
     key, read once per process (in a thread: it may run the compiler).
     """
-    version = _tools.get(kind) or await anyio.to_thread.run_sync(_tool_version, kind)
+    version = _tools.get(kind) or await anyio.to_thread.run_sync(tool_version, kind)
     # The key's parts, in this order, are what existing caches were keyed with: keep them.
     key_parts = {
         "format": 1,

@@ -23,11 +23,14 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from acompile._backends._logs import save_if_long
-from acompile._cache._entry import Entry
+from acompile._cache import Entry
 from acompile._errors import CppCompileError, CUDACompileError, bounded
+
+if TYPE_CHECKING:
+    from acompile._workers import WorkerConfig
 
 _scratch = ""
 
@@ -35,12 +38,12 @@ _scratch = ""
 _ERROR_LINE = re.compile(r"(?:\((\d+)\):?|:(\d+):\d+:)\s*(?:fatal )?error")
 
 
-def setup(config: dict[str, Any]) -> None:
+def setup(config: WorkerConfig) -> None:
     global _scratch
     _scratch = config.get("scratch_dir") or tempfile.gettempdir()
 
 
-def preload(config: dict[str, Any]) -> None:
+def preload(config: WorkerConfig) -> None:
     from cuda.bindings import nvrtc  # noqa: F401 - the import is the preload
 
 

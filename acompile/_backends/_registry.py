@@ -3,7 +3,9 @@
 ``BACKENDS`` is the one table: a backend's name (what ``preload=`` takes), its parent and worker
 modules, the package whose absence makes it unusable, and its spec classes. Nothing here imports
 a backend module or its compiler until asked: importing acompile must not import triton or
-cuda-python.
+cuda-python. The loader knows the backends, never the other way: no backend imports this module
+(each parent half names its own ``WORKER_MODULE``, which a test holds equal to the table's), so
+the backends and the registry make no import circle.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ if TYPE_CHECKING:
     from acompile._backends._cuda import CudaSpec
     from acompile._backends._driver import CudaModule
     from acompile._backends._native import NativeRequest, ObjectFile, SharedLibrary
-    from acompile._backends._triton import TritonKernel, TritonRequest, TritonSpec
+    from acompile._backends._triton_kernel import TritonKernel
+    from acompile._backends._triton_spec import TritonRequest, TritonSpec
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ BACKENDS: Mapping[str, BackendSpec] = _table(
         worker="acompile._backends._triton_worker",
         requires="triton",
         install="pip install triton",
-        spec_classes=("acompile._backends._triton.TritonSpec",),
+        spec_classes=("acompile._backends._triton_spec.TritonSpec",),
     ),
     BackendSpec(
         name="cuda",

@@ -264,7 +264,7 @@ def _kill_own_group(*_: object) -> None:
 
 def main() -> None:
     """The supervisor: fork the runner, pass it the request, answer the pool."""
-    from acompile._workers import _linux
+    from acompile import _linux
 
     # Read by acompile._lazy as acompile was imported (this process needs few of its modules);
     # what the text starts is no worker.
@@ -308,7 +308,7 @@ def main() -> None:
 
 def _run(request_fd: int, answer_fd: int, supervisor: int) -> None:
     """The runner: read the request, run the text, write the findings, exit."""
-    from acompile._workers import _linux
+    from acompile import _linux
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the supervisor's handler is not the text's
     _linux.signal_at_parent_death(signal.SIGKILL)

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from acompile._cache._layout import MAX_MEMO_BYTES, read_state, write_state
+from acompile._cache import MAX_MEMO_BYTES, read_state, write_state
 
 logger = logging.getLogger("acompile")
 
@@ -100,6 +100,13 @@ def _read_memo(path: Path, fields: tuple[str, ...]) -> dict[str, str] | None:
         logger.warning("the toolchain memo %s is ignored (%s): computed again, and replaced", path, exc)
         return None
     return value
+
+
+def forget() -> None:
+    """Forget the figures this process read or computed: the next call reads its memo file, or
+    computes them, again (see ``_triton.forget``)."""
+    with _lock:
+        _memo.clear()
 
 
 def toolchain(memo_dir: Path) -> dict[str, str]:

@@ -8,9 +8,12 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import triton
+
+if TYPE_CHECKING:
+    from acompile._workers import WorkerConfig
 
 # Triton imports its code generator (and Gluon with it, ~0.1 s) at a process's first compile.
 # Imported here, it comes with the backend, which a template imports while the pool is still
@@ -23,11 +26,12 @@ from triton import knobs
 from triton.compiler import ASTSource
 
 from acompile._backends._logs import save_if_long
+from acompile._backends._triton_env import key_environment
 from acompile._backends._triton_source import materialize
-from acompile._cache._entry import Entry
+from acompile._cache import Entry
 from acompile._errors import CompileError
 from acompile._targets import parse_target
-from acompile._workers import _late as _workers_late
+from acompile._workers import late_config, outside_job_time
 
 _base_env: dict[str, str] = {}
 
@@ -38,7 +42,7 @@ _STAND_IN = "acompile-stand-in-triton-key"
 _late: dict[str, Any] = {}
 
 
-def setup(config: dict[str, Any]) -> None:
+def setup(config: WorkerConfig) -> None:
     # A private Triton cache per worker, emptied after every compile: Triton's own cache must not
     # answer (a stale or torn group there would leak into ours), and compiles are cached by the
     # pool, not here.
@@ -64,7 +68,7 @@ def _use_key(value: str) -> None:
 def _parents_key(wait: bool) -> str | None:
     """The key the parent computed, once it is there; None while it is not and ``wait`` is
     false. Where the parent could not compute it, this worker computes it, as Triton does."""
-    prepared = _workers_late.prepared(_late, wait=wait)  # a wait is not the job's time
+    prepared = late_config(_late, wait=wait)  # a wait is not the job's time
     if prepared is None:
         return None
     _late.clear()
@@ -73,7 +77,7 @@ def _parents_key(wait: bool) -> str | None:
         _use_key(key)
         return key
     triton.runtime.cache.triton_key = _TRITONS_KEY
-    with _workers_late.paused():  # Triton's JIT pays it in its first compile; not this kernel's cost
+    with outside_job_time():  # Triton's JIT pays it in its first compile; not this kernel's cost
         return str(_TRITONS_KEY())
 
 
@@ -126,7 +130,7 @@ def _preload_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) * 2.0 + 1.0, mask=mask)
 
 
-def preload(config: dict[str, Any]) -> None:
+def preload(config: WorkerConfig) -> None:
     """Pay the one-time costs now: the backend's set-up (MLIR contexts, libdevice, ptxas's first
     start), by compiling a small kernel for the pool's target.
 
@@ -157,8 +161,6 @@ def preload(config: dict[str, Any]) -> None:
 @contextlib.contextmanager
 def _environment(env: dict[str, str]) -> Iterator[None]:
     """Compile with exactly the Triton settings the parent keyed the request with."""
-    from acompile._backends._triton import key_environment
-
     current = key_environment(os.environ)
     for name in current.keys() - env.keys():
         del os.environ[name]

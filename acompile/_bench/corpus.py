@@ -11,13 +11,14 @@ tile configurations, and the autotune benchmark tunes it (``matmul_configs``).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 from typing import Any
 
 import triton
 import triton.language as tl
+
+from acompile._bench.spec import Spec
 
 # --- the kernels: math in fp32, results cast to the output's element type -------------------
 # fmt: off
@@ -238,18 +239,6 @@ def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride, HALF: tl.constexpr):
 
 # fmt: on
 # --- the corpus -----------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Spec:
-    """One compile request: a JIT function plus everything needed to compile it."""
-
-    name: str  # unique, e.g. "add_fp32_b1024_w4"
-    fn: triton.JITFunction
-    signature: dict[str, str]  # runtime (non-constexpr) params only -> triton type string
-    constexprs: dict[str, object]
-    num_warps: int = 4
-    num_stages: int = 3
 
 
 def _spec(name, fn, types, warps=4, stages=3, **constexprs) -> Spec:

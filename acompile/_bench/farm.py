@@ -13,8 +13,12 @@ Per side:
 
 - ``noop round trip``: ``J`` jobs that compile nothing, one at a time (p50, p90): what one job
   costs on its way there and back. The farm's *per-job overhead* is its p50 less the local p50.
-- ``noop throughput``: ``J`` such jobs submitted at once: jobs per second, and this process's CPU
-  seconds per job (what one pool process can feed: the farm's ceiling for many nodes).
+- ``noop throughput``: ``J`` such jobs submitted at once: jobs per second, and the CPU per job of
+  the pool's side of the work: this process's (the pool's), and on the farm's side, that of the
+  pool's connection process too (``python -m acompile._farm._broker``, a child of this process,
+  which holds the connection to Ray and does most of the farm's work per job), each and together
+  (``driver_cpu_ms_per_job``: what the pool's side spends to feed one job, the farm's ceiling
+  for many nodes). Ray's own processes of a cluster started here are the cluster's, not counted.
 - ``corpus``: the corpus compiled cold, all at once: time to the first result and to the last,
   kernels per second; the farm's kernels are checked against the local ones byte for byte.
 
@@ -39,6 +43,8 @@ import anyio
 from acompile._bench import harness
 
 _NOOP = "acompile._bench.farm"
+# The module the pool's connection process to Ray runs (``acompile._farm._remote`` starts it).
+_CONNECTION = "acompile._farm._broker"
 
 
 # -- the worker-side backend of the no-op jobs --------------------------------------------------
@@ -58,6 +64,37 @@ def compile(payload: dict[str, Any]) -> bytes:
 
 
 # -- the measurements ---------------------------------------------------------------------------
+
+
+def _connection_processes() -> list[Any]:
+    """The pool's connection processes to Ray: this process's children that run the connection
+    module (one while a pool with a farm is entered, none on the local side). Not its other
+    children: workers compile, and a cluster started here (``cluster``) runs Ray's own daemons."""
+    import psutil
+
+    found = []
+    for child in psutil.Process().children():
+        try:
+            if _CONNECTION in child.cmdline():
+                found.append(child)
+        except psutil.Error:
+            pass  # ended meanwhile
+    return found
+
+
+def _cpu_seconds(processes: list[Any]) -> float:
+    """The CPU seconds (user and system, every thread) ``processes`` have used so far. The kernel
+    counts them in clock ticks (10 ms): hundreds of jobs make that small per job."""
+    import psutil
+
+    total = 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            continue  # ended: what it used is lost with it (the benchmark's pool does not end it)
+        total += times.user + times.system
+    return total
 
 
 async def _side(name: str, pool_args: dict[str, Any], specs: list[Any], noops: int) -> dict[str, Any]:
@@ -84,13 +121,21 @@ async def _side(name: str, pool_args: dict[str, Any], specs: list[Any], noops: i
             row["noop_p50_ms"] = harness.ms(harness.percentile(trips, 0.5))
             row["noop_p90_ms"] = harness.ms(harness.percentile(trips, 0.9))
 
-            cpu, start = time.process_time(), time.perf_counter()
+            connection = _connection_processes()
+            cpu, connection_cpu = time.process_time(), _cpu_seconds(connection)
+            start = time.perf_counter()
             async with anyio.create_task_group() as tg:
                 for i in range(noops):
                     tg.start_soon(executor.run, noop(i))
             elapsed = time.perf_counter() - start
+            pool_cpu = time.process_time() - cpu
+            connection_cpu = _cpu_seconds(connection) - connection_cpu
             row["noop_per_s"] = round(noops / elapsed, 1)
-            row["driver_cpu_ms_per_job"] = harness.ms((time.process_time() - cpu) / noops)
+            row["pool_cpu_ms_per_job"] = harness.ms(pool_cpu / noops)
+            row["connection_cpu_ms_per_job"] = harness.ms(connection_cpu / noops) if connection else None
+            # Both processes' CPU, added: where they run on two cores at once, the pool's side
+            # can feed somewhat more than this says.
+            row["driver_cpu_ms_per_job"] = harness.ms((pool_cpu + connection_cpu) / noops)
 
             first: list[float] = []
             kernels: list[Any] = [None] * len(specs)
@@ -126,14 +171,15 @@ def _projection(
 ) -> dict[str, Any]:
     """Wall time of ``kernels`` cold compiles on ``nodes × cores`` farm workers, from the measured
     figures: the corpus's mean compile time per kernel (local pool), the farm's per-job overhead,
-    the driver's CPU per job, and the farm's start (actors placed and preloaded)."""
+    the CPU per job of the pool's side (its process and its connection process, added), and the
+    farm's start (actors placed and preloaded)."""
     workers = nodes * cores
     per_kernel = local["corpus_all_s"] * local["workers"] / local["kernels"]
     overhead = max(0.0, (farm["noop_p50_ms"] - local["noop_p50_ms"]) / 1000)
     driver = farm["driver_cpu_ms_per_job"] / 1000
     waves = math.ceil(kernels / workers)
     compute = waves * (per_kernel + overhead)
-    feed = kernels * driver  # one pool process hands out every job
+    feed = kernels * driver  # the pool's side (its process and its connection) hands out every job
     return {
         "workers": workers,
         "kernels": kernels,
@@ -220,16 +266,20 @@ def _print(result: dict[str, Any]) -> None:
         "noop_p50_ms",
         "noop_p90_ms",
         "noop_per_s",
+        "pool_cpu_ms_per_job",
+        "connection_cpu_ms_per_job",
         "driver_cpu_ms_per_job",
         "corpus_first_s",
         "corpus_all_s",
         "kernels_per_s",
         "exit_s",
     )
-    print(f"{'':8}" + "".join(f"{c:>22}" for c in columns), file=out)
+    widths = [max(22, len(c) + 2) for c in columns]  # a name never runs into the one before it
+    print(f"{'':8}" + "".join(f"{c:>{w}}" for c, w in zip(columns, widths, strict=True)), file=out)
     for side in ("local", "farm"):
         row = result[side]
-        print(f"{side:8}" + "".join(f"{harness.fmt(row[c], '.3f'):>22}" for c in columns), file=out)
+        cells = (f"{harness.fmt(row[c], '.3f'):>{w}}" for c, w in zip(columns, widths, strict=True))
+        print(f"{side:8}" + "".join(cells), file=out)
     print(
         f"per-job overhead of the farm: {result['per_job_overhead_ms']:.3f} ms; identical cubins: "
         f"{result['identical_cubins']}/{result['kernels']}; whole process {result['process_s']} s",

@@ -77,9 +77,9 @@ async def acompile_side(args: argparse.Namespace) -> dict[str, Any]:
     if args.filling:
         # The run that fills the caches also leaves acompile's launcher built (a build started
         # in this process runs in the background), as Triton's first run leaves its own.
-        from acompile._backends import _launcher as launcher_build
+        from acompile._backends import launcher_module
 
-        launcher_build.module(wait=True)
+        launcher_module(wait=True)
     return {
         "launcher": {c.spec.name: k.launcher for c, k in zip(cases, kernels, strict=True)},
         **set_up,

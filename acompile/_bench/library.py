@@ -24,7 +24,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from acompile._bench.corpus import Spec
+from acompile._bench.spec import Spec
 
 # fmt: off
 

@@ -8,6 +8,9 @@ cycles of quiesce / wake-up with a real compile after each (``activation_kernel`
 ``ACT`` >= 4: the same code under distinct keys). ``shutdown``: leaving the pool while its
 workers preload, idle, then busy in a 120 s job.
 ``spawned``: a worker with ``fork_workers=False`` and an anyio worker that compiled a kernel.
+``fairness``: 2 workers, a steady stream of 80 jobs that sleep 0.3-0.6 s (6 in flight, each caller
+sending its next as its last ends), and a 0.05 s job sent 1 s in: how long it took, against the
+longest job's time (the queue's aging, ``acompile._workers._queue``).
 
 Its module level imports only the standard library: a worker imports it in well under a ms.
 """
@@ -24,7 +27,7 @@ from typing import Any
 from acompile._bench import harness
 
 BACKEND = "acompile._bench.lifecycle"
-GROUPS = ("noop_acompile", "noop_anyio", "noop_process_pool", "wake", "shutdown", "spawned")
+GROUPS = ("noop_acompile", "noop_anyio", "noop_process_pool", "wake", "shutdown", "spawned", "fairness")
 
 
 # -- the worker-side backend (imported by acompile's workers) ------------------------------------
@@ -87,9 +90,9 @@ def _running(pids: list[int]) -> list[int]:
 
 
 def _pool_pids(pool: Any) -> tuple[list[int], int | None]:
-    """The pool's live worker pids and its template's pid (private attributes, read only)."""
+    """The pool's live worker pids and its template's pid (the local runners', read only)."""
     workers = pool.executor
-    template = workers._template
+    template = workers.runners.template
     return sorted(workers.alive), (template.pid if template is not None else None)
 
 
@@ -273,6 +276,49 @@ async def spawned(args: argparse.Namespace) -> dict[str, Any]:
     return {"cold_ready_s": ready, "memory_spawned": spawned_memory, "memory_anyio": memory([pid])}
 
 
+async def fairness(args: argparse.Namespace) -> dict[str, Any]:
+    """A cheap job sent 1 s into a steady stream of longer ones, on 2 workers whatever
+    ``--workers`` says (a stream that keeps every worker busy is what is measured)."""
+    import statistics
+
+    import anyio
+
+    import acompile
+    from acompile._workers import Job
+
+    stream = [round(0.3 + 0.3 * ((7 * i) % 11) / 10, 2) for i in range(80)]
+    durations = iter(stream)  # shared: each caller takes the next
+    waited: list[float] = []
+
+    def sleeper(name: str, seconds: float) -> Job:
+        return Job(BACKEND, {"sleep": seconds}, name, expected_seconds=seconds)
+
+    async def caller() -> None:
+        for seconds in durations:
+            job = sleeper("stream", seconds)
+            await pool.executor.run(job)
+            waited.append(job.ended_at - job.queued_at)
+
+    async with acompile.CompilePool(2, preload=(), target=args.target) as pool:
+        await pool.wait_ready()
+        async with anyio.create_task_group() as tg:
+            for _ in range(6):
+                tg.start_soon(caller)
+            await anyio.sleep(1.0)
+            cheap = sleeper("cheap", 0.05)
+            await pool.executor.run(cheap)
+    cheap_s = cheap.ended_at - cheap.queued_at
+    return {
+        "cheap_s": cheap_s,
+        "longest_s": max(stream),
+        "cheap_to_longest": cheap_s / max(stream),
+        "stream_jobs": len(stream),
+        "stream_mean_s": statistics.fmean(waited),
+        "stream_median_s": statistics.median(waited),
+        "stream_max_s": max(waited),
+    }
+
+
 CHILDREN = {
     "noop_acompile": noop,
     "noop_anyio": noop,
@@ -280,6 +326,7 @@ CHILDREN = {
     "wake": wake,
     "shutdown": shutdown,
     "spawned": spawned,
+    "fairness": fairness,
 }
 
 
@@ -336,6 +383,12 @@ def report(section: dict[str, Any]) -> str:
         f"{mem(get('wake', 'memory_template'))}, a spawned worker (fork_workers=False) "
         f"{mem(get('spawned', 'memory_spawned'))}, anyio's after a compile "
         f"{mem(get('spawned', 'memory_anyio'))}",
+        f"fairness (2 workers, {f(get('fairness', 'stream_jobs'), '.0f')} jobs of 0.3-0.6 s, 6 in flight): a "
+        f"0.05 s job sent 1 s in ended after {f(get('fairness', 'cheap_s'))} s, "
+        f"{f(get('fairness', 'cheap_to_longest'))}x the longest job (target <= 2x); "
+        f"the stream's jobs {f(get('fairness', 'stream_mean_s'))} s mean, "
+        f"{f(get('fairness', 'stream_median_s'))} s median, "
+        f"{f(get('fairness', 'stream_max_s'))} s max",
     ]
     bad = [k.removeprefix("lifecycle ") for k in failed(section)]
     return "\n".join([*lines, *(f"lifecycle {k}: {g[k].get('crashed') or g[k]['assertion']}" for k in bad)])

@@ -263,15 +263,15 @@ def _run_row(name: str, args: argparse.Namespace, root: Path, results: dict[str,
     env = harness.child_env(folder, **extra)
     if name == "acompile_new_kernels":
         # What a pool leaves in its cache folder besides kernels, from acompile_cold's run.
-        from acompile._cache._layout import TOOLCHAIN
+        from acompile._cache import toolchain_dir
 
         cold = results.get("acompile_cold", {})
-        seen = Path(cold.get("acompile_cache_dir", root / "acompile_cold")) / TOOLCHAIN
+        seen = toolchain_dir(Path(cold.get("acompile_cache_dir", root / "acompile_cold")))
         if "crashed" in cold or not seen.is_dir():
             # Run without it, the row would be acompile_cold again under another name.
-            why = "crashed" if "crashed" in cold else f"left no {TOOLCHAIN} folder"
+            why = "crashed" if "crashed" in cold else f"left no {seen.name} folder"
             return {"crashed": f"it runs on what acompile_cold's pool left, and acompile_cold {why}"}
-        shutil.copytree(seen, Path(env["ACOMPILE_CACHE_DIR"]) / TOOLCHAIN, symlinks=True)
+        shutil.copytree(seen, toolchain_dir(Path(env["ACOMPILE_CACHE_DIR"])), symlinks=True)
     options = {"row": name, "workers": args.workers, "target": args.target, "limit": args.limit}
     options["corpus"] = args.corpus
     options.update(

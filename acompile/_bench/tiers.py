@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from acompile._bench import harness
-from acompile._cache._layout import entries_dir
+from acompile._cache import entries_dir
 
 HIT_STEPS = ("hit_memory", "hit_disk", "hit_shared")
 WARM_STEPS = {

@@ -37,7 +37,6 @@ import hmac
 import io
 import json
 import logging
-import os
 import tarfile
 import time
 import zlib
@@ -50,9 +49,10 @@ import anyio
 import anyio.from_thread
 import anyio.to_thread
 
+from acompile import _files
 from acompile._cache._disk import DiskTier
 from acompile._cache._entry import CorruptEntry, decode, peek_header
-from acompile._cache._layout import human_bytes, is_key, plural, temp_path
+from acompile._cache._layout import human_bytes, is_key, plural
 from acompile._cache._shared import host_code, key_id, signing_key_from
 from acompile._errors import AcompileError
 from acompile._version import __version__
@@ -247,50 +247,40 @@ def _write_bundle(
     path: Path, entries: dict[str, tuple[Path, str]], signing_key: bytes | None
 ) -> tuple[int, int]:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(path)
     created = time.time()
     total = 0
-    try:
-        with open(tmp, "wb") as raw:
-            with tarfile.open(fileobj=raw, mode="w:gz", compresslevel=6) as tar:
-                description: dict[str, Any] = {
-                    "format": BUNDLE_FORMAT,
-                    "acompile": __version__,
-                    "created": datetime.datetime.fromtimestamp(created, datetime.timezone.utc).isoformat(),
-                    "count": len(entries),
-                    "digests": {key: digest for key, (_, digest) in entries.items()},
-                }
-                if signing_key is not None:
-                    description["signature"] = _sign(description, signing_key)
-                _add_member(tar, MANIFEST_NAME, json.dumps(description, indent=1).encode(), created)
-                for key, (entry_path, digest) in entries.items():
-                    anyio.from_thread.check_cancelled()
-                    try:
-                        data = entry_path.read_bytes()
-                        mtime = entry_path.stat().st_mtime
-                    except (FileNotFoundError, NotADirectoryError):
-                        raise _Changed(key, None) from None
-                    except OSError as exc:
-                        raise _Changed(key, f"cannot read: {exc}") from None
-                    try:
-                        decode(data, key)
-                    except CorruptEntry as exc:
-                        raise _Changed(key, str(exc)) from None
-                    now = hashlib.sha256(data).hexdigest()
-                    if now != digest:
-                        raise _Changed(key, None, now)
-                    _add_member(tar, ENTRY_PREFIX + key, data, mtime)
-                    total += len(data)
-            # The archive is whole (gzip trailer included) once tarfile has closed it.
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    # The archive is whole (gzip trailer included) once tarfile has closed it; it is flushed to
+    # the disk before it takes the bundle's name (fsync): a bundle is carried to other machines.
+    with _files.writing(path, fsync=True) as raw:
+        with tarfile.open(fileobj=raw, mode="w:gz", compresslevel=6) as tar:
+            description: dict[str, Any] = {
+                "format": BUNDLE_FORMAT,
+                "acompile": __version__,
+                "created": datetime.datetime.fromtimestamp(created, datetime.timezone.utc).isoformat(),
+                "count": len(entries),
+                "digests": {key: digest for key, (_, digest) in entries.items()},
+            }
+            if signing_key is not None:
+                description["signature"] = _sign(description, signing_key)
+            _add_member(tar, MANIFEST_NAME, json.dumps(description, indent=1).encode(), created)
+            for key, (entry_path, digest) in entries.items():
+                anyio.from_thread.check_cancelled()
+                try:
+                    data = entry_path.read_bytes()
+                    mtime = entry_path.stat().st_mtime
+                except (FileNotFoundError, NotADirectoryError):
+                    raise _Changed(key, None) from None
+                except OSError as exc:
+                    raise _Changed(key, f"cannot read: {exc}") from None
+                try:
+                    decode(data, key)
+                except CorruptEntry as exc:
+                    raise _Changed(key, str(exc)) from None
+                now = hashlib.sha256(data).hexdigest()
+                if now != digest:
+                    raise _Changed(key, None, now)
+                _add_member(tar, ENTRY_PREFIX + key, data, mtime)
+                total += len(data)
     return len(entries), total
 
 

@@ -26,15 +26,15 @@ planted in the folder can lead a write out of it.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
 import re
-import secrets
 import shutil
 import stat
 from pathlib import Path
+
+from acompile import _files
 
 logger = logging.getLogger("acompile")
 
@@ -62,8 +62,6 @@ MAX_MEMO_BYTES = 64 << 10
 # as not a regular file); it changes nothing for regular files. O_NOFOLLOW: a link is refused
 # (ELOOP), not followed out of the folder.
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
-# O_EXCL: a fresh file or nothing; with O_CREAT it never follows a link, even a dangling one.
-_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 # \Z, not $: "$" also matches before a final newline, and "<key>\n" is not a key.
 _KEY_RE = re.compile(r"\A[0-9a-f]{64}\Z")
@@ -107,12 +105,6 @@ def logs_dir(root: Path) -> Path:
 def toolchain_dir(root: Path) -> Path:
     """The folder where backends remember the toolchain's identity."""
     return root / TOOLCHAIN
-
-
-def temp_path(final: Path) -> Path:
-    """A fresh temporary file's path next to ``final``, unique to this process and call; the
-    writer renames it onto ``final`` when it is whole."""
-    return final.with_name(f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
 
 class RefusedFile(OSError):
@@ -177,21 +169,13 @@ def write_state(path: Path, data: bytes) -> None:
         # link to theirs) where the folder goes.
         clear_way(folder)
         folder.mkdir(mode=0o700)
-    tmp = temp_path(path)
     try:
-        fd = os.open(tmp, _CREATE_FLAGS, 0o666)
-        with open(fd, "wb") as f:
-            f.write(data)
-        try:
-            # A rename replaces a FIFO, a device or a link without opening it, never a folder.
-            os.replace(tmp, path)
-        except IsADirectoryError:
-            clear_way(path)
-            os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        # The rename replaces a FIFO, a device or a link without opening it, never a folder: a
+        # folder there is cleared, and the write made again.
+        _files.write_whole(path, data)
+    except IsADirectoryError:
+        clear_way(path)
+        _files.write_whole(path, data)
 
 
 def clear_way(path: Path) -> None:
@@ -265,7 +249,6 @@ __all__ = [
     "logs_dir",
     "plural",
     "read_state",
-    "temp_path",
     "toolchain_dir",
     "write_state",
 ]

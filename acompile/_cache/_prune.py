@@ -11,10 +11,10 @@ import anyio
 import anyio.from_thread
 import anyio.to_thread
 
+from acompile import _files
 from acompile._cache import _layout
 from acompile._cache._disk import DiskTier
 from acompile._cache._layout import human_bytes, plural
-from acompile._workers import _bytecode
 
 
 @dataclass
@@ -155,8 +155,8 @@ def _prune(
 def _remove_stale_temps(disk: DiskTier, now: float, report: PruneReport) -> None:
     # Writers' temporary files: the disk tier's (v1/<xx>/.<key>...tmp), native libraries'
     # (lib/.<key>.so.<pid>.<token>.tmp), the toolchain memo's (toolchain/.<name>.<pid>.<token>.tmp,
-    # without ".tmp" from older releases) and the workers' bytecode's
-    # (toolchain/bytecode/.../<name>.pyc.<pid>.<token>.tmp).
+    # without ".tmp" from older releases) and those deeper in the toolchain folder (the workers'
+    # bytecode's, toolchain/bytecode/.../.<name>.pyc.<pid>.<token>.tmp; the launcher's).
     # Never through a link: what it leads to is not the cache folder's to clean.
     folders = _layout.entry_folders(disk.root)
     folders += [_layout.lib_dir(disk.root), _layout.toolchain_dir(disk.root)]
@@ -166,9 +166,12 @@ def _remove_stale_temps(disk: DiskTier, now: float, report: PruneReport) -> None
             temps += [p for p in folder.iterdir() if _layout.is_temp(p)]
         except OSError:
             continue
-    for where, _, files in os.walk(_layout.toolchain_dir(disk.root) / _bytecode.FOLDER):
-        # The workers' bytecode writer's, where a process killed mid-write (a helper) left one.
-        temps += [Path(where, name) for name in files if _bytecode.TEMPORARY.fullmatch(name)]
+    toolchain = _layout.toolchain_dir(disk.root)
+    for where, _, files in os.walk(toolchain):
+        # Where a process killed mid-write (a bytecode helper) left one: every writer names its
+        # temporaries alike (acompile._files), whoever it is. The folder's own files are above.
+        if Path(where) != toolchain:
+            temps += [Path(where, name) for name in files if _files.is_temporary(name)]
     for temp in temps:
         try:
             st = temp.lstat()

@@ -23,15 +23,17 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any, TypedDict
 
 import anyio
 
-from acompile._cache._layout import logs_dir, toolchain_dir
+from acompile._cache import logs_dir, toolchain_dir
 from acompile._farm import _reaper
 from acompile._version import __version__
-from acompile._workers import Job, WorkerPool, run_job
-from acompile._workers._process import remove_work_folder
+from acompile._workers import Job, WorkerPool, remove_work_folder, run_job
+
+if TYPE_CHECKING:
+    from acompile._workers import BackendConfig, WorkerConfig
 
 # The native backends' payloads carry the parent's compiler command; on a node it is looked up
 # again by name (another machine keeps its compilers elsewhere), and its version checked.
@@ -41,6 +43,20 @@ _NATIVE_WORKER = "acompile._backends._native_worker"
 _REAPER_START = 30.0
 
 
+class ActorConfig(TypedDict):
+    """What the farm's driver side starts each actor with: the pool's target and backends (the
+    parent halves whose worker configuration the node computes), the worker modules to preload,
+    the workers' nice value and limits."""
+
+    target: str
+    backends: list[str]
+    preload: list[str]
+    nice: int | str
+    memory_limit: int | None
+    max_compile_seconds: float | None
+    preload_timeout: float
+
+
 class FarmWorker:
     """One compile slot on a node (created by the farm's driver side as a Ray actor).
 
@@ -48,7 +64,7 @@ class FarmWorker:
     limits (``memory_limit``, ``max_compile_seconds``, ``preload_timeout``).
     """
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: ActorConfig) -> None:
         self.config = config
         self.pool: WorkerPool | None = None
         self.serving: asyncio.Task[None] | None = None
@@ -65,7 +81,7 @@ class FarmWorker:
         self.workdir = await anyio.to_thread.run_sync(_make_workdir)
         # Before the pool starts any process: each one inherits the mark the reaper looks for.
         self.reaper = await anyio.to_thread.run_sync(_start_reaper)
-        config = {
+        config: WorkerConfig = {
             "sys_path": list(sys.path),
             "cwd": os.getcwd(),
             "target": self.config["target"],
@@ -76,9 +92,9 @@ class FarmWorker:
             1,
             config,
             self.workdir,
-            memory_limit=self.config.get("memory_limit"),
-            max_compile_seconds=self.config.get("max_compile_seconds"),
-            preload_timeout=self.config.get("preload_timeout", 120.0),
+            memory_limit=self.config["memory_limit"],
+            max_compile_seconds=self.config["max_compile_seconds"],
+            preload_timeout=self.config["preload_timeout"],
         )
         memo = toolchain_dir(self.cache_root)
         pool.prepare_config_with(lambda: _worker_config(self.config["backends"], memo))
@@ -144,7 +160,7 @@ class FarmWorker:
         """This node's compiler for a native job, and a refusal if its version differs from
         the one the key was computed with (its output would be stored under a key it does not
         match)."""
-        from acompile._backends import _native
+        from acompile._backends import native_tool_version
         from acompile._errors import FarmToolchainError
 
         kind = payload["kind"]
@@ -155,7 +171,7 @@ class FarmWorker:
                 raise FarmToolchainError(f"node {socket.gethostname()} has no {payload['command'][0]!r}")
             payload["command"] = [found, *payload["command"][1:]]
         if kind not in self.native_versions:
-            self.native_versions[kind] = _native._tool_version(kind)
+            self.native_versions[kind] = native_tool_version(kind)
         wanted = payload.get("key_parts", {}).get("compiler")
         if wanted is not None and self.native_versions[kind] != wanted:
             raise FarmToolchainError(
@@ -202,12 +218,12 @@ def _node_cache_root() -> Path:
     return own_folder(default_cache_dir(), "the node's cache folder", resolve=True)
 
 
-async def _worker_config(backends: list[str], memo: Path) -> dict[str, Any]:
+async def _worker_config(backends: list[str], memo: Path) -> BackendConfig:
     """What the local workers need from this process (Triton's key of its binaries), computed
     on this node: its binaries are the ones the workers run."""
     from acompile._backends import load_parent
 
-    extra: dict[str, Any] = {}
+    extra: BackendConfig = {}
     for name in backends:
         backend = await anyio.to_thread.run_sync(load_parent, name)
         extra.update(await backend.worker_config(memo))
@@ -218,9 +234,9 @@ def node_toolchain(memo: Path) -> dict[str, Any]:
     """What enters the cache keys of this node's results besides the request: acompile's version
     and Triton's toolchain (its release, its compiler files, ptxas), whether or not Triton is
     preloaded (a pool may send Triton jobs to workers that load it on first use)."""
-    from acompile._backends import _triton_toolchain
+    from acompile._backends import triton_toolchain
 
-    return {"acompile": __version__, "triton": _triton_toolchain.toolchain(memo)}
+    return {"acompile": __version__, "triton": triton_toolchain(memo)}
 
 
 def _make_workdir() -> str:

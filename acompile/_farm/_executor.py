@@ -1,12 +1,19 @@
 """``FarmExecutor``: the executor that runs a pool's jobs on a Ray cluster (the driver's side).
 
-It keeps the local executor's rules (``acompile._workers._executor``) with Ray actors in place of
-worker processes. ``size`` slots each own one ``FarmWorker`` actor at a time, placed on a node by
-the farm itself (hard node affinity, spread by each node's capacity), and take jobs from the
-same two-lane queue the local pool uses, so lanes, promotion and longest-first ordering are the
-same. A slot sends its actor one job at a time and awaits the Ray object reference on the pool's
-own event loop.
+It is the skeleton every executor shares (``acompile._workers.SlotExecutor``: the slots and their
+epochs, the two-lane queue, the start-failure policy, the retry of a job whose worker was lost,
+the idle timer) over Ray actors in place of worker processes (``_Actors``). Each slot owns one
+``FarmWorker`` actor at a time, placed on a node by the farm itself (hard node affinity, spread
+by each node's capacity); it sends its actor one job at a time and awaits the Ray object
+reference on the pool's own event loop.
 
+- Starting: an actor that dies while it starts or preloads (its process killed, its node lost)
+  is a failure from outside: another actor is started at once, on any node with room, and the
+  queued jobs wait for it. A start that fails for a lasting reason (the actor's preload raises,
+  runs past ``preload_timeout``, Ray cannot create it) backs off. The farm gives up only while no
+  actor is alive, after two lasting failures in a row or ``preload_timeout`` seconds in which no
+  actor started: the queued jobs and new ones then fail with a ``WorkerStartError`` that names
+  the last cause, until an actor starts again.
 - Cancellation: a job nobody waits for is cancelled with ``ray.cancel``; the actor's local pool
   stops the worker that runs it (and its compilers). If the actor has not let go of it within
   ``_CANCEL_GRACE`` seconds, the actor is killed and replaced.
@@ -25,12 +32,14 @@ own event loop.
   farm's own calls to the cluster's head are bounded, in daemon threads: with the head gone,
   neither leaving the pool nor this process's exit waits for it.
 
-Ray is imported by this module; ``acompile`` imports it only when a pool with a farm is entered.
+Ray is imported by this module, which runs only in the farm's connection process
+(``_broker``): the pool's own process never imports Ray (``_remote`` talks to that process).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import threading
@@ -52,16 +61,20 @@ from acompile._errors import (
     CompileError,
     FarmToolchainError,
     FarmUnreachableError,
-    PoolClosedError,
+    PoolError,
     WorkerCrashedError,
     WorkerStartError,
 )
-from acompile._farm._actor import FarmWorker, node_toolchain
-from acompile._workers import Job, JobCancelled, run_job
-from acompile._workers._executor import ExecutorStats
-from acompile._workers._pool import PoolStats
-from acompile._workers._process import short_backend
-from acompile._workers._queue import JobQueue, Taker
+from acompile._farm._actor import ActorConfig, FarmWorker, node_toolchain
+from acompile._workers import (
+    Job,
+    JobCancelled,
+    NoRoom,
+    SlotExecutor,
+    Taker,
+    TransientStartError,
+    short_backend,
+)
 
 if TYPE_CHECKING:
     from acompile._farm._farm import FarmStats, NodeStats, RayFarm
@@ -81,8 +94,6 @@ _ROOM_POLL = 2.0
 _CALL_LIMIT = 3.0
 # How long the cluster's port is retried before the farm is declared unreachable.
 _PROBE_SECONDS = 3.0
-# Starts that fail this many times in a row with no actor alive fail the queued jobs.
-_HARD_START_FAILURES = 2
 # How many times a job may be put back because its actor was dead before the job reached it.
 _SPARES = 3
 # How long after a worker's death the cluster's head records it (same host: tens of ms), with
@@ -96,6 +107,8 @@ _LOST = (
     ray.exceptions.NodeDiedError,
     ray.exceptions.WorkerCrashedError,
 )
+# And those that mean it while an actor starts: its node went before Ray could place it there.
+_LOST_AT_START = (*_LOST, ray.exceptions.ActorUnschedulableError)
 
 
 @dataclass
@@ -110,8 +123,9 @@ class _Node:
     counts: Counter[str] = field(default_factory=Counter)
 
 
-class FarmExecutor:
-    """Runs jobs on a Ray cluster; implements ``acompile._workers.Executor``.
+class FarmExecutor(SlotExecutor["_Actors"]):
+    """Runs jobs on a Ray cluster; implements ``acompile._workers.Executor`` (``SlotExecutor``
+    over Ray actors).
 
     Built by ``connect()`` (which also connects this process to the cluster); ``serve()`` runs in
     the pool's task group and, on the way out, stops every actor and disconnects from the
@@ -121,7 +135,7 @@ class FarmExecutor:
     def __init__(
         self,
         farm: RayFarm,
-        actor_config: dict[str, Any],
+        actor_config: ActorConfig,
         toolchain: dict[str, Any],
         nodes: list[_Node],
         *,
@@ -129,96 +143,22 @@ class FarmExecutor:
         preload_timeout: float,
         idle_timeout: float | None,
     ) -> None:
+        size = farm.workers or max(1, sum(node.capacity for node in nodes))
+        actors = functools.partial(
+            _Actors,
+            farm=farm,
+            actor_config=actor_config,
+            toolchain=toolchain,
+            nodes=nodes,
+            owns_connection=owns_connection,
+        )
+        super().__init__(size, actors, preload_timeout=preload_timeout, idle_timeout=idle_timeout)
         self.farm = farm
-        self.actor_config = actor_config
-        self.toolchain = toolchain
-        self.nodes = {node.node_id: node for node in nodes}
-        capacity = sum(node.capacity for node in nodes)
-        self.size = farm.workers or max(1, capacity)
-        self.owns_connection = owns_connection
-        self.preload_timeout = preload_timeout
-        self.idle_timeout = idle_timeout
-        self.queue = JobQueue()
-        self.counters = PoolStats()
-        self.refused: dict[str, str] = {}
-        self._spared: weakref.WeakKeyDictionary[Job, int] = weakref.WeakKeyDictionary()
-        self.alive: dict[int, _Node] = {}  # by slot
-        self.busy = 0
-        self.last_activity = time.monotonic()
-        options: dict[str, Any] = {"num_cpus": farm.num_cpus, "max_restarts": 0}
-        if farm.resources:
-            options["resources"] = farm.resources
-        if farm.runtime_env is not None:
-            # On the actors, not the connection: it holds when the process was connected already.
-            options["runtime_env"] = farm.runtime_env
-        self._actor_class: Any = ray.remote(**options)(FarmWorker)
-        self._ready = [anyio.Event() for _ in range(self.size)]
-        self._start_error: WorkerStartError | FarmToolchainError | None = None
-        self._hard_start_failures = 0
-        self._closed = False
-        self._awake = False
-        self._wake = anyio.Event()
-        self._epoch_scope: anyio.CancelScope | None = None
-
-    # -- the caller's side -------------------------------------------------------------------
-
-    def submit(self, job: Job) -> None:
-        """Queue ``job`` (waking the farm if quiesced); raises ``PoolClosedError`` after
-        shutdown, and the error that stopped the farm when no actor can run it."""
-        if self._closed:
-            raise PoolClosedError("the pool has shut down; make a new CompilePool")
-        if self._start_error is not None and not self.alive:
-            raise self._start_error
-        self.queue.put(job)
-        self.wakeup()
-
-    async def run(self, job: Job) -> Any:
-        """Submit ``job`` and return its result, or raise its error; cancelled, the job is
-        dropped or stopped where it runs."""
-        return await run_job(self, job)
-
-    def cancel(self, job: Job) -> None:
-        """Nobody waits for ``job``: drop it if queued; if running, its slot cancels it on its
-        actor."""
-        job.abandon()
-
-    def promote(self, job: Job) -> None:
-        """Move a queued background job to the urgent lane."""
-        self.queue.promote(job)
-
-    def wakeup(self) -> None:
-        """Start the actors (if they are not running)."""
-        if not self._awake and not self._closed:
-            self._awake = True
-            self._ready = [anyio.Event() for _ in range(self.size)]
-            self._wake.set()
-
-    def quiesce(self) -> None:
-        """Release every actor (their CPUs go back to the cluster); running jobs go back to
-        the front of the queue. New work or ``wakeup()`` places actors again."""
-        if self._awake:
-            self._awake = False
-            if self._epoch_scope is not None:
-                self._epoch_scope.cancel()
-
-    async def wait_ready(self) -> None:
-        """Wake up and wait until every slot has a preloaded actor; raises the error that
-        stops the farm (``FarmToolchainError``, ``WorkerStartError``) if none can run."""
-        self.wakeup()
-        for event in list(self._ready):
-            await event.wait()
-            if self._start_error is not None and not self.alive:
-                raise self._start_error
-
-    def stats(self) -> ExecutorStats:
-        """``CompilePool.stats()``'s ``workers`` (actors) and ``jobs``; resident memory is not
-        measured on remote nodes."""
-        return self.counters.snapshot(self.size, len(self.alive), self.busy, self._awake, len(self.queue))
 
     def farm_stats(self) -> FarmStats:
         """What ``RayFarm.stats()`` returns while (and after) this executor serves."""
         nodes: dict[str, NodeStats] = {}
-        for node in self.nodes.values():
+        for node in self.runners.nodes.values():
             if node.actors or sum(node.counts.values()):
                 nodes[node.node_id] = {
                     "address": node.address,
@@ -231,94 +171,124 @@ class FarmExecutor:
                 }
         return {
             "address": self.farm.address,
-            "connected": not self._closed,
+            "connected": not self.closed,
             "size": self.size,
             "nodes": nodes,
-            "refused": dict(self.refused),
+            "refused": dict(self.runners.refused),
             "restarts": dict(self.counters.restarts),
             "queued": len(self.queue),
         }
 
-    # -- the slots -----------------------------------------------------------------------------
 
-    async def serve(self) -> None:
-        """Run the slots (in epochs, as the local pool does) until cancelled; then stop every
-        actor, fail the jobs left queued, and disconnect from the cluster if we connected."""
-        try:
-            async with anyio.create_task_group() as tg:
-                if self.idle_timeout is not None:
-                    tg.start_soon(self._quiesce_when_idle, self.idle_timeout)
-                while True:
-                    await self._wake.wait()
-                    self._wake = anyio.Event()
-                    await self._epoch()
-                    if self.queue and not self._closed:
-                        self.wakeup()
-        finally:
-            self._closed = True
-            self._awake = False
-            self.queue.fail_all(PoolClosedError("the pool shut down before this job ran"))
-            if self.owns_connection:
-                # Bounded: without the cluster's head, ray.shutdown waits for it.
-                with anyio.CancelScope(shield=True), anyio.move_on_after(_CALL_LIMIT):
-                    await _off_loop(ray.shutdown)
+class _Actors:
+    """Ray actors on the cluster's nodes for the farm's slots (implements ``Runners``): where
+    each goes, its start and its toolchain's check, and the connection's end."""
 
-    async def _epoch(self) -> None:
-        ready = self._ready
-        with anyio.CancelScope() as scope:
-            self._epoch_scope = scope
-            if self._awake:
-                async with anyio.create_task_group() as tg:
-                    for slot in range(self.size):
-                        tg.start_soon(self._slot, slot)
-        self._epoch_scope = None
-        for event in ready:
-            event.set()
+    def __init__(
+        self,
+        executor: SlotExecutor[_Actors],
+        *,
+        farm: RayFarm,
+        actor_config: ActorConfig,
+        toolchain: dict[str, Any],
+        nodes: list[_Node],
+        owns_connection: bool,
+    ) -> None:
+        self.executor = executor
+        self.farm = farm
+        self.actor_config = actor_config
+        self.toolchain = toolchain
+        self.nodes = {node.node_id: node for node in nodes}
+        self.owns_connection = owns_connection
+        self.refused: dict[str, str] = {}
+        self.alive: dict[int, _Node] = {}  # the ready actors' nodes, by slot
+        self._spared: weakref.WeakKeyDictionary[Job, int] = weakref.WeakKeyDictionary()
+        options: dict[str, Any] = {"num_cpus": farm.num_cpus, "max_restarts": 0}
+        if farm.resources:
+            options["resources"] = farm.resources
+        if farm.runtime_env is not None:
+            # On the actors, not the connection: it holds when the process was connected already.
+            options["runtime_env"] = farm.runtime_env
+        self._actor_class: Any = ray.remote(**options)(FarmWorker)
 
-    async def _slot(self, slot: int) -> None:
-        failures = 0
+    # -- the Runners interface ---------------------------------------------------------------
+
+    def live(self) -> int:
+        """The actors ready for jobs (``stats()["workers"]["alive"]``)."""
+        return len(self.alive)
+
+    def prepare(self, job: Job) -> None:
+        """Nothing: Ray serializes a job as it is sent (where that fails, the job fails alone)."""
+
+    async def start(self, slot: int) -> _Actor:
+        """Place an actor for ``slot`` on the accepted node with the most room and wait for its
+        local pool's preload; a node whose toolchain differs is refused, and the next one
+        tried. Raises ``TransientStartError`` (the actor or its node died meanwhile),
+        ``WorkerStartError`` (a lasting reason) or ``NoRoom``."""
         while True:
             node = await self._place()
             if node is None:
-                if not self._accepted():
-                    self._no_node(slot)
-                    return
                 # Every accepted node is full (a node refused or lost took its share): the farm
-                # runs smaller until a node has room again.
-                self._ready[slot].set()
-                await anyio.sleep(_ROOM_POLL)
-                continue
+                # runs smaller until a node has room again. Or no node is accepted: nothing can
+                # compile, and the error says why.
+                raise NoRoom(None if self._accepted() else self._nowhere(), _ROOM_POLL)
             actor = self._actor_class.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False)
             ).remote(self.actor_config)
             node.actors += 1
-            cause = "stopped"  # by quiesce() or shutdown, unless said otherwise below
             try:
-                try:
-                    with anyio.fail_after(self.preload_timeout):
-                        hello = await actor.start.remote()
-                except (ray.exceptions.RayError, TimeoutError) as exc:
-                    failures += 1
-                    cause = "start_failed"
-                    await self._start_failed(slot, node, exc, failures)
-                    continue
-                mismatch = _differences(self.toolchain, hello["toolchain"])
-                if mismatch:
-                    cause = "refused"
-                    self._refuse(node, hello, mismatch)
-                    continue
-                failures = 0
-                self._hard_start_failures = 0
-                self.counters.started += 1
-                self.alive[slot] = node
-                self._ready[slot].set()
-                cause = await self._serve(actor, node, hello["pid"])
-            finally:
-                self.alive.pop(slot, None)
+                with anyio.fail_after(self.executor.preload_timeout):
+                    hello = await actor.start.remote()
+            except BaseException as exc:
                 node.actors -= 1
-                self.counters.restart(cause)
                 with anyio.CancelScope(shield=True):
-                    await _stop_actor(actor, graceful=cause in ("stopped", "refused"))
+                    await _stop_actor(actor, graceful=False)
+                if isinstance(exc, (ray.exceptions.RayError, TimeoutError)):
+                    raise self._start_failure(node, exc) from exc
+                raise
+            mismatch = _differences(self.toolchain, hello["toolchain"])
+            if mismatch:
+                node.actors -= 1
+                self._refuse(node, hello, mismatch)
+                self.executor.counters.restart("refused")
+                with anyio.CancelScope(shield=True):
+                    await _stop_actor(actor, graceful=True)
+                continue
+            self.executor.counters.started += 1
+            self.alive[slot] = node
+            return _Actor(self, slot, actor, node, hello["pid"])
+
+    async def watch(self) -> None:
+        """Nothing to watch beside the slots: each actor is watched by its own runner."""
+
+    async def close(self) -> None:
+        """Disconnect from the cluster if this executor connected."""
+        if self.owns_connection:
+            # Bounded: without the cluster's head, ray.shutdown waits for it.
+            with anyio.move_on_after(_CALL_LIMIT):
+                await _off_loop(ray.shutdown)
+
+    # -- starting actors -----------------------------------------------------------------------
+
+    def _start_failure(self, node: _Node, exc: BaseException) -> WorkerStartError:
+        """What a failed start of an actor on ``node`` is: from outside (the actor's process or
+        its node died while it started or preloaded), tried again at once, on any node with
+        room; or lasting (its start raised, ran past ``preload_timeout``, Ray could not create
+        it), which the farm gives up on after two in a row with no actor alive."""
+        where = f"a farm worker on {node.address}"
+        if isinstance(exc, ray.exceptions.RayTaskError):
+            # The actor's start raised (its local pool's preload failed): Ray's error is also an
+            # instance of the cause's class, whose message is the one to give.
+            cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+            return WorkerStartError(f"{where} failed to start: {type(cause).__name__}: {cause}")
+        if isinstance(exc, TimeoutError):
+            return WorkerStartError(
+                f"{where} did not finish its preload within preload_timeout="
+                f"{self.executor.preload_timeout:g} s"
+            )
+        if isinstance(exc, _LOST_AT_START) and not getattr(exc, "actor_init_failed", False):
+            return TransientStartError(f"{where} died as it started: {type(exc).__name__}: {exc}")
+        return WorkerStartError(f"{where} failed to start: {type(exc).__name__}: {exc}")
 
     def _accepted(self) -> list[_Node]:
         """The live nodes that are not refused."""
@@ -362,89 +332,96 @@ class FarmExecutor:
             self.refused[node.node_id] = reason
             logger.warning("%s", reason)
 
-    def _no_node(self, slot: int) -> None:
-        """No node may run this slot's actor (all refused, or none offers what a worker needs):
-        with no actor alive anywhere, the farm cannot compile at all, and says why."""
-        if not self.alive:
-            if self.refused:
-                self._start_error = FarmToolchainError(
-                    "no node of the farm compiles with this process's toolchain: "
-                    + "; ".join(self.refused.values())
-                )
-            else:
-                wanted = {"CPU": self.farm.num_cpus, **self.farm.resources}
-                self._start_error = WorkerStartError(
-                    f"no node of the Ray cluster at {self.farm.address!r} offers what a farm worker "
-                    f"needs ({wanted})"
-                )
-            self.queue.fail_all(self._start_error)
-        self._ready[slot].set()
+    def _nowhere(self) -> PoolError:
+        """Why no node may run an actor (all refused, or none offers what a worker needs)."""
+        if self.refused:
+            return FarmToolchainError(
+                "no node of the farm compiles with this process's toolchain: "
+                + "; ".join(self.refused.values())
+            )
+        wanted = {"CPU": self.farm.num_cpus, **self.farm.resources}
+        return WorkerStartError(
+            f"no node of the Ray cluster at {self.farm.address!r} offers what a farm worker needs ({wanted})"
+        )
 
-    async def _start_failed(self, slot: int, node: _Node, exc: BaseException, failures: int) -> None:
-        self._hard_start_failures += 1
-        reason = f"a farm worker on {node.address} failed to start: {type(exc).__name__}: {exc}"
-        if self._hard_start_failures >= _HARD_START_FAILURES and not self.alive:
-            if self._start_error is None:
-                logger.error("%s", reason)
-            self._start_error = WorkerStartError(reason)
-            self.queue.fail_all(self._start_error)
-            self._ready[slot].set()
-        else:
-            logger.warning("%s; starting another", reason.splitlines()[0])
-        await anyio.sleep(min(0.25 * 2 ** (failures - 1), 10.0))
+    def spare(self, job: Job) -> bool:
+        """Whether a job lost with an actor that was already dead may go back to the queue
+        without counting against its retry (a few times: never a loop)."""
+        spared = self._spared.get(job, 0)
+        if spared >= _SPARES:
+            return False
+        self._spared[job] = spared + 1
+        return True
 
-    async def _serve(self, actor: Any, node: _Node, pid: int) -> str:
-        """Run jobs on one actor until it must be replaced; returns why.
+
+class _Actor:
+    """One ready actor serving a slot (implements ``Runner``): one job at a time, cancelled on
+    the actor when nobody waits for it, retried elsewhere when the actor dies under it."""
+
+    def __init__(self, actors: _Actors, slot: int, actor: Any, node: _Node, pid: int) -> None:
+        self.actors = actors
+        self.executor = actors.executor
+        self.slot = slot
+        self.actor = actor
+        self.node = node
+        self.pid = pid
+
+    async def serve(self) -> str:
+        """Run jobs on the actor until it must be replaced; returns why.
 
         The actor is watched meanwhile, idle or not (as the local pool watches its idle
         workers): one that dies waiting for work is replaced at once, so the next request does
         not find it dead.
         """
         taker = Taker(lambda job: True)
-        watch = _Watch(actor)
+        watch = _Watch(self.actor)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(watch.run, lambda: self.queue.withdraw(taker))
+            tg.start_soon(watch.run, lambda: self.executor.queue.withdraw(taker))
             try:
-                cause = await self._serve_jobs(actor, node, pid, taker, watch)
+                cause = await self._serve_jobs(taker, watch)
             finally:
                 tg.cancel_scope.cancel()
         return cause
 
-    async def _serve_jobs(self, actor: Any, node: _Node, pid: int, taker: Taker, watch: _Watch) -> str:
+    async def stop(self, cause: str) -> None:
+        """Stop the actor: gracefully when it is released (its local pool stops its processes
+        first), killed when it failed."""
+        self.actors.alive.pop(self.slot, None)
+        self.node.actors -= 1
+        await _stop_actor(self.actor, graceful=cause == "stopped")
+
+    async def _serve_jobs(self, taker: Taker, watch: _Watch) -> str:
+        queue = self.executor.queue
         while True:
             try:
-                job = await self.queue.get(taker)
+                job = await queue.get(taker)
             except BaseException:
                 if taker.job is not None:  # handed to us as we were leaving: pass it on
-                    self.queue.put(taker.job, front=True)
+                    queue.put(taker.job, front=True)
                 raise
             if watch.dead_since is not None:
                 if job is not None and job.state != "done":
-                    self.queue.put(job, front=True)  # it never ran here: its retry is not spent
-                logger.warning("the farm worker on %s died while idle; replacing it", node.address)
+                    queue.put(job, front=True)  # it never ran here: its retry is not spent
+                logger.warning("the farm worker on %s died while idle; replacing it", self.node.address)
                 return "killed"
             if job is None or job.state == "done":
                 continue  # cancelled between being handed to us and now
-            cause = await self._run(actor, node, pid, job, watch)
+            cause = await self._run(job, watch)
             if cause is not None:
                 return cause
 
-    async def _run(self, actor: Any, node: _Node, pid: int, job: Job, watch: _Watch) -> str | None:
-        """Run one job on ``actor``; returns None to keep the actor, or why it is replaced."""
-        job.state = "running"
-        job.worker_pid = pid
-        job.started_at = time.perf_counter()
+    async def _run(self, job: Job, watch: _Watch) -> str | None:
+        """Run one job on the actor; returns None to keep the actor, or why it is replaced."""
+        executor, node = self.executor, self.node
         sent_at, sent_wall = time.monotonic(), time.time()
         try:
-            ref = actor.run.remote(job.backend, job.payload, job.name)
+            ref = self.actor.run.remote(job.backend, job.payload, job.name)
         except Exception as exc:
             # Something in the request does not serialize: that request fails, nothing else.
-            self.counters.jobs_failed += 1
-            job.finish(error=_remote_failure(job, exc, "cannot send"))
+            executor.fail(job, _remote_failure(job, exc, "cannot send"))
             return None
-        self.busy += 1
+        executor.job_started(job, self.pid, None)
         node.busy += 1
-        self.last_activity = time.monotonic()
         reply: tuple[str, Any] | None = None
         lost: BaseException | None = None
         try:
@@ -462,20 +439,15 @@ class FarmExecutor:
             # The epoch ended (quiesce) or the pool is shutting down: the actor is stopped by
             # the slot; the job goes back to the front of the queue.
             ray.cancel(ref)
-            if job.state == "running":
-                self.queue.put(job, front=True)
+            executor.put_back(job)
             raise
         finally:
-            self.busy -= 1
             node.busy -= 1
-            job.stopper = None
-            job.ended_at = time.perf_counter()
-            job.seconds = job.ended_at - job.started_at
-            self.last_activity = time.monotonic()
+            executor.job_ended(job)
         if job.abandoned and reply is None and lost is None:
-            return await self._cancel(ref, node, job)
+            return await self._cancel(ref, job)
         if lost is not None:
-            if await self._dead_before(actor, watch, sent_at, sent_wall) and self._spare(job):
+            if await self._dead_before(watch, sent_at, sent_wall) and self.actors.spare(job):
                 # The actor was gone before the job reached it (or may have been): the job never
                 # ran, and its one retry is for a worker that dies running it.
                 logger.warning(
@@ -484,42 +456,37 @@ class FarmExecutor:
                     job.name,
                 )
                 node.counts["lost"] += 1
-                self.counters.jobs_retried += 1
-                self.queue.put(job, front=True)
+                executor.retry(job, spend=False)
                 return "killed"
-            return self._lost(node, job, lost)
+            return self._lost(job, lost)
         assert reply is not None
         status, value = reply
-        self.counters.record_job(job.name, job.seconds)
         if status == "done":
-            self.counters.jobs_done += 1
             node.counts["done"] += 1
-            job.finish(result=value)
+            executor.reply(job, result=value)
         else:
-            self.counters.jobs_failed += 1
             node.counts["failed"] += 1
-            job.finish(error=value)
+            executor.reply(job, error=value)
         return None
 
-    async def _cancel(self, ref: Any, node: _Node, job: Job) -> str | None:
+    async def _cancel(self, ref: Any, job: Job) -> str | None:
         """Every waiter left while the job ran: cancel it on its actor, whose local pool stops
         the worker (and its compilers). An actor that does not let go in time is replaced."""
         ray.cancel(ref)
-        job.finish(error=JobCancelled(job.name))
-        self.counters.jobs_cancelled += 1
-        node.counts["cancelled"] += 1
+        job.finish(error=JobCancelled(job.name))  # counted by the executor's cancel()
+        self.node.counts["cancelled"] += 1
         with anyio.move_on_after(_CANCEL_GRACE) as grace:
             try:
                 await ref
             except Exception:
                 pass  # TaskCancelledError: what we asked for
         if grace.cancelled_caught:
-            logger.warning("the farm worker on %s kept running %s; replacing it", node.address, job.name)
+            logger.warning("the farm worker on %s kept running %s; replacing it", self.node.address, job.name)
             return "abandoned"
         return None
 
-    async def _dead_before(self, actor: Any, watch: _Watch, sent_at: float, sent_wall: float) -> bool:
-        """Whether ``actor`` was (or may have been) dead before a job was sent to it: its watch
+    async def _dead_before(self, watch: _Watch, sent_at: float, sent_wall: float) -> bool:
+        """Whether the actor was (or may have been) dead before a job was sent to it: its watch
         had noticed, or the cluster's head recorded its death less than ``_DEATH_NOTICE`` after
         the job was sent (the head learns of a death that long after it, so it cannot tell
         "just before" from "just after"; both are given the benefit of the doubt)."""
@@ -527,54 +494,34 @@ class FarmExecutor:
             return True
         try:
             with anyio.fail_after(_CALL_LIMIT):
-                ended = await _off_loop(_actor_end_time, actor)
+                ended = await _off_loop(_actor_end_time, self.actor)
         except (Exception, TimeoutError) as exc:
             logger.debug("cannot ask when a farm worker died (%s)", exc)
             return False
         return ended is not None and ended < sent_wall + _DEATH_NOTICE
 
-    def _spare(self, job: Job) -> bool:
-        """Whether a job lost with an actor that was already dead may go back to the queue
-        without counting against its retry (a few times: never a loop)."""
-        spared = self._spared.get(job, 0)
-        if spared >= _SPARES:
-            return False
-        self._spared[job] = spared + 1
-        return True
-
-    def _lost(self, node: _Node, job: Job, exc: BaseException) -> str:
+    def _lost(self, job: Job, exc: BaseException) -> str:
         """The actor (or its node) died while it ran ``job``: once more elsewhere, else fail."""
-        node.counts["lost"] += 1
-        summary = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if job.external_kills == 0:
-            job.external_kills += 1
-            self.counters.jobs_retried += 1
-            logger.warning("the farm worker on %s died compiling %s; retrying it", node.address, job.name)
-            self.queue.put(job, front=True)
-        else:
-            self.counters.jobs_failed += 1
-            job.finish(
-                error=WorkerCrashedError(
-                    f"the farm worker compiling {job.name!r} died twice (on {node.address}: {summary})",
-                    exit_code=None,
-                    cause="killed",
-                    kernel=job.name,
-                    backend=short_backend(job.backend),
-                    log=str(exc),
+        self.node.counts["lost"] += 1
+        if self.executor.retry(job):
+            if not job.abandoned:
+                logger.warning(
+                    "the farm worker on %s died compiling %s; retrying it", self.node.address, job.name
                 )
-            )
+            return "killed"
+        summary = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        self.executor.fail(
+            job,
+            WorkerCrashedError(
+                f"the farm worker compiling {job.name!r} died twice (on {self.node.address}: {summary})",
+                exit_code=None,
+                cause="killed",
+                kernel=job.name,
+                backend=short_backend(job.backend),
+                log=str(exc),
+            ),
+        )
         return "killed"
-
-    async def _quiesce_when_idle(self, after: float) -> None:
-        """Release the actors after ``after`` seconds without work (``idle_timeout``)."""
-        while True:
-            idle_for = time.monotonic() - self.last_activity
-            if idle_for < after or not self._awake:
-                await anyio.sleep(after - idle_for if self._awake else after)
-                continue
-            if self.busy == 0 and not self.queue:
-                self.quiesce()
-            self.last_activity = time.monotonic()
 
 
 class _Watch:
@@ -704,12 +651,14 @@ async def connect(
     idle_timeout: float | None,
     memo_dir: Path,
 ) -> FarmExecutor:
-    """Connect this process to the farm's cluster (at most ``farm.connect_timeout`` seconds) and
-    build its executor. Raises ``FarmUnreachableError`` naming the address."""
+    """Build the farm's executor on this process's connection to its cluster, connecting first
+    unless ``_connect`` did (the farm's connection process calls it on its main thread before
+    its event loop starts: see ``_broker``); at most ``farm.connect_timeout`` seconds. Raises
+    ``FarmUnreachableError`` naming the address."""
     deadline = time.monotonic() + farm.connect_timeout
     try:
         with anyio.fail_after(farm.connect_timeout):
-            # Abandoned on timeout: ray.init cannot be interrupted.
+            # Abandoned on timeout: Ray's calls wait for a head that does not answer.
             owns, nodes = await _off_loop(_connect, farm, deadline)
     except TimeoutError:
         raise FarmUnreachableError(
@@ -717,7 +666,7 @@ async def connect(
             f"{farm.connect_timeout:g} s"
         ) from None
     toolchain = await anyio.to_thread.run_sync(node_toolchain, memo_dir)
-    config = {
+    config: ActorConfig = {
         "target": target,
         "backends": backends,
         "preload": preload,
@@ -739,22 +688,24 @@ async def connect(
     return executor
 
 
-def _connect(farm: RayFarm, deadline: float) -> tuple[bool, list[_Node]]:
-    """Blocking: resolve and probe the address, then ``ray.init`` (unless this process is
-    connected already). Returns (whether we connected, the live nodes)."""
+def _connect(farm: RayFarm, deadline: float, address: str | None = None) -> tuple[bool, list[_Node]]:
+    """Blocking: resolve and probe ``address`` (the farm's, by default), then ``ray.init``, unless
+    this process is connected already. Returns (whether we connected, the live nodes).
+
+    The connection process (``_broker``) calls it on its main thread: a cluster that ``"local"``
+    starts lives only as long as the thread that started it, and Ray ends that thread's process
+    when the cluster's head is lost, which is why this is never called in a pool's process.
+    """
     owns = False
     if not ray.is_initialized():
-        address = farm.address
+        address = address or farm.address
         if address != "local":
             _probe(address, deadline)
-        # From a thread on purpose: on the main thread, ray.init replaces the process's SIGTERM
-        # handler with one that exits, which is not a library's call to make in a server. Ray
-        # warns that it did not; that warning is ours to drop.
-        ray_logger = logging.getLogger("ray._private.worker")
-        ray_logger.addFilter(_no_sigterm_warning)
         try:
             ray.init(
-                address=None if address == "local" else address,
+                # "local" by name: no address at all means the cluster last started on this
+                # machine, whoever started it, if one runs.
+                address=address,
                 namespace="acompile",
                 logging_level=logging.WARNING,
                 log_to_driver=False,
@@ -762,8 +713,6 @@ def _connect(farm: RayFarm, deadline: float) -> tuple[bool, list[_Node]]:
             )
         except (ConnectionError, ValueError, RuntimeError) as exc:
             raise FarmUnreachableError(f"cannot connect to the Ray cluster at {address!r}: {exc}") from exc
-        finally:
-            ray_logger.removeFilter(_no_sigterm_warning)
         owns = True
     try:
         nodes = _alive_nodes(farm)
@@ -772,10 +721,6 @@ def _connect(farm: RayFarm, deadline: float) -> tuple[bool, list[_Node]]:
             ray.shutdown()
         raise
     return owns, nodes
-
-
-def _no_sigterm_warning(record: logging.LogRecord) -> bool:
-    return "SIGTERM handler is not set" not in record.getMessage()
 
 
 def _probe(address: str, deadline: float) -> None:

@@ -1,16 +1,14 @@
 """``RayFarm``: where a ``CompilePool`` sends its compile jobs when they should run on a cluster.
 
 This module imports nothing of Ray: a ``RayFarm`` is a description (an address, a size, what each
-worker reserves), and Ray is imported when a pool that uses it is entered.
+worker reserves). Ray is imported by the farm's connection process (``_broker``), which a pool
+that uses the farm starts when it is entered; never in the pool's own process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, TypedDict
-
-if TYPE_CHECKING:
-    from acompile._farm._executor import FarmExecutor
+from typing import Any, Protocol, TypedDict
 
 
 class NodeStats(TypedDict):
@@ -37,6 +35,13 @@ class FarmStats(TypedDict):
     queued: int
 
 
+class _FarmReporter(Protocol):
+    """What ``RayFarm.stats()`` asks: the farm's executor (in the pool's process, its
+    ``RemoteExecutor``; in the connection process, its ``FarmExecutor``)."""
+
+    def farm_stats(self) -> FarmStats: ...
+
+
 class RayFarm:
     """A Ray cluster to compile on: ``CompilePool(target=..., farm=RayFarm(address="auto"))``.
 
@@ -49,8 +54,9 @@ class RayFarm:
             ``"ray://host:10001"``; ``"auto"``, by Ray's rule: ``RAY_ADDRESS`` if set (it wins
             over any address), else the cluster most recently started with ``ray start`` on
             this machine, whoever started it: on a shared host, give ``host:port``;
-            ``"local"`` starts a Ray instance on this machine. Ignored when this process is connected to a
-            cluster already (its own ``ray.init()``): the farm uses that one.
+            ``"local"`` starts a Ray instance on this machine, which ends when the pool is left.
+            Ignored when this process is connected to a cluster already (its own
+            ``ray.init()``): the farm uses that one.
         workers: how many compile workers (actors); default: as many as the cluster's CPUs
             allow, at ``num_cpus`` each, counted when the pool is entered.
         num_cpus: CPUs each worker reserves on its node (one compile at a time runs on it).
@@ -61,8 +67,12 @@ class RayFarm:
             the kernel cannot travel as source.
         connect_timeout: seconds to reach the cluster when the pool is entered; past them
             ``FarmUnreachableError`` (Ray itself would retry for minutes).
-        local_fallback: if the cluster cannot be reached, log one warning and compile on this
-            machine's workers instead of raising ``FarmUnreachableError``.
+        local_fallback: if the cluster cannot be reached when the pool is entered, or is lost
+            while it serves (its head has not answered for 10 s), log one warning and compile
+            on this machine's workers instead of raising ``FarmUnreachableError``.
+
+    The pool's connection to Ray is held by a process of its own (see docs/farm.md): nothing of
+    Ray runs in the pool's process, so a cluster that is lost cannot take it down.
 
     A farm serves one pool at a time; ``stats()`` describes its latest.
     """
@@ -91,7 +101,7 @@ class RayFarm:
         self.runtime_env = dict(runtime_env) if runtime_env is not None else None
         self.connect_timeout = float(connect_timeout)
         self.local_fallback = local_fallback
-        self.executor: FarmExecutor | None = None
+        self.executor: _FarmReporter | None = None
 
     def __repr__(self) -> str:
         return f"RayFarm(address={self.address!r}, workers={self.workers!r})"

@@ -19,5 +19,59 @@ flight across replicas), the compiles on the pool's workers. The modules, each w
   (``acompile run``);
 * ``_hostpool``: one pool for every process of a host, reached over a private local socket.
 
-Nothing here is imported by ``import acompile``; torch is imported only once served.
+Nothing here imports torch: torch is imported only once served. Outside this package, these
+names come from here, never from the modules above.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from acompile import _lazy
+
+if TYPE_CHECKING:
+    from acompile._torch._autoload import ENV as SERVE_ENV
+    from acompile._torch._autoload import serve_with
+    from acompile._torch._host import Host
+    from acompile._torch._hostpool import HostPoolClient, HostPoolError
+    from acompile._torch._portal import Portal
+    from acompile._torch._seams import SUPPORTED, Patches, Unsupported
+    from acompile._torch._seams import find as find_seams
+    from acompile._torch._seams import install as install_seams
+    from acompile._torch._served import Served
+
+# Each name, by its module and its name there. A name is imported the first time it is asked
+# for, with its module alone: ``import acompile`` imports ``_seams`` and ``_portal`` (names it
+# uses at once) and not the served caches or the host pool, and ``python -m
+# acompile._torch._hostpool`` finds its module not imported yet when it runs it as the program.
+_NAMES: dict[str, str | tuple[str, str]] = {
+    "SERVE_ENV": ("_autoload", "ENV"),
+    "serve_with": ("_autoload", "serve_with"),
+    "Host": ("_host", "Host"),
+    "HostPoolClient": ("_hostpool", "HostPoolClient"),
+    "HostPoolError": ("_hostpool", "HostPoolError"),
+    "Portal": ("_portal", "Portal"),
+    "SUPPORTED": ("_seams", "SUPPORTED"),
+    "Patches": ("_seams", "Patches"),
+    "Unsupported": ("_seams", "Unsupported"),
+    "find_seams": ("_seams", "find"),
+    "install_seams": ("_seams", "install"),
+    "Served": ("_served", "Served"),
+}
+__getattr__, __dir__ = _lazy.face(__name__, _NAMES, eager=False)
+
+
+__all__ = [
+    "SERVE_ENV",
+    "SUPPORTED",
+    "Host",
+    "HostPoolClient",
+    "HostPoolError",
+    "Patches",
+    "Portal",
+    "Served",
+    "Unsupported",
+    "find_seams",
+    "install_seams",
+    "serve_with",
+]

@@ -33,6 +33,17 @@ TRIGGER = "torch._inductor.compile_fx"
 
 logger = logging.getLogger("acompile")
 _started = threading.Event()
+# What serves torch.compile: ``acompile.inductor.serve``, which ``acompile.inductor`` hands in
+# as it is imported (``serve_with``): it is the layer above this one, which this module does not
+# import. It is always here by the time torch calls ``autoload``: torch imports this module by
+# its name, and that imports acompile's package first, which imports ``acompile.inductor``.
+_serve_torch: Callable[..., Any] | None = None
+
+
+def serve_with(serve: Callable[..., Any]) -> None:
+    """Serve torch.compile with ``serve`` (``acompile.inductor.serve``) once the variable asks."""
+    global _serve_torch
+    _serve_torch = serve
 
 
 def autoload() -> None:
@@ -66,9 +77,9 @@ def _serve(options: dict[str, Any]) -> None:
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
     try:
-        from acompile import inductor
-
-        serving = inductor.serve(**options)
+        if _serve_torch is None:
+            raise RuntimeError("acompile.inductor was not imported, and it is what serves")
+        serving = _serve_torch(**options)
         serving.__enter__()
     except Exception as exc:
         logger.warning("acompile: not serving torch.compile in this process (%s)", exc)

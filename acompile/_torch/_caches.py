@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from torch._inductor.remote_cache import RemoteCacheBackend
 
-from acompile._cache._keys import make_key
+from acompile._cache import make_key
 
 logger = logging.getLogger("acompile")
 

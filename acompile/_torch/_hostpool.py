@@ -35,6 +35,8 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -381,12 +383,17 @@ def _listening(path: Path) -> bool:
 # --- the server --------------------------------------------------------------------------------
 
 
-async def serve(cache_root: Path, path: Path, workers: int | None, idle_exit: float) -> None:
-    """Run the host's pool at ``path`` until no process has been connected for ``idle_exit``."""
-    from acompile._compiler import CompilePool
-
+async def serve(
+    open_pool: Callable[..., AbstractAsyncContextManager[Any]],
+    cache_root: Path,
+    path: Path,
+    workers: int | None,
+    idle_exit: float,
+) -> None:
+    """Run the host's pool at ``path`` until no process has been connected for ``idle_exit``.
+    ``open_pool`` is ``CompilePool``, handed in by the program (this module is below it)."""
     run_folder(cache_root)
-    async with CompilePool(workers, cache_dir=cache_root, preload=("inductor",)) as pool:
+    async with open_pool(workers, cache_dir=cache_root, preload=("inductor",)) as pool:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # a dead server's (the process that started this one holds the lock)
         listener = await anyio.create_unix_listener(path)
@@ -513,7 +520,8 @@ class _Server:
             jobs.pop(job_id, None)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(open_pool: Callable[..., AbstractAsyncContextManager[Any]], argv: list[str] | None = None) -> int:
+    """The server's program: ``serve`` with the arguments of its command line."""
     parser = argparse.ArgumentParser(prog="python -m acompile._torch._hostpool")
     parser.add_argument("--cache-dir", type=Path, required=True)
     parser.add_argument("--socket", type=Path, required=True)
@@ -521,9 +529,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle-exit", type=float, default=IDLE_EXIT)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s acompile host pool: %(message)s")
-    anyio.run(serve, args.cache_dir, args.socket, args.workers, args.idle_exit)
+    anyio.run(serve, open_pool, args.cache_dir, args.socket, args.workers, args.idle_exit)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as a program (python -m), at the top of the package like acompile's own command: the
+    # pool's class is named here, never by a module that imports this one.
+    from acompile import CompilePool
+
+    sys.exit(main(CompilePool))

@@ -6,12 +6,13 @@ functions), never from a spec: there is nothing to key, load or cache here."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 
 if TYPE_CHECKING:
     from acompile._targets import Target
+    from acompile._workers import BackendConfig
 
 WORKER_MODULE = "acompile._torch._worker"
 
@@ -27,6 +28,6 @@ def _import() -> None:
     import torch._inductor.codecache  # noqa: F401
 
 
-async def worker_config(memo_dir: Path) -> dict[str, Any]:
+async def worker_config(memo_dir: Path) -> BackendConfig:
     """Nothing: each job carries what the worker needs (``_served.Served.encode_job``)."""
     return {}

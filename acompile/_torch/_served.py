@@ -33,7 +33,6 @@ import logging
 import os
 import pickle
 import platform
-import secrets
 import shlex
 import subprocess
 import tempfile
@@ -44,6 +43,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+from acompile import _files
 from acompile._cache import make_key
 from acompile._errors import PoolClosedError, PoolError
 from acompile._torch._caches import ENTRY_BACKEND, KINDS, cache_key, cache_parts
@@ -692,18 +692,7 @@ def _write_output(path: str, data: bytes) -> None:
             raise PermissionError(
                 f"{folder} is not this user's alone (uid {info.st_uid}): nothing is put there"
             )
-        tmp = f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        fd = os.open(
-            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o755, dir_fd=dfd
-        )
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dfd)
-            raise
+        _files.write_whole(name, data, mode=0o755, dir_fd=dfd)
     finally:
         os.close(dfd)
 

@@ -18,7 +18,10 @@ import pickle
 import sys
 import traceback
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from acompile._workers import WorkerConfig
 
 # Math libraries start thread pools when they load (OpenBLAS with numpy, which torch imports):
 # a template with a second thread cannot fork its workers. Compiling needs none of them.
@@ -27,7 +30,7 @@ _QUIET_THREADS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 _applied: dict[str, Any] = {}
 
 
-def setup(config: dict[str, Any]) -> None:
+def setup(config: WorkerConfig) -> None:
     for name in _QUIET_THREADS:
         os.environ.setdefault(name, "1")
     if "torch._inductor.runtime.compile_tasks" in sys.modules:
@@ -43,7 +46,7 @@ def _import_heuristics() -> None:
         import torch._inductor.runtime.triton_heuristics  # noqa: F401
 
 
-def preload(config: dict[str, Any]) -> None:
+def preload(config: WorkerConfig) -> None:
     """Import what a job runs: torch, and Inductor's compile functions and code cache; in the
     template, not Inductor's Triton heuristics (a template with a second thread cannot fork its
     workers: each forked worker imports them in its ``setup``, before it is ready)."""

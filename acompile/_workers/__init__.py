@@ -6,13 +6,17 @@
 * ``_executor``: the ``Executor`` protocol, ``run_job()``, the stats it reports;
 * ``_queue``: ``Job``, the queue (two lanes, longest expected job first) and the hand-off of jobs to
   idle workers;
-* ``_pool``: ``WorkerPool``: slots, epochs (quiesce, wake-up), replacing workers;
+* ``_slots``: ``SlotExecutor``, the skeleton every executor shares (slots, epochs, the start-failure
+  policy, retries, the idle timer) over a kind of ``Runners``;
+* ``_pool``: ``WorkerPool``: the skeleton over worker processes (the template, forks, limits);
 * ``_process``: worker process handles, stopping them, their stderr tail;
 * ``_template``: the template workers are forked from, and the socket they connect back to;
 * ``_protocol``: the framed messages between the pool, the template and the workers;
 * ``_main``: what runs in the worker and template processes;
 * ``_bytecode``: where workers keep their imports' bytecode when the installation has none.
-* ``_linux``: the process controls children set (a signal at their parent's death, a name).
+
+The process controls children set (a signal at their parent's death, a name) are the base
+module ``acompile._linux``: the backends and the front end use them too.
 """
 
 from __future__ import annotations
@@ -21,33 +25,113 @@ import typing as _typing
 
 from acompile import _lazy
 
-# In a pool's worker process, the names below are imported at the first one used (see
-# acompile._lazy); everywhere else, with the package.
-if _typing.TYPE_CHECKING or _lazy.eager(__name__):
+# Each name, by the module it lives in (and its name there where it differs); see acompile._lazy.
+_NAMES: dict[str, str | tuple[str, str]] = {
+    "BYTECODE_FOLDER": ("_bytecode", "FOLDER"),
+    "BYTECODE_HELPER_NAME": ("_bytecode", "HELPER_NAME"),
+    "bytecode_plan": ("_bytecode", "plan"),
+    "Executor": "_executor",
+    "ExecutorStats": "_executor",
+    "idle_stats": "_executor",
+    "run_job": "_executor",
+    "LocalExecutor": "_pool",
+    "WorkerPool": "_pool",
+    "remove_work_folder": "_process",
+    "short_backend": "_process",
+    "BACKGROUND": "_queue",
+    "URGENT": "_queue",
+    "Job": "_queue",
+    "JobCancelled": "_queue",
+    "JobQueue": "_queue",
+    "Taker": "_queue",
+    "NoRoom": "_slots",
+    "PoolStats": "_slots",
+    "Runner": "_slots",
+    "Runners": "_slots",
+    "SlotExecutor": "_slots",
+    "TransientStartError": "_slots",
+    "late_config": ("_late", "prepared"),
+    "outside_job_time": ("_late", "paused"),
+    "WorkerConfig": "_config",
+    "BackendConfig": "_config",
+    "JobDone": ("_protocol", "Done"),
+    "JobFailed": ("_protocol", "Error"),
+    "FrameReader": "_protocol",
+    "MessageReceiver": "_protocol",
+    "Undecodable": "_protocol",
+    "encode_frame": ("_protocol", "encode"),
+    "read_message": "_protocol",
+}
+if _typing.TYPE_CHECKING:
+    from acompile._workers._bytecode import FOLDER as BYTECODE_FOLDER
+    from acompile._workers._bytecode import HELPER_NAME as BYTECODE_HELPER_NAME
+    from acompile._workers._bytecode import plan as bytecode_plan
+    from acompile._workers._config import BackendConfig as BackendConfig
+    from acompile._workers._config import WorkerConfig as WorkerConfig
     from acompile._workers._executor import Executor as Executor
     from acompile._workers._executor import ExecutorStats as ExecutorStats
     from acompile._workers._executor import idle_stats as idle_stats
     from acompile._workers._executor import run_job as run_job
+    from acompile._workers._late import paused as outside_job_time
+    from acompile._workers._late import prepared as late_config
     from acompile._workers._pool import LocalExecutor as LocalExecutor
     from acompile._workers._pool import WorkerPool as WorkerPool
     from acompile._workers._process import remove_work_folder as remove_work_folder
+    from acompile._workers._process import short_backend as short_backend
+    from acompile._workers._protocol import Done as JobDone
+    from acompile._workers._protocol import Error as JobFailed
+    from acompile._workers._protocol import FrameReader as FrameReader
+    from acompile._workers._protocol import MessageReceiver as MessageReceiver
+    from acompile._workers._protocol import Undecodable as Undecodable
+    from acompile._workers._protocol import encode as encode_frame
+    from acompile._workers._protocol import read_message as read_message
     from acompile._workers._queue import BACKGROUND as BACKGROUND
     from acompile._workers._queue import URGENT as URGENT
     from acompile._workers._queue import Job as Job
     from acompile._workers._queue import JobCancelled as JobCancelled
-else:
-    __getattr__ = _lazy.on_first_use(__name__)
+    from acompile._workers._queue import JobQueue as JobQueue
+    from acompile._workers._queue import Taker as Taker
+    from acompile._workers._slots import NoRoom as NoRoom
+    from acompile._workers._slots import PoolStats as PoolStats
+    from acompile._workers._slots import Runner as Runner
+    from acompile._workers._slots import Runners as Runners
+    from acompile._workers._slots import SlotExecutor as SlotExecutor
+    from acompile._workers._slots import TransientStartError as TransientStartError
+__getattr__, __dir__ = _lazy.face(__name__, _NAMES, eager=True)
 
 __all__ = (
     "BACKGROUND",
+    "BYTECODE_FOLDER",
+    "BYTECODE_HELPER_NAME",
     "URGENT",
+    "BackendConfig",
     "Executor",
     "ExecutorStats",
+    "FrameReader",
     "Job",
     "JobCancelled",
+    "JobDone",
+    "JobFailed",
+    "JobQueue",
     "LocalExecutor",
+    "MessageReceiver",
+    "NoRoom",
+    "PoolStats",
+    "Runner",
+    "Runners",
+    "SlotExecutor",
+    "Taker",
+    "TransientStartError",
+    "Undecodable",
+    "WorkerConfig",
     "WorkerPool",
+    "bytecode_plan",
+    "encode_frame",
     "idle_stats",
+    "late_config",
+    "outside_job_time",
+    "read_message",
     "remove_work_folder",
     "run_job",
+    "short_backend",
 )

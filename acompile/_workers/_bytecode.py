@@ -38,13 +38,13 @@ import importlib.util
 import json
 import marshal
 import os
-import re
-import secrets
 import stat
 import sys
 from pathlib import Path
 from types import CodeType
 from typing import TYPE_CHECKING, Any
+
+from acompile import _files
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -155,6 +155,19 @@ def _compile(source: bytes, source_path: str) -> CodeType:
 def _keep(path: str, source: bytes, code: CodeType) -> None:
     """Keep ``code`` (of ``source``) at ``path``, whole or not at all; raises ``OSError``."""
     write_whole(path, _header(source) + marshal.dumps(code))
+
+
+def plan(memo_dir: Path, helped: bool) -> tuple[str | None, str]:
+    """Where a pool's workers keep their imports' bytecode (None: where the installation does),
+    and ``HELPERS_ENV``'s value for its first template ("" for no help; ``helped``: the pool
+    preloads Triton, whose sources are worth the help). Blocking: a look along sys.path, the
+    cgroup's CPU quota."""
+    folder = folder_for_workers(memo_dir)
+    if folder is None or not helped:
+        return folder, ""
+    from acompile._sizing import usable_cpus
+
+    return folder, helpers_env(helpers_for(usable_cpus()))
 
 
 def helpers_for(cpus: int) -> int:
@@ -279,7 +292,7 @@ def _helper(paths: list[str], folder: str, caller: int) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.environ.pop("ACOMPILE_WORKDIR", None)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-        from acompile._workers import _linux
+        from acompile import _linux
 
         _linux.signal_at_parent_death(signal.SIGKILL)
         _linux.set_name(HELPER_NAME)
@@ -335,31 +348,12 @@ def _read_regular_file(path: str) -> bytes | None:
         os.close(fd)
 
 
-# The temporary files of write_whole: what a process killed while it wrote one leaves behind
-# (cache prune removes them once they are old).
-TEMPORARY = re.compile(r".+\.[0-9]+\.[0-9a-f]{8}\.tmp")
-
-
 def write_whole(path: str, data: bytes) -> None:
-    """Write ``path`` whole or not at all: to a file of this process's own, every byte (a
-    short write on a full disk is an error, not a shorter file), then renamed into place, so
-    that workers writing it at once each leave a whole file. A failure raises ``OSError`` and
-    leaves nothing."""
-    temporary = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-        os.replace(temporary, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
+    """Write ``path`` whole or not at all (``acompile._files``), making its folder: workers
+    writing it at once each leave a whole file. A failure raises ``OSError`` and leaves nothing
+    (a process killed midway leaves a temporary, which cache prune removes once it is old)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    _files.write_whole(path, data, mode=0o644)
 
 
 def install(folder: str) -> None:
@@ -380,13 +374,13 @@ __all__ = [
     "FOLDER",
     "HELPERS_ENV",
     "HELPER_NAME",
-    "TEMPORARY",
     "Helping",
     "folder_for_workers",
     "helpers_env",
     "helpers_for",
     "install",
     "lacks_bytecode",
+    "plan",
     "precompile",
     "write_whole",
 ]

@@ -5,7 +5,9 @@ name, a picklable payload, the kernel's name, a priority lane) and gives it to i
 which runs it somewhere and sets its outcome: the value the backend returned (bytes, for a cache
 entry) or the exception it raised. Nothing in the interface is a path on this machine, so an
 executor may run jobs elsewhere (a compile farm); ``WorkerPool`` runs them in worker processes
-here (``LocalExecutor`` is the same class).
+here (``LocalExecutor`` is the same class). Both are one skeleton, ``_slots.SlotExecutor``, over
+their own kind of runner: the rules below, the start-failure policy and the retry of a job whose
+worker was killed from outside are written there once.
 
 The rules an executor keeps:
 

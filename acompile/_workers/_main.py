@@ -28,9 +28,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from acompile import _trust
+from acompile import _linux, _trust
 from acompile._errors import AcompileError, BackendUnavailableError, CompileError, bounded
-from acompile._workers import _bytecode, _late, _linux, _protocol
+from acompile._workers import _bytecode, _late, _protocol
+from acompile._workers._config import WorkerConfig
 from acompile._workers._process import lower_priority, remove_work_folder, short_backend, stderr_tail
 
 
@@ -112,7 +113,7 @@ class Worker:
         self.fd_in = fd_in
         self.fd_out = fd_out
         self.backends: dict[str, ModuleType] = {}
-        self.config: dict[str, Any] = {}
+        self.config: WorkerConfig = {}
         # Its input ended without an Exit: the pool's process is gone (it stops a worker with a
         # kill, and its template with Exit).
         self.orphaned = False
@@ -273,7 +274,7 @@ class Template:
                         self.worker.orphaned = message is None
                         return  # Exit, or EOF: the pool is done with us
                     slot = message.slot
-                    config = dict(message.config, template_pid=os.getpid())
+                    config: WorkerConfig = {**message.config, "template_pid": os.getpid()}
                     pid = os.fork()
                     if pid == 0:
                         os.close(wake_r)
@@ -323,7 +324,7 @@ class Template:
                 self.worker.fd_out, _protocol.Exited(pid, os.waitstatus_to_exitcode(status))
             )
 
-    def become_worker(self, slot: int, config: dict[str, Any]) -> None:
+    def become_worker(self, slot: int, config: WorkerConfig) -> None:
         code = 1
         try:
             signal.set_wakeup_fd(-1)
@@ -347,7 +348,7 @@ class Template:
                 return
             worker = self.worker
             worker.fd_in = worker.fd_out = fd
-            worker.config = dict(worker.config, **config)
+            worker.config = {**worker.config, **config}
             hello = _protocol.Hello(slot, os.getpid(), config["token"]).pack()
             while hello:
                 hello = hello[os.write(fd, hello) :]
@@ -425,7 +426,7 @@ def _as_compile_error(exc: BaseException, backend: str, payload: Any) -> Acompil
     )
 
 
-def _apply_config(config: dict[str, Any]) -> None:
+def _apply_config(config: WorkerConfig) -> None:
     # Kernels must import as they do in the parent: its sys.path, its working directory (set by
     # the pool at spawn), and its __main__ script, re-run under another name when needed.
     sys.path[:] = [p for p in config.get("sys_path", sys.path)]

@@ -1,21 +1,23 @@
 """``WorkerPool``: the local executor. Worker processes on this machine, fed from one queue.
 
 ``WorkerPool`` is the process half of ``CompilePool``: it knows nothing of kernels or caches. It
-runs a fixed number of slots; each slot owns at most one worker process at a time, takes jobs from
-a shared queue (``_queue``: urgent before background, the longest expected first; a job for an
-idle worker is sent to it from the submitter's task, without waiting for the slot's), and replaces its
-worker whenever the worker dies, passes its memory limit, runs past the job time limit, or runs a
-job nobody waits for any more (the only way to stop a compiler is to stop its process). A slot
-takes jobs as soon as its worker is ready, whatever the other slots are doing.
+is the skeleton every executor shares (``_slots.SlotExecutor``: the slots and their epochs, the
+queue, the start-failure policy, the retry of a job whose worker was killed from outside, the
+idle timer) over *local runners* (``LocalRunners``): each slot's runner is one worker process,
+which takes jobs from the shared queue (``_queue``: urgent before background, the longest
+expected first; a job for an idle worker is sent to it from the submitter's task, without
+waiting for the slot's) and is replaced whenever the worker dies, passes its memory limit, runs
+past the job time limit, or runs a job nobody waits for any more (the only way to stop a compiler
+is to stop its process). A slot takes jobs as soon as its worker is ready, whatever the other
+slots are doing.
 
 Workers are forked from a *template* (``_template``): a process that did a worker's whole preload
 once; a forked worker is ready in milliseconds. Where no template can be had (it has threads, or
 fails), workers start as fresh interpreters (``acompile._workers._main``, through ``_BOOT``) through anyio's
 process API, which take a second to preload.
 
-The slots run in *epochs*: ``quiesce()`` ends the current one (its workers are stopped, running
-jobs go back to the front of the queue), and new work, ``wakeup()`` or a waiting job starts the
-next. The template outlives epochs, so waking is a matter of forks.
+The template outlives the skeleton's epochs (``quiesce()`` stops every worker, ``wakeup()`` starts
+them again), so waking is a matter of forks.
 """
 
 from __future__ import annotations
@@ -23,19 +25,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import heapq
 import json
 import logging
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.abc
@@ -56,14 +54,13 @@ except ImportError:  # pragma: no cover - another anyio's layout
 from acompile._errors import (
     CompileError,
     CompileTimeoutError,
-    PoolClosedError,
     WorkerCrashedError,
     WorkerStartError,
 )
 from acompile._sizing import usable_cpus
 from acompile._trust import own_folder
 from acompile._workers import _bytecode, _protocol
-from acompile._workers._executor import ExecutorStats, run_job
+from acompile._workers._config import BackendConfig, WorkerConfig
 from acompile._workers._process import (
     EXTERNAL,
     ForkedWorker,
@@ -80,13 +77,9 @@ from acompile._workers._process import (
     stderr_tail,
     stop,
 )
-from acompile._workers._queue import Job, JobCancelled, JobQueue, Taker
-from acompile._workers._template import (
-    Template,
-    TransientStartError,
-    UnixListener,
-    stop_template,
-)
+from acompile._workers._queue import Job, JobCancelled, Taker
+from acompile._workers._slots import SlotExecutor, TransientStartError
+from acompile._workers._template import Template, UnixListener, stop_template
 
 logger = logging.getLogger("acompile")
 
@@ -102,11 +95,6 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 # SCHED_IDLE workers would still take a CPU from the caller's event loop for milliseconds at a
 # time. In the caller's session they yield to it at once.
 _BOOT = "import os; os.setpgid(0, 0); from acompile._workers._main import main; main()"
-_TOP_N = 10
-# Starts that fail for a lasting reason (the preload raised, the worker exited with a status)
-# this many times in a row, or for any reason this many times, with no worker alive: the queued
-# jobs fail with the reason instead of waiting for a worker that will not come.
-_HARD_START_FAILURES = 2
 # How long a worker that started before the pool's late configuration waits for it at most.
 _LATE_CONFIG_WAIT = 10.0
 # What a worker says around a wait inside a job that is not the job's work (_pause).
@@ -132,75 +120,19 @@ _STREAM_ENDED = (
 # --- the pool ---------------------------------------------------------------------------------
 
 
-@dataclass
-class PoolStats:
-    """The pool's counters and recent measurements (``WorkerPool.counters``)."""
-
-    started: int = 0
-    forked: int = 0
-    restarts: dict[str, int] = field(default_factory=dict)
-    jobs_done: int = 0
-    jobs_failed: int = 0
-    jobs_cancelled: int = 0
-    jobs_retried: int = 0
-    preload_s: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
-    job_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=10000))
-    slowest: list[tuple[float, str]] = field(default_factory=list)  # a min-heap of the top N
-    worker_rss: dict[int, int] = field(default_factory=dict)
-
-    def record_job(self, name: str, seconds: float) -> None:
-        """Count a finished job's duration (and keep it if among the slowest)."""
-        self.job_seconds.append(seconds)
-        if len(self.slowest) < _TOP_N:
-            heapq.heappush(self.slowest, (seconds, name))
-        elif seconds > self.slowest[0][0]:
-            heapq.heapreplace(self.slowest, (seconds, name))
-
-    def restart(self, cause: str) -> None:
-        """Count a worker stopped (or not started) for ``cause``."""
-        self.restarts[cause] = self.restarts.get(cause, 0) + 1
-
-    def snapshot(self, size: int, alive: int, busy: int, awake: bool, queued: int) -> ExecutorStats:
-        """An executor's ``stats()`` from these counters and its current state."""
-        rss = {pid: round(resident / 2**20, 1) for pid, resident in self.worker_rss.items()}
-        return {
-            "workers": {
-                "size": size,
-                "alive": alive,
-                "busy": busy,
-                "awake": awake,
-                "started": self.started,
-                "forked": self.forked,
-                "restarts": dict(self.restarts),
-                "rss_mib": rss,
-                "mean_rss_mib": round(statistics.fmean(rss.values()), 1) if rss else None,
-            },
-            "jobs": {
-                "queued": queued,
-                "running": busy,
-                "done": self.jobs_done,
-                "failed": self.jobs_failed,
-                "cancelled": self.jobs_cancelled,
-                "retried": self.jobs_retried,
-            },
-            "job_seconds": list(self.job_seconds),
-            "slowest": list(self.slowest),
-        }
-
-
-class WorkerPool:
+class WorkerPool(SlotExecutor["LocalRunners"]):
     """The local executor: a fixed number of worker slots on this machine, fed from one queue.
 
-    Implements ``Executor``. ``serve()`` is started in the owner's task group and runs until that
-    group is cancelled; it kills every worker (and the template) on the way out, whatever
-    cancelled it. Jobs run one at a time per worker; a job nobody waits for any more has its
-    worker stopped (``cancel()``).
+    Implements ``Executor`` (``SlotExecutor`` over ``LocalRunners``). ``serve()`` is started in
+    the owner's task group and runs until that group is cancelled; it kills every worker (and the
+    template) on the way out, whatever cancelled it. Jobs run one at a time per worker; a job
+    nobody waits for any more has its worker stopped (``cancel()``).
     """
 
     def __init__(
         self,
         size: int,
-        config: dict[str, Any],
+        config: WorkerConfig,
         workdir: str,
         *,
         memory_limit: int | None = None,
@@ -211,36 +143,15 @@ class WorkerPool:
     ) -> None:
         if size < 1:
             raise ValueError(f"a pool needs at least one worker, got workers={size}")
-        self.size = size
-        self.config = config
-        self.workdir = workdir
-        self.memory_limit = memory_limit
-        self.max_compile_seconds = max_compile_seconds
-        self.preload_timeout = preload_timeout
-        self.idle_timeout = idle_timeout
-        self.use_template = use_template and hasattr(os, "fork") and sys.platform.startswith("linux")
-        self.queue = JobQueue()
-        self.counters = PoolStats()
-        self.busy = 0
-        self.alive: dict[int, Worker] = {}
-        self.last_activity = time.monotonic()
-        self._ready = [anyio.Event() for _ in range(size)]
-        self._start_error: WorkerStartError | None = None
-        self._hard_start_failures = 0  # in a row, pool-wide, for a lasting reason
-        self._closed = False
-        self._spawn_lock = anyio.Lock()
-        self._config_hook: Callable[[], Awaitable[dict[str, Any]]] | None = None
-        self._prepared: dict[str, Any] = {}  # what the hook returned
-        self._config_started = False
-        self._awake = False
-        self._wake = anyio.Event()
-        self._epoch_scope: anyio.CancelScope | None = None
-        self._template: Template | None = None
-        self._preloading_template: int | None = None  # a template's pid until it is ready
-        self._template_failed = False
-        self._templates_started = 0
-        self._template_lock = anyio.Lock()
-        self._tg: anyio.abc.TaskGroup | None = None
+        runners = functools.partial(
+            LocalRunners,
+            config=config,
+            workdir=workdir,
+            memory_limit=memory_limit,
+            max_compile_seconds=max_compile_seconds,
+            use_template=use_template,
+        )
+        super().__init__(size, runners, preload_timeout=preload_timeout, idle_timeout=idle_timeout)
 
     @staticmethod
     def make_workdir(prefix: str) -> str:
@@ -259,6 +170,114 @@ class WorkerPool:
             raise
         return folder
 
+    @property
+    def config(self) -> WorkerConfig:
+        """The workers' configuration (what each worker is started with)."""
+        return self.runners.config
+
+    @property
+    def workdir(self) -> str:
+        """The pool's work folder: the workers' stderr files, the template's socket."""
+        return self.runners.workdir
+
+    @property
+    def memory_limit(self) -> int | None:
+        """The resident memory (bytes) past which a worker is stopped, if any."""
+        return self.runners.memory_limit
+
+    @property
+    def max_compile_seconds(self) -> float | None:
+        """How long a job may run before its worker is stopped, if at all."""
+        return self.runners.max_compile_seconds
+
+    @property
+    def use_template(self) -> bool:
+        """Whether workers are forked from a template (else each starts as a fresh interpreter)."""
+        return self.runners.use_template
+
+    @property
+    def alive(self) -> dict[int, Worker]:
+        """The worker processes alive, ready or preloading, by process id."""
+        return self.runners.alive
+
+    def prepare_config_with(self, hook: Callable[[], Awaitable[BackendConfig]]) -> None:
+        """See ``LocalRunners.prepare_config_with``."""
+        self.runners.prepare_config_with(hook)
+
+
+class LocalRunners:
+    """Worker processes on this machine for a ``SlotExecutor``'s slots (implements ``Runners``):
+    the template they are forked from, spawning where there is none, the workers' configuration,
+    and the watches of their memory, of signals that stop them, and of CPU starvation."""
+
+    def __init__(
+        self,
+        executor: SlotExecutor[LocalRunners],
+        *,
+        config: WorkerConfig,
+        workdir: str,
+        memory_limit: int | None,
+        max_compile_seconds: float | None,
+        use_template: bool,
+    ) -> None:
+        self.executor = executor
+        self.config = config
+        self.workdir = workdir
+        self.memory_limit = memory_limit
+        self.max_compile_seconds = max_compile_seconds
+        self.preload_timeout = executor.preload_timeout
+        self.use_template = use_template and hasattr(os, "fork") and sys.platform.startswith("linux")
+        self.alive: dict[int, Worker] = {}
+        self.template: Template | None = None
+        self._spawn_lock = anyio.Lock()
+        self._config_hook: Callable[[], Awaitable[BackendConfig]] | None = None
+        self._prepared: WorkerConfig = {}  # what the hook returned
+        self._config_started = False
+        self._preloading_template: int | None = None  # a template's pid until it is ready
+        self._template_failed = False
+        self._templates_started = 0
+        self._template_lock = anyio.Lock()
+
+    # -- the Runners interface ---------------------------------------------------------------
+
+    def live(self) -> int:
+        """The worker processes alive, ready or preloading."""
+        return len(self.alive)
+
+    def prepare(self, job: Job) -> None:
+        """Encode ``job`` once, as its worker receives it (a retry sends the same frame); raises
+        ``CompileError`` when something in the request does not pickle."""
+        if job.frame is None:
+            try:
+                job.frame = _protocol.encode(_protocol.RunJob(job.id, job.backend, job.payload))
+            except Exception as exc:
+                raise _unsendable_error(job, exc) from exc
+
+    async def start(self, slot: int) -> LocalRunner:
+        """Start a worker for ``slot`` (forked from the template, or afresh) and wait for its
+        preload; raises ``TransientStartError`` or ``WorkerStartError``."""
+        if self._config_hook is not None and not self._config_started:
+            # Not before the workers first start: a pool whose requests all hit the cache never
+            # needs it.
+            self._config_started = True
+            self.executor.start_soon(self._prepare_config)
+        return LocalRunner(self, await self._start_worker(slot))
+
+    async def watch(self) -> None:
+        """The workers' memory and stopped state, and under the idle policy, their starvation."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._watch_memory)
+            if self.config.get("nice") == "idle" and sys.platform.startswith("linux"):
+                tg.start_soon(self._watch_starvation)
+
+    async def close(self) -> None:
+        """Stop the template (the workers' slots stopped them already)."""
+        template, self.template = self.template, None
+        if template is not None:
+            await stop_template(template)
+
+    # -- starting workers ----------------------------------------------------------------------
+
     def _work_folder(self) -> str:
         """The work folder, checked (blocking): this user's, private, no link; made again if
         something removed it (a /tmp cleaner). Raises ``UntrustedFolderError`` (another user's
@@ -266,70 +285,7 @@ class WorkerPool:
         own_folder(self.workdir, "the pool's work folder")
         return self.workdir
 
-    # -- the caller's side -------------------------------------------------------------------
-
-    @property
-    def awake(self) -> bool:
-        """False while quiesced (no worker runs, none is starting)."""
-        return self._awake
-
-    def submit(self, job: Job) -> None:
-        """Queue ``job`` (waking the pool if quiesced).
-
-        Raises ``PoolClosedError`` after shutdown, and the ``WorkerStartError`` that stopped
-        the workers when none can start.
-        """
-        if self._closed:
-            raise PoolClosedError("the pool has shut down; make a new CompilePool")
-        if self._start_error is not None and not self.alive:
-            raise self._start_error
-        if job.frame is None:
-            try:
-                job.frame = _protocol.encode(_protocol.RunJob(job.id, job.backend, job.payload))
-            except Exception as exc:
-                # Something in the request does not pickle: that request fails, nothing else.
-                job.finish(error=_unsendable_error(job, exc))
-                self.counters.jobs_failed += 1
-                return
-        self.wakeup()  # a request on a quiesced pool wakes it
-        self.queue.put(job)  # to an idle worker, from this task, if one waits
-
-    async def run(self, job: Job) -> Any:
-        """Submit ``job`` and return its result, or raise its error; cancelled while it is
-        queued or running, the job is dropped or its worker stopped."""
-        return await run_job(self, job)
-
-    def cancel(self, job: Job) -> None:
-        """Nobody waits for ``job``: drop it if queued; if running, stop its worker (and count
-        it cancelled, once)."""
-        if job.state == "running" and not job.abandoned:
-            self.counters.jobs_cancelled += 1
-        job.abandon()
-
-    def hold_dispatch(self) -> Callable[[], None]:
-        """Queue new jobs even where workers are idle, until the returned function is called
-        (once): a batch of requests then starts longest first (see ``JobQueue.hold``)."""
-        self.queue.hold()
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self.queue.release()
-
-        return release
-
-    def promote(self, job: Job) -> None:
-        """Move a queued background job to the urgent lane."""
-        self.queue.promote(job)
-
-    def stats(self) -> ExecutorStats:
-        """The ``workers`` and ``jobs`` parts of ``CompilePool.stats()``, and the recent jobs'
-        durations; resident memory is what ``_watch_memory`` last measured."""
-        return self.counters.snapshot(self.size, len(self.alive), self.busy, self._awake, len(self.queue))
-
-    def prepare_config_with(self, hook: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    def prepare_config_with(self, hook: Callable[[], Awaitable[BackendConfig]]) -> None:
         """Complete the workers' configuration with what ``hook()`` returns, computed when the
         workers first start (not before: a pool whose requests all hit the cache never needs
         it). Nothing waits for it: a template preloads, workers are forked or spawned and take
@@ -350,7 +306,8 @@ class WorkerPool:
             # Bounded as a preload is: a hook that hangs (Triton's hash of its binaries on a
             # stalled file system) must not hold every worker's start.
             with anyio.fail_after(self.preload_timeout):
-                self._prepared = await self._config_hook()
+                # A BackendConfig's keys are WorkerConfig's too (it is its base).
+                self._prepared = cast("WorkerConfig", dict(await self._config_hook()))
             self.config.update(self._prepared)
         except TimeoutError:
             logger.warning(
@@ -381,140 +338,9 @@ class WorkerPool:
         self._prepared = {**self._prepared, "late_config": ""}
         self.config["late_config"] = ""
 
-    def _write_late_config(self, path: str, prepared: dict[str, Any]) -> None:
+    def _write_late_config(self, path: str, prepared: WorkerConfig) -> None:
         self._work_folder()
         _bytecode.write_whole(path, json.dumps(prepared).encode())  # a worker never reads half
-
-    def wakeup(self) -> None:
-        """Start the workers (if they are not running); ``wait_ready()`` waits for them."""
-        if not self._awake and not self._closed:
-            self._awake = True
-            self._ready = [anyio.Event() for _ in range(self.size)]
-            self._wake.set()
-
-    def quiesce(self) -> None:
-        """Stop every worker now; running jobs go back to the front of the queue. Returns at
-        once: the workers are stopped by their slots, in a few milliseconds."""
-        if self._awake:
-            self._awake = False
-            if self._epoch_scope is not None:
-                self._epoch_scope.cancel()
-
-    async def wait_ready(self) -> None:
-        """Wake up and wait until every slot has a worker ready (or the epoch ended).
-
-        Raises the ``WorkerStartError`` that stopped the workers when none can start.
-        """
-        self.wakeup()
-        for event in list(self._ready):
-            await event.wait()
-            if self._start_error is not None:
-                raise self._start_error
-
-    # -- the slots -----------------------------------------------------------------------------
-
-    async def serve(self) -> None:
-        """Run the slots (in epochs) until cancelled; then stop every worker and the template,
-        and fail the jobs left in the queue with ``PoolClosedError``."""
-        try:
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
-                tg.start_soon(self._watch_memory)
-                if self.config.get("nice") == "idle" and sys.platform.startswith("linux"):
-                    tg.start_soon(self._watch_starvation)
-                if self.idle_timeout is not None:
-                    tg.start_soon(self._quiesce_when_idle, self.idle_timeout)
-                while True:
-                    await self._wake.wait()
-                    self._wake = anyio.Event()
-                    if self._config_hook is not None and not self._config_started:
-                        self._config_started = True
-                        tg.start_soon(self._prepare_config)
-                    await self._epoch()
-                    if self.queue and not self._closed:
-                        # Work arrived (or was put back) while the epoch ended: start again.
-                        self.wakeup()
-        finally:
-            self._closed = True
-            self._awake = False
-            self.queue.fail_all(PoolClosedError("the pool shut down before this job ran"))
-            template, self._template = self._template, None
-            if template is not None:
-                await stop_template(template)
-
-    async def _epoch(self) -> None:
-        ready = self._ready
-        with anyio.CancelScope() as scope:
-            self._epoch_scope = scope
-            if not self._awake:  # quiesced before it began
-                return
-            async with anyio.create_task_group() as tg:
-                for slot in range(self.size):
-                    tg.start_soon(self._slot, slot)
-        self._epoch_scope = None
-        for event in ready:
-            event.set()  # nobody waits for an epoch that ended
-
-    async def _slot(self, slot: int) -> None:
-        failures = 0
-        while True:
-            try:
-                worker = await self._start_worker(slot)
-            except WorkerStartError as exc:
-                failures += 1
-                await self._start_failed(slot, exc, failures)
-                continue
-            failures = 0
-            self._hard_start_failures = 0
-            self._start_error = None
-            self._ready[slot].set()
-            cause = "stopped"  # by quiesce() or shutdown, unless _serve says otherwise
-            # A submitter starts its job on this worker, if idle, through the taker (put()).
-            taker = Taker(functools.partial(self._start, worker))
-            try:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._watch, worker, taker)
-                    cause = await self._serve(worker, taker)
-                    tg.cancel_scope.cancel()
-            finally:
-                self.queue.withdraw(taker)
-                if worker.deadline is not None:
-                    worker.deadline.cancel()
-                self.alive.pop(worker.pid, None)
-                self.counters.worker_rss.pop(worker.pid, None)
-                code = await stop(worker)
-                logger.debug("worker pid %d stopped (%s, %s)", worker.pid, cause, describe_exit(code))
-                self.counters.restart(cause)
-
-    async def _start_failed(self, slot: int, exc: WorkerStartError, failures: int) -> None:
-        """A start failed: try again, with back-off; fail the queued jobs only when starts keep
-        failing for a reason that will not go away (a preload that raises, a broken install)."""
-        transient = isinstance(exc, TransientStartError)
-        if not transient:
-            self._hard_start_failures += 1
-        self.counters.restart("start_failed")
-        # Kills from outside may stop: queued jobs wait for them to (their callers' deadlines
-        # bound the wait), with the back-off below keeping the retries cheap.
-        give_up = self._hard_start_failures >= _HARD_START_FAILURES and not self.alive
-        if give_up:
-            error = exc if not transient else WorkerStartError(str(exc))
-            if self._start_error is None:
-                logger.error("workers cannot start: %s", exc)
-            self._start_error = error
-            # Nothing can run until a worker starts: fail what waits instead of hanging it, and
-            # wake wait_ready() (which waits for every slot in turn: another one may still be
-            # starting a worker that will fail too).
-            self.queue.fail_all(error)
-            for ready in self._ready:
-                ready.set()
-        else:
-            reason = str(exc).splitlines()[0]
-            logger.warning("worker %d failed to start (%s); starting it again", slot, reason)
-        if transient and failures == 1:
-            await anyio.lowlevel.checkpoint()  # a kill from outside: back to full size at once
-        else:
-            base = 0.05 if transient else 0.25
-            await anyio.sleep(min(base * 2 ** (failures - 1), 2.0 if transient else 10.0))
 
     def _stderr_file(self, name: str) -> str:
         """A new, empty fd-2 file for a worker or the template in the work folder (made again
@@ -540,7 +366,7 @@ class WorkerPool:
 
     async def _start_worker(self, slot: int) -> Worker:
         stderr_path = self._stderr_file(f"worker-{slot}.stderr")
-        slot_config = {
+        slot_config: WorkerConfig = {
             "triton_cache_dir": os.path.join(self.workdir, f"triton-{slot}"),
             "scratch_dir": os.path.join(self.workdir, f"scratch-{slot}"),
             "stderr_path": stderr_path,
@@ -550,10 +376,10 @@ class WorkerPool:
         worker: Worker
         if template is not None:
             # What the hook computed, if it is over; if not, the worker reads it later (late_config).
-            pid, connection = await template.fork(slot, dict(slot_config, **self._prepared))
+            pid, connection = await template.fork(slot, {**slot_config, **self._prepared})
             worker = ForkedWorker(connection, pid, stderr_path)
             template.adopt(worker)
-            self.counters.forked += 1
+            self.executor.counters.forked += 1
         else:
             worker = await self._spawn(stderr_path)
         self.alive[worker.pid] = worker
@@ -583,8 +409,8 @@ class WorkerPool:
             self.alive.pop(worker.pid, None)
             await stop(worker)
             raise WorkerStartError(f"worker preload failed: {_failure(reply)}")
-        self.counters.started += 1
-        self.counters.preload_s.append(time.perf_counter() - t0)
+        self.executor.counters.started += 1
+        self.executor.counters.preload_s.append(time.perf_counter() - t0)
         logger.debug("worker pid %d ready in %.3f s", worker.pid, time.perf_counter() - t0)
         return worker
 
@@ -599,9 +425,9 @@ class WorkerPool:
         # Only what this pool says (not what this process's own environment may hold).
         env.pop(_bytecode.ENV, None)
         env.pop(_bytecode.HELPERS_ENV, None)
-        if self.config.get("bytecode_dir"):
+        if bytecode_dir := self.config.get("bytecode_dir"):
             # Their imports' bytecode, in the cache, where the installation has none (_bytecode).
-            env[_bytecode.ENV] = self.config["bytecode_dir"]
+            env[_bytecode.ENV] = bytecode_dir
             if "--template" in extra and self.config.get("bytecode_helpers"):
                 env[_bytecode.HELPERS_ENV] = self.config["bytecode_helpers"]
         return [sys.executable, "-c", _BOOT, *extra, *self.config.get("preload", ())], env
@@ -650,35 +476,35 @@ class WorkerPool:
         """The template to fork from, started (or started again) if need be; None where
         workers must start afresh (no template can be had)."""
         async with self._template_lock:
-            if self._template is not None and not self._template.lost.is_set():
-                return self._template
-            lost, self._template = self._template, None
+            if self.template is not None and not self.template.lost.is_set():
+                return self.template
+            lost, self.template = self.template, None
             if lost is not None:
                 # Usually dead already; one whose stream broke may still run: it goes now.
                 await stop_template(lost, at_once=True)
             if self._template_failed:
                 return None
             try:
-                self._template = await self._start_template()
+                self.template = await self._start_template()
             except TransientStartError:
                 # Killed from outside while it preloaded: the slot tries again, and so will this.
-                self._template = None
+                self.template = None
                 raise
             except WorkerStartError as exc:
                 logger.warning(
                     "cannot start a template to fork workers from (%s); starting each worker afresh", exc
                 )
                 self._template_failed = True
-                self._template = None
-            return self._template
+                self.template = None
+            return self.template
 
     async def _keep_template(self, template: Template) -> None:
         """When the template dies while the pool runs, start another in the background: a
         later wake-up (or a replacement worker) then costs a fork, not a preload."""
         await template.lost.wait()
         failures = 0
-        while not self._closed:
-            current = self._template
+        while not self.executor.closed:
+            current = self.template
             if current is not None and current is not template and not current.lost.is_set():
                 return  # a slot started one already; it has a keeper of its own
             try:
@@ -689,7 +515,6 @@ class WorkerPool:
                 await anyio.sleep(min(0.05 * 2**failures, 2.0))
 
     async def _start_template(self) -> Template:
-        assert self._tg is not None
         stderr_path = self._stderr_file("template.stderr")  # the work folder checked: ours alone
         self._templates_started += 1
         address = os.path.join(self.workdir, f"workers-{self._templates_started}.sock")
@@ -751,286 +576,11 @@ class WorkerPool:
             raise WorkerStartError(
                 f"the template has {threads} threads after its preload; forking it is unsafe"
             )
-        self._tg.start_soon(template.listen)
-        self._tg.start_soon(template.serve_connections, listener)
-        self._tg.start_soon(self._keep_template, template)
+        self.executor.start_soon(template.listen)
+        self.executor.start_soon(template.serve_connections, listener)
+        self.executor.start_soon(self._keep_template, template)
         logger.debug("template pid %d ready in %.3f s", template.pid, reply.preload_s)
         return template
-
-    def _take_next(self, worker: Worker, taker: Taker) -> None:
-        """An idle worker's next job: the first queued one, started now, or else the next one
-        submitted (``taker`` waits in the queue for it; ``put()`` starts it through
-        ``_start``)."""
-        if not self._awake:
-            return  # the epoch ends: the slot's task is cancelled where it waits
-        job = self.queue.pop()
-        if job is None:
-            self.queue.offer(taker)
-        elif not self._start(worker, job):
-            self.queue.put(job, front=True)  # the worker is gone: the slot sees its end next
-
-    def _start(self, worker: Worker, job: Job) -> bool:
-        """Send ``job`` to ``worker`` and mark it running there; False if the worker cannot
-        take it (it is gone, or the epoch ends): the job stays queued. Called from the slot
-        (``_take_next``) or, as ``taker.deliver``, in a submitter's task (``JobQueue.put``)."""
-        if not self._awake or worker.exited.is_set() or worker.job is not None:
-            return False
-        assert job.frame is not None
-        try:
-            sent = worker.send_nowait(job.frame)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            return False
-        if not sent:
-            assert self._tg is not None
-            self._tg.start_soon(self._send, worker, job.frame)
-        worker.job = job
-        job.state = "running"
-        job.worker_pid = worker.pid
-        job.started_at = time.perf_counter()
-        job.paused = 0.0  # a retried job starts its count again
-        # Nobody waits for it any more: stopping its process is the only way to stop a compiler
-        # (the slot sees the end of its stream, and the job's flag).
-        job.stopper = worker.signal_kill
-        self.busy += 1
-        self.last_activity = time.monotonic()
-        if self.max_compile_seconds is not None and worker.deadline is None:
-            # One timer per worker, not per job: it looks at the job running when it fires.
-            loop = asyncio.get_running_loop()
-            worker.deadline = loop.call_later(self.max_compile_seconds, self._check_deadline, worker)
-        return True
-
-    @staticmethod
-    async def _send(worker: Worker, frame: bytes) -> None:
-        """Send a job's frame to a worker that cannot take it without waiting (a spawned one)."""
-        try:
-            await worker.send_bytes(frame)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            pass  # the worker is gone: its slot sees its end
-
-    def _check_deadline(self, worker: Worker) -> None:
-        """The worker's timer: stop it if its job has run past ``max_compile_seconds`` (its slot
-        sees the end of its stream, and the flag), else look again when the job would."""
-        assert self.max_compile_seconds is not None
-        worker.deadline = None
-        job = worker.job
-        if job is None:
-            return  # idle: set again at its next job
-        now = time.perf_counter()
-        left = self.max_compile_seconds - self._counted(job, worker, now)
-        if left > 0 and worker.paused_at is not None:
-            # Paused: nothing counts until the pause has lasted as long as it may.
-            left += max(0.0, self._pause_limit() - job.paused - (now - worker.paused_at))
-        if left > 0:
-            worker.deadline = asyncio.get_running_loop().call_later(left, self._check_deadline, worker)
-        else:
-            worker.timed_out = True
-            worker.signal_kill()
-
-    def _counted(self, job: Job, worker: Worker, now: float) -> float:
-        """How much of the running ``job``'s time until ``now`` is its own: what its worker
-        spent waiting for something else (``_late.paused``: the pool's late configuration, a
-        hash of Triton's binaries) is not, up to how long such a wait may take (preloading, and
-        the late configuration's wait), so that a wait that hangs still ends in the limit."""
-        paused = job.paused
-        if worker.paused_at is not None:
-            paused += now - worker.paused_at
-        return now - job.started_at - min(paused, self._pause_limit())
-
-    def _pause_limit(self) -> float:
-        """The longest a job's pauses count for (``_counted``)."""
-        return self.preload_timeout + float(self.config.get("late_config_timeout", 0.0))
-
-    def _end_job(self, worker: Worker) -> Job | None:
-        """The job ``worker`` ran, now that it is over (answered, lost or put back), or None
-        if it ran none."""
-        job, worker.job = worker.job, None
-        if job is None:
-            return None
-        job.stopper = None
-        self.busy -= 1
-        job.ended_at = time.perf_counter()
-        job.seconds = max(0.0, self._counted(job, worker, job.ended_at))
-        worker.paused_at = None
-        self.last_activity = time.monotonic()
-        return job
-
-    async def _watch(self, worker: Worker, taker: Taker) -> None:
-        """Take an exited worker out of the queue at once; if its stream stays open (a process
-        it forked holds it), close it, so that its slot sees the end."""
-        await worker.wait_exit()
-        self.queue.withdraw(taker)
-        await anyio.sleep(_EXITED_GRACE)
-        await worker.close()
-
-    async def _serve(self, worker: Worker, taker: Taker) -> str:
-        """Run jobs on one worker until it must be replaced; returns why.
-
-        Jobs reach the worker without this task: a submitter starts a job on the idle worker
-        through ``taker``, and a reply, as it arrives, finishes its job and starts the next queued
-        one (``_finish``, called by the worker's connection: a job's round trip is one loop
-        iteration for the reply and one step of its caller's task). This task waits for what
-        ``_finish`` does not take: the end of the worker's stream (its death, idle or not), a
-        reply to a job nobody waits for or that ran out of time, a big reply to decode on a
-        thread. Where a worker cannot call ``_finish`` itself (a spawned one), every reply comes
-        here and this task calls it.
-        """
-        finish = functools.partial(self._finish, worker, taker)
-        worker.answer_with(finish)
-        self._take_next(worker, taker)
-        while True:
-            try:
-                reply = await worker.receive()
-            except _STREAM_ENDED:
-                reply = None
-            except BaseException:
-                # The epoch ended (quiesce) or the pool is shutting down: the running job goes
-                # back to the front of the queue; shutdown fails what is left there.
-                self.queue.withdraw(taker)
-                job = self._end_job(worker)
-                if job is not None:
-                    self._put_back(job)
-                raise
-            if reply is not None and finish(reply):
-                continue
-            job = self._end_job(worker)
-            if job is None:
-                self.queue.withdraw(taker)
-                if reply is not None:
-                    logger.error("idle worker pid %d sent %s; replacing it", worker.pid, _described(reply))
-                    return "crash"
-                code = await stop(worker)
-                logger.warning("idle worker pid %d %s; replacing it", worker.pid, describe_exit(code))
-                return "killed" if code in EXTERNAL else "crash"
-            if job.abandoned:
-                # Every waiter left while it ran: its worker was stopped (job.stopper).
-                job.finish(error=JobCancelled(job.name))
-                return "abandoned"
-            if worker.timed_out:
-                job.finish(error=_timeout_error(job, self.max_compile_seconds or 0.0, self.config))
-                self.counters.jobs_failed += 1
-                logger.warning(
-                    "%s ran past max_compile_seconds=%s; stopping its worker",
-                    job.name,
-                    self.max_compile_seconds,
-                )
-                return "timeout"
-            if reply is None:
-                return await self._lost_during(job, worker)
-            # Not the reply to this job: the worker (or the stream) is broken; the job fails, as
-            # if the worker crashed running it, and the worker is replaced.
-            problem = f"the worker sent {_described(reply)} instead of the reply to {job.name!r}"
-            logger.error("worker pid %d: %s; replacing it", worker.pid, problem)
-            job.finish(error=_protocol_error(job, problem))
-            self.counters.jobs_failed += 1
-            return "crash"
-
-    @staticmethod
-    def _pause(job: Job | None, worker: Worker, message: _protocol.Pause | _protocol.Resume) -> bool:
-        """A worker's ``Pause`` or ``Resume`` of its running job (``_counted``); False for one
-        that is not about the job it runs (a broken stream: the slot's task deals with it)."""
-        if job is None or message.id != job.id:
-            return False
-        now = time.perf_counter()
-        if isinstance(message, _protocol.Pause):
-            worker.paused_at = now
-        elif worker.paused_at is not None:
-            # The worker's own measure of its wait (this side reads its messages late when busy),
-            # never more than the job has run.
-            seconds = message.seconds if message.seconds >= 0 else 0.0  # NaN too
-            job.paused = min(job.paused + seconds, now - job.started_at)
-            worker.paused_at = None
-        return True
-
-    def _put_back(self, job: Job) -> None:
-        """A job whose worker stopped before it finished: back to the front of the queue, to run
-        again on another worker; or, if nobody waits for it any more, cancelled."""
-        if job.state != "running":
-            return
-        if job.abandoned:
-            job.finish(error=JobCancelled(job.name))
-        else:
-            self.queue.put(job, front=True)
-
-    def _finish(self, worker: Worker, taker: Taker, reply: Any) -> bool:
-        """Finish the job ``worker`` runs with its ``reply`` and start the worker's next job;
-        False (nothing done) for anything but the awaited reply to a job somebody still waits
-        for, within its time: the slot's task deals with that."""
-        job = worker.job
-        if type(reply) in _PAUSES:
-            return self._pause(job, worker, reply)
-        if (
-            job is None
-            or job.abandoned
-            or worker.timed_out
-            or not isinstance(reply, (_protocol.Done, _protocol.Error))
-            or reply.id != job.id
-        ):
-            return False
-        self._end_job(worker)
-        self.counters.record_job(job.name, job.seconds)
-        if isinstance(reply, _protocol.Done):
-            self.counters.jobs_done += 1
-            job.finish(result=reply.result)
-        else:
-            self.counters.jobs_failed += 1
-            job.finish(error=reply.error)
-        self._take_next(worker, taker)
-        return True
-
-    async def _lost_during(self, job: Job, worker: Worker) -> str:
-        """The worker died while it ran job: retry or fail the job; returns the restart cause."""
-        try:
-            return await self._retry_or_fail(job, worker)
-        except BaseException:
-            self._put_back(job)  # the epoch ended meanwhile (quiesce, shutdown)
-            raise
-
-    async def _retry_or_fail(self, job: Job, worker: Worker) -> str:
-        code = await stop(worker)
-        # An exit nobody could report in time (its template stopped) came from outside too.
-        cause = worker.stop_cause or ("killed" if code in EXTERNAL or code is None else "crash")
-        if job.abandoned:
-            job.finish(error=JobCancelled(job.name))  # its caller left meanwhile: no retry
-            return cause
-        if cause == "template":
-            # The template it was forked from died, and took it along: not this job's doing,
-            # and not counted against it.
-            self.counters.jobs_retried += 1
-            logger.warning(
-                "worker pid %d went with its template while compiling %s; retrying it", worker.pid, job.name
-            )
-            self._put_back(job)
-            return "killed"
-        if cause == "killed" and job.external_kills == 0:
-            # Not the job's fault: once more, on a fresh worker, ahead of everything else.
-            job.external_kills += 1
-            self.counters.jobs_retried += 1
-            logger.warning(
-                "worker pid %d %s while compiling %s; retrying it", worker.pid, describe_exit(code), job.name
-            )
-            self._put_back(job)
-            return cause
-        tail = await anyio.to_thread.run_sync(stderr_tail, worker.stderr_path)
-        if job.abandoned:
-            job.finish(error=JobCancelled(job.name))  # its caller left while the tail was read
-            return cause
-        job.finish(error=_crash_error(job, code, tail, cause, self.memory_limit))
-        self.counters.jobs_failed += 1
-        logger.error("worker pid %d %s while compiling %s", worker.pid, describe_exit(code), job.name)
-        return cause
-
-    async def _quiesce_when_idle(self, after: float) -> None:
-        """Quiesce after ``after`` seconds without work (``idle_timeout``): a timer on the loop
-        that sleeps until then, and looks again."""
-        while True:
-            idle_for = time.monotonic() - self.last_activity
-            if idle_for < after or not self.awake:
-                await anyio.sleep(after - idle_for if self.awake else after)
-                continue
-            if self.busy == 0 and not self.queue:
-                logger.debug("no work for %.1f s: quiescing the pool", idle_for)
-                self.quiesce()
-            self.last_activity = time.monotonic()
 
     async def _watch_starvation(self) -> None:
         """Give idle-policy workers a share of the CPU once other work starves them.
@@ -1052,7 +602,7 @@ class WorkerPool:
         while True:
             await anyio.sleep(_STARVATION_CHECK_S)
             pids = [worker.pid for worker in self.alive.values()]
-            template = self._template
+            template = self.template
             pid: int | None
             if template is not None and not template.lost.is_set():
                 pids.append(template.pid)
@@ -1100,7 +650,7 @@ class WorkerPool:
             workers = list(self.alive.values())
             # A stopped template forks nothing, ready or still starting (it would hold every
             # request for preload_timeout): it is replaced as a stopped worker is.
-            template = self._template
+            template = self.template
             pid: int | None
             if template is not None and not template.lost.is_set():
                 pid, starting = template.pid, False
@@ -1137,7 +687,7 @@ class WorkerPool:
                     worker.stopped_since = None
                 if rss is None:
                     continue
-                self.counters.worker_rss[worker.pid] = rss
+                self.executor.counters.worker_rss[worker.pid] = rss
                 if self.memory_limit is not None and rss > self.memory_limit and worker.stop_cause is None:
                     worker.stop_cause = "memory"
                     logger.warning(
@@ -1147,6 +697,271 @@ class WorkerPool:
                         self.memory_limit >> 20,
                     )
                     worker.signal_kill()
+
+
+class LocalRunner:
+    """One worker process serving a slot (implements ``Runner``).
+
+    Jobs reach the worker without the slot's task: a submitter starts a job on the idle worker
+    through the worker's ``Taker`` (``_start``), and a reply, as it arrives, finishes its job and
+    starts the next queued one (``_finish``, called by the worker's connection: a job's round
+    trip is one loop iteration for the reply and one step of its caller's task).
+    """
+
+    def __init__(self, runners: LocalRunners, worker: Worker) -> None:
+        self.runners = runners
+        self.executor = runners.executor
+        self.worker = worker
+        # A submitter starts its job on this worker, if idle, through the taker (put()).
+        self.taker = Taker(self._start)
+
+    async def serve(self) -> str:
+        """Run jobs on the worker until it must be replaced; returns why."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._watch)
+            cause = await self._serve()
+            tg.cancel_scope.cancel()
+        return cause
+
+    async def stop(self, cause: str) -> None:
+        """Stop the worker (and the compilers it started) and forget it."""
+        worker = self.worker
+        self.executor.queue.withdraw(self.taker)
+        if worker.deadline is not None:
+            worker.deadline.cancel()
+        self.runners.alive.pop(worker.pid, None)
+        self.executor.counters.worker_rss.pop(worker.pid, None)
+        code = await stop(worker)
+        logger.debug("worker pid %d stopped (%s, %s)", worker.pid, cause, describe_exit(code))
+
+    def _take_next(self) -> None:
+        """The idle worker's next job: the first queued one, started now, or else the next one
+        submitted (the taker waits in the queue for it; ``put()`` starts it through
+        ``_start``)."""
+        if not self.executor.awake:
+            return  # the epoch ends: the slot's task is cancelled where it waits
+        queue = self.executor.queue
+        job = queue.pop()
+        if job is None:
+            queue.offer(self.taker)
+        elif not self._start(job):
+            queue.put(job, front=True)  # the worker is gone: the slot sees its end next
+
+    def _start(self, job: Job) -> bool:
+        """Send ``job`` to the worker and mark it running there; False if the worker cannot
+        take it (it is gone, or the epoch ends): the job stays queued. Called from the slot
+        (``_take_next``) or, as ``taker.deliver``, in a submitter's task (``JobQueue.put``)."""
+        worker = self.worker
+        if not self.executor.awake or worker.exited.is_set() or worker.job is not None:
+            return False
+        assert job.frame is not None
+        try:
+            sent = worker.send_nowait(job.frame)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return False
+        if not sent:
+            self.executor.start_soon(self._send, worker, job.frame)
+        worker.job = job
+        # Nobody waits for it any more: stopping its process is the only way to stop a compiler
+        # (the slot sees the end of its stream, and the job's flag).
+        self.executor.job_started(job, worker.pid, worker.signal_kill)
+        limit = self.runners.max_compile_seconds
+        if limit is not None and worker.deadline is None:
+            # One timer per worker, not per job: it looks at the job running when it fires.
+            worker.deadline = asyncio.get_running_loop().call_later(limit, self._check_deadline)
+        return True
+
+    @staticmethod
+    async def _send(worker: Worker, frame: bytes) -> None:
+        """Send a job's frame to a worker that cannot take it without waiting (a spawned one)."""
+        try:
+            await worker.send_bytes(frame)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass  # the worker is gone: its slot sees its end
+
+    def _check_deadline(self) -> None:
+        """The worker's timer: stop it if its job has run past ``max_compile_seconds`` (its slot
+        sees the end of its stream, and the flag), else look again when the job would."""
+        worker = self.worker
+        limit = self.runners.max_compile_seconds
+        assert limit is not None
+        worker.deadline = None
+        job = worker.job
+        if job is None:
+            return  # idle: set again at its next job
+        now = time.perf_counter()
+        left = limit - self._counted(job, now)
+        if left > 0 and worker.paused_at is not None:
+            # Paused: nothing counts until the pause has lasted as long as it may.
+            left += max(0.0, self._pause_limit() - job.paused - (now - worker.paused_at))
+        if left > 0:
+            worker.deadline = asyncio.get_running_loop().call_later(left, self._check_deadline)
+        else:
+            worker.timed_out = True
+            worker.signal_kill()
+
+    def _counted(self, job: Job, now: float) -> float:
+        """How much of the running ``job``'s time until ``now`` is its own: what its worker
+        spent waiting for something else (``_late.paused``: the pool's late configuration, a
+        hash of Triton's binaries) is not, up to how long such a wait may take (preloading, and
+        the late configuration's wait), so that a wait that hangs still ends in the limit."""
+        paused = job.paused
+        if self.worker.paused_at is not None:
+            paused += now - self.worker.paused_at
+        return now - job.started_at - min(paused, self._pause_limit())
+
+    def _pause_limit(self) -> float:
+        """The longest a job's pauses count for (``_counted``)."""
+        return self.runners.preload_timeout + float(self.runners.config.get("late_config_timeout", 0.0))
+
+    def _end_job(self) -> Job | None:
+        """The job the worker ran, now that it is over (answered, lost or put back), or None
+        if it ran none."""
+        worker = self.worker
+        job, worker.job = worker.job, None
+        if job is None:
+            return None
+        self.executor.job_ended(job, max(0.0, self._counted(job, time.perf_counter())))
+        worker.paused_at = None
+        return job
+
+    async def _watch(self) -> None:
+        """Take an exited worker out of the queue at once; if its stream stays open (a process
+        it forked holds it), close it, so that its slot sees the end."""
+        await self.worker.wait_exit()
+        self.executor.queue.withdraw(self.taker)
+        await anyio.sleep(_EXITED_GRACE)
+        await self.worker.close()
+
+    async def _serve(self) -> str:
+        """Run jobs on the worker until it must be replaced; returns why.
+
+        This task waits for what ``_finish`` does not take: the end of the worker's stream (its
+        death, idle or not), a reply to a job nobody waits for or that ran out of time, a big
+        reply to decode on a thread. Where a worker cannot call ``_finish`` itself (a spawned
+        one), every reply comes here and this task calls it.
+        """
+        worker, executor = self.worker, self.executor
+        worker.answer_with(self._finish)
+        self._take_next()
+        while True:
+            try:
+                reply = await worker.receive()
+            except _STREAM_ENDED:
+                reply = None
+            except BaseException:
+                # The epoch ended (quiesce) or the pool is shutting down: the running job goes
+                # back to the front of the queue; shutdown fails what is left there.
+                executor.queue.withdraw(self.taker)
+                job = self._end_job()
+                if job is not None:
+                    executor.put_back(job)
+                raise
+            if reply is not None and self._finish(reply):
+                continue
+            job = self._end_job()
+            if job is None:
+                executor.queue.withdraw(self.taker)
+                if reply is not None:
+                    logger.error("idle worker pid %d sent %s; replacing it", worker.pid, _described(reply))
+                    return "crash"
+                code = await stop(worker)
+                logger.warning("idle worker pid %d %s; replacing it", worker.pid, describe_exit(code))
+                return "killed" if code in EXTERNAL else "crash"
+            if job.abandoned:
+                # Every waiter left while it ran: its worker was stopped (job.stopper).
+                job.finish(error=JobCancelled(job.name))
+                return "abandoned"
+            if worker.timed_out:
+                limit = self.runners.max_compile_seconds or 0.0
+                executor.fail(job, _timeout_error(job, limit, self.runners.config))
+                logger.warning("%s ran past max_compile_seconds=%s; stopping its worker", job.name, limit)
+                return "timeout"
+            if reply is None:
+                return await self._lost_during(job)
+            # Not the reply to this job: the worker (or the stream) is broken; the job fails, as
+            # if the worker crashed running it, and the worker is replaced.
+            problem = f"the worker sent {_described(reply)} instead of the reply to {job.name!r}"
+            logger.error("worker pid %d: %s; replacing it", worker.pid, problem)
+            executor.fail(job, _protocol_error(job, problem))
+            return "crash"
+
+    def _pause(self, job: Job | None, message: _protocol.Pause | _protocol.Resume) -> bool:
+        """A worker's ``Pause`` or ``Resume`` of its running job (``_counted``); False for one
+        that is not about the job it runs (a broken stream: the slot's task deals with it)."""
+        if job is None or message.id != job.id:
+            return False
+        worker = self.worker
+        now = time.perf_counter()
+        if isinstance(message, _protocol.Pause):
+            worker.paused_at = now
+        elif worker.paused_at is not None:
+            # The worker's own measure of its wait (this side reads its messages late when busy),
+            # never more than the job has run.
+            seconds = message.seconds if message.seconds >= 0 else 0.0  # NaN too
+            job.paused = min(job.paused + seconds, now - job.started_at)
+            worker.paused_at = None
+        return True
+
+    def _finish(self, reply: Any) -> bool:
+        """Finish the job the worker runs with its ``reply`` and start the worker's next job;
+        False (nothing done) for anything but the awaited reply to a job somebody still waits
+        for, within its time: the slot's task deals with that."""
+        job = self.worker.job
+        if type(reply) in _PAUSES:
+            return self._pause(job, reply)
+        if (
+            job is None
+            or job.abandoned
+            or self.worker.timed_out
+            or not isinstance(reply, (_protocol.Done, _protocol.Error))
+            or reply.id != job.id
+        ):
+            return False
+        self._end_job()
+        if isinstance(reply, _protocol.Done):
+            self.executor.reply(job, result=reply.result)
+        else:
+            self.executor.reply(job, error=reply.error)
+        self._take_next()
+        return True
+
+    async def _lost_during(self, job: Job) -> str:
+        """The worker died while it ran job: retry or fail the job; returns the restart cause."""
+        try:
+            return await self._retry_or_fail(job)
+        except BaseException:
+            self.executor.put_back(job)  # the epoch ended meanwhile (quiesce, shutdown)
+            raise
+
+    async def _retry_or_fail(self, job: Job) -> str:
+        worker, executor = self.worker, self.executor
+        code = await stop(worker)
+        # An exit nobody could report in time (its template stopped) came from outside too.
+        cause = worker.stop_cause or ("killed" if code in EXTERNAL or code is None else "crash")
+        if job.abandoned:
+            job.finish(error=JobCancelled(job.name))  # its caller left meanwhile: no retry
+            return cause
+        if cause == "template":
+            # The template it was forked from died, and took it along: not this job's doing,
+            # and not counted against it.
+            logger.warning(
+                "worker pid %d went with its template while compiling %s; retrying it", worker.pid, job.name
+            )
+            executor.retry(job, spend=False)
+            return "killed"
+        if cause == "killed" and executor.retry(job):
+            # Not the job's fault: once more, on a fresh worker, ahead of everything else.
+            logger.warning(
+                "worker pid %d %s while compiling %s; retrying it", worker.pid, describe_exit(code), job.name
+            )
+            return cause
+        tail = await anyio.to_thread.run_sync(stderr_tail, worker.stderr_path)
+        # Cancelled instead if its caller left while the tail was read.
+        executor.fail(job, _crash_error(job, code, tail, cause, self.runners.memory_limit))
+        if not job.abandoned:
+            logger.error("worker pid %d %s while compiling %s", worker.pid, describe_exit(code), job.name)
+        return cause
 
 
 def start_error(code: int | None, tail: str) -> type[WorkerStartError]:
@@ -1187,7 +1002,7 @@ def _protocol_error(job: Job, problem: str) -> CompileError:
     return WorkerCrashedError(problem, exit_code=None, kernel=job.name, backend=backend, stderr_tail="")
 
 
-def _starved(config: dict[str, Any]) -> str:
+def _starved(config: WorkerConfig) -> str:
     """What a timeout's message adds when the workers run under SCHED_IDLE: the likely cause on a
     busy machine, and the way out."""
     if config.get("nice") != "idle":
@@ -1198,7 +1013,7 @@ def _starved(config: dict[str, Any]) -> str:
     )
 
 
-def _timeout_error(job: Job, limit: float, config: dict[str, Any]) -> CompileTimeoutError:
+def _timeout_error(job: Job, limit: float, config: WorkerConfig) -> CompileTimeoutError:
     return CompileTimeoutError(
         f"compiling {job.name!r} took longer than max_compile_seconds={limit:g}; its worker was "
         f"stopped{_starved(config)}",

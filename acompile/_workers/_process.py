@@ -15,8 +15,6 @@ from __future__ import annotations
 import os
 import signal
 import stat
-import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -30,7 +28,6 @@ if TYPE_CHECKING:
     import asyncio
 
     from acompile._workers._queue import Job
-    from acompile._workers._template import WorkerConnection
 
 
 # Signals that say "killed from outside" (an operator, an OOM killer, a chaos test) rather than
@@ -147,10 +144,25 @@ class SpawnedWorker(_WorkerBase):
             await self.process.aclose()
 
 
+class Connection(Protocol):
+    """A forked worker's connection, as its handle uses it: the template's ``WorkerConnection``
+    (``_template`` builds on this module, so the handle names what it needs here)."""
+
+    async def send(self, item: bytes) -> None: ...
+
+    def send_nowait(self, item: bytes) -> None: ...
+
+    async def receive(self) -> Any: ...
+
+    def answer_with(self, handler: Callable[[Any], bool]) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
 class ForkedWorker(_WorkerBase):
     """A worker forked by the template; it talks over a Unix socket it connected to us."""
 
-    def __init__(self, connection: WorkerConnection, pid: int, stderr_path: str) -> None:
+    def __init__(self, connection: Connection, pid: int, stderr_path: str) -> None:
         super().__init__()
         self.stream = connection
         self.pid = pid
@@ -284,24 +296,6 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with status {code}"
-
-
-def lower_this_thread() -> None:
-    """Put the calling thread (and the processes it starts, which inherit its nice value) at
-    nice 19, below the caller's event loop: for background work in the caller's process that
-    nothing waits for (building the launcher: kernels launch through Triton's meanwhile),
-    which would otherwise take CPU slices of several milliseconds from the loop on a small
-    machine. Not for work a request waits on: on a machine busy at normal priority, nice 19
-    gets a few percent of a CPU (Triton's key, 0.4 s of hashing, took over 30 s so). Linux
-    only (elsewhere a pid is a whole process); a thread of a shared pool must not call this."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        tid = threading.get_native_id()
-        if os.getpriority(os.PRIO_PROCESS, tid) < 19:
-            os.setpriority(os.PRIO_PROCESS, tid, 19)
-    except OSError:
-        pass
 
 
 def cpu_waits(pids: list[int]) -> tuple[list[tuple[int, int]], int]:

@@ -100,6 +100,8 @@ from acompile._errors import AcompileError, CompileError, bounded
 if TYPE_CHECKING:
     import socket
 
+    from acompile._workers._config import WorkerConfig
+
 HEADER = struct.Struct(">Q")
 HEADER_SIZE = HEADER.size
 # Larger than any artifact we expect (a 100 MB result must pass), small enough to catch a
@@ -211,7 +213,7 @@ class Fork:
 
     tag: ClassVar[Tag] = Tag.FORK
     slot: int
-    config: dict[str, Any]
+    config: WorkerConfig
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ import anyio.lowlevel
 
 from acompile._errors import WorkerStartError
 from acompile._workers import _protocol
+from acompile._workers._config import WorkerConfig
 from acompile._workers._process import (
     EXTERNAL,
     ForkedWorker,
@@ -36,6 +37,7 @@ from acompile._workers._process import (
     kill_group,
     stderr_tail,
 )
+from acompile._workers._slots import TransientStartError
 
 logger = logging.getLogger("acompile")
 # How long a connector has to say hello.
@@ -384,7 +386,7 @@ class Template:
         waiting[1].append(stream)
         waiting[0].set()
 
-    async def fork(self, slot: int, config: dict[str, Any]) -> tuple[int, WorkerConnection]:
+    async def fork(self, slot: int, config: WorkerConfig) -> tuple[int, WorkerConnection]:
         """Fork a worker for slot and wait until it has connected back.
 
         Raises ``TransientStartError`` when the template is gone or the worker is killed before
@@ -405,7 +407,7 @@ class Template:
         returned = False
         pid: int | None = None
         try:
-            config = dict(config, address=self.address, token=self.token)
+            config = {**config, "address": self.address, "token": self.token}
             try:
                 await self.stdin.send(_protocol.encode(_protocol.Fork(slot, config)))
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
@@ -460,12 +462,6 @@ async def _first_of(*events: anyio.Event) -> None:
 
         for event in events:
             tg.start_soon(wait, event)
-
-
-class TransientStartError(WorkerStartError):
-    """Internal: a start that failed for a reason that may not happen again (the process was
-    killed from outside, the template it forked from died). The slot tries again at once, with
-    back-off; queued jobs wait instead of failing."""
 
 
 async def stop_template(template: Template, *, at_once: bool = False) -> None:

@@ -1,0 +1,102 @@
+"""Work done once for all the tasks of an event loop that ask for it at the same moment.
+
+A warm start, or a ``gather()`` of many specs, asks for the same kernel's Triton key (a parse of
+its source and of everything it calls) or the same source string's run many times at once: one
+task does the work and the others wait for it and read what it remembered. What they wait on
+belongs to one event loop, and pools on loops in several threads of a process run at the same
+time, so each loop has its own table (``this_loops``); the parse thread is one for the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import anyio
+
+from acompile import _pacing
+
+_T = TypeVar("_T")
+_loops_lock = threading.Lock()
+
+
+def this_loops(table: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _T], make: Callable[[], _T]) -> _T:
+    """The running event loop's own value in table, made the first time. What tasks wait on
+    (events, limiters) belongs to one loop, and pools on loops in several threads of a process
+    run at the same time."""
+    loop = asyncio.get_running_loop()
+    with _loops_lock:
+        value = table.get(loop)
+        if value is None:
+            value = table[loop] = make()
+    return value
+
+
+# The parses each loop's tasks wait for, by key (the parse thread is one for all loops).
+_in_progress: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Any, anyio.Event]] = (
+    weakref.WeakKeyDictionary()
+)
+_parser: tuple[int, ThreadPoolExecutor] | None = None
+_parser_lock = threading.Lock()
+
+
+def parse_thread() -> ThreadPoolExecutor:
+    """The one thread that parses kernels (this process's: a forked child makes its own).
+
+    Parsing is pure Python: in several threads at once, it would queue the event loop's thread
+    behind them for the GIL. One thread with a queue takes each function straight after the
+    last; a warm start asks for every function's key at once, and a round trip through the
+    loop between two of them costs more than the parsing itself.
+    """
+    global _parser
+    with _parser_lock:  # pools on loops in several threads: still one
+        if _parser is None or _parser[0] != os.getpid():
+            _parser = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="acompile-parse"))
+        return _parser[1]
+
+
+async def once(key: Any, done: Callable[[], Any], work: Callable[..., Any], *args: Any) -> Any:
+    """Run work(*args) on the parsing thread, once for all the tasks that ask for key at the
+    same time on this event loop; the others wait and then read the result with done()."""
+    loop = asyncio.get_running_loop()
+    waits = this_loops(_in_progress, dict)
+    while (pending := waits.get(key)) is not None:
+        await pending.wait()
+        result = done()
+        if result is not None:
+            return result
+    event = waits[key] = anyio.Event()
+    try:
+        with _pacing.quick_switches():
+            return await loop.run_in_executor(parse_thread(), work, *args)
+    finally:
+        del waits[key]
+        event.set()
+
+
+# The source strings each loop's tasks wait for, by key (see ``_triton_text``).
+_in_flight: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Any, anyio.Event]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+async def once_async(key: Any, done: Callable[[], Any], work: Callable[..., Any], *args: Any) -> Any:
+    """await work(*args) once for all the tasks that ask for key at the same time; the others
+    wait and read the result with done(). If the one doing it is cancelled, another takes over."""
+    waits = this_loops(_in_flight, dict)
+    while (pending := waits.get(key)) is not None:
+        await pending.wait()
+        result = done()
+        if result is not None:
+            return result
+    event = waits[key] = anyio.Event()
+    try:
+        return await work(*args)
+    finally:
+        del waits[key]
+        event.set()

@@ -1,0 +1,286 @@
+"""A Triton compile request as the user writes it (``TritonSpec``), and its checks.
+
+Every check here runs in the pool's process before any key is computed, and says what to change
+(``InvalidSpecError``): the signature against the kernel's parameters, the attributes, the
+options against the target's, and the constexpr values a key can hold. ``TritonRequest`` is what
+a spec becomes once checked and keyed (``_triton.prepare``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from acompile._errors import InvalidSpecError, bounded
+from acompile._targets import Target, parse_target
+
+
+@dataclass(frozen=True)
+class TritonSpec:
+    """One Triton compile request, as ``CompilePool.triton()`` takes it (see there).
+
+    Specs are plain values: build a list of them and hand it to ``CompilePool.gather()``.
+    """
+
+    backend: ClassVar[str] = "triton"
+
+    fn: Any
+    signature: Mapping[str, str]
+    constexprs: Mapping[str, Any] | None = None
+    kernel_name: str | None = None
+    num_warps: int = 4
+    num_stages: int = 3
+    target: str | Target | None = None
+    attrs: Mapping[Any, Any] | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TritonRequest:
+    """A checked, keyed ``TritonSpec`` (see ``_contract.Request``): the kernel (a JIT function,
+    or a ``SourceKernel`` standing in for a source string's), Triton's full signature and
+    constexprs, the attributes by parameter path, what a worker gets, and what the key holds."""
+
+    key: str
+    name: str
+    target: Target
+    fn: Any
+    signature: dict[str, str]
+    constants: dict[str, Any]
+    attrs: dict[tuple[int, ...], list[list[Any]]]
+    payload: dict[str, Any]
+    key_parts: dict[str, Any]
+
+
+def resolve_target(value: Any, default: Target | None) -> Target:
+    """The spec's own target, else the pool's; ``InvalidSpecError`` when neither names one."""
+    if value is not None:
+        return parse_target(value)
+    if default is None:
+        raise InvalidSpecError("no target: pass target='cuda:90' (or set one on the CompilePool)")
+    return default
+
+
+# The Triton types already parsed once: a type string is checked by Triton's own parser, ~10 us.
+_valid_types: set[str] = set()
+
+
+def full_signature(
+    fn: Any, signature: Mapping[str, str], constexprs: Mapping[str, Any]
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """Triton's full signature (every parameter in order, constexprs as "constexpr") and the
+    constexpr values, defaults filled in."""
+    if not isinstance(signature, Mapping):
+        raise InvalidSpecError(
+            f"signature must map parameter names to Triton types, got {type(signature).__name__}"
+        )
+    if not isinstance(constexprs, Mapping):
+        raise InvalidSpecError(f"constexprs must map names to values, got {type(constexprs).__name__}")
+    from triton.language import str_to_ty
+
+    params = {p.name: p for p in fn.params}
+    for name in [*signature, *constexprs]:
+        if not isinstance(name, str):
+            raise InvalidSpecError(
+                f"signature and constexprs are keyed by parameter names (strings), got {show(name)}"
+            )
+        if name not in params:
+            raise InvalidSpecError(
+                f"{fn.__name__} has no parameter {name!r}; its parameters are {list(params)}"
+            )
+    both = set(signature) & {k for k, v in signature.items() if v != "constexpr"} & set(constexprs)
+    if both:
+        raise InvalidSpecError(
+            f"{sorted(both)} appear in both signature and constexprs: a parameter is either "
+            "a runtime argument (signature) or a compile-time value (constexprs)"
+        )
+    full: dict[str, str] = {}
+    constants: dict[str, Any] = {}
+    for name, param in params.items():
+        if name in constexprs:
+            full[name] = "constexpr"
+            constants[name] = constexprs[name]
+        elif name in signature and signature[name] != "constexpr":
+            ty = signature[name]
+            if not isinstance(ty, str) or "\0" in ty:
+                raise InvalidSpecError(f"type of {name!r} must be a string such as '*fp32', got {show(ty)}")
+            try:
+                if ty not in _valid_types:
+                    str_to_ty(ty, None)
+                    _valid_types.add(ty)
+            except (KeyError, IndexError, ValueError, TypeError):
+                raise InvalidSpecError(
+                    f"unknown Triton type {show(ty)} for {name!r}: use e.g. '*fp32' or '*fp16' "
+                    "(pointers), 'i32', 'i64', 'u32', 'fp32', 'bf16', 'i1'"
+                ) from None
+            full[name] = ty
+        elif param.is_constexpr and param.has_default:
+            full[name] = "constexpr"
+            constants[name] = param.default
+        elif param.is_constexpr:
+            raise InvalidSpecError(
+                f"missing constexpr {name!r} of {fn.__name__}: pass constexprs={{{name!r}: ...}}"
+            )
+        else:
+            raise InvalidSpecError(
+                f"missing type for parameter {name!r} of {fn.__name__}: add it to signature, "
+                f"e.g. signature={{..., {name!r}: {_example_type(name)!r}}}"
+            )
+    return full, constants
+
+
+def normalize_attrs(
+    fn: Any, attrs: Mapping[Any, Any] | None, signature: Mapping[str, str]
+) -> dict[tuple[int, ...], list[list[Any]]]:
+    """Triton keys attributes by parameter path ((0,) for the first); accept names too. Triton
+    silently ignores attributes keyed by name, so they are translated here. Each value is a list
+    of [name, value] pairs, such as ``[["tt.divisibility", 16]]``."""
+    if attrs is None:
+        return {}
+    if not isinstance(attrs, Mapping):
+        raise InvalidSpecError(f"attrs must map parameter names or indices to attributes, got {show(attrs)}")
+    names = list(fn.arg_names)
+    result: dict[tuple[int, ...], list[list[Any]]] = {}
+    for k, v in attrs.items():
+        if isinstance(k, str):
+            if k not in names:
+                raise InvalidSpecError(
+                    f"attrs names {show(k)}, which is not a parameter of {fn.__name__}; "
+                    f"its parameters are {names}"
+                )
+            path: tuple[int, ...] = (names.index(k),)
+        elif isinstance(k, int) and not isinstance(k, bool):
+            path = (k,)
+        elif isinstance(k, tuple) and k and all(isinstance(i, int) and not isinstance(i, bool) for i in k):
+            path = k
+        else:
+            raise InvalidSpecError(f"attrs keys are parameter names or index tuples, got {show(k)}")
+        if not 0 <= path[0] < len(names) or any(i < 0 for i in path):
+            raise InvalidSpecError(
+                f"attrs index {show(k)} is out of range: {fn.__name__} has {len(names)} parameters "
+                f"(0 to {len(names) - 1})"
+            )
+        if signature.get(names[path[0]]) == "constexpr":
+            raise InvalidSpecError(
+                f"attrs[{show(k)}]: {names[path[0]]!r} is a constexpr; attributes apply to runtime parameters"
+            )
+        result[path] = _attr_pairs(k, v)
+    return result
+
+
+def _attr_pairs(k: Any, v: Any) -> list[list[Any]]:
+    wrong = InvalidSpecError(
+        f"attrs[{show(k)}] must be a list of [name, value] pairs such as "
+        f"[['tt.divisibility', 16]], got {show(v)}"
+    )
+    if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
+        raise wrong
+    pairs = []
+    for pair in v:
+        if (
+            isinstance(pair, (str, bytes))
+            or not isinstance(pair, (list, tuple))
+            or len(pair) != 2
+            or not isinstance(pair[0], str)
+            or "\0" in pair[0]
+        ):
+            raise wrong
+        value = pair[1]
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise InvalidSpecError(
+                f"attrs[{show(k)}]: the value of {pair[0]!r} must be an int or a string, got {show(value)}"
+            )
+        pairs.append([pair[0], value])
+    return pairs
+
+
+# The options each of Triton's compiler backends takes, by backend name ("cuda", "hip").
+_option_names_memo: dict[str, frozenset[str]] = {}
+
+
+def option_names(backend: str) -> frozenset[str]:
+    """The options Triton's compiler for ``backend`` takes. The first call for a backend imports
+    Triton's compiler for it: make it from a thread (see ``knows_options``)."""
+    names = _option_names_memo.get(backend)
+    if names is None:
+        if backend == "cuda":
+            from triton.backends.nvidia.compiler import CUDAOptions as options_cls
+        else:
+            from triton.backends.amd.compiler import HIPOptions as options_cls
+        names = _option_names_memo[backend] = frozenset(options_cls.__dataclass_fields__)
+    return names
+
+
+def knows_options(backend: str) -> bool:
+    """Whether ``option_names(backend)`` is remembered already (a dict read, no import)."""
+    return backend in _option_names_memo
+
+
+def check_options(target: Target, spec: TritonSpec) -> dict[str, Any]:
+    """The spec's options with num_warps and num_stages, sorted, each checked: known to the
+    target's compiler, of the right type and range, and a plain (JSON) value for the key."""
+    if not isinstance(spec.options, Mapping) or not all(isinstance(k, str) for k in spec.options):
+        raise InvalidSpecError(f"options must map option names to values, got {show(spec.options)}")
+    options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages, **spec.options}
+    known = option_names(target.backend)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise InvalidSpecError(
+            f"unknown Triton option(s) {show(unknown)} for {target}; known: {sorted(known)}"
+        )
+    warps = options["num_warps"]
+    # bool is an int to Python, and True would be a cache key of its own for num_warps=1.
+    if not isinstance(warps, int) or isinstance(warps, bool) or warps not in (1, 2, 4, 8, 16, 32):
+        raise InvalidSpecError(
+            f"num_warps must be a power of two from 1 to 32 (1, 2, 4, 8, 16, 32), got {show(warps)}"
+        )
+    stages = options["num_stages"]
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+        raise InvalidSpecError(f"num_stages must be a positive integer, got {show(stages)}")
+    for name, value in options.items():
+        try:
+            text = json.dumps(value)
+        except (TypeError, ValueError):
+            raise InvalidSpecError(f"option {name}={show(value)} is not a plain value") from None
+        if "\\u0000" in text:
+            raise InvalidSpecError(f"option {name} contains a NUL character (\\0)")
+    return dict(sorted(options.items()))
+
+
+def show(value: Any) -> str:
+    """A value's repr for a message, short however large the value is."""
+    return bounded(repr(value), 200)
+
+
+def canonical(name: str, value: Any) -> Any:
+    """A JSON form of a constexpr value that tells 1, 1.0 and True apart."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return ["bool", value]
+    if isinstance(value, int):
+        return ["int", value]
+    if isinstance(value, float):
+        return ["float", repr(value)]
+    if isinstance(value, (tuple, list)):
+        return ["tuple", [canonical(name, v) for v in value]]
+    inner = getattr(value, "value", None)
+    if type(value).__name__ == "constexpr":
+        return canonical(name, inner)
+    cache_key = getattr(value, "cache_key", None)
+    if isinstance(cache_key, str):
+        return ["obj", type(value).__name__, cache_key]
+    if type(value).__module__.startswith("triton.language"):
+        return ["triton", type(value).__name__, str(value)]
+    raise InvalidSpecError(
+        f"constexpr {name}={value!r} ({type(value).__name__}) cannot be part of a cache key: "
+        "use ints, floats, bools, strings, tuples of those, or Triton dtypes"
+    )
+
+
+def _example_type(name: str) -> str:
+    """A type to show for a parameter left out of a signature: a pointer for a name that reads
+    as one (``x_ptr``), else an integer."""
+    return "*fp32" if name.lower().endswith("ptr") else "i32"
