@@ -64,19 +64,12 @@ async def once(key: Any, done: Callable[[], Any], work: Callable[..., Any], *arg
     """Run work(*args) on the parsing thread, once for all the tasks that ask for key at the
     same time on this event loop; the others wait and then read the result with done()."""
     loop = asyncio.get_running_loop()
-    waits = this_loops(_in_progress, dict)
-    while (pending := waits.get(key)) is not None:
-        await pending.wait()
-        result = done()
-        if result is not None:
-            return result
-    event = waits[key] = anyio.Event()
-    try:
+
+    async def on_the_parse_thread() -> Any:
         with _pacing.quick_switches():
             return await loop.run_in_executor(parse_thread(), work, *args)
-    finally:
-        del waits[key]
-        event.set()
+
+    return await _once(this_loops(_in_progress, dict), key, done, on_the_parse_thread)
 
 
 # The source strings each loop's tasks wait for, by key (see ``_triton_text``).
@@ -88,7 +81,14 @@ _in_flight: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Any, anyio
 async def once_async(key: Any, done: Callable[[], Any], work: Callable[..., Any], *args: Any) -> Any:
     """await work(*args) once for all the tasks that ask for key at the same time; the others
     wait and read the result with done(). If the one doing it is cancelled, another takes over."""
-    waits = this_loops(_in_flight, dict)
+    return await _once(this_loops(_in_flight, dict), key, done, work, *args)
+
+
+async def _once(
+    waits: dict[Any, anyio.Event], key: Any, done: Callable[[], Any], work: Callable[..., Any], *args: Any
+) -> Any:
+    """await work(*args) unless a task already does it for ``key`` (in ``waits``): then wait for
+    it and read its result with done(); if it ended without one (cancelled), do it here."""
     while (pending := waits.get(key)) is not None:
         await pending.wait()
         result = done()

@@ -26,7 +26,6 @@ Frames from the connection process are read with the protocol's restricted unpic
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import os
@@ -51,6 +50,7 @@ from acompile._workers import (
     JobCancelled,
     MessageReceiver,
     Undecodable,
+    combined_stats,
     run_job,
 )
 from acompile._workers import JobDone as Done
@@ -422,7 +422,7 @@ class RemoteExecutor:
         resident memory is not measured on remote nodes), with those of the local workers
         started here after the farm was lost."""
         if self._own_local and self._local is not None:
-            return _sum(self._stats, self._local.stats())
+            return combined_stats(self._local.stats(), self._stats)
         return self._stats
 
     def farm_stats(self) -> FarmStats:
@@ -574,35 +574,3 @@ def _without_workers(stats: ExecutorStats) -> ExecutorStats:
     workers = dict(stats["workers"])
     workers.update(alive=0, busy=0, awake=False)
     return {**stats, "workers": workers}  # type: ignore[typeddict-item]
-
-
-def _sum(a: ExecutorStats, b: ExecutorStats) -> ExecutorStats:
-    """Two executors' figures added up (a lost farm's and the local workers that replaced it)."""
-    wa, wb = a["workers"], b["workers"]
-    restarts = dict(wa["restarts"])
-    for cause, count in wb["restarts"].items():
-        restarts[cause] = restarts.get(cause, 0) + count
-    ja, jb = a["jobs"], b["jobs"]
-    return {
-        "workers": {
-            "size": wa["size"] + wb["size"],
-            "alive": wa["alive"] + wb["alive"],
-            "busy": wa["busy"] + wb["busy"],
-            "awake": wa["awake"] or wb["awake"],
-            "started": wa["started"] + wb["started"],
-            "forked": wa["forked"] + wb["forked"],
-            "restarts": restarts,
-            "rss_mib": wb["rss_mib"],
-            "mean_rss_mib": wb["mean_rss_mib"],
-        },
-        "jobs": {
-            "queued": ja["queued"] + jb["queued"],
-            "running": ja["running"] + jb["running"],
-            "done": ja["done"] + jb["done"],
-            "failed": ja["failed"] + jb["failed"],
-            "cancelled": ja["cancelled"] + jb["cancelled"],
-            "retried": ja["retried"] + jb["retried"],
-        },
-        "job_seconds": a["job_seconds"] + b["job_seconds"],
-        "slowest": heapq.nlargest(10, a["slowest"] + b["slowest"]),
-    }

@@ -9,13 +9,12 @@ is promoted where it is queued (on the farm): moving it would lose its place.
 
 from __future__ import annotations
 
-import heapq
 import weakref
 from typing import Any
 
 import anyio
 
-from acompile._workers import URGENT, Executor, ExecutorStats, Job, run_job
+from acompile._workers import URGENT, Executor, ExecutorStats, Job, combined_stats, run_job
 
 
 class SplitExecutor:
@@ -66,35 +65,7 @@ class SplitExecutor:
 
     def stats(self) -> ExecutorStats:
         """Both executors' figures added up (workers, jobs, restarts by cause, durations)."""
-        a, b = self.local.stats(), self.farm.stats()
-        wa, wb = a["workers"], b["workers"]
-        restarts = dict(wa["restarts"])
-        for cause, count in wb["restarts"].items():
-            restarts[cause] = restarts.get(cause, 0) + count
-        jobs = a["jobs"]
-        return {
-            "workers": {
-                "size": wa["size"] + wb["size"],
-                "alive": wa["alive"] + wb["alive"],
-                "busy": wa["busy"] + wb["busy"],
-                "awake": wa["awake"] or wb["awake"],
-                "started": wa["started"] + wb["started"],
-                "forked": wa["forked"] + wb["forked"],
-                "restarts": restarts,
-                "rss_mib": wa["rss_mib"],
-                "mean_rss_mib": wa["mean_rss_mib"],
-            },
-            "jobs": {
-                "queued": jobs["queued"] + b["jobs"]["queued"],
-                "running": jobs["running"] + b["jobs"]["running"],
-                "done": jobs["done"] + b["jobs"]["done"],
-                "failed": jobs["failed"] + b["jobs"]["failed"],
-                "cancelled": jobs["cancelled"] + b["jobs"]["cancelled"],
-                "retried": jobs["retried"] + b["jobs"]["retried"],
-            },
-            "job_seconds": a["job_seconds"] + b["job_seconds"],
-            "slowest": heapq.nlargest(10, a["slowest"] + b["slowest"]),
-        }
+        return combined_stats(self.local.stats(), self.farm.stats())
 
     async def serve(self) -> None:
         """Serve both until cancelled; each stops its own on the way out."""

@@ -61,6 +61,7 @@ _NAMES: dict[str, str | tuple[str, str]] = {
     "Undecodable": "_protocol",
     "encode_frame": ("_protocol", "encode"),
     "read_message": "_protocol",
+    "combined_stats": "_executor",
 }
 if _typing.TYPE_CHECKING:
     from acompile._workers._bytecode import FOLDER as BYTECODE_FOLDER
@@ -70,6 +71,7 @@ if _typing.TYPE_CHECKING:
     from acompile._workers._config import WorkerConfig as WorkerConfig
     from acompile._workers._executor import Executor as Executor
     from acompile._workers._executor import ExecutorStats as ExecutorStats
+    from acompile._workers._executor import combined_stats as combined_stats
     from acompile._workers._executor import idle_stats as idle_stats
     from acompile._workers._executor import run_job as run_job
     from acompile._workers._late import paused as outside_job_time
@@ -126,6 +128,7 @@ __all__ = (
     "WorkerConfig",
     "WorkerPool",
     "bytecode_plan",
+    "combined_stats",
     "encode_frame",
     "idle_stats",
     "late_config",

@@ -23,6 +23,7 @@ The rules an executor keeps:
 
 from __future__ import annotations
 
+import heapq
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 from acompile._workers._queue import BACKGROUND, URGENT, Job
@@ -105,4 +106,38 @@ def idle_stats(size: int) -> ExecutorStats:
         "jobs": {"queued": 0, "running": 0, "done": 0, "failed": 0, "cancelled": 0, "retried": 0},
         "job_seconds": [],
         "slowest": [],
+    }
+
+
+def combined_stats(local: ExecutorStats, remote: ExecutorStats) -> ExecutorStats:
+    """Two executors' figures added up, as one pool's: this machine's workers and a farm's
+    (workers, jobs, restarts by cause, durations). Resident memory is the local workers' alone:
+    nobody measures a remote node's here."""
+    wa, wb = local["workers"], remote["workers"]
+    restarts = dict(wa["restarts"])
+    for cause, count in wb["restarts"].items():
+        restarts[cause] = restarts.get(cause, 0) + count
+    ja, jb = local["jobs"], remote["jobs"]
+    return {
+        "workers": {
+            "size": wa["size"] + wb["size"],
+            "alive": wa["alive"] + wb["alive"],
+            "busy": wa["busy"] + wb["busy"],
+            "awake": wa["awake"] or wb["awake"],
+            "started": wa["started"] + wb["started"],
+            "forked": wa["forked"] + wb["forked"],
+            "restarts": restarts,
+            "rss_mib": wa["rss_mib"],
+            "mean_rss_mib": wa["mean_rss_mib"],
+        },
+        "jobs": {
+            "queued": ja["queued"] + jb["queued"],
+            "running": ja["running"] + jb["running"],
+            "done": ja["done"] + jb["done"],
+            "failed": ja["failed"] + jb["failed"],
+            "cancelled": ja["cancelled"] + jb["cancelled"],
+            "retried": ja["retried"] + jb["retried"],
+        },
+        "job_seconds": local["job_seconds"] + remote["job_seconds"],
+        "slowest": heapq.nlargest(10, local["slowest"] + remote["slowest"]),
     }
