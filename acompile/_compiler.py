@@ -251,6 +251,13 @@ class CompilePool:
         # when it builds its pool, not at entry or at its first request.
         if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
             raise ValueError(f"workers must be a positive integer or None, got {workers!r}")
+        if workers is not None and workers > (most := max(256, 16 * usable_cpus())):
+            # Each worker is a process with its own memory: a count like this is a slip (a
+            # value meant for something else), and entering would try to make them all.
+            raise ValueError(
+                f"workers={workers} is more than this machine can run ({usable_cpus()} usable CPUs; "
+                f"at most {most} workers)"
+            )
         for name, flag in (
             ("prestart", prestart),
             ("fork_workers", fork_workers),
@@ -834,7 +841,22 @@ class CompilePool:
         assert self._tg is not None
         if recorder.recorded(request.key):
             return
-        self._tg.start_soon(anyio.to_thread.run_sync, recorder.add, request, spec)
+        self._tg.start_soon(self._write_record, recorder, request, spec)
+
+    async def _write_record(self, recorder: Recorder, request: Request, spec: Spec) -> None:
+        """One entry of the record, off the loop. A record that cannot be written (a folder
+        that cannot be made, a full or read-only disk) costs the record, never the pool: one
+        warning, and this pool records nothing more."""
+        try:
+            await anyio.to_thread.run_sync(recorder.add, request, spec)
+        except OSError as exc:
+            if self._recorder is recorder:
+                self._recorder = None
+                logger.warning(
+                    "cannot write the warm-up record %s (%s); this pool records nothing more",
+                    recorder.path,
+                    exc,
+                )
 
     async def _fly(self, flight: _Flight, backend: ParentBackend[Any, Any, Any], request: Request) -> None:
         try:
@@ -1173,8 +1195,10 @@ def _path_argument(name: str, value: str | os.PathLike[str] | None) -> Path | No
     empty string would be the current folder, which nobody means)."""
     if value is None:
         return None
-    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+    if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name} must be a path (a str or os.PathLike), got {value!r}")
+    if not os.fspath(value).strip():
+        raise ValueError(f"{name} is empty; give a folder's path (or leave it out for the default)")
     return Path(value)
 
 

@@ -165,10 +165,11 @@ CONSTRUCTOR_CASES: list[tuple[dict[str, Any], str]] = [
     ({"workers": 0}, r"workers must be a positive integer or None, got 0"),
     ({"workers": True}, r"workers must be a positive integer"),
     ({"workers": 2.0}, r"workers must be a positive integer"),
+    ({"workers": 10**9}, r"workers=1000000000 is more than this machine can run"),
     ({"target": 90}, r"target must be a string such as 'cuda:90', got int"),
     ({"target": "cuda:nine"}, r"unknown CUDA architecture in 'cuda:nine'; known: cuda:75"),
     ({"cache_dir": 5}, r"cache_dir must be a path"),
-    ({"cache_dir": ""}, r"cache_dir must be a path"),
+    ({"cache_dir": ""}, r"cache_dir is empty"),
     ({"memory_cache_size": -1}, r"memory_cache_size must be an integer >= 0, got -1"),
     ({"memory_cache_size": "big"}, r"memory_cache_size must be an integer >= 0, got 'big'"),
     ({"memory_cache_size": True}, r"memory_cache_size must be an integer >= 0"),
@@ -213,3 +214,26 @@ def test_every_argument_of_the_pool_is_tried_with_a_wrong_value() -> None:
 
     tried = {name for arguments, _ in CONSTRUCTOR_CASES for name in arguments}
     assert set(inspect.signature(acompile.CompilePool).parameters) == tried
+
+
+@pytest.mark.parametrize(
+    ("arguments", "says"),
+    [
+        (
+            {"address": None},
+            r"address must be a Ray address such as 'host:6379', 'auto' or 'local', got None",
+        ),
+        ({"address": 6379}, r"address must be a Ray address"),
+        ({"address": " "}, r"address must be a Ray address"),
+        ({"resources": "compile"}, r"resources must map resource names to amounts"),
+        ({"resources": {"compile": "1"}}, r"resources must map resource names to amounts"),
+        ({"local_fallback": "yes"}, r"local_fallback must be True or False, got 'yes'"),
+        ({"workers": 0}, r"workers must be a positive integer or None, got 0"),
+        ({"num_cpus": -1}, r"num_cpus must be a number of CPUs"),
+        ({"connect_timeout": 0}, r"connect_timeout must be within \(0, 30\] seconds"),
+    ],
+)
+def test_a_farm_s_argument_errors_are_raised_by_its_constructor(arguments: dict[str, Any], says: str) -> None:
+    # RayFarm imports no Ray: these need none installed.
+    with pytest.raises((ValueError, TypeError), match=says):
+        acompile.RayFarm(**{"address": "auto", **arguments})

@@ -15,6 +15,9 @@ import ctypes
 import os
 import stat
 import struct
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +26,7 @@ from pathlib import Path
 import anyio
 import psutil
 import pytest
-from conftest import TARGET
+from conftest import TARGET, subprocess_env
 from kernels_for_tests import ADD_SIG, add_kernel
 
 import acompile
@@ -260,3 +263,35 @@ def test_a_bundle_whose_tar_header_announces_gigabytes_is_refused_unread(tmp_pat
     )
     assert done.returncode == 2, done.stderr
     assert "an extended header of 3000000000 bytes" in done.stderr
+
+
+def test_an_export_passes_over_a_fifo_or_a_link_at_an_entry_s_name(tmp_path: Path) -> None:
+    """A FIFO at an entry's name made an export wait forever (opened for reading, with no
+    writer; no deadline reached the thread), and a link there was followed and read whole (a
+    link to /dev/zero: memory without bound). Both are now left out as unreadable, as the cache's
+    own readers leave them, and the export ends. In a child process: the old code never returns."""
+    script = textwrap.dedent(
+        """
+        import os, sys
+        from pathlib import Path
+        import anyio, acompile
+        from acompile._cache import entries_dir
+        root = Path(sys.argv[1])
+        folder = entries_dir(root) / "ab"
+        folder.mkdir(parents=True)
+        os.mkfifo(folder / ("ab" + "0" * 62))
+        outside = root.parent / "outside"
+        outside.write_bytes(b"x" * (1 << 20))
+        os.symlink(outside, folder / ("ab" + "1" * 62))
+        async def main():
+            report = await acompile.export_bundle(root, root.parent / "out.bundle")
+            print(sorted(reason.split(":")[0] for _, reason in report.rejected), report.entries)
+        anyio.run(main)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "cache")],
+        capture_output=True, text=True, timeout=60, env=subprocess_env(),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['cannot read', 'cannot read'] 0", out.stdout

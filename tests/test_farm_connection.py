@@ -422,3 +422,45 @@ async def test_a_deadline_around_wait_ready_fires_while_the_head_is_gone(
             await pool.executor.run(Job("fake_backend", {"name": "k", "action": "echo", "value": 1}, "k"))
         assert not farm.stats()["connected"]
     assert not _brokers()
+
+
+@pytest.mark.anyio
+async def test_a_connection_process_stopped_by_a_signal_is_a_lost_cluster(
+    one_node: Cluster, tmp_path: Path
+) -> None:
+    """The connection process SIGSTOPped (a debugger, a frozen cgroup) with jobs running and
+    queued: it beats every 2 s, so its silence is noticed within ``LOST_WITHIN``; every job then
+    fails with ``FarmUnreachableError`` saying so (none waits forever), and leaving the pool
+    kills the stopped process and its group."""
+    from acompile._workers import Job
+
+    farm = acompile.RayFarm(one_node.address, workers=1, runtime_env=RUNTIME_ENV)
+    outcomes: list[object] = []
+    async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path, preload=()) as pool:
+        with anyio.fail_after(120):
+            await pool.wait_ready()
+
+        async def one(i: int) -> None:
+            payload = {"name": f"s{i}", "action": "sleep", "seconds": 60, "value": i}
+            try:
+                outcomes.append(await pool.executor.run(Job("fake_backend", payload, f"s{i}")))
+            except acompile.AcompileError as exc:
+                outcomes.append(exc)
+
+        (broker,) = _brokers()
+        with anyio.fail_after(LOST_WITHIN + 20):
+            async with anyio.create_task_group() as tg:
+                for i in range(3):
+                    tg.start_soon(one, i)
+                await anyio.sleep(1)
+                broker.suspend()
+                stopped_at = time.perf_counter()
+        assert time.perf_counter() - stopped_at < LOST_WITHIN + 5
+        assert len(outcomes) == 3
+        for outcome in outcomes:
+            assert isinstance(outcome, acompile.FarmUnreachableError), outcome
+            assert "has not answered" in str(outcome) and one_node.address in str(outcome), outcome
+        assert not farm.stats()["connected"]
+        left_at = time.perf_counter()
+    assert time.perf_counter() - left_at < 10
+    assert not _brokers()

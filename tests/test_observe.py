@@ -16,6 +16,23 @@ import acompile
 pytestmark = pytest.mark.anyio
 
 
+async def test_a_record_that_cannot_be_written_costs_the_record_not_the_pool(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The record's folder cannot be made (a file stands where it would be: as a read-only or
+    full disk would refuse it): one warning, and the pool goes on serving (it used to shut down,
+    every later request failing with PoolClosedError)."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    record = blocker / "served.toml"
+    async with acompile.CompilePool(1, target=TARGET, cache_dir=tmp_path / "c", record=record) as p:
+        await p.compile(acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 256}))
+        await anyio.sleep(0.5)  # the record is written in the background
+        await p.compile(acompile.TritonSpec(scale_add_kernel, ADD_SIG, {"BLOCK": 128}))
+        assert p.stats()["state"] == "running"
+    assert caplog.text.count("cannot write the warm-up record") == 1, caplog.text
+
+
 async def test_record_then_warmup_replays_what_was_served(tmp_path: Path) -> None:
     manifest = tmp_path / "served.toml"
     async with acompile.CompilePool(2, target=TARGET, cache_dir=tmp_path / "prod", record=manifest) as p:

@@ -52,7 +52,7 @@ import anyio.to_thread
 from acompile import _files
 from acompile._cache._disk import DiskTier
 from acompile._cache._entry import CorruptEntry, decode, peek_header
-from acompile._cache._layout import human_bytes, is_key, plural
+from acompile._cache._layout import MAX_ENTRY_BYTES, human_bytes, is_key, plural, read_state
 from acompile._cache._shared import host_code, key_id, signing_key_from
 from acompile._errors import AcompileError
 from acompile._version import __version__
@@ -220,11 +220,14 @@ def _export(
 def _check_file(path: Path, key: str) -> tuple[str | None, str | None]:
     """(None, its SHA-256) for an intact entry, else ("absent", None) or (why it is damaged, None)."""
     try:
-        data = path.read_bytes()
+        # Not followed if a link, not waited on if a FIFO, not read if past an entry's bound.
+        data = read_state(path, MAX_ENTRY_BYTES)
     except (FileNotFoundError, NotADirectoryError):
         return "absent", None
     except OSError as exc:
         return f"cannot read: {exc}", None
+    if data is None:
+        return "absent", None
     try:
         decode(data, key)
     except CorruptEntry as exc:
@@ -266,8 +269,11 @@ def _write_bundle(
             for key, (entry_path, digest) in entries.items():
                 anyio.from_thread.check_cancelled()
                 try:
-                    data = entry_path.read_bytes()
-                    mtime = entry_path.stat().st_mtime
+                    found = read_state(entry_path, MAX_ENTRY_BYTES)
+                    if found is None:
+                        raise _Changed(key, None)
+                    data = found
+                    mtime = entry_path.stat(follow_symlinks=False).st_mtime
                 except (FileNotFoundError, NotADirectoryError):
                     raise _Changed(key, None) from None
                 except OSError as exc:

@@ -92,6 +92,8 @@ _WATCH_PERIOD = 2.0
 # The head's death is reported within this: its last answer came before it died, the next
 # question a period later, and silence is looked at every period.
 LOST_WITHIN = LOST_AFTER + 2 * _WATCH_PERIOD
+# How often the connection process says it is alive when it has nothing else to say.
+BEAT_PERIOD = 2.0
 # How often the figures are compared with those last sent.
 _STATS_PERIOD = 0.05
 # How long leaving may take (the actors stopped, the connection closed, a "local" cluster
@@ -147,16 +149,27 @@ class _Broker:
         self.sent: tuple[Any, Any] | None = None  # the figures last sent
         self.tg: anyio.abc.TaskGroup | None = None
 
-    def send_figures(self) -> None:
-        """Send the figures if they changed since they were last sent."""
+    def send_figures(self) -> bool:
+        """Send the figures if they changed since they were last sent; whether it did."""
         stats, farm = self.executor.stats(), self.executor.farm_stats()
         if (stats, farm) != self.sent:
             self.sent = (stats, farm)
             self.outbox.put({"event": "stats", "stats": stats, "farm": farm})
+            return True
+        return False
 
     async def report_figures(self) -> None:
+        """The figures when they change, and a beat at least every ``BEAT_PERIOD`` seconds: the
+        pool takes a connection process silent for ``LOST_WITHIN`` seconds (stopped by a
+        signal, its loop hung) for a lost cluster."""
+        last = time.monotonic()
         while True:
-            self.send_figures()
+            now = time.monotonic()
+            if self.send_figures():
+                last = now
+            elif now - last >= BEAT_PERIOD:
+                self.outbox.put({"event": "beat"})
+                last = now
             await anyio.sleep(_STATS_PERIOD)
 
     async def read(self, fd: int) -> None:

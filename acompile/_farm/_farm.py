@@ -88,7 +88,20 @@ class RayFarm:
         connect_timeout: float = 20.0,
         local_fallback: bool = False,
     ) -> None:
-        if workers is not None and (not isinstance(workers, int) or workers < 1):
+        if not isinstance(address, str) or not address.strip():
+            raise ValueError(
+                f"address must be a Ray address such as 'host:6379', 'auto' or 'local', got {address!r}"
+            )
+        if resources is not None and (
+            not isinstance(resources, Mapping)
+            or not all(isinstance(k, str) and isinstance(v, (int, float)) for k, v in resources.items())
+        ):
+            raise ValueError(
+                f"resources must map resource names to amounts, such as {{'compile': 1}}, got {resources!r}"
+            )
+        if not isinstance(local_fallback, bool):
+            raise TypeError(f"local_fallback must be True or False, got {local_fallback!r}")
+        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
             raise ValueError(f"workers must be a positive integer or None, got {workers!r}")
         if not num_cpus >= 0:
             raise ValueError(f"num_cpus must be a number of CPUs, got {num_cpus!r}")

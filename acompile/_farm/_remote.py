@@ -181,7 +181,7 @@ async def _hello(
         except TimeoutError:
             raise FarmUnreachableError(
                 f"the Ray cluster at {farm.address!r} did not accept a connection within "
-                f"{farm.connect_timeout:g} s"
+                f"{farm.connect_timeout:g} s{_said(stderr)}"
             ) from None
     if message is not None and message.get("event") == "joined":
         # Connected: the farm's executor is built there (the nodes listed, within the farm's
@@ -192,7 +192,7 @@ async def _hello(
         except TimeoutError:
             raise FarmUnreachableError(
                 f"the Ray cluster at {farm.address!r} accepted a connection, but its farm was not "
-                f"ready within {farm.connect_timeout + _START_LIMIT:g} s"
+                f"ready within {farm.connect_timeout + _START_LIMIT:g} s{_said(stderr)}"
             ) from None
     if message is None:
         with anyio.move_on_after(1):
@@ -239,6 +239,13 @@ async def _keep_stderr(process: anyio.abc.Process, lines: deque[str]) -> None:
         pass  # closed by _stop(), or gone with the process
 
 
+def _said(stderr: deque[str]) -> str:
+    """Ray's last complaints, for an error that would otherwise say only "not in time": a
+    cluster that refuses this client (its token authentication, another Ray version) says why
+    there, and nowhere else."""
+    return f"; Ray said: {bounded(' | '.join(stderr), 1500)}" if stderr else ""
+
+
 def _ended(process: anyio.abc.Process, stderr: deque[str]) -> str:
     """How the connection process ended, with its last words on standard error."""
     code = process.returncode
@@ -281,6 +288,13 @@ async def _stop(process: anyio.abc.Process, grace: float) -> None:
                 os.killpg(process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+    else:
+        # It ended first (killed): what it started for "local" (Ray's agents) is still in its
+        # group, which lives on, under its id, while any of them does; nothing else can be.
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     await process.aclose()
 
 
@@ -478,11 +492,19 @@ class RemoteExecutor:
         returns the error that says so."""
         while True:
             try:
-                message = await self._receiver.receive()
+                # It beats every BEAT_PERIOD seconds: silent this long, it is stopped by a signal
+                # or hung, and the farm is as lost as if it had ended.
+                with anyio.fail_after(LOST_WITHIN):
+                    message = await self._receiver.receive()
             except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
                 with anyio.move_on_after(1):
                     await self._process.wait()
                 return self._unreachable(_ended(self._process, self._stderr))
+            except TimeoutError:
+                return self._unreachable(
+                    f"its connection process (pid {self._process.pid}) has not answered for "
+                    f"{LOST_WITHIN:g} s (stopped by a signal, or hung)"
+                )
             if type(message) is Done:
                 self._finish(message.id, result=message.result)
             elif type(message) is Error:
