@@ -119,7 +119,7 @@ class TierChain:
         self.lease_ttl = min(lease_ttl, MAX_LEASE_TTL)
         self.counts: Counter[str] = Counter()
         # How long compiles took, kept in the cache folder: what the pool orders its queue by.
-        self.costs = CompileCosts(local)
+        self.costs = CompileCosts(local, self.tier("shared"))
         # The first tier that can hold leases: single flight across the fleet goes through it.
         self._lease_tier: LeaseTier | None = next((t for t in self.tiers if isinstance(t, LeaseTier)), None)
         self._tg: anyio.abc.TaskGroup | None = None

@@ -45,6 +45,31 @@ regular file (read with ``read_state``: never blocking, never through a link), a
 makes no sense (a huge or negative number, NaN), is ignored, and dropped at the next save. The
 lock file is never opened through a link (a link planted there would have ``O_CREAT`` make a
 file wherever it leads); a link, a FIFO or a folder in its place is replaced by a lock file.
+
+**The fleet's records.** With a shared tier, the replicas of a fleet share their records too, so
+that a fresh replica (an empty cache folder) orders its first storm by what the others measured,
+not by guesses. They are one document in the tier, ``costs:<namespace>`` (rows as in the file,
+signed as entries are, never unpickled, at most ``MAX_FILE_BYTES``). The first ``expect()``
+reads it with the file, both within ``_LOAD_DEADLINE`` (a tier that is away or stalled costs
+that, never an error); the file's records win over the fleet's for the same kernel. Each
+``save()`` merges the records this process measured (not those it only read from the fleet) into
+the document, within ``_SAVE_DEADLINE`` with the file's write: read, merge (the newest record of
+each kernel wins; ``MAX_RECORDS`` kept, the newest), write. On Redis the write is a
+compare-and-set, tried again on the document as another writer left it, so replicas saving at
+once lose nothing. Elsewhere (Memcached), or past the tries, a writer may lose another's records;
+each replica's next save publishes all it measured again, so nothing stays lost while it compiles.
+The file holds what this machine measured only: the fleet's records stay in memory.
+
+Only the order matters, but of records from machines that may differ: a replica on twice as many
+cores compiles in half the time. So the fleet's records are scaled to this machine's as they are
+read (``_scale``: the median ratio over the kernels both measured; none shared, no scaling), and
+this process's to the document's as they are published: a kernel only the fleet measured sorts
+among this machine's own records as it would have, measured here.
+
+A document that does not parse or holds no records is ignored (said once), as is a row that makes
+no sense; one over the size bound is not read, and one whose signature does not verify (or that is
+unsigned, in a signed tier) is refused by the tier; any of them is replaced at the next save.
+Replicas with other signing keys have other namespaces, so other documents.
 """
 
 from __future__ import annotations
@@ -62,17 +87,21 @@ import re
 import stat
 import statistics
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.to_thread
 
 from acompile._cache._layout import clear_way, read_state, write_state
+from acompile._cache._shared import SharedTier
 
 if TYPE_CHECKING:
     from acompile._cache._disk import GuardedDisk
+    from acompile._cache._tier import Tier
 
 logger = logging.getLogger("acompile")
 
@@ -80,6 +109,8 @@ COSTS_FILE = "costs.json"
 # Beside the file, never replaced (a lock on a file that was replaced locks nothing). Its name
 # does not start with "." so that pruning, which removes stale temporary files, leaves it.
 LOCK_FILE = "costs.json.lock"
+# The fleet's records in the shared tier: the document ``costs:<namespace>``.
+SHARED_DOCUMENT = "costs"
 _FORMAT = 1
 # Records kept in the file, the newest: some 70 bytes each.
 MAX_RECORDS = 2048
@@ -102,6 +133,9 @@ _MAX_SIZE = 1 << 40
 _MAX_OPTION = 1024  # num_warps, num_stages
 _MAX_TILES = 1 << 48
 _MAX_TIME = 1e11  # Unix time, year 5138
+# The fleet's records are scaled to this machine's by at most this factor, either way: machines
+# of one fleet differ by a few times, not by hundreds.
+_MAX_SCALE = 100.0
 # O_NOFOLLOW: a link at the lock's path is refused (ELOOP), never followed; O_NONBLOCK: a FIFO
 # there opens at once (and is then replaced, as not a regular file).
 _LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -273,6 +307,53 @@ class _Record:
         return record if isinstance(family, str) and record.sane() else None
 
 
+def _records(data: bytes) -> dict[str, _Record]:
+    """The sensible records of a document (the file's, the fleet's); rows that make no sense are
+    left out. Raises ``ValueError`` (``json``'s), ``TypeError`` or ``RecursionError`` for one
+    that is not a document of records."""
+    document = json.loads(data)
+    if not isinstance(document, dict):
+        raise TypeError("it is not an object")
+    rows = document.get("records") if document.get("format") == _FORMAT else {}
+    if not isinstance(rows, dict):
+        raise TypeError("its records are not an object")
+    records = {}
+    for key, row in rows.items():
+        record = _Record.from_row(row)
+        if isinstance(key, str) and record is not None:
+            records[key] = record
+    return records
+
+
+def _document(records: Mapping[str, _Record]) -> bytes:
+    """The document of ``records``, the newest ``MAX_RECORDS`` of them."""
+    if len(records) > MAX_RECORDS:
+        newest = sorted(records.items(), key=lambda item: item[1].at, reverse=True)
+        records = dict(newest[:MAX_RECORDS])
+    rows = {key: record.row() for key, record in records.items()}
+    return json.dumps({"format": _FORMAT, "records": rows}, separators=(",", ":")).encode()
+
+
+def _scale(to: Mapping[str, _Record], of: Mapping[str, _Record]) -> float:
+    """How many times longer a compile takes where ``to`` was measured than where ``of`` was:
+    the median ratio of their times over the kernels both hold (between 1/``_MAX_SCALE`` and
+    ``_MAX_SCALE``), 1 where they hold none in common. The median: a kernel measured once on a
+    busy machine moves it little."""
+    logs = [
+        math.log(max(to[key].seconds, 1e-4) / max(record.seconds, 1e-4))
+        for key, record in of.items()
+        if key in to
+    ]
+    if not logs:
+        return 1.0
+    bound = math.log(_MAX_SCALE)
+    return math.exp(min(max(statistics.median(logs), -bound), bound))
+
+
+def _scaled(record: _Record, scale: float) -> _Record:
+    return record if scale == 1.0 else replace(record, seconds=min(record.seconds * scale, _MAX_SECONDS / 2))
+
+
 def _open_lock(path: Path) -> int:
     """The lock file's descriptor, the file made where missing (blocking). What sits in its
     place and is not a regular file (a link, a FIFO, a device, a folder) is removed, and the
@@ -329,15 +410,21 @@ def _locked(path: Path) -> Iterator[bool]:
 
 
 class CompileCosts:
-    """Compile times per kernel and options, remembered in the cache folder.
+    """Compile times per kernel and options, remembered in the cache folder, and shared with the
+    fleet through ``shared`` (a ``SharedTier``; any other tier, or None, shares nothing).
 
-    ``await expect(features)`` loads the file the first time (on the disk tier's threads);
-    ``record(features, seconds)`` says whether a ``save()`` should be started (none is on its
-    way); ``save()`` merges and writes the file. None of them raises (but for cancellation).
+    ``await expect(features)`` loads the file and the fleet's document the first time (on the
+    disk tier's threads); ``record(features, seconds)`` says whether a ``save()`` should be
+    started (none is on its way); ``save()`` merges and writes the file, and publishes to the
+    fleet. None of them raises (but for cancellation).
+
+    ``counts``: ``shared_loaded`` (the fleet's records taken in), ``shared_ignored`` (documents
+    of the fleet that did not parse), ``shared_published`` (documents written).
     """
 
-    def __init__(self, disk: GuardedDisk) -> None:
+    def __init__(self, disk: GuardedDisk, shared: Tier | None = None) -> None:
         self._disk = disk
+        self._shared = shared if isinstance(shared, SharedTier) else None
         self._records: dict[str, _Record] = {}
         self._families: dict[str, set[str]] = {}  # family -> keys of its records
         # The first request seen of each family without a record: the others are scaled from it.
@@ -346,9 +433,15 @@ class CompileCosts:
         # a kernel never seen (one slow outlier moves it less than it would move a mean).
         self._log_rates = 0.0
         self._unsaved: dict[str, _Record] = {}
+        # What this process measured, oldest first: all of it is published at each save (an
+        # update that another writer overwrote is made good by the next).
+        self._mine: dict[str, _Record] = {}
+        # How many times this machine's times are multiplied as they are published (``_scale``).
+        self._to_fleet = 1.0
         self._loaded = False
         self._loading: anyio.Event | None = None
         self._saving = False
+        self.counts: Counter[str] = Counter()
 
     @property
     def path(self) -> Path:
@@ -381,10 +474,18 @@ class CompileCosts:
             return False
         self._add(f.key, record)
         self._unsaved[f.key] = record
-        if self._saving or not (self._disk.writable and self._disk.answered):
+        self._mine.pop(f.key, None)
+        self._mine[f.key] = record
+        if len(self._mine) > MAX_RECORDS:
+            del self._mine[next(iter(self._mine))]
+        if self._saving or not (self._writable or self._shared is not None):
             return False
         self._saving = True
         return True
+
+    @property
+    def _writable(self) -> bool:
+        return self._disk.writable and self._disk.answered
 
     def _add(self, key: str, record: _Record) -> None:
         old = self._records.pop(key, None)
@@ -397,82 +498,139 @@ class CompileCosts:
 
     async def save(self) -> None:
         """Write the records not yet saved into the file (merged with what other processes
-        wrote there); records made while it writes are saved by a next round. Never raises
-        but for cancellation: a save that fails is logged (at debug) and given up, since it
-        runs behind the pool's back, and an error there would stop the pool."""
+        wrote there), and publish this process's to the fleet; records made meanwhile are saved
+        by a next round. Each round takes ``_SAVE_DEADLINE`` at most, file and fleet together.
+        Never raises but for cancellation: a save that fails is logged (at debug) and given up,
+        since it runs behind the pool's back, and an error there would stop the pool."""
         try:
             while self._unsaved:
                 batch, self._unsaved = self._unsaved, {}
                 with anyio.move_on_after(_SAVE_DEADLINE, shield=True):
-                    await self._disk.files.call(functools.partial(self._merge_and_write, batch))
-        except Exception as exc:
-            logger.debug("cannot save compile times to %s: %r", self.path, exc)
+                    if self._writable:
+                        try:
+                            await self._disk.files.call(functools.partial(self._merge_and_write, batch))
+                        except Exception as exc:
+                            logger.debug("cannot save compile times to %s: %r", self.path, exc)
+                    if self._shared is not None:
+                        await self._publish(self._shared)
         finally:
             self._saving = False
 
+    async def _publish(self, shared: SharedTier) -> None:
+        """Merge what this process measured into the fleet's document (never raises)."""
+        mine = dict(self._mine)
+
+        def merged(data: bytes | None) -> bytes:
+            fleet = self._parse_fleet(data, logging.DEBUG)
+            # This machine's times as the document's, from the kernels that other replicas
+            # measured too: this process's own rows there would only echo the scale they were
+            # written with, which is kept for them.
+            others = {k: r for k, r in fleet.items() if k not in mine or not self._published(r, mine[k])}
+            if any(key in others for key in mine):
+                self._to_fleet = _scale(others, mine)
+            for key, record in mine.items():
+                there = fleet.get(key)
+                if there is None or there.at <= round(record.at):  # the newest wins (rows: whole seconds)
+                    fleet[key] = _scaled(record, self._to_fleet)
+            return _document(fleet)
+
+        async def change(data: bytes | None) -> bytes:
+            return await anyio.to_thread.run_sync(merged, data)  # JSON of 100s of KB: off the loop
+
+        try:
+            if await shared.update_document(SHARED_DOCUMENT, MAX_FILE_BYTES, change):
+                self.counts["shared_published"] += 1
+        except Exception as exc:
+            logger.debug("cannot publish compile times to the shared cache: %r", exc)
+
+    def _published(self, row: _Record, record: _Record) -> bool:
+        """Whether ``row`` (read from the fleet's document) is ``record``, as this process
+        published it."""
+        return row.row() == _scaled(record, self._to_fleet).row()
+
+    def _parse_fleet(self, data: bytes | None, level: int) -> dict[str, _Record]:
+        """The records of the fleet's document (blocking: JSON); none for a document that is
+        absent or does not parse (logged at ``level``: the next save replaces it)."""
+        if data is None:
+            return {}
+        try:
+            return _records(data)
+        except (ValueError, TypeError, RecursionError) as exc:
+            if level > logging.DEBUG:
+                self.counts["shared_ignored"] += 1
+            logger.log(
+                level, "compile times shared by the fleet ignored (%s); the next save replaces them", exc
+            )
+            return {}
+
     async def _load(self) -> None:
         # A load cancelled from outside (its request was) leaves the model unloaded: the next
-        # expect() loads again. A load past its deadline counts as done: the filesystem hangs.
+        # expect() loads again. A load past its deadline counts as done: the filesystem hangs
+        # (or the shared tier does; each has its deadline, and they run at once).
         while not self._loaded:
             if self._loading is not None:
                 await self._loading.wait()
                 continue
             loading = self._loading = anyio.Event()
             try:
-                if self._disk.answered:
-                    with anyio.move_on_after(_LOAD_DEADLINE):
-                        found = await self._disk.files.call(self._read)
-                        for key, record in found.items():
-                            if key not in self._records:  # measured here meanwhile: newer
-                                self._add(key, record)
+                local, fleet = await self._read_all()
+                for key, record in local.items():
+                    if key not in self._records:  # measured here meanwhile: newer
+                        self._add(key, record)
+                scale = _scale(local, fleet)  # the fleet's times as this machine's
+                for key, record in fleet.items():
+                    if key not in self._records:  # this machine's own record wins
+                        self._add(key, _scaled(record, scale))
+                        self.counts["shared_loaded"] += 1
                 self._loaded = True
             except Exception as exc:
-                logger.debug("cannot read compile times from %s: %r", self.path, exc)
+                logger.debug("cannot read compile times: %r", exc)
                 self._loaded = True
             finally:
                 self._loading = None
                 loading.set()
 
-    def _read(self) -> dict[str, _Record]:
-        """The file's sensible records (blocking); empty for a file that is absent or damaged
-        (which is said once, here: the next save replaces it)."""
-        records = {}
-        for key, row in self._read_rows(logging.WARNING).items():
-            record = _Record.from_row(row)
-            if record is not None:
-                records[key] = record
-        return records
+    async def _read_all(self) -> tuple[dict[str, _Record], dict[str, _Record]]:
+        """The file's records and the fleet's, read at once, each within ``_LOAD_DEADLINE``
+        (none from one that takes longer)."""
+        local: dict[str, _Record] = {}
+        fleet: dict[str, _Record] = {}
 
-    def _read_rows(self, level: int = logging.DEBUG) -> dict[str, Any]:
-        """The file's rows as they are stored (blocking), not yet checked; none for a file that
-        is absent, refused (``read_state``) or does not parse, logged at ``level``."""
+        async def read_local() -> None:
+            if self._disk.answered:
+                with anyio.move_on_after(_LOAD_DEADLINE):
+                    local.update(await self._disk.files.call(self._read))
+
+        async def read_fleet(shared: SharedTier) -> None:
+            with anyio.move_on_after(_LOAD_DEADLINE):
+                data = await shared.get_document(SHARED_DOCUMENT, MAX_FILE_BYTES)
+                if data is not None:
+                    parse = functools.partial(self._parse_fleet, data, logging.WARNING)
+                    fleet.update(await anyio.to_thread.run_sync(parse))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read_local)
+            if self._shared is not None:
+                tg.start_soon(read_fleet, self._shared)
+        return local, fleet
+
+    def _read(self, level: int = logging.WARNING) -> dict[str, _Record]:
+        """The file's sensible records (blocking); none for a file that is absent, refused
+        (``read_state``) or does not parse, logged at ``level`` (said once, where it is loaded:
+        the next save replaces it)."""
         try:
             data = read_state(self.path, MAX_FILE_BYTES)
-            if data is None:
-                return {}
-            document = json.loads(data)
-            rows = document["records"] if document.get("format") == _FORMAT else {}
-            if not isinstance(rows, dict):
-                raise TypeError("its records are not an object")
-        except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+            return {} if data is None else _records(data)
+        except (OSError, ValueError, TypeError, RecursionError) as exc:
             logger.log(level, "compile times in %s ignored (%s); the next save replaces them", self.path, exc)
             return {}
-        return {k: r for k, r in rows.items() if isinstance(k, str)}
 
     def _merge_and_write(self, batch: dict[str, _Record]) -> None:
         """Merge ``batch`` into the file and replace it atomically (blocking), under the lock.
         Rows that make no sense are dropped, not carried over."""
         with _locked(self._disk.root / LOCK_FILE):
-            rows = {}
-            for key, row in self._read_rows().items():
-                record = _Record.from_row(row)
-                if record is not None:
-                    rows[key] = record.row()
-            rows.update((key, record.row()) for key, record in batch.items())
-            if len(rows) > MAX_RECORDS:
-                newest = sorted(rows.items(), key=lambda item: float(item[1][5]), reverse=True)
-                rows = dict(newest[:MAX_RECORDS])
-            data = json.dumps({"format": _FORMAT, "records": rows}, separators=(",", ":")).encode()
+            records = self._read(logging.DEBUG)
+            records.update(batch)
             # A rename replaces whatever is there (a FIFO, a link) without opening it; a folder
             # there is removed first.
-            write_state(self.path, data)
+            write_state(self.path, _document(records))

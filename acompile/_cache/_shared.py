@@ -53,12 +53,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import inspect
 import logging
 import math
 import os
 import secrets
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
@@ -88,6 +90,8 @@ _CLOCK_SKEW = 30.0
 _MAX_SIGHTINGS = 4096
 # A lease value is some 100 bytes: anything larger is not one, and is not read.
 _MAX_LEASE_VALUE = 1024
+# How many times a document is read and changed again when another writer changed it meanwhile.
+_SWAP_TRIES = 8
 # How long close() spends giving back the leases that are still this replica's.
 _RELEASE_AT_CLOSE = 1.0
 # Values at least this large are verified (and their header read) on a worker thread: an HMAC
@@ -108,6 +112,21 @@ if kind ~= 'string' then return -1 end
 local size = redis.call('STRLEN', KEYS[1])
 if size > tonumber(ARGV[1]) then return size end
 return redis.call('GET', KEYS[1])
+"""
+# Replace a document (ARGV[3]) only while it is what the writer read: ARGV[1] says how it was
+# read: "none" (there was none), "sha1" (a value whose SHA-1 is ARGV[2]) or "over" (a value that
+# was not read: larger than ARGV[2] bytes, or not a string). 1: written; 0: it changed since.
+_SWAP = """
+local kind = redis.call('TYPE', KEYS[1]).ok
+if ARGV[1] == 'none' then
+  if kind ~= 'none' then return 0 end
+elseif ARGV[1] == 'over' then
+  if kind == 'string' and redis.call('STRLEN', KEYS[1]) <= tonumber(ARGV[2]) then return 0 end
+elseif kind ~= 'string' or redis.sha1hex(redis.call('GET', KEYS[1])) ~= ARGV[2] then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[3])
+return 1
 """
 # Delete the key only while it holds ARGV[1]: a lease this replica holds, not one taken over since.
 _DELETE_IF = """
@@ -631,6 +650,86 @@ class SharedTier:
                     await self.cache.close()
         except Exception as exc:  # closing a cache whose server is gone
             logger.debug("closing the shared cache: %s", exc)
+
+    # -- documents: one small value per namespace that the fleet keeps together ----------------
+
+    def _document_name(self, kind: str) -> str:
+        # Not under the entries' names (``<namespace>:<key>``): a listing of entries never
+        # shows it, and a value signed for it cannot pass for an entry (the name is signed).
+        return f"{kind}:{self.namespace}"
+
+    async def _read_document(self, kind: str, bound: int) -> tuple[bool, bytes | None, bytes | int | None]:
+        """(ok, the document's bytes or None, the value as read: its bytes, its size where it is
+        over ``bound`` (or -1), None where there is none). A document refused (its signature, its
+        size) is None, counted and logged as an entry would be."""
+        bound = min(bound, self.max_value)
+        name = self._document_name(kind)
+        ok, raw = await self._fetch(kind, name, bound + len(_SIGNED) + _DIGEST)
+        if not ok or raw is None:
+            return ok, None, None
+        if isinstance(raw, int):
+            size = f"{human_bytes(raw)}, over {human_bytes(bound)}" if raw >= 0 else "not a string"
+            self._refuse(name, "size", f"is {size}")
+            return True, None, raw
+        if len(raw) < _VERIFY_INLINE_MAX:
+            data, topic, why = self._check(name, raw)
+        else:
+            data, topic, why = await anyio.to_thread.run_sync(self._check, name, raw)
+        if data is None:
+            self._refuse(name, topic, why)
+        return True, data, raw
+
+    async def get_document(self, kind: str, bound: int) -> bytes | None:
+        """The fleet's document ``kind`` (``<kind>:<namespace>``, signed as entries are), or None:
+        absent, over ``bound`` bytes (not read), refused, or a fault."""
+        _, data, _ = await self._read_document(kind, bound)
+        return data
+
+    async def update_document(
+        self, kind: str, bound: int, change: Callable[[bytes | None], Awaitable[bytes | None] | bytes | None]
+    ) -> bool:
+        """Read the document ``kind``, change it and write it back: ``change(data)`` (``data`` as
+        ``get_document`` returns it; it may be a coroutine function) gives the new bytes, or None
+        to write nothing. True where it was written; faults are False, never raised.
+
+        On Redis the write is a compare-and-set (one script): it lands only where the document
+        is still the one read, else it is read and changed again (up to ``_SWAP_TRIES`` times),
+        so writers at once lose nothing of each other's. Elsewhere it is a plain write: of two
+        writers at once, the last one wins. A document over ``bound`` is not written."""
+        name = self._document_name(kind)
+        bound = min(bound, self.max_value)
+        script = self._script(_SWAP)
+        for _ in range(_SWAP_TRIES):
+            ok, data, raw = await self._read_document(kind, bound)
+            if not ok:
+                return False
+            new = change(data)
+            if inspect.isawaitable(new):
+                new = await new
+            if new is None:
+                return False
+            if len(new) > bound:
+                logger.debug("shared %s document of %s not written: over %s", kind, len(new), bound)
+                return False
+            value = self._wrap(name, new)
+            if script is None:
+                ok, _ = await self._call(kind, self.cache.set, name, value)
+                return ok
+            if raw is None:
+                read, token = "none", ""
+            elif isinstance(raw, int):
+                read, token = "over", str(bound + len(_SIGNED) + _DIGEST)
+            else:
+                # Equality, not trust: whoever can write the document can write it anyway.
+                read, token = "sha1", hashlib.sha1(raw, usedforsecurity=False).hexdigest()
+            args = [read, token, value]
+            ok, written = await self._call(kind, script, keys=[self.cache.build_key(name)], args=args)
+            if not ok:
+                return False
+            if written:
+                return True
+        logger.debug("shared %s document not written: changed under each of %d tries", kind, _SWAP_TRIES)
+        return False
 
     # -- signatures -----------------------------------------------------------------------------
 

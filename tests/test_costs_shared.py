@@ -1,0 +1,234 @@
+"""Compile times shared by a fleet through the shared tier, against a real redis-server.
+
+A replica that starts on an empty cache folder orders its first storm by what the other replicas
+measured: their records are one document in the shared tier (``costs:<namespace>``), read with
+the local file before the first compile and merged with each replica's own records as it saves.
+A damaged, forged or unreachable document costs a guess, never an error nor more than a moment.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from conftest import TARGET, RedisServer
+from kernels_for_tests import ADD_SIG, add_kernel
+
+import acompile
+from acompile._cache import (
+    COSTS_FILE,
+    COSTS_MAX_BYTES,
+    CompileCosts,
+    CostFeatures,
+    GuardedDisk,
+    SharedTier,
+    open_shared_cache,
+    signing_key_id,
+)
+
+pytestmark = pytest.mark.anyio
+KEY = b"a-signing-key-for-the-tests"
+OTHER_KEY = b"another-signing-key-of-16-bytes"
+DOCUMENT = "costs"
+# What a load and a save may take at most (_LOAD_DEADLINE, _SAVE_DEADLINE), and room for a busy
+# machine of 2 cores.
+LOAD_DEADLINE = 0.5
+SAVE_DEADLINE = 2.0
+MARGIN = 0.5
+
+
+def features(key: str, family: str = "family", size: int = 1000) -> CostFeatures:
+    return CostFeatures(key=key, family=family, size=size, num_warps=4, num_stages=3)
+
+
+def document_name(signing_key: bytes | None) -> str:
+    """The document's name in Redis: the URL's namespace, then ``costs:<signing key's id>``."""
+    return f"acompile:costs:{signing_key_id(signing_key)}"
+
+
+@asynccontextmanager
+async def tier(redis: RedisServer, signing_key: bytes | None = KEY) -> AsyncIterator[SharedTier]:
+    shared = SharedTier(await anyio.to_thread.run_sync(open_shared_cache, redis.url), signing_key)
+    try:
+        yield shared
+    finally:
+        await shared.close()
+
+
+async def replica(folder: Path, shared: SharedTier) -> CompileCosts:
+    disk = GuardedDisk(folder)
+    await disk.open()
+    return CompileCosts(disk, shared)
+
+
+async def published(shared: SharedTier) -> dict[str, Any]:
+    """The document's records, as the fleet reads it."""
+    data = await shared.get_document(DOCUMENT, COSTS_MAX_BYTES)
+    assert data is not None
+    records: dict[str, Any] = json.loads(data)["records"]
+    return records
+
+
+def local_records(folder: Path) -> dict[str, Any]:
+    records: dict[str, Any] = json.loads((folder / COSTS_FILE).read_text())["records"]
+    return records
+
+
+def pool(folder: Path, redis: RedisServer, **kw: Any) -> acompile.CompilePool:
+    return acompile.CompilePool(2, target=TARGET, cache_dir=folder, shared_cache=redis.url, **kw)
+
+
+async def test_a_fresh_replica_expects_what_the_fleet_measured(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    async with pool(tmp_path / "a", redis_server, signing_key=KEY) as p:
+        async with anyio.create_task_group() as tg:
+            for block in (64, 128, 256):
+                tg.start_soon(p.compile, acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": block}))
+    measured = {key: row[0] for key, row in local_records(tmp_path / "a").items()}
+    assert len(measured) == 3
+
+    # A fresh folder, nothing compiled yet: the first expect() finds A's times, each exactly.
+    async with pool(tmp_path / "b", redis_server, signing_key=KEY, prestart=False) as p:
+        costs = p._cache.costs
+        for key, seconds in measured.items():
+            # The key decides: another family, size or options would be guessed, not looked up.
+            assert await costs.expect(features(key, family="unrelated", size=1)) == pytest.approx(seconds)
+        assert costs.counts["shared_loaded"] == 3
+        await p.compile(acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 512}))
+    # B's file holds what B measured, not what it read; the fleet's document holds both.
+    [own] = local_records(tmp_path / "b")
+    assert own not in measured
+    async with tier(redis_server) as shared:
+        assert set(await published(shared)) == {*measured, own}
+
+    # A replica with another key (or none) has its own document: it sees none of these.
+    async with pool(tmp_path / "c", redis_server, signing_key=OTHER_KEY, prestart=False) as p:
+        for key, seconds in measured.items():
+            assert await p._cache.costs.expect(features(key)) != pytest.approx(seconds)
+        assert p._cache.costs.counts["shared_loaded"] == 0
+    # The document is no entry: it is not under the entries' names.
+    assert not [k for k in redis_server.client().keys(f"acompile:{signing_key_id(KEY)}:*") if b"costs" in k]
+
+
+async def test_writers_publishing_at_once_lose_nothing(tmp_path: Path, redis_server: RedisServer) -> None:
+    writers = 4
+    async with tier(redis_server) as shared:
+        replicas = [await replica(tmp_path / str(i), shared) for i in range(writers)]
+        for turn in range(2):
+            for i, costs in enumerate(replicas):
+                await costs.expect(features("any"))  # loaded: what a pool does first
+                for j in range(50):
+                    costs.record(features(f"{i}-{turn}-{j:02}"), 0.1 + i)
+            async with anyio.create_task_group() as tg:
+                for costs in replicas:
+                    tg.start_soon(costs.save)
+            expected = {f"{i}-{r}-{j:02}" for i in range(writers) for r in range(turn + 1) for j in range(50)}
+            assert set(await published(shared)) == expected
+
+
+async def test_a_replica_on_another_machine_is_scaled_to_this_ones(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Only the order matters, but the order of a mix: this machine's own records and the fleet's,
+    measured on a machine twice as slow. The fleet's are scaled by how the kernels both measured
+    compare, so that a kernel only the fleet measured sorts among this machine's own."""
+    async with tier(redis_server) as shared:
+        slow = await replica(tmp_path / "slow", shared)
+        await slow.expect(features("any"))
+        for key, seconds in (("a", 2.0), ("b", 4.0), ("c", 6.0), ("fleet-only", 3.0)):
+            slow.record(features(key), seconds)
+        await slow.save()
+        fast = await replica(tmp_path / "fast", shared)
+        for key, seconds in (("a", 1.0), ("b", 2.0), ("c", 3.0)):
+            fast.record(features(key), seconds)
+        await fast.save()  # this machine's own file, before it reads the fleet's
+        slow.record(features("c"), 12.0)  # measured again (a busy moment): now (6 + 12) / 2
+        await slow.save()
+        again = await replica(tmp_path / "fast", shared)
+        assert await again.expect(features("c")) == pytest.approx(3.0)  # its own record wins, not 4.5
+        assert await again.expect(features("fleet-only")) == pytest.approx(1.5, rel=1e-3)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "nonsense rows", "oversized", "unsigned", "another key"])
+async def test_a_damaged_or_forged_document_is_ignored_and_replaced(
+    tmp_path: Path, redis_server: RedisServer, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    client: Any = redis_server.client()
+    name = document_name(KEY)
+    good = {"format": 1, "records": {"planted": [9.0, "family", 1000, 4, 3, 1700000000]}}
+    async with tier(redis_server) as shared, tier(redis_server, OTHER_KEY) as other:
+        if damage == "garbage":  # signed with the fleet's key, but not JSON
+            assert await shared.update_document(DOCUMENT, COSTS_MAX_BYTES, lambda _: b"{not json")
+        elif damage == "nonsense rows":  # signed, JSON: one good row among rows that make no sense
+            rows = {"nan": [float("nan"), "family", 1000, 4, 3, 1], "negative": [1.0, "family", -5, 4, 3, 1]}
+            text = json.dumps(
+                {"format": 1, "records": {**rows, "fine": [0.5, "family", 1000, 4, 3, 1700000000]}}
+            )
+            assert await shared.update_document(DOCUMENT, COSTS_MAX_BYTES, lambda _: text.encode())
+        elif damage == "oversized":  # never read: refused by its size alone
+            client.set(name, b" " * (COSTS_MAX_BYTES + 1))
+        elif damage == "unsigned":
+            client.set(name, json.dumps(good).encode())
+        else:  # signed, but with another key: a replica that holds that key cannot speak for this fleet
+            assert await other.update_document(DOCUMENT, COSTS_MAX_BYTES, lambda _: json.dumps(good).encode())
+            client.rename(document_name(OTHER_KEY), name)
+        planted = client.get(name)
+
+        caplog.set_level(logging.WARNING, logger="acompile")
+        costs = await replica(tmp_path, shared)
+        with anyio.fail_after(5):
+            guess = await costs.expect(features("planted"))
+        assert guess != pytest.approx(9.0)
+        if damage == "nonsense rows":
+            assert await costs.expect(features("fine")) == pytest.approx(0.5)
+            assert costs.counts["shared_loaded"] == 1
+        else:
+            assert costs.counts["shared_loaded"] == 0
+        assert costs.record(features("new"), 1.0)
+        await costs.save()
+        # Replaced by a document this fleet reads, with the sensible rows that were there.
+        assert client.get(name) != planted
+        kept = await published(shared)
+        assert set(kept) == ({"new", "fine"} if damage == "nonsense rows" else {"new"})
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) <= 1, [r.getMessage() for r in warnings]
+
+
+@pytest.mark.parametrize("fault", ["stopped", "killed"])
+async def test_an_unreachable_tier_costs_a_load_and_a_save_a_moment_only(
+    tmp_path: Path, redis_server: RedisServer, fault: str
+) -> None:
+    async with tier(redis_server) as shared:
+        fleet = await replica(tmp_path / "fleet", shared)
+        fleet.record(features("k"), 1.5)
+        await fleet.save()
+        assert redis_server.process is not None
+        pid = redis_server.process.pid
+        if fault == "stopped":
+            os.kill(pid, signal.SIGSTOP)  # accepts connections, never answers
+        else:
+            redis_server.stop()
+        try:
+            costs = await replica(tmp_path / "fresh", shared)
+            started = time.monotonic()
+            guess = await costs.expect(features("k"))
+            assert time.monotonic() - started < LOAD_DEADLINE + MARGIN
+            assert guess != pytest.approx(1.5)  # a guess: the fleet's record was out of reach
+            costs.record(features("new"), 1.0)
+            started = time.monotonic()
+            await costs.save()  # never raises
+            assert time.monotonic() - started < SAVE_DEADLINE + MARGIN
+            assert set(local_records(tmp_path / "fresh")) == {"new"}
+        finally:
+            if fault == "stopped":
+                os.kill(pid, signal.SIGCONT)
