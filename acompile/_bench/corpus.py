@@ -7,12 +7,25 @@ through 3.9.  :func:`compile_spec` is the plain sequential ``triton.compile``
 baseline that the service is compared against; ``outcome`` checks what a
 row produced.  ``matmul_kernel`` is the one matmul: the corpus compiles it over
 tile configurations, and the autotune benchmark tunes it (``matmul_configs``).
+``user_specs`` loads and checks a corpus module of the user's instead (``acompile bench --corpus
+FILE.py|MODULE[:NAME]``; ``examples/bench_corpus.py`` is one).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
+import importlib
+import importlib.util
+import os
+import reprlib
+import sys
+import time
+import traceback
+import types
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import triton
@@ -340,14 +353,16 @@ def compile_spec(spec: Spec, target):
     )
 
 
-# What ``acompile bench --corpus`` chooses from: this module's corpus, or the kernel library
-# (``acompile._bench.library``: fewer kernels, written as libraries write them).
+# The built-in corpora of ``acompile bench --corpus``: this module's, or the kernel library
+# (``acompile._bench.library``: fewer kernels, written as libraries write them). Anything else
+# names a user's corpus module (``user_specs``).
 CORPORA = ("default", "library")
 
 
 @functools.cache
 def specs(limit: int | None = None, which: str = "default") -> list[Spec]:
-    """The specs of corpus ``which`` (one of ``CORPORA``), or their first ``limit``."""
+    """The specs of corpus ``which`` (one of ``CORPORA``, or a user's module as ``resolve_corpus``
+    gives it), or their first ``limit``."""
     if which == "library":
         from acompile._bench.library import specs as library_specs
 
@@ -355,8 +370,219 @@ def specs(limit: int | None = None, which: str = "default") -> list[Spec]:
     elif which == "default":
         chosen = corpus()
     else:
-        raise ValueError(f"unknown corpus {which!r}; corpora are {', '.join(CORPORA)}")
+        chosen = user_specs(which)
     return chosen[:limit] if limit else chosen
+
+
+# --- a user's corpus module ---------------------------------------------------------------------
+
+
+class CorpusError(ValueError):
+    """A ``--corpus`` module that cannot be used, and why (``acompile bench`` says so before any
+    row runs, after the ``--corpus`` value)."""
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Spec))
+_REQUIRED = ("name", "fn", "signature")
+
+
+def _split(ref: str) -> tuple[str, str | None]:
+    """``FILE.py:NAME`` or ``MODULE:NAME`` into the module's part and the attribute's name."""
+    where, colon, name = ref.rpartition(":")
+    return (where, name) if colon and where and name.isidentifier() else (ref, None)
+
+
+def _is_file(where: str) -> bool:
+    """Whether the module's part names a file rather than a dotted module name."""
+    return where.endswith(".py") or os.sep in where or where.startswith(".")
+
+
+def resolve_corpus(text: str) -> str:
+    """``--corpus`` as the rows' processes get it: a built-in corpus's name or a dotted module
+    name as given, a file as its absolute path (a row may run in another folder); ``:NAME``
+    kept. Raises ``CorpusError`` for a file that is not there."""
+    if text in CORPORA:
+        return text
+    where, name = _split(text)
+    if _is_file(where):
+        path = Path(where).expanduser()
+        if not path.is_file():
+            raise CorpusError("no such file" if not path.exists() else "not a file")
+        where = str(path.resolve())
+    return f"{where}:{name}" if name else where
+
+
+_IMPORTLIB = str(Path(importlib.__file__).parent)
+
+
+def _import_error(exc: BaseException) -> str:
+    """What importing a corpus module raised, with the place in the user's code where it did."""
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not f.filename.startswith(("<frozen", _IMPORTLIB)) and f.filename != __file__
+    ]
+    at = f" ({Path(frames[-1].filename).name}, line {frames[-1].lineno})" if frames else ""
+    return f"importing it raised {type(exc).__name__}: {exc}{at}"
+
+
+def _import(where: str) -> types.ModuleType:
+    """The corpus module: a file loaded under its stem's name with its folder on ``sys.path`` (as
+    Python runs a script, so it may import its neighbours, and the workers can import it by
+    name), or a dotted name imported with the current folder on ``sys.path`` (as ``python -m``)."""
+    if not _is_file(where):
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            return importlib.import_module(where)
+        except (Exception, SystemExit) as exc:
+            missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+            if not missing or not (where == missing or where.startswith(f"{missing}.")):
+                raise CorpusError(_import_error(exc)) from None
+            # The module itself (or its package) is not there, rather than one it imports.
+            builtin = f"; the built-in corpora are {', '.join(CORPORA)}" if "." not in where else ""
+            raise CorpusError(f"cannot import it: {exc}{builtin}") from None
+    path = Path(where)
+    if not path.is_file():
+        raise CorpusError("no such file")
+    name = path.stem
+    if not name.isidentifier():
+        raise CorpusError(f"{name!r} is not a module name: name the file as a Python module")
+    known = sys.modules.get(name)
+    if known is not None:
+        if getattr(known, "__file__", None) and Path(known.__file__ or "").resolve() == path.resolve():
+            return known
+        raise CorpusError(f"its module name {name!r} is an imported module's already: rename the file")
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise CorpusError("Python cannot load it as a module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:
+        del sys.modules[name]
+        raise CorpusError(_import_error(exc)) from None
+    return module
+
+
+def _check(item: object, where: str) -> Spec:
+    """One item of a corpus module's list as a ``Spec``, or ``CorpusError`` saying what is wrong
+    with it (``where``: which item). A constexpr left out is filled with its default."""
+    from triton.runtime.jit import JITFunction
+
+    if isinstance(item, Spec):
+        fields = {f: getattr(item, f) for f in _FIELDS}
+    elif isinstance(item, Mapping):
+        fields = dict(item)
+    else:
+        raise CorpusError(f"{where} is a {type(item).__name__} ({reprlib.repr(item)}), not a Spec or a dict")
+    name = fields.get("name")
+    named = f"{where} ({name!r})" if isinstance(name, str) else where
+    known = f"a spec's fields are {', '.join(_FIELDS)}"
+    if unknown := [k for k in fields if k not in _FIELDS]:
+        raise CorpusError(f"{named} has an unknown field {unknown[0]!r}; {known}")
+    if missing := [k for k in _REQUIRED if k not in fields]:
+        raise CorpusError(f"{named} has no {missing[0]!r}; {known}")
+    if not isinstance(name, str) or not name:
+        raise CorpusError(f"{where}: name must be a non-empty string, got {reprlib.repr(name)}")
+    fn = fields["fn"]
+    if not isinstance(fn, JITFunction):
+        wrapped = isinstance(getattr(fn, "fn", None), JITFunction)
+        hint = " (an @triton.autotune or @triton.heuristics kernel: give its .fn, and one config's values)"
+        raise CorpusError(
+            f"{named}: fn is a {type(fn).__name__}, not a Triton JIT function (@triton.jit)"
+            + (hint if wrapped else "")
+        )
+    for option, least in (("num_warps", 1), ("num_stages", 0)):
+        value = fields.get(option, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise CorpusError(f"{named}: {option} must be an int of at least {least}, got {value!r}")
+    signature, constants = _parameters(fn, fields["signature"], fields.get("constexprs", {}), named)
+    options = {k: fields[k] for k in ("num_warps", "num_stages") if k in fields}
+    return Spec(name, fn, signature, constants, **options)
+
+
+def _parameters(
+    fn: Any, signature: object, constexprs: object, named: str
+) -> tuple[dict[str, str], dict[str, object]]:
+    """A spec's runtime types and constexpr values, checked against ``fn``'s parameters: each
+    one is typed or given a value (a constexpr with a default may be left out: it gets it), no
+    other name appears, and each type is one Triton knows."""
+    from triton.language import str_to_ty
+
+    if not isinstance(signature, Mapping) or not isinstance(constexprs, Mapping):
+        wrong = "signature" if not isinstance(signature, Mapping) else "constexprs"
+        raise CorpusError(f"{named}: {wrong} must be a dict keyed by parameter names")
+    params = {p.name: p for p in fn.params}
+    for key in (*signature, *constexprs):
+        if key not in params:
+            raise CorpusError(
+                f"{named}: {fn.__name__} has no parameter {key!r}; its parameters are {list(params)}"
+            )
+    types: dict[str, str] = {}
+    values: dict[str, object] = {}
+    for key, param in params.items():
+        if key in constexprs:
+            values[key] = constexprs[key]
+        elif key in signature and not param.is_constexpr:
+            ty = signature[key]
+            try:
+                str_to_ty(ty, None)
+            except (KeyError, IndexError, ValueError, TypeError, AttributeError):
+                raise CorpusError(
+                    f"{named}: unknown Triton type {ty!r} for {key!r} (e.g. '*fp16', 'i32')"
+                ) from None
+            types[key] = ty
+        elif param.is_constexpr and param.has_default:
+            values[key] = param.default
+        elif param.is_constexpr:
+            raise CorpusError(f"{named}: missing constexpr {key!r} of {fn.__name__}: give it in constexprs")
+        else:
+            raise CorpusError(
+                f"{named}: missing type for parameter {key!r} of {fn.__name__}: add it to signature"
+            )
+    return types, values
+
+
+def user_specs(ref: str) -> list[Spec]:
+    """The specs of a user's corpus module (``resolve_corpus``'s form): its ``:NAME`` attribute,
+    else ``SPECS``, else ``specs``; a function is called. Raises ``CorpusError`` for a module that
+    does not import, holds no specs, or holds something that is not a list of valid, uniquely
+    named specs."""
+    where, attribute = _split(ref)
+    module = _import(where)
+    if attribute is None:
+        attribute = next((a for a in ("SPECS", "specs") if hasattr(module, a)), None)
+        if attribute is None:
+            raise CorpusError(
+                "the module has neither SPECS (a list) nor specs() (a function returning one); "
+                "or name what holds its specs: --corpus MODULE:NAME"
+            )
+    elif not hasattr(module, attribute):
+        raise CorpusError(f"the module has no attribute {attribute!r}")
+    value, label = getattr(module, attribute), attribute
+    if callable(value):
+        label = f"{attribute}()"
+        try:
+            value = value()
+        except Exception as exc:
+            raise CorpusError(f"{label} raised {type(exc).__name__}: {exc}") from None
+    if not isinstance(value, (list, tuple)):
+        raise CorpusError(f"{label} is a {type(value).__name__}, not a list of specs")
+    if not value:
+        raise CorpusError(f"{label} is empty: a corpus needs at least one spec")
+    chosen = [_check(item, f"item {i} of {label}") for i, item in enumerate(value)]
+    places: dict[str, list[int]] = {}
+    for i, spec in enumerate(chosen):
+        places.setdefault(spec.name, []).append(i)
+    for name, indexes in places.items():
+        if len(indexes) > 1:
+            items = ", ".join(map(str, indexes))
+            raise CorpusError(f"names must be unique: {name!r} is items {items} of {label}")
+    return chosen
 
 
 def acompile_specs(limit: int | None = None, which: str = "default") -> list[Any]:
@@ -379,12 +605,15 @@ def gpu_target(target: str) -> Any:
 
 def compile_index(index: int, target: str, limit: int | None, which: str = "default") -> dict[str, Any]:
     """The worker function of the process-pool baselines: compile spec ``index``, return its
-    whole asm dict (a realistic payload crosses the process boundary)."""
+    whole asm dict (a realistic payload crosses the process boundary) and when the worker began
+    it (``started``, on the wall clock, which processes of one machine share: the first one is
+    the pool's start, as the parent sees it)."""
+    started = time.time()
     from acompile._bench.harness import quiet_warnings
 
     quiet_warnings()
     compiled = compile_spec(specs(limit, which)[index], gpu_target(target))
-    return {"asm": dict(compiled.asm.items())}
+    return {"asm": dict(compiled.asm.items()), "started": started}
 
 
 def outcome(results: list[Any], limit: int | None, which: str = "default") -> dict[str, Any]:
