@@ -385,3 +385,55 @@ async def test_acompiles_launcher_refuses_bad_arguments_by_name_and_launches_not
     k[lambda meta: (triton_cdiv(meta["n"], meta["BLOCK"]),)](x, y, out, n)
     torch.cuda.synchronize()
     assert torch.equal(out, x + y)
+
+
+@pytest.mark.gpu
+async def test_a_pointer_check_skipped_for_a_known_allocation_still_refuses_what_is_not_gpu_memory(
+    cache_dir: Path,
+) -> None:
+    # The launcher checks a PyTorch tensor's pointer with the driver once per allocation. What it
+    # remembers must never let through a CPU tensor, nor a bare int or another object with
+    # data_ptr() pointing into memory freed since (allocated and freed here through the driver,
+    # outside PyTorch's caching allocator, so that the free is real).
+    import ctypes
+
+    torch = torch_cuda()
+    from acompile._backends import launcher_module, launcher_problem
+
+    assert launcher_module(wait=True) is not None, launcher_problem()
+    n = 4096
+    async with acompile.CompilePool(1, cache_dir=cache_dir) as pool:
+        k = await pool.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 1024})
+    grid = (triton_cdiv(n, 1024),)
+    y, out = torch.ones(n, device="cuda"), torch.zeros(n, device="cuda")
+    driver = ctypes.CDLL("libcuda.so.1")
+    pointer = ctypes.c_uint64()
+    assert driver.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(n * 4)) == 0
+
+    class Buffer:
+        def data_ptr(self) -> int:
+            return pointer.value
+
+    k[grid](Buffer(), y, out, n)
+    k[grid](pointer.value, y, out, n)
+    torch.cuda.synchronize()
+    assert k.launcher == "acompile"
+    assert driver.cuMemFree_v2(pointer) == 0
+    with pytest.raises(
+        ValueError, match=r"argument x_ptr: pointer 0x[0-9a-f]+ is not memory the GPU can access"
+    ):
+        k[grid](Buffer(), y, out, n)
+    with pytest.raises(
+        ValueError, match=r"argument x_ptr: pointer 0x[0-9a-f]+ is not memory the GPU can access"
+    ):
+        k[grid](pointer.value, y, out, n)
+    with pytest.raises(ValueError, match="is not memory the GPU can access"):
+        k[grid](torch.ones(n), y, out, n)
+    # More allocations than it remembers: each still launches, and computes.
+    tensors = [torch.full((n,), float(i), device="cuda") for i in range(40)]
+    for t in tensors:
+        k[grid](t, y, out, n)
+        torch.cuda.synchronize()
+        assert torch.equal(out, t + 1)
+    with pytest.raises(ValueError, match="is not memory the GPU can access"):
+        k[grid](torch.ones(n), y, out, n)

@@ -28,6 +28,7 @@
 #include <dlfcn.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #include "cuda.h"
 
@@ -122,6 +123,7 @@ typedef struct {
   PyObject *stream_of;    /* device -> the current stream, as an int */
   PyObject *knobs;        /* triton.knobs.runtime: the launch hooks are read at each launch */
   PyObject *chain_type;   /* triton.knobs.HookChain, or None */
+  PyObject *tensor_type;  /* torch.Tensor, or None: whose pointers' allocations are remembered */
   PyObject *names;        /* tuple of str: the runtime arguments' names, for errors */
   Py_ssize_t nargs;       /* runtime arguments */
   Py_ssize_t nparams;     /* the function's parameters: the arguments, then null pointers */
@@ -140,6 +142,7 @@ static int kernel_traverse(KernelObject *self, visitproc visit, void *arg) {
   Py_VISIT(self->stream_of);
   Py_VISIT(self->knobs);
   Py_VISIT(self->chain_type);
+  Py_VISIT(self->tensor_type);
   Py_VISIT(self->names);
   return 0;
 }
@@ -149,6 +152,7 @@ static int kernel_clear(KernelObject *self) {
   Py_CLEAR(self->stream_of);
   Py_CLEAR(self->knobs);
   Py_CLEAR(self->chain_type);
+  Py_CLEAR(self->tensor_type);
   Py_CLEAR(self->names);
   return 0;
 }
@@ -160,20 +164,25 @@ static void kernel_dealloc(KernelObject *self) {
 }
 
 /* Kernel(function, device, kinds, names, trailing_pointers, num_warps, num_ctas, shared,
- *        cooperative, pdl, stream_of, knobs, chain_type) */
+ *        cooperative, pdl, stream_of, knobs, chain_type, tensor_type=None) */
 static PyObject *kernel_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
   unsigned long long function;
   int device, trailing, num_warps, num_ctas, shared, cooperative, pdl;
   Py_buffer kinds;
-  PyObject *names, *stream_of, *knobs, *chain_type;
+  PyObject *names, *stream_of, *knobs, *chain_type, *tensor_type = Py_None;
   static char *keywords[] = {"function", "device", "kinds", "names", "trailing_pointers",
                              "num_warps", "num_ctas", "shared", "cooperative", "pdl",
-                             "stream_of", "knobs", "chain_type", NULL};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Kiy*O!iiiippOOO", keywords, &function, &device,
+                             "stream_of", "knobs", "chain_type", "tensor_type", NULL};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Kiy*O!iiiippOOO|O", keywords, &function, &device,
                                    &kinds, &PyTuple_Type, &names, &trailing, &num_warps,
                                    &num_ctas, &shared, &cooperative, &pdl, &stream_of, &knobs,
-                                   &chain_type))
+                                   &chain_type, &tensor_type))
     return NULL;
+  if (tensor_type != Py_None && !PyType_Check(tensor_type)) {
+    PyBuffer_Release(&kinds);
+    PyErr_SetString(PyExc_TypeError, "Kernel: tensor_type must be a type or None");
+    return NULL;
+  }
   Py_ssize_t nargs = kinds.len;
   const unsigned char *codes = kinds.buf;
   if (function == 0 || nargs != PyTuple_GET_SIZE(names) || trailing < 0 ||
@@ -242,6 +251,7 @@ static PyObject *kernel_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
   self->stream_of = Py_NewRef(stream_of);
   self->knobs = Py_NewRef(knobs);
   self->chain_type = Py_NewRef(chain_type);
+  self->tensor_type = Py_NewRef(tensor_type);
   self->names = Py_NewRef(names);
   self->nargs = nargs;
   self->nparams = nparams;
@@ -268,7 +278,43 @@ static const char *arg_name(KernelObject *k, Py_ssize_t i) {
   return name;
 }
 
+/* GPU allocations a PyTorch tensor's pointer was found in, by the driver's check below: a
+ * tensor's pointer inside one needs no check again. A tensor holds its memory while it lives,
+ * and an address that was GPU memory in this process stays in the range the driver reserves
+ * for the GPU (unified addressing): it is GPU memory again or nothing, never a CPU tensor's.
+ * A bare int, or another object with data_ptr() (which may not hold its memory), is checked at
+ * every launch: it may point into memory freed since, and the check says so where a launch would
+ * fault. Read and written under the GIL. */
+#define KNOWN_RANGES 16
+static struct {
+  uint64_t start, end;
+} known_ranges[KNOWN_RANGES];
+static unsigned int next_known_range;
+
+static int in_known_range(uint64_t pointer) {
+  for (unsigned int i = 0; i < KNOWN_RANGES; i++)
+    if (pointer - known_ranges[i].start < known_ranges[i].end - known_ranges[i].start)
+      return 1;
+  return 0;
+}
+
+/* Remember the allocation a checked pointer is in (once per allocation: two driver calls). */
+static void remember_range(uint64_t pointer) {
+  CUdeviceptr start = 0;
+  size_t size = 0;
+  if (cu.pointer_get_attribute(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, (CUdeviceptr)pointer) !=
+          CUDA_SUCCESS ||
+      cu.pointer_get_attribute(&size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, (CUdeviceptr)pointer) !=
+          CUDA_SUCCESS ||
+      size == 0 || (uint64_t)start > pointer || pointer - (uint64_t)start >= size)
+    return;
+  unsigned int slot = next_known_range++ % KNOWN_RANGES;
+  known_ranges[slot].start = (uint64_t)start;
+  known_ranges[slot].end = (uint64_t)start + size;
+}
+
 static int extract_pointer(KernelObject *k, Py_ssize_t i, PyObject *obj, uint64_t *out) {
+  int tensor = 0;
   if (obj == Py_None) {
     *out = 0;
     return 0;
@@ -301,8 +347,9 @@ static int extract_pointer(KernelObject *k, Py_ssize_t i, PyObject *obj, uint64_
     Py_DECREF(value);
     if (*out == (uint64_t)-1 && PyErr_Occurred())
       return -1;
+    tensor = k->tensor_type != Py_None && PyObject_TypeCheck(obj, (PyTypeObject *)k->tensor_type);
   }
-  if (*out == 0)
+  if (*out == 0 || (tensor && in_known_range(*out)))
     return 0;
   CUdeviceptr device_pointer;
   CUresult status = cu.pointer_get_attribute(&device_pointer, CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
@@ -319,6 +366,9 @@ static int extract_pointer(KernelObject *k, Py_ssize_t i, PyObject *obj, uint64_
     cuda_error(status, "cuPointerGetAttribute");
     return -1;
   }
+  /* The same address on the GPU (unified addressing): its allocation needs no check again. */
+  if (tensor && (uint64_t)device_pointer == *out)
+    remember_range(*out);
   *out = (uint64_t)device_pointer;
   return 0;
 }
@@ -445,25 +495,26 @@ static int grid_dimension(PyObject *value, unsigned int *out, const char *axis) 
   return 0;
 }
 
-static PyObject *launch(KernelObject *k, unsigned int gx, unsigned int gy, unsigned int gz,
-                        PyObject *stream_obj, PyObject *const *args) {
-  uint64_t values[MAX_PARAMS];
-  void *params[MAX_PARAMS];
-  CUstream stream;
+/* The stream a launch goes to: the one given, or the current stream of the kernel's device. */
+static int stream_for(KernelObject *k, PyObject *stream_obj, CUstream *stream) {
   if (stream_obj == NULL || stream_obj == Py_None) {
     PyObject *current = PyObject_CallOneArg(k->stream_of, k->device_obj);
     if (current == NULL)
-      return NULL;
-    stream = (CUstream)(uintptr_t)PyLong_AsUnsignedLongLong(current);
+      return -1;
+    *stream = (CUstream)(uintptr_t)PyLong_AsUnsignedLongLong(current);
     Py_DECREF(current);
   } else {
-    stream = (CUstream)(uintptr_t)PyLong_AsUnsignedLongLong(stream_obj);
+    *stream = (CUstream)(uintptr_t)PyLong_AsUnsignedLongLong(stream_obj);
   }
   if (PyErr_Occurred()) {
     PyErr_SetString(PyExc_TypeError, "stream must be a CUDA stream handle (an int), or None");
-    return NULL;
+    return -1;
   }
-  /* As Triton's launcher: a thread with no current context gets the device's primary one. */
+  return 0;
+}
+
+/* As Triton's launcher: a thread with no current context gets the device's primary one. */
+static int make_context_current(KernelObject *k) {
   CUcontext context = NULL;
   CUresult status = cu.ctx_get_current(&context);
   if (status == CUDA_SUCCESS && context == NULL) {
@@ -474,8 +525,16 @@ static PyObject *launch(KernelObject *k, unsigned int gx, unsigned int gy, unsig
     if (status == CUDA_SUCCESS)
       status = cu.ctx_set_current(context);
   }
-  if (status != CUDA_SUCCESS)
-    return cuda_error(status, "making the kernel's CUDA context current");
+  if (status != CUDA_SUCCESS) {
+    cuda_error(status, "making the kernel's CUDA context current");
+    return -1;
+  }
+  return 0;
+}
+
+/* Every runtime argument packed as the driver takes it (values[i], pointed to by params[i]),
+ * then a null pointer for each trailing scratch parameter. */
+static int pack(KernelObject *k, PyObject *const *args, uint64_t *values, void **params) {
   Py_ssize_t i = 0;
   for (; i < k->nargs; i++) {
     unsigned char kind = k->kinds[i];
@@ -487,16 +546,20 @@ static PyObject *launch(KernelObject *k, unsigned int gx, unsigned int gy, unsig
     else
       failed = extract_float(k, i, args[i], kind, &values[i]);
     if (failed)
-      return NULL;
+      return -1;
     params[i] = &values[i];
   }
   for (; i < k->nparams; i++) { /* scratch buffers: none (the kernel needs none) */
     values[i] = 0;
     params[i] = &values[i];
   }
-  if ((unsigned long long)gx * gy * gz == 0)
-    Py_RETURN_NONE;
-  CUlaunchAttribute attributes[5];
+  return 0;
+}
+
+/* The launch's configuration: the grid, the block, shared memory and the launch attributes
+ * (attributes: room for 5). */
+static void configure(KernelObject *k, unsigned int gx, unsigned int gy, unsigned int gz,
+                      CUstream stream, CUlaunchConfig *out, CUlaunchAttribute *attributes) {
   CUlaunchConfig config;
   memset(&config, 0, sizeof(config));
   config.gridDimX = gx * k->num_ctas;
@@ -536,12 +599,82 @@ static PyObject *launch(KernelObject *k, unsigned int gx, unsigned int gy, unsig
     attributes[n++].value.clusterSchedulingPolicyPreference = CU_CLUSTER_SCHEDULING_POLICY_SPREAD;
   }
   config.numAttrs = n;
+  *out = config;
+}
+
+static PyObject *launch(KernelObject *k, unsigned int gx, unsigned int gy, unsigned int gz,
+                        PyObject *stream_obj, PyObject *const *args) {
+  uint64_t values[MAX_PARAMS];
+  void *params[MAX_PARAMS];
+  CUstream stream;
+  if (stream_for(k, stream_obj, &stream) < 0 || make_context_current(k) < 0 ||
+      pack(k, args, values, params) < 0)
+    return NULL;
+  if ((unsigned long long)gx * gy * gz == 0)
+    Py_RETURN_NONE;
+  CUlaunchAttribute attributes[5];
+  CUlaunchConfig config;
+  configure(k, gx, gy, gz, stream, &config, attributes);
+  CUresult status;
   Py_BEGIN_ALLOW_THREADS;
   status = cu.launch_kernel_ex(&config, k->function, params, NULL);
   Py_END_ALLOW_THREADS;
   if (status != CUDA_SUCCESS)
     return cuda_error(status, "cuLaunchKernelEx");
   Py_RETURN_NONE;
+}
+
+static double seconds_now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* kernel.time_parts(count, gx, gy, gz, stream, *args) -> (driver, pack): seconds per call of
+ * the driver's cuLaunchKernelEx alone (the arguments packed once before, `count` launches in a
+ * C loop), and of packing the arguments alone (`count` times, no launch). For benchmarks: what a
+ * launch costs the driver, against what a whole `kernel[grid](*args)` costs. */
+static PyObject *kernel_time_parts(KernelObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 5 + self->nargs) {
+    PyErr_Format(PyExc_TypeError, "time_parts() takes %zd arguments, got %zd", 5 + self->nargs, nargs);
+    return NULL;
+  }
+  long count = PyLong_AsLong(args[0]);
+  if (count == -1 && PyErr_Occurred())
+    return NULL;
+  if (count < 1) {
+    PyErr_SetString(PyExc_ValueError, "time_parts: count must be at least 1");
+    return NULL;
+  }
+  unsigned int gx, gy, gz;
+  if (grid_dimension(args[1], &gx, "x") < 0 || grid_dimension(args[2], &gy, "y") < 0 ||
+      grid_dimension(args[3], &gz, "z") < 0)
+    return NULL;
+  uint64_t values[MAX_PARAMS];
+  void *params[MAX_PARAMS];
+  CUstream stream;
+  if (stream_for(self, args[4], &stream) < 0 || make_context_current(self) < 0)
+    return NULL;
+  double t0 = seconds_now();
+  for (long i = 0; i < count; i++) {
+    if (pack(self, args + 5, values, params) < 0)
+      return NULL;
+  }
+  double packing = (seconds_now() - t0) / (double)count;
+  CUlaunchAttribute attributes[5];
+  CUlaunchConfig config;
+  configure(self, gx, gy, gz, stream, &config, attributes);
+  CUresult status = CUDA_SUCCESS;
+  double driver;
+  Py_BEGIN_ALLOW_THREADS;
+  double t1 = seconds_now();
+  for (long i = 0; i < count && status == CUDA_SUCCESS; i++)
+    status = cu.launch_kernel_ex(&config, self->function, params, NULL);
+  driver = (seconds_now() - t1) / (double)count;
+  Py_END_ALLOW_THREADS;
+  if (status != CUDA_SUCCESS)
+    return cuda_error(status, "cuLaunchKernelEx");
+  return Py_BuildValue("(dd)", driver, packing);
 }
 
 /* kernel.launch(gx, gy, gz, stream, *args): a launch of a grid computed by the caller. */
@@ -563,6 +696,9 @@ static PyObject *kernel_bind_grid_function(KernelObject *self, PyObject *args);
 static PyMethodDef kernel_methods[] = {
     {"launch", (PyCFunction)(void (*)(void))kernel_launch, METH_FASTCALL,
      "launch(gx, gy, gz, stream, *args): launch on a grid; stream None is the current one"},
+    {"time_parts", (PyCFunction)(void (*)(void))kernel_time_parts, METH_FASTCALL,
+     "time_parts(count, gx, gy, gz, stream, *args) -> (driver, pack): seconds per launch of "
+     "cuLaunchKernelEx alone, and per packing of the arguments alone"},
     {"bind", (PyCFunction)kernel_bind, METH_VARARGS,
      "bind(gx, gy, gz, fallback, name, qualname): the launch function of a grid"},
     {"bind_grid_function", (PyCFunction)kernel_bind_grid_function, METH_VARARGS,
@@ -864,7 +1000,7 @@ PyMODINIT_FUNC PyInit__launch(void) {
   if (m == NULL)
     return NULL;
   if (PyModule_AddObjectRef(m, "Kernel", (PyObject *)&KernelType) < 0 ||
-      PyModule_AddIntConstant(m, "ABI", 3) < 0) {
+      PyModule_AddIntConstant(m, "ABI", 4) < 0) {
     Py_DECREF(m);
     return NULL;
   }

@@ -149,11 +149,21 @@ def kernel_for(
                 stream_of=stream_of,
                 knobs=knobs_runtime,
                 chain_type=chain_type,
+                tensor_type=_tensor_type(),
             )
         except (RuntimeError, ValueError, TypeError) as exc:
             why = str(exc)
     logger.debug("launching %s through Triton's launcher: %s", getattr(metadata, "name", "?"), why)
     return None
+
+
+def _tensor_type() -> Any:
+    """PyTorch's tensor type where PyTorch is imported (a loaded kernel's arguments come from
+    it then), else None: the launcher checks a tensor's allocation once, other objects' pointers
+    at every launch (a tensor holds its memory while it lives; another object may not)."""
+    torch = sys.modules.get("torch")
+    tensor = getattr(torch, "Tensor", None)
+    return tensor if isinstance(tensor, type) else None
 
 
 def _unsupported(metadata: Any, signature: Mapping[str, Any]) -> str | None:
@@ -289,7 +299,7 @@ def _load(path: Path) -> ModuleType:
         raise ImportError(f"cannot load {path}")
     built = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(built)
-    if getattr(built, "ABI", None) != 3:
+    if getattr(built, "ABI", None) != 4:
         raise ImportError(f"{path} is not this version's launcher")
     return built
 

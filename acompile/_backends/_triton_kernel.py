@@ -53,6 +53,9 @@ class TritonKernel:
         # In the instance's dict, so that a copy of it (a TunedKernel) shares Triton's objects
         # and loads the binary once.
         self._triton = TritonObjects(request, entry, metadata)
+        # Launch functions by grid of ints, once loaded (``__getitem__``): a launch in a loop
+        # costs one look-up here.
+        self._by_grid: dict[Any, Callable[..., None]] = {}
 
     @property
     def asm(self) -> dict[str, Any]:
@@ -99,11 +102,15 @@ class TritonKernel:
         kept per grid of ints, so ``kernel[grid]`` in a loop costs one dict look-up.
         """
         try:
-            launch = self._launches.by_grid.get(grid)
-        except (AttributeError, TypeError):  # not loaded yet, or an unhashable grid (a list)
+            launch = self._by_grid.get(grid)
+        except TypeError:  # an unhashable grid (a list)
             launch = None
         if launch is not None:
             return launch
+        return self._subscript(grid)
+
+    def _subscript(self, grid: Any) -> Callable[..., None]:
+        """``kernel[grid]`` the first time for this grid (or for any grid function)."""
         if callable(grid):
             self.load()
             # Not kept: a callable grid often closes over the caller's tensors.
@@ -113,7 +120,7 @@ class TritonKernel:
         launches = self._launches
         launch = launches.with_grid(gx, gy, gz)
         if isinstance(grid, (int, tuple)):
-            by_grid = launches.by_grid
+            by_grid = self._by_grid
             if len(by_grid) >= _GRIDS_KEPT:
                 by_grid.clear()
             by_grid[grid] = launch
@@ -165,7 +172,6 @@ class _Launches:
 
         order = tuple(signature)
         self._constant_values = tuple(constants[n] for n in order if n in constants)
-        self.by_grid: dict[Any, Callable[..., None]] = {}
         self._name = name
         stream_of = driver.active.get_current_stream
         device = driver.active.get_current_device()  # the GPU _init_handles loaded the kernel onto
@@ -202,6 +208,16 @@ class _Launches:
             return launch
         # The launcher's own (C) launch function: the Python one takes what it does not.
         return self._fast.bind(gx, gy, gz, launch, self._name, self._name + "[grid]")  # type: ignore[no-any-return]
+
+    def time_parts(self, grid: Any, args: Sequence[Any], count: int) -> tuple[float, float] | None:
+        """Seconds per launch of the driver's ``cuLaunchKernelEx`` alone (the arguments packed
+        once, ``count`` launches in a C loop), and per packing of the arguments alone, on the
+        current stream; None where Triton's launcher launches this kernel. For benchmarks: a
+        whole ``kernel[grid](*args)`` set against the driver's own share of it."""
+        if self._fast is None:
+            return None
+        gx, gy, gz = _grid3(grid)
+        return self._fast.time_parts(count, gx, gy, gz, None, *args)  # type: ignore[no-any-return]
 
     def with_grid_function(self, grid: Callable[..., Any]) -> Callable[..., None]:
         """The launch function for a grid computed from the arguments at each launch."""

@@ -19,9 +19,14 @@ The set-up is reported in two parts, the same work on both sides: the process's 
 imports (on acompile's side, the event loop's start too), then the launch arguments (and with
 them the CUDA context).
 
-Then, in the same process, the host cost of one ``kernel[grid](*args)`` for each kernel: after a
-warm-up, ``--launches`` launches in batches with a synchronize between batches (outside the
-clock); the median batch's time per launch, on each side.
+Then, in the same process, the host cost of one ``kernel[grid](*args)`` for each kernel, and for
+two no-op kernels (no argument, and 19: 5 tensors, 9 ints, 5 constexprs, as Triton's own launch
+benchmark has them; compiled after the clock): after a warm-up, ``--launches`` launches in batches
+with a synchronize between batches (outside the clock); the median batch's time per launch, on
+each side. On acompile's side, the same batches of the driver's ``cuLaunchKernelEx`` alone (a C
+loop with the arguments packed once: what any launcher must pay), and of packing the arguments
+alone; acompile's cost over the driver's is the target's figure (grid functions, the library's
+own code that both sides run at every launch, left out).
 
 ``--profile`` adds a run of each side under cProfile (not measured) and prints the functions that
 took the most time between the clock's start and stop (in that process; workers are not profiled).
@@ -42,12 +47,45 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import triton
+import triton.language as tl
+
 import acompile
 from acompile._bench import harness, library
 from acompile._bench.corpus import acompile_specs
+from acompile._bench.spec import Spec
 
 _WARMUP = 20
 _BATCH = 50
+# The launch host cost's target: acompile's cost over the driver's own call, µs.
+_OVER_DRIVER_US = 0.5
+
+
+@triton.jit
+def nop() -> None:
+    pass
+
+
+@triton.jit
+def nop_args(
+    t1, t2, t3, t4, t5, i1, i2, i3, i4, i5, i6, i7, i8, i9,
+    c1: tl.constexpr, c2: tl.constexpr, c3: tl.constexpr, c4: tl.constexpr, c5: tl.constexpr,
+) -> None:  # fmt: skip
+    pass
+
+
+def nop_cases() -> list[library.Case]:
+    """The two no-op kernels with arguments on the current GPU (needs PyTorch)."""
+    import torch
+
+    tensors = tuple(torch.empty(64, device="cuda") for _ in range(5))
+    ints = (3, 5, 7, 9, 11, 13, 15, 17, 19)  # none 1 or a multiple of 16: plain i32 for Triton too
+    signature = {f"t{i}": "*fp32" for i in range(1, 6)} | {f"i{i}": "i32" for i in range(1, 10)}
+    constexprs: dict[str, object] = {f"c{i}": i for i in range(1, 6)}
+    return [
+        library.Case(Spec("nop", nop, {}, {}), (1,), (), ()),
+        library.Case(Spec("nop_19_args", nop_args, signature, constexprs), (1,), (*tensors, *ints), ()),
+    ]
 
 
 async def acompile_side(args: argparse.Namespace) -> dict[str, Any]:
@@ -67,12 +105,16 @@ async def acompile_side(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.synchronize()
             after, from_start = time.perf_counter() - t1, time.time() - args.t0
             stats = pool.stats()
+            # After the clock: the no-op kernels, for the launch cost alone.
+            nops = nop_cases()
+            nop_kernels = await pool.gather(*(_request(c.spec) for c in nops))
             t2 = time.perf_counter()
         exit_s = time.perf_counter() - t2
     n, cache = len(cases), stats["cache"]
     problem = None
     if stats["compiled"] or cache["hits_disk"] != n:
         problem = f"compiled {stats['compiled']}, disk hits {cache['hits_disk']} (want 0, {n})"
+    cases, kernels = [*cases, *nops], [*kernels, *nop_kernels]
     launches = {c.spec.name: _launcher(k, c.grid, c.args, {}) for c, k in zip(cases, kernels, strict=True)}
     if args.filling:
         # The run that fills the caches also leaves acompile's launcher built (a build started
@@ -80,16 +122,25 @@ async def acompile_side(args: argparse.Namespace) -> dict[str, Any]:
         from acompile._backends import launcher_module
 
         launcher_module(wait=True)
+    host_us = _host_costs(launches, args.launches)
     return {
+        # Read after the launches: a kernel's launcher is known once it is loaded.
         "launcher": {c.spec.name: k.launcher for c, k in zip(cases, kernels, strict=True)},
         **set_up,
         "after_setup_s": after,
         "from_start_s": from_start,
         "exit_s": exit_s,
         "assertion": None if args.filling else problem,
-        "host_us": _host_costs(launches, args.launches),
+        "host_us": host_us,
+        "driver_us": _driver_costs(cases, kernels, args.launches),
         "profile": profile.get("text"),
     }
+
+
+def _request(spec: Spec) -> Any:
+    return acompile.TritonSpec(
+        spec.fn, spec.signature, spec.constexprs, num_warps=spec.num_warps, num_stages=spec.num_stages
+    )
 
 
 def triton_side(args: argparse.Namespace) -> dict[str, Any]:
@@ -106,6 +157,7 @@ def triton_side(args: argparse.Namespace) -> dict[str, Any]:
             case.spec.fn[case.grid](*case.args, **case.keywords())
         torch.cuda.synchronize()
         after, from_start = time.perf_counter() - t1, time.time() - args.t0
+    cases = [*cases, *nop_cases()]
     launches = {c.spec.name: _launcher(c.spec.fn, c.grid, c.args, c.keywords()) for c in cases}
     return {
         "grid_us": _grid_costs(cases, args.launches),
@@ -150,6 +202,29 @@ def _host_costs(launches: dict[str, Callable[[], Any]], count: int) -> dict[str,
             per_launch.append((time.perf_counter() - t) / _BATCH)
         torch.cuda.synchronize()
         costs[name] = statistics.median(per_launch) * 1e6
+    return costs
+
+
+def _driver_costs(cases: list[library.Case], kernels: list[Any], count: int) -> dict[str, list[float]]:
+    """Microseconds per launch of the driver's call alone, and of packing the arguments alone,
+    for each kernel acompile's launcher launches: the median of batches as ``_host_costs``."""
+    import torch
+
+    costs = {}
+    for case, kernel in zip(cases, kernels, strict=True):
+        grid = case.grid
+        if callable(grid):
+            grid = grid({**dict(zip(case.spec.signature, case.args, strict=True)), **case.spec.constexprs})
+        parts = []
+        for _ in range(max(1, count // _BATCH)):
+            torch.cuda.synchronize()
+            measured = kernel._launches.time_parts(grid, case.args, _BATCH)
+            if measured is None:
+                break
+            parts.append(measured)
+        torch.cuda.synchronize()
+        if parts:
+            costs[case.spec.name] = [statistics.median(p[i] for p in parts) * 1e6 for i in (0, 1)]
     return costs
 
 
@@ -206,9 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeat < 1 or args.launches < _BATCH:
         parser.error(f"--repeat must be at least 1 and --launches at least {_BATCH}")
     folder = Path(tempfile.mkdtemp(prefix="acompile-first-launch-"))
-    names = [s.name for s in library.specs()]
+    names = [s.name for s in library.specs()] + ["nop", "nop_19_args"]
     print(
-        f"first launch of {len(names)} library kernels from a warm cache, fresh process, "
+        f"first launch of {len(names) - 2} library kernels from a warm cache, fresh process, "
         f"median of {args.repeat}; machine: {harness.machine()['cpu_count']} CPUs"
     )
     medians: dict[str, dict[str, float]] = {}
@@ -239,6 +314,12 @@ def main(argv: list[str] | None = None) -> int:
             if key in measured[0]
         }
         host[side] = {n: statistics.median(r["host_us"][n] for r in measured) for n in names}
+        if side == "acompile":
+            driver = {
+                n: [statistics.median(r["driver_us"][n][i] for r in measured) for i in (0, 1)]
+                for n in names
+                if all(n in r["driver_us"] for r in measured)
+            }
         if runs[side][-1].get("profile"):
             print(f"--- profile, {side} (an extra run) ---\n{runs[side][-1]['profile']}")
     ours, theirs = medians["acompile"], medians["triton"]
@@ -275,16 +356,31 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     grid_us = runs["triton"][1]["grid_us"]
     launchers = runs["acompile"][1]["launcher"]
+    over_driver = {}
     for n in names:
         ours_us, theirs_us = host["acompile"][n], host["triton"][n]
         grid = f"{grid_us[n]:.2f}" if n in grid_us else "-"
         ratio = f"{ours_us / theirs_us:.2f}x"
-        rows.append([n, f"{ours_us:.2f}", f"{theirs_us:.2f}", ratio, grid, launchers[n]])
-    print(harness.table(["kernel", "acompile", "Triton JIT", "ratio", "of which grid fn", "launcher"], rows))
+        cells = ["-", "-", "-"]
+        if n in driver:
+            driver_us, pack_us = driver[n]
+            over_driver[n] = over = ours_us - grid_us.get(n, 0.0) - driver_us
+            cells = [f"{driver_us:.2f}", f"{pack_us:.2f}", f"{over:+.2f}"]
+        rows.append([n, f"{ours_us:.2f}", f"{theirs_us:.2f}", ratio, grid, *cells, str(launchers[n])])
+    header = ["kernel", "acompile", "Triton JIT", "ratio", "of which grid fn", "driver call", "packing"]
+    print(harness.table([*header, "over driver", "launcher"], rows))
     print(
         "(grid fn: the library's grid function alone, which both sides call at every launch; "
-        "launcher: whose launcher acompile used)"
+        "driver call: cuLaunchKernelEx alone in a C loop, arguments packed once; packing: the "
+        "arguments alone (tensors' data_ptr() and pointer checks, ints, floats); over driver: "
+        "acompile minus grid fn minus driver call; launcher: whose launcher acompile used)"
     )
+    if over_driver:
+        worst = max(over_driver, key=over_driver.__getitem__)
+        print(
+            f"launch host cost over the driver's call: {min(over_driver.values()):+.2f} to "
+            f"{over_driver[worst]:+.2f} µs ({worst}); target <= {_OVER_DRIVER_US} µs"
+        )
     return 0
 
 
