@@ -397,11 +397,17 @@ class CompilePool:
                 prepare_launcher()  # imported off the first launch, where a GPU driver is
             await self._cache.open()
             for name in self._preload:
-                # Imports (in a thread) and one-time costs now, not in the first request.
-                backend = await anyio.to_thread.run_sync(load_parent, name)
+                # Imports (in a thread, unless done already) and one-time costs now, not in the
+                # first request.
+                spec = BACKENDS[name]
+                if all(module in sys.modules for module in (spec.parent, spec.requires) if module):
+                    backend = load_parent(name)
+                else:
+                    backend = await anyio.to_thread.run_sync(load_parent, name)
                 await backend.setup(self._memo_dir, self._target)
-            self._workdir = await anyio.to_thread.run_sync(WorkerPool.make_workdir, "acompile-")
-            bytecode, helpers = await anyio.to_thread.run_sync(self._bytecode_plan)
+            # The workers' folders: one trip to a thread for both (each trip is a hand-over of
+            # the interpreter's lock both ways, and a warm start's clock runs meanwhile).
+            bytecode, helpers = await anyio.to_thread.run_sync(self._work_folders)
             config: WorkerConfig = {
                 "sys_path": list(sys.path),
                 "cwd": os.getcwd(),
@@ -412,6 +418,7 @@ class CompilePool:
                 "bytecode_helpers": helpers,
             }
             workdir = self._workdir
+            assert workdir is not None
 
             def local_workers() -> WorkerPool:
                 local = WorkerPool(
@@ -478,6 +485,12 @@ class CompilePool:
             self._prestart_scope = anyio.CancelScope()
             self._tg.start_soon(self._prestart_soon, self._prestart_scope)
         return self
+
+    def _work_folders(self) -> tuple[str | None, str]:
+        """Make the workers' work folder (``self._workdir``), and return ``_bytecode_plan()``
+        (blocking)."""
+        self._workdir = WorkerPool.make_workdir("acompile-")  # set here: removed if what follows fails
+        return self._bytecode_plan()
 
     def _bytecode_plan(self) -> tuple[str | None, str]:
         """Where the workers keep their imports' bytecode (None: where the installation does),
@@ -802,8 +815,9 @@ class CompilePool:
         if flight is None:
             flight = _Flight(request.key, background=background)
             self._flights[request.key] = flight
-            assert self._tg is not None
-            self._tg.start_soon(self._fly, flight, backend, request)
+            # This caller looks in the local tier itself; the flight goes on in the pool's task
+            # group only where that finds nothing to load.
+            await self._look_locally(flight, backend, request)
         else:
             self._counts["joined_in_flight"] += 1
             arrival = _arrival.get(None)
@@ -816,7 +830,8 @@ class CompilePool:
                     self._workers.promote(flight.job)
         flight.waiters += 1
         try:
-            await flight.done.wait()
+            if not flight.done.is_set():  # a disk hit is done already: no trip through the loop
+                await flight.done.wait()
         finally:
             flight.waiters -= 1
             if flight.waiters == 0 and not flight.done.is_set():
@@ -858,11 +873,107 @@ class CompilePool:
                     exc,
                 )
 
-    async def _fly(self, flight: _Flight, backend: ParentBackend[Any, Any, Any], request: Request) -> None:
+    async def _look_locally(
+        self, flight: _Flight, backend: ParentBackend[Any, Any, Any], request: Request
+    ) -> None:
+        """The first request for a key reads the local tier (the disk) in its own task, and
+        finishes the flight with the kernel for whoever joined meanwhile. A warm start's
+        requests are all disk hits, and a task of the pool's for each, with its cancel scope,
+        cost them more than their read and load. Where the disk has nothing loadable, the flight
+        goes on in the pool's task group (``_fly``), from the tiers after it. A caller cancelled
+        meanwhile leaves the flight to such a task where others wait for it."""
+        start = time.perf_counter()
+        flight.waiters += 1  # this caller, until the flight goes on without it
+        try:
+            entry = await self._cache.lookup_local(request.key)
+            kernel = None
+            if entry is not None:
+                # Entries that arrive together (a warm start) become kernels a slice at a time.
+                await _pacing.checkpoint()
+                loading = time.perf_counter()
+                try:
+                    kernel = await backend.load(request, entry, self._cache.root)
+                except CorruptEntry as exc:
+                    # Intact bytes the backend cannot load: a miss, as a damaged entry is.
+                    self._cache.reject(request.key, self._cache.local.name, exc)
+        except Exception as exc:
+            flight.waiters -= 1
+            self._flight_failed(flight, request, exc)
+            return
+        except BaseException:
+            flight.waiters -= 1
+            if not flight.done.is_set():
+                if flight.waiters and self._state == "running":
+                    assert self._tg is not None
+                    self._tg.start_soon(self._fly, flight, backend, request)
+                else:
+                    self._drop(flight)
+                    flight.finish(error=self._abandoned(request))
+            raise
+        flight.waiters -= 1
+        if kernel is None:
+            if self._state != "running":
+                self._drop(flight)
+                flight.finish(error=self._abandoned(request))
+                return
+            # Nothing loadable on the disk: the other tiers, or a compile (straight away where
+            # the disk's entry was rejected, as in _fly).
+            assert self._tg is not None
+            go_on = functools.partial(self._fly, after_local=entry is None, rejected=entry is not None)
+            self._tg.start_soon(go_on, flight, backend, request)
+            return
+        if self._tracer is not None:
+            done = time.perf_counter()
+            self._tracer.request(request, self._cache.local.name, start, done, None, (loading, done))
+        self._cache.keep_loaded(request.key, kernel)
+        flight.tier = self._cache.local.name
+        flight.finish(kernel)
+        self._drop(flight)
+
+    def _abandoned(self, request: Request) -> AcompileError:
+        """What a flight nobody carries on ends with: the pool's exit, or its last caller gone."""
+        if self._state != "running":
+            return PoolClosedError("the pool shut down while compiling")
+        return JobCancelled(request.name)
+
+    def _drop(self, flight: _Flight) -> None:
+        """The flight is over (or abandoned): a later request for its key starts afresh."""
+        if self._flights.get(flight.key) is flight:
+            del self._flights[flight.key]
+
+    def _flight_failed(self, flight: _Flight, request: Request, exc: Exception) -> None:
+        """A flight's work raised ``exc``: every caller raises a copy of it."""
+        if isinstance(exc, AcompileError) and not isinstance(exc, JobCancelled):
+            self._counts["failed"] += 1
+            # One line (a log record per failure, whole), made of the first lines of the
+            # message without the compiler's stderr tail: the error carries all of it.
+            text = exc.args[0] if exc.args else str(exc)
+            lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+            summary = " | ".join(lines[:4])
+            if len(summary) > 300 or len(lines) > 4:
+                summary = summary[:300] + " ..."
+            logger.warning("compile of %s failed: %s", request.name, summary)
+        flight.finish(error=exc)
+        self._drop(flight)
+
+    async def _fly(
+        self,
+        flight: _Flight,
+        backend: ParentBackend[Any, Any, Any],
+        request: Request,
+        *,
+        after_local: bool = False,
+        rejected: bool = False,
+    ) -> None:
+        """A flight's work in the pool's task group: the byte tiers (those after the local one,
+        ``after_local``; none where the local tier's entry was ``rejected``), then a compile."""
         try:
             with flight.scope:
                 start = time.perf_counter()
-                entry, tier = await self._cache.lookup(request.key)
+                if rejected:
+                    entry, tier = None, ""
+                else:
+                    entry, tier = await self._cache.lookup(request.key, after_local=after_local)
                 kernel = None
                 if entry is not None:
                     # Entries that arrive together (a warm start) become kernels a slice at a time.
@@ -918,28 +1029,16 @@ class CompilePool:
                 self._cache.keep_loaded(request.key, kernel)
                 flight.tier = tier
                 flight.finish(kernel)
-        except AcompileError as exc:
-            if not isinstance(exc, JobCancelled):
-                self._counts["failed"] += 1
-                # One line (a log record per failure, whole), made of the first lines of the
-                # message without the compiler's stderr tail: the error carries all of it.
-                text = exc.args[0] if exc.args else str(exc)
-                lines = [line.strip() for line in str(text).splitlines() if line.strip()]
-                summary = " | ".join(lines[:4])
-                if len(summary) > 300 or len(lines) > 4:
-                    summary = summary[:300] + " ..."
-                logger.warning("compile of %s failed: %s", request.name, summary)
-            flight.finish(error=exc)
         except Exception as exc:
-            flight.finish(error=exc)
+            self._flight_failed(flight, request, exc)
         except BaseException:
             flight.finish(error=PoolClosedError("the pool shut down while compiling"))
             raise
         finally:
-            if self._flights.get(flight.key) is flight:
-                del self._flights[flight.key]
-            # Cancelled by its last waiter (not by shutdown): nobody is left to tell.
-            flight.finish(error=JobCancelled(request.name))
+            self._drop(flight)
+            if not flight.done.is_set():
+                # Cancelled by its last waiter (not by shutdown): nobody is left to tell.
+                flight.finish(error=JobCancelled(request.name))
 
     @property
     def executor(self) -> Executor:

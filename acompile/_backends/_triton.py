@@ -180,6 +180,7 @@ def forget() -> None:
     _log_dir.cache_clear()
     _triton_toolchain.forget()
     _triton_env.invalidating_env_names.cache_clear()
+    _triton_env.forget()
     _triton_spec._valid_types.clear()
     _triton_spec._option_names_memo.clear()
     _triton_describe._described.clear()

@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import threading
 from collections import namedtuple
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from acompile._backends._triton_spec import show
-from acompile._cache import CorruptEntry, Entry
+from acompile._cache import CorruptEntry, Entry, blob_isascii, blob_view
 
 if TYPE_CHECKING:
     from acompile._backends._triton_spec import TritonRequest
@@ -114,22 +115,24 @@ def kernel_metadata(entry: Entry, target: Target) -> Any:
             if value is not None and value < least:
                 raise ValueError(f"{name} is {value}")
         fields = tuple(sorted(metadata))
-        KernelMetadata = _metadata_types.get(fields)
+        KernelMetadata: Any = _metadata_types.get(fields)
         if KernelMetadata is None:
             # Triton makes a class per kernel; one per field list reads the same and saves a
             # class creation per kernel loaded from the cache.
             KernelMetadata = _metadata_types[fields] = namedtuple("KernelMetadata", fields)
-        md: Any = KernelMetadata(**metadata)
+        # By position: a named tuple's keyword form costs more than the rest of this check.
+        md: Any = KernelMetadata._make([metadata[name] for name in fields])
         binary = backend_for(md.target).binary_ext
         if binary not in entry.blobs:
             raise KeyError(binary)
         # The text stages are decoded at first use of .asm; whether they can be is known now.
-        # They are ASCII but for a rare comment, and isascii() is a scan in C without a copy:
-        # a full decode is paid for only by a stage that is not.
-        for ext, blob in entry.blobs.items():
-            if ext != binary and not blob.isascii():
+        # They are ASCII but for a rare comment, and the ASCII scan reads them where the entry
+        # was read, without copying them out: a full decode is paid for only by a stage that
+        # is not.
+        for ext in entry.blobs:
+            if ext != binary and not blob_isascii(entry.blobs, ext):
                 try:
-                    blob.decode()
+                    str(blob_view(entry.blobs, ext), "utf-8")
                 except UnicodeDecodeError as exc:
                     raise ValueError(
                         f"the {ext} stage is not UTF-8 text ({exc.reason} at byte {exc.start})"
@@ -168,7 +171,7 @@ class TritonObjects:
     def __init__(self, request: TritonRequest, entry: Entry, metadata: Any) -> None:
         self._request = request
         self.signature = request.signature
-        self._blobs = entry.blobs
+        self._blobs: Mapping[str, bytes] = entry.blobs
         self._metadata = metadata
         self._asm: dict[str, Any] | None = None
         self._compiled: Any = None
@@ -182,8 +185,14 @@ class TritonObjects:
                     from triton.compiler.compiler import AsmDict
 
                     binary = backend_for(self._metadata.target).binary_ext
-                    stages = {ext: b if ext == binary else b.decode() for ext, b in self._blobs.items()}
-                    del stages["json"]  # the metadata, not a stage
+                    blobs = self._blobs
+                    # Text stages decoded from where the entry was read (no copy of the bytes
+                    # first); the metadata is not a stage.
+                    stages = {
+                        ext: blobs[ext] if ext == binary else str(blob_view(blobs, ext), "utf-8")
+                        for ext in blobs
+                        if ext != "json"
+                    }
                     self._asm = AsmDict(stages)
                     self._blobs = {}  # the decoded stages replace the entry's bytes
                 asm = self._asm

@@ -240,6 +240,8 @@ def check_options(target: Target, spec: TritonSpec) -> dict[str, Any]:
     if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
         raise InvalidSpecError(f"num_stages must be a positive integer, got {show(stages)}")
     for name, value in options.items():
+        if type(value) is int or type(value) is bool or (type(value) is str and "\0" not in value):
+            continue  # a plain value as it is (most are): nothing to encode to know it
         try:
             text = json.dumps(value)
         except (TypeError, ValueError):

@@ -42,6 +42,8 @@ _NAMES: dict[str, str | tuple[str, str]] = {
     "read_entry": "_disk",
     "CorruptEntry": "_entry",
     "Entry": "_entry",
+    "blob_isascii": "_entry",
+    "blob_view": "_entry",
     "decode_entry": ("_entry", "decode"),
     "ABSENT": "_explain",
     "FACTORS": "_explain",
@@ -82,7 +84,7 @@ if _typing.TYPE_CHECKING:
     from acompile._cache._costs import MAX_FILE_BYTES as COSTS_MAX_BYTES
     from acompile._cache._costs import MAX_RECORDS as COSTS_MAX_RECORDS
     from acompile._cache._disk import DiskTier, GuardedDisk, default_cache_dir, read_entry
-    from acompile._cache._entry import CorruptEntry, Entry
+    from acompile._cache._entry import CorruptEntry, Entry, blob_isascii, blob_view
     from acompile._cache._entry import decode as decode_entry
     from acompile._cache._explain import (
         ABSENT,
@@ -136,6 +138,8 @@ __all__ = [
     "StaleEntry",
     "Tier",
     "TierChain",
+    "blob_isascii",
+    "blob_view",
     "check_target",
     "decode_entry",
     "default_cache_dir",

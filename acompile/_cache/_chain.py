@@ -186,12 +186,23 @@ class TierChain:
         """Put a loaded kernel in the memory tier."""
         self.memory.set(key, kernel)
 
-    async def lookup(self, key: str) -> tuple[Entry | None, str]:
+    async def lookup(self, key: str, *, after_local: bool = False) -> tuple[Entry | None, str]:
         """The verified entry from the first byte tier that has it, and that tier's name;
-        ``(None, "")`` for a miss in every tier. Counted: ``hits_<tier>`` or ``misses``."""
-        entry, tier = await self._find(key)
+        ``(None, "")`` for a miss in every tier. Counted: ``hits_<tier>`` or ``misses``.
+        ``after_local``: the tiers after the local one only (``lookup_local`` missed)."""
+        entry, tier = await self._find(key, self.tiers[1:] if after_local else self.tiers)
         self.counts[f"hits_{tier}" if entry is not None else "misses"] += 1
         return entry, tier
+
+    async def lookup_local(self, key: str) -> Entry | None:
+        """The verified entry from the local tier (counted as its hit), or None: absent,
+        damaged (counted and warned about, as ``lookup`` does) or too slow, and not counted as a
+        miss: the caller goes on with ``lookup(key, after_local=True)``. A warm start's requests
+        look here first, each in its own task, without a task of the pool's for each."""
+        entry = await self._read(self.local, key)
+        if entry is not None:
+            self.counts[f"hits_{self.local.name}"] += 1
+        return entry
 
     def reject(self, key: str, tier: str, exc: Exception) -> None:
         """An entry ``lookup`` found in ``tier`` that the backend cannot load (``exc``, a
@@ -344,7 +355,7 @@ class TierChain:
     async def find_record(self, key: str) -> tuple[Entry | None, str]:
         """``get_record``, and the name of the tier it came from (``""`` for none)."""
         self._check_accepting()
-        return await self._find(key)
+        return await self._find(key, self.tiers)
 
     async def put_record(
         self, key: str, name: str, blobs: dict[str, bytes], meta: dict[str, Any], *, backend: str = "record"
@@ -384,8 +395,8 @@ class TierChain:
         if not self._accepting:
             raise PoolClosedError("the pool is not running: records are read and stored inside it")
 
-    async def _find(self, key: str) -> tuple[Entry | None, str]:
-        for tier in self.tiers:
+    async def _find(self, key: str, tiers: Sequence[Tier]) -> tuple[Entry | None, str]:
+        for tier in tiers:
             entry = await self._read(tier, key)
             if entry is not None:
                 return entry, tier.name

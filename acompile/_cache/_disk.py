@@ -12,9 +12,11 @@ therefore stop waiting at any moment, cancelled or past a deadline, and leak not
 finishes by itself. A call stuck in the kernel (a hung network filesystem) is abandoned, never
 joined, so it cannot hang the pool's exit or the interpreter's.
 
-Entry reads (a warm start asks for every kernel at once) share a queue that a few threads take
+Entry reads (a warm start asks for every kernel at once) share a queue that two threads take
 in order, each reading and verifying one entry after the other, instead of one thread hop per
-entry; the loop is woken once for whatever they finished meanwhile.
+entry; the loop is woken once for whatever they finished meanwhile, and one timer bounds them all
+(``DISK_DEADLINE``). The entry keeps the bytes it was read in: its blobs are copied out of them
+only when asked for, its binaries at once (``Blobs``).
 
 Whatever sits at an entry's path is read with ``read_state`` (``_layout``): a FIFO, a device, a
 folder, a link or a file over ``MAX_ENTRY_BYTES`` is refused unread, a damaged entry (a miss), and
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import functools
 import logging
 import os
 import queue
@@ -61,7 +62,6 @@ from acompile._cache._layout import (
     write_state,
 )
 from acompile._errors import UntrustedFolderError
-from acompile._sizing import usable_cpus
 from acompile._trust import check_folder, own_folder
 
 logger = logging.getLogger("acompile")
@@ -152,12 +152,13 @@ class _DaemonThreads(Executor):
 _threads = _DaemonThreads(16)
 
 
-@functools.cache
 def _readers() -> int:
-    """How many threads share the entry reads. Reading an entry and verifying it (SHA-256)
-    release the GIL, so several threads read a warm start at once; four keep up with what the
-    loop does per entry on any machine, and more would only stand between it and the GIL."""
-    return max(2, min(4, usable_cpus() // 2))
+    """How many threads share the entry reads: two, whatever the machine. Reading an entry and
+    verifying it (SHA-256) release the interpreter's lock, so two threads read a warm start while
+    the loop keys and loads what they read, and keep up with it; each thread more is one more
+    that takes the lock back after each of its system calls (on a 16-CPU host, four made a warm
+    start slower than two)."""
+    return 2
 
 
 _HEX = frozenset("0123456789abcdef")
@@ -170,10 +171,15 @@ def _read_file(path: str | Path) -> bytes | None:
 
 
 def _read_entry(path: str, key: str) -> Entry | None:
-    """The verified entry at path, or None where there is none. Raises ``CorruptEntry``,
-    ``RefusedFile`` or ``OSError``."""
+    """The verified entry at path, or None where there is none, its binaries copied out (see
+    ``Blobs.copy_out_binaries``). Raises ``CorruptEntry``, ``RefusedFile`` or ``OSError``."""
     data = _read_file(path)
-    return None if data is None else _entry.decode(data, key)
+    if data is None:
+        return None
+    entry = _entry.decode(data, key)
+    if isinstance(entry.blobs, _entry.Blobs):
+        entry.blobs.copy_out_binaries()
+    return entry
 
 
 def read_entry(root: str | os.PathLike[str], key: str) -> Entry | None:
@@ -187,6 +193,11 @@ def read_entry(root: str | os.PathLike[str], key: str) -> Entry | None:
         return None
 
 
+class ReadTimeout(Exception):
+    """An entry read that did not answer within ``DISK_DEADLINE`` (a hung filesystem): its
+    thread is left to finish alone."""
+
+
 class _EntryReader:
     """The entry reads of one event loop, taken in order by up to ``_readers()`` disk threads.
 
@@ -194,6 +205,10 @@ class _EntryReader:
     start's reads all go to the same few threads (started off the loop by ``GuardedDisk.open``),
     each taking the next read as it finishes one. Results come back together: a thread wakes the
     loop only when no hand-over is pending already.
+
+    A read not answered within ``DISK_DEADLINE`` fails with ``ReadTimeout``: one timer watches
+    every read of the loop (they end in about the order they were asked), rather than a timer
+    and a cancel scope per read, which cost a warm start more than the read's hand-over.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -203,9 +218,13 @@ class _EntryReader:
         self._threads = 0
         self._results: list[tuple[asyncio.Future[Entry | None], Entry | None, Exception | None]] = []
         self._handing_over = False
+        # The reads asked, oldest first, with their deadlines (the loop's clock); on the loop only.
+        self._watched: deque[tuple[float, asyncio.Future[Entry | None]]] = deque()
+        self._watchdog: asyncio.TimerHandle | None = None
 
     def read(self, path: str, key: str) -> asyncio.Future[Entry | None]:
-        """Queue a read (on the loop); the future holds the entry, None, or the read's error."""
+        """Queue a read (on the loop); the future holds the entry, None, the read's error, or
+        ``ReadTimeout``."""
         future: asyncio.Future[Entry | None] = self.loop.create_future()
         with self._lock:
             self._queue.append((path, key, future))
@@ -213,7 +232,32 @@ class _EntryReader:
             self._threads += start
         if start:
             _threads.submit(self._work)
+        self._forget_answered()
+        deadline = self.loop.time() + DISK_DEADLINE
+        self._watched.append((deadline, future))
+        if self._watchdog is None:
+            self._watchdog = self.loop.call_at(deadline, self._expire)
         return future
+
+    def _forget_answered(self) -> None:
+        """Drop the answered reads at the head of the watch list (it would hold their entries)."""
+        watched = self._watched
+        while watched and watched[0][1].done():
+            watched.popleft()
+
+    def _expire(self) -> None:
+        """On the loop, at the oldest read's deadline: fail the reads past theirs."""
+        self._watchdog = None
+        self._forget_answered()
+        now = self.loop.time()
+        while self._watched:
+            deadline, future = self._watched[0]
+            if deadline > now:
+                self._watchdog = self.loop.call_at(deadline, self._expire)
+                return
+            self._watched.popleft()
+            if not future.done():
+                future.set_exception(ReadTimeout(f"no answer within {DISK_DEADLINE:g} s"))
 
     def _work(self) -> None:
         """A disk thread's part: read and verify entries until the queue is empty."""
@@ -250,6 +294,7 @@ class _EntryReader:
                 future.set_exception(error)
             else:
                 future.set_result(entry)
+        self._forget_answered()
 
 
 _read = aiofiles.os.wrap(_read_file)
@@ -325,8 +370,8 @@ class DiskTier:
 
     async def get_entry(self, key: str) -> Entry | None:
         """The verified entry, or None where there is none: read and checked on a disk thread
-        (see ``_EntryReader``). Raises ``CorruptEntry`` for a damaged entry, and ``OSError``
-        (``RefusedFile``) as ``get``."""
+        (see ``_EntryReader``). Raises ``CorruptEntry`` for a damaged entry, ``OSError``
+        (``RefusedFile``) as ``get``, and ``ReadTimeout`` past ``DISK_DEADLINE``."""
         self._check_key(key)
         loop = asyncio.get_running_loop()
         reader = self._reader
@@ -477,8 +522,20 @@ class GuardedDisk:
         """The verified entry, or None for a miss (absent, or too slow), read and checked off
         the event loop. Raises ``CorruptEntry`` for a damaged entry, or where something
         unreadable sits at its path."""
-        entry: Entry | None = await self._guarded_read(key, self.files.get_entry)
-        return entry
+        if self._stalled():
+            return None
+        # Bounded by the reads' own deadline (``ReadTimeout``). Not shielded: the caller's
+        # cancellation (its own deadline, the pool's exit) abandons the read at once; the thread
+        # finishes, and closes the file, alone.
+        try:
+            return await self.files.get_entry(key)
+        except ReadTimeout:
+            self._timed_out(key)
+            return None
+        except RefusedFile as exc:
+            raise CorruptEntry(str(exc)) from exc
+        except OSError as exc:
+            raise CorruptEntry(f"cannot read: {exc}") from exc
 
     async def _guarded_read(self, key: str, read: Callable[[str], Awaitable[_T]]) -> _T | None:
         if self._stalled():
@@ -494,20 +551,24 @@ class GuardedDisk:
             except OSError as exc:
                 raise CorruptEntry(f"cannot read: {exc}") from exc
         if scope.cancelled_caught:
-            self.counts["disk_timeouts"] += 1
-            self._stall()
-            self.files.abandon_reads()
-            self._warn_once(
-                "read-timeout",
-                "disk cache read of %s… did not answer within %g s (a hung filesystem?); compiling "
-                "it instead, and leaving %s alone for %g s",
-                key[:16],
-                DISK_DEADLINE,
-                self.root,
-                DISK_BACKOFF,
-            )
+            self._timed_out(key)
             return None
         return result
+
+    def _timed_out(self, key: str) -> None:
+        """A read past ``DISK_DEADLINE``: a miss, and the disk left alone for ``DISK_BACKOFF``."""
+        self.counts["disk_timeouts"] += 1
+        self._stall()
+        self.files.abandon_reads()
+        self._warn_once(
+            "read-timeout",
+            "disk cache read of %s… did not answer within %g s (a hung filesystem?); compiling "
+            "it instead, and leaving %s alone for %g s",
+            key[:16],
+            DISK_DEADLINE,
+            self.root,
+            DISK_BACKOFF,
+        )
 
     async def set(self, key: str, data: bytes) -> bool:
         """Publish an entry; True where it was. Never raises for the disk's sake (the caller

@@ -50,7 +50,7 @@ STALE_TEMP_S = 3600.0
 
 # The largest file of each kind that is read; anything larger is damaged (or not acompile's), and
 # refused unread. Each is far above what acompile writes, and small enough that a few reads of a
-# refused size at once (a warm start reads on up to four threads) cost no host its memory.
+# refused size at once (a warm start reads on two threads) cost no host its memory.
 # An entry: a Triton kernel's is tens of KB to a few MB (its IRs, PTX and cubin), a C++ library's
 # tens of KB; the largest seen is a torch.compile precompiled header of 26 MB. One larger is kept
 # in memory only (``GuardedDisk.set``).
@@ -116,6 +116,12 @@ def open_state(path: str | os.PathLike[str]) -> int | None:
     """A descriptor of the regular file at ``path`` (blocking; the caller closes it), or None
     where there is none. Raises ``RefusedFile`` for anything but a regular file. Opened without
     blocking and without following a link."""
+    opened = _open_regular(path)
+    return None if opened is None else opened[0]
+
+
+def _open_regular(path: str | os.PathLike[str]) -> tuple[int, int] | None:
+    """``open_state``'s descriptor, with the file's size."""
     try:
         fd = os.open(path, _READ_FLAGS)
     except (FileNotFoundError, NotADirectoryError):
@@ -124,33 +130,45 @@ def open_state(path: str | os.PathLike[str]) -> int | None:
         if exc.errno == errno.ELOOP:
             raise RefusedFile(f"not a regular file (a link): {os.fspath(path)}") from None
         raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
         os.close(fd)
         # A FIFO or a device would never end (or never start) a read; a folder cannot be read.
         raise RefusedFile(f"not a regular file: {os.fspath(path)}")
-    return fd
+    return fd, info.st_size
 
 
 def read_state(path: str | os.PathLike[str], limit: int) -> bytes | None:
     """The bytes of the file at ``path`` (blocking), or None where there is none. Raises
     ``RefusedFile`` for anything but a regular file of at most ``limit`` bytes, ``OSError`` where
     the file cannot be read. Opened as ``open_state`` opens it; read whole, in one allocation of
-    its size."""
-    fd = open_state(path)
-    if fd is None:
+    its size, with as few system calls as can be (open, stat, read, close): a warm start reads
+    dozens of entries on threads, and each call there is a hand-over of the interpreter's lock."""
+    opened = _open_regular(path)
+    if opened is None:
         return None
+    fd, size = opened
     try:
-        info = os.fstat(fd)
-        if info.st_size > limit:
+        if size > limit:
             raise RefusedFile(
-                f"{human_bytes(info.st_size)}, over the {human_bytes(limit)} bound on this kind of file: "
+                f"{human_bytes(size)}, over the {human_bytes(limit)} bound on this kind of file: "
                 f"{os.fspath(path)}"
             )
-        with open(fd, "rb", closefd=False) as f:
-            data = f.read(info.st_size + 1)
+        # One byte more than the file holds: a file that grew meanwhile says so.
+        data = os.pread(fd, size + 1, 0)
+        if len(data) < size:
+            # A short read (some network and FUSE filesystems return one): read on to the end.
+            parts, got = [data], len(data)
+            while got <= size:
+                more = os.pread(fd, size + 1 - got, got)
+                if not more:
+                    break
+                parts.append(more)
+                got += len(more)
+            data = b"".join(parts)
     finally:
         os.close(fd)
-    if len(data) > info.st_size:
+    if len(data) > size:
         # The files of the folder are replaced whole, never written in place: not one of them.
         raise RefusedFile(f"it grew while it was read: {os.fspath(path)}")
     return data
