@@ -34,7 +34,8 @@ def test_the_example_corpus_file_runs_in_every_row_and_the_storm_is_set_against_
         "--corpus",
         "examples/bench_corpus.py",
         "--only",
-        "sequential,acompile_cold",
+        # acompile_warm_pool too: its pool is entered before its clock, and left as the others'.
+        "sequential,acompile_cold,acompile_warm_pool",
         "--workers",
         "2",
         "--json",
@@ -44,7 +45,7 @@ def test_the_example_corpus_file_runs_in_every_row_and_the_storm_is_set_against_
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"{EXAMPLE_SPECS} specs (corpus examples/bench_corpus.py)" in out.stdout, out.stdout
     lines = out.stdout.splitlines()
-    for row in ("sequential", "acompile_cold"):
+    for row in ("sequential", "acompile_cold", "acompile_warm_pool"):
         cells = next(x.split() for x in lines if x.startswith(f"{row} "))  # the table's row
         assert f"{EXAMPLE_SPECS}/{EXAMPLE_SPECS}" in cells, out.stdout
     document = json.loads(report.read_text())

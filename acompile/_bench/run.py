@@ -239,21 +239,24 @@ async def acompile_row(args: argparse.Namespace) -> dict[str, Any]:
             extra["ready_s"] = time.perf_counter() - t_enter
             lag.clear()
         t0 = time.perf_counter()
-        async with anyio.create_task_group() as watch:
-            if args.row in _STARTED:
-                watch.start_soon(_first_running, pool, t0, extra)
-            if args.row != "acompile_warm_pool":
-                await pool.__aenter__()
-            extra["enter_s"] = time.perf_counter() - t0
-            try:
+        if args.row != "acompile_warm_pool":
+            await pool.__aenter__()
+        extra["enter_s"] = time.perf_counter() - t0
+        try:
+            # The watch lives inside the pool (entered before it, left after it): the pool's
+            # exit never runs in the watch's cancelled scope. No job runs before the gather
+            # submits it, so the watch, started here, sees the first one.
+            async with anyio.create_task_group() as watch:
+                if args.row in _STARTED:
+                    watch.start_soon(_first_running, pool, t0, extra)
                 results = await pool.gather(*requests, return_exceptions=True)
                 wall = time.perf_counter() - t0
                 stamps["ready"] = time.time()
                 watch.cancel_scope.cancel()
-                stats = pool.stats()
-                t1 = time.perf_counter()
-            finally:
-                await pool.__aexit__(None, None, None)
+            stats = pool.stats()
+            t1 = time.perf_counter()
+        finally:
+            await pool.__aexit__(None, None, None)
         extra["shutdown_s"] = time.perf_counter() - t1
     problems = []
     if warm_start:
