@@ -72,6 +72,8 @@ class CacheStats(TypedDict):
     disk_corrupt: int
     stale: int
     disk_writes: int
+    costs_from_fleet: int
+    costs_published: int
 
 
 class Stats(TypedDict):

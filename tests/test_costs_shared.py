@@ -104,6 +104,7 @@ async def test_a_fresh_replica_expects_what_the_fleet_measured(
             # The key decides: another family, size or options would be guessed, not looked up.
             assert await costs.expect(features(key, family="unrelated", size=1)) == pytest.approx(seconds)
         assert costs.counts["shared_loaded"] == 3
+        assert p.stats()["cache"]["costs_from_fleet"] == 3  # what users see
         await p.compile(acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 512}))
     # B's file holds what B measured, not what it read; the fleet's document holds both.
     [own] = local_records(tmp_path / "b")

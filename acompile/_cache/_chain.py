@@ -382,6 +382,9 @@ class TierChain:
             "fleet_waits": self.counts["fleet_waits"],
             "misses": self.counts["misses"],
             "stale": self.counts["stale"],
+            # Compile times: the fleet's records taken in, and this pool's saves that reached it.
+            "costs_from_fleet": self.costs.counts["shared_loaded"],
+            "costs_published": self.costs.counts["shared_published"],
         }
         for tier in self.tiers:
             stats[f"hits_{tier.name}"] = self.counts[f"hits_{tier.name}"]
