@@ -27,6 +27,7 @@ import acompile
 from acompile._cache import (
     COSTS_FILE,
     COSTS_MAX_BYTES,
+    COSTS_MAX_RECORDS,
     CompileCosts,
     CostFeatures,
     GuardedDisk,
@@ -172,6 +173,8 @@ async def test_a_damaged_or_forged_document_is_ignored_and_replaced(
             assert await shared.update_document(DOCUMENT, COSTS_MAX_BYTES, lambda _: b"{not json")
         elif damage == "nonsense rows":  # signed, JSON: one good row among rows that make no sense
             rows = {"nan": [float("nan"), "family", 1000, 4, 3, 1], "negative": [1.0, "family", -5, 4, 3, 1]}
+            # Dated years ahead: it would outlive every real record, the newest being kept.
+            rows["future"] = [1.0, "family", 1000, 4, 3, 9.9e10]
             text = json.dumps(
                 {"format": 1, "records": {**rows, "fine": [0.5, "family", 1000, 4, 3, 1700000000]}}
             )
@@ -233,3 +236,59 @@ async def test_an_unreachable_tier_costs_a_load_and_a_save_a_moment_only(
         finally:
             if fault == "stopped":
                 os.kill(pid, signal.SIGCONT)
+
+
+async def test_a_document_of_more_records_than_kept_is_cut_to_the_newest_and_a_save_keeps_its_deadline(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A document written by something else than a replica, with more rows than a replica keeps,
+    is read as its newest MAX_RECORDS; and a document that changes under every write (a hostile
+    writer, or a very busy fleet) costs a save its deadline, not more."""
+    client: Any = redis_server.client()
+    name = document_name(KEY)
+    now = time.time()
+    rows = {f"k{i}": [1.0, "family", 1000, 4, 3, round(now) - i] for i in range(COSTS_MAX_RECORDS + 500)}
+    text = json.dumps({"format": 1, "records": rows}).encode()
+    async with tier(redis_server) as shared:
+        assert await shared.update_document(DOCUMENT, 4 << 20, lambda _: text)
+        costs = await replica(tmp_path / "a", shared)
+        await costs.expect(features("any"))
+        assert costs.counts["shared_loaded"] == COSTS_MAX_RECORDS
+        assert await costs.expect(features(f"k{COSTS_MAX_RECORDS - 1}")) == pytest.approx(1.0)
+
+        # Two signed documents near the size read (each try of a write parses one), set in turn
+        # without pause by another thread, while this replica keeps measuring compiles.
+        values = []
+        for i in range(2):
+            family = f"{i}" * 300  # some 700 KB: read, and parsed at each try
+            big = {f"w{i}-{j}": [1.0, family, 1000, 4, 3, round(now)] for j in range(COSTS_MAX_RECORDS)}
+            doc = json.dumps({"format": 1, "records": big})
+            assert await shared.update_document(DOCUMENT, 4 << 20, lambda _, d=doc: d.encode())
+            values.append(client.get(name))
+        stop = False
+
+        def rewrite() -> None:
+            writer: Any = redis_server.client()
+            i = 0
+            while not stop:
+                writer.set(name, values[i % 2])
+                i += 1
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, rewrite)
+            try:
+                busy = await replica(tmp_path / "b", shared)
+                await busy.expect(features("any"))
+
+                async def measuring() -> None:
+                    for i in range(100):
+                        busy.record(features(f"mine{i}"), 1.0)
+                        await anyio.sleep(0.05)
+
+                tg.start_soon(measuring)
+                started = time.monotonic()
+                await busy.save()
+                assert time.monotonic() - started < 2.0 + 0.5
+            finally:
+                stop = True
+                tg.cancel_scope.cancel()

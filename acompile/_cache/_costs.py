@@ -133,6 +133,12 @@ _MAX_SIZE = 1 << 40
 _MAX_OPTION = 1024  # num_warps, num_stages
 _MAX_TILES = 1 << 48
 _MAX_TIME = 1e11  # Unix time, year 5138
+# How far ahead of this machine's clock a record may be dated (another machine's clock may run
+# ahead); a later one is refused.
+_FUTURE_SLACK = 86400.0
+# The fleet's document is read up to this size: MAX_RECORDS rows take some 150 KB, and parsing it
+# (on a thread that cannot be stopped) must stay well inside the load's and the save's deadlines.
+SHARED_MAX_BYTES = 1 << 20
 # The fleet's records are scaled to this machine's by at most this factor, either way: machines
 # of one fleet differ by a few times, not by hundreds.
 _MAX_SCALE = 100.0
@@ -282,6 +288,9 @@ class _Record:
             and 0 <= self.tiles <= _MAX_TILES
             and 0 <= self.dots <= _MAX_DOTS
             and 0 <= self.at < _MAX_TIME
+            # Not from the future: a row dated years ahead would outlive every real one ("the
+            # newest win"), and a document of them would shut the fleet's records out for good.
+            and self.at <= time.time() + _FUTURE_SLACK
         )
 
     @classmethod
@@ -322,6 +331,9 @@ def _records(data: bytes) -> dict[str, _Record]:
         record = _Record.from_row(row)
         if isinstance(key, str) and record is not None:
             records[key] = record
+    if len(records) > MAX_RECORDS:  # written by something else than acompile: the newest
+        newest = sorted(records.items(), key=lambda item: item[1].at, reverse=True)
+        records = dict(newest[:MAX_RECORDS])
     return records
 
 
@@ -499,13 +511,14 @@ class CompileCosts:
     async def save(self) -> None:
         """Write the records not yet saved into the file (merged with what other processes
         wrote there), and publish this process's to the fleet; records made meanwhile are saved
-        by a next round. Each round takes ``_SAVE_DEADLINE`` at most, file and fleet together.
+        by a next round. The whole save, its rounds, the file and the fleet together, takes
+        ``_SAVE_DEADLINE`` at most (records left by a round it cut short wait for the next save).
         Never raises but for cancellation: a save that fails is logged (at debug) and given up,
         since it runs behind the pool's back, and an error there would stop the pool."""
         try:
-            while self._unsaved:
-                batch, self._unsaved = self._unsaved, {}
-                with anyio.move_on_after(_SAVE_DEADLINE, shield=True):
+            with anyio.move_on_after(_SAVE_DEADLINE, shield=True):
+                while self._unsaved:
+                    batch, self._unsaved = self._unsaved, {}
                     if self._writable:
                         try:
                             await self._disk.files.call(functools.partial(self._merge_and_write, batch))
@@ -538,7 +551,7 @@ class CompileCosts:
             return await anyio.to_thread.run_sync(merged, data)  # JSON of 100s of KB: off the loop
 
         try:
-            if await shared.update_document(SHARED_DOCUMENT, MAX_FILE_BYTES, change):
+            if await shared.update_document(SHARED_DOCUMENT, SHARED_MAX_BYTES, change):
                 self.counts["shared_published"] += 1
         except Exception as exc:
             logger.debug("cannot publish compile times to the shared cache: %r", exc)
@@ -603,7 +616,7 @@ class CompileCosts:
 
         async def read_fleet(shared: SharedTier) -> None:
             with anyio.move_on_after(_LOAD_DEADLINE):
-                data = await shared.get_document(SHARED_DOCUMENT, MAX_FILE_BYTES)
+                data = await shared.get_document(SHARED_DOCUMENT, SHARED_MAX_BYTES)
                 if data is not None:
                     parse = functools.partial(self._parse_fleet, data, logging.WARNING)
                     fleet.update(await anyio.to_thread.run_sync(parse))
