@@ -628,8 +628,9 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
         namespace = cache["shared_namespace"]
         if namespace == "unsigned":
             # A fleet's servers hold its key: what went to the unsigned namespace, they never read.
+            went = "went" if shared["published"] or shared["found"] else "were to go"
             print(
-                "acompile warmup: no signing key ($ACOMPILE_SIGNING_KEY is not set): the entries went "
+                f"acompile warmup: no signing key ($ACOMPILE_SIGNING_KEY is not set): the entries {went} "
                 "to the shared tier's unsigned namespace, which replicas with a key never read",
                 file=sys.stderr,
             )

@@ -216,3 +216,42 @@ def test_a_corpus_that_is_neither_a_file_nor_importable_is_named(tmp_path: Path)
     assert out.returncode == 2 and "--corpus missing/kernels.py: no such file" in out.stderr, out.stderr
     out = bench("--corpus", "nosuch.kernels", "--only", "sequential", cwd=tmp_path, timeout=120)
     assert out.returncode == 2 and "No module named 'nosuch'" in out.stderr, out.stderr
+
+
+def test_a_kernel_that_does_not_compile_is_named_with_its_cause_and_the_storm_is_not_met(
+    tmp_path: Path,
+) -> None:
+    corpus = tmp_path / "failing.py"
+    corpus.write_text(
+        textwrap.dedent(
+            """
+            import triton
+            import triton.language as tl
+
+            @triton.jit
+            def fine(x_ptr, n, BLOCK: tl.constexpr):
+                offs = tl.arange(0, BLOCK)
+                tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+            @triton.jit
+            def broken(x_ptr, n, BLOCK: tl.constexpr):
+                offs = tl.arange(0, BLOCK)
+                tl.store(x_ptr + offs, undefined_name, mask=offs < n)
+
+            SIG = {"x_ptr": "*fp32", "n": "i32"}
+            SPECS = [
+                {"name": "fine", "fn": fine, "signature": SIG, "constexprs": {"BLOCK": 128}},
+                {"name": "broken", "fn": broken, "signature": SIG, "constexprs": {"BLOCK": 128}},
+            ]
+            """
+        )
+    )
+    out = bench("--corpus", str(corpus), "--only", "sequential,acompile_cold", "--workers", "2", cwd=tmp_path)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]  # a failed spec fails the run
+    # The cause, not only where Triton stopped ("at 3:27:").
+    for row in ("sequential", "acompile_cold"):
+        line = next(x for x in out.stdout.splitlines() if x.startswith(f"{row}: 1 failed"))
+        assert "broken" in line and "undefined_name is not defined" in line, out.stdout
+    # A storm that did not do all of its work meets no target, however fast.
+    below = out.stdout[out.stdout.index("start + bound") :]
+    assert next(x for x in below.splitlines() if x.startswith("acompile_cold")).split()[-1] == "failed"

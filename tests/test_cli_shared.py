@@ -108,3 +108,8 @@ def test_warmup_fails_when_the_shared_tier_is_unreachable(tmp_path: Path) -> Non
     lenient, shared = warmup(manifest, tmp_path / "c", "--shared-cache", url, "--no-require-shared")
     assert lenient.returncode == 0, lenient.stdout + lenient.stderr
     assert shared["missing"] == 2
+
+    # Without a key: where the entries were to go, never that they went there.
+    keyless, _ = warmup(manifest, tmp_path / "c", "--shared-cache", url, "--no-require-shared", key=None)
+    assert "the entries were to go to the shared tier's unsigned namespace" in keyless.stderr
+    assert "entries went" not in keyless.stderr

@@ -580,7 +580,8 @@ def user_specs(ref: str) -> list[Spec]:
         places.setdefault(spec.name, []).append(i)
     for name, indexes in places.items():
         if len(indexes) > 1:
-            items = ", ".join(map(str, indexes))
+            more = f" and {len(indexes) - 5} more" if len(indexes) > 5 else ""
+            items = ", ".join(map(str, indexes[:5])) + more
             raise CorpusError(f"names must be unique: {name!r} is items {items} of {label}")
     return chosen
 
@@ -627,7 +628,11 @@ def outcome(results: list[Any], limit: int | None, which: str = "default") -> di
             digests[spec.name] = hashlib.sha256(cubin).hexdigest()[:16]
         else:
             error = f"{type(result).__name__}: {result}" if isinstance(result, BaseException) else "no cubin"
-            errors[spec.name] = (error.strip().splitlines() or [repr(result)])[0][:300]
+            lines = [line.strip() for line in error.strip().splitlines() if line.strip()] or [repr(result)]
+            # The first line says where; a compiler's last line says why (Triton's CompilationError:
+            # "at 5:43:", the source, a caret, then the cause).
+            said = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+            errors[spec.name] = said[:500]
     failed = {"failed": len(errors), "errors": dict(list(errors.items())[:10])}
     return {"specs": len(results), "ok": len(digests), **failed, "digests": digests}
 
