@@ -69,6 +69,7 @@ if TYPE_CHECKING:
         TritonKernel,
         TritonSpec,
     )
+    from acompile._cache import Entry
     from acompile._observe import Stats
     from acompile._torch import Host as TorchHost
     from acompile._workers import BackendConfig, WorkerConfig
@@ -888,14 +889,7 @@ class CompilePool:
             entry = await self._cache.lookup_local(request.key)
             kernel = None
             if entry is not None:
-                # Entries that arrive together (a warm start) become kernels a slice at a time.
-                await _pacing.checkpoint()
-                loading = time.perf_counter()
-                try:
-                    kernel = await backend.load(request, entry, self._cache.root)
-                except CorruptEntry as exc:
-                    # Intact bytes the backend cannot load: a miss, as a damaged entry is.
-                    self._cache.reject(request.key, self._cache.local.name, exc)
+                kernel, loading = await self._load_found(backend, request, entry, self._cache.local.name)
         except Exception as exc:
             flight.waiters -= 1
             self._flight_failed(flight, request, exc)
@@ -929,6 +923,21 @@ class CompilePool:
         flight.tier = self._cache.local.name
         flight.finish(kernel)
         self._drop(flight)
+
+    async def _load_found(
+        self, backend: ParentBackend[Any, Any, Any], request: Request, entry: Entry, tier: str
+    ) -> tuple[Any, float]:
+        """The kernel of an entry ``tier`` found, and when its loading began; None for the
+        kernel where the backend cannot load the entry (rejected: a miss, as a damaged one is)."""
+        # Entries that arrive together (a warm start) become kernels a slice at a time.
+        await _pacing.checkpoint()
+        loading = time.perf_counter()
+        try:
+            return await backend.load(request, entry, self._cache.root), loading
+        except CorruptEntry as exc:
+            # Intact bytes the backend cannot load: a miss, as a damaged entry is.
+            self._cache.reject(request.key, tier, exc)
+            return None, loading
 
     def _abandoned(self, request: Request) -> AcompileError:
         """What a flight nobody carries on ends with: the pool's exit, or its last caller gone."""
@@ -976,14 +985,7 @@ class CompilePool:
                     entry, tier = await self._cache.lookup(request.key, after_local=after_local)
                 kernel = None
                 if entry is not None:
-                    # Entries that arrive together (a warm start) become kernels a slice at a time.
-                    await _pacing.checkpoint()
-                    loading = time.perf_counter()
-                    try:
-                        kernel = await backend.load(request, entry, self._cache.root)
-                    except CorruptEntry as exc:
-                        # Intact bytes the backend cannot load: a miss, as a damaged entry is.
-                        self._cache.reject(request.key, tier, exc)
+                    kernel, loading = await self._load_found(backend, request, entry, tier)
                 if kernel is None:
 
                     async def compile() -> bytes:

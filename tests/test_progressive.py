@@ -172,8 +172,10 @@ async def test_failed_compiles_keep_what_works(cache_dir: Path, caplog: pytest.L
             await keeps_fallback.wait()
     ours = [r.getMessage() for r in caplog.records if r.name == "acompile" and "in use" in r.getMessage()]
     assert len(ours) == 2, ours
-    assert "broken_kernel: the best compile failed" in ours[0] and "fast kernel stays in use" in ours[0]
-    assert "broken_kernel: the background compile failed" in ours[1] and "fallback stays" in ours[1]
+    # One warning each, in the order the two handles hear of the one failed compile (either).
+    best, background = sorted(ours, key=lambda m: "background" in m)
+    assert "broken_kernel: the best compile failed" in best and "fast kernel stays in use" in best
+    assert "broken_kernel: the background compile failed" in background and "fallback stays" in background
 
 
 async def test_leaving_the_pool_cancels_pending_compiles(cache_dir: Path) -> None:

@@ -532,7 +532,9 @@ def main(argv: list[str] | None = None) -> int:
         args.corpus = resolve_corpus(args.corpus)
         specs(None, args.corpus)
     except CorpusError as exc:
-        parser.error(f"--corpus {args.corpus_given}: {exc}")
+        # The one line that matters, without the usage block above it (argparse's own errors).
+        print(f"acompile bench: error: --corpus {args.corpus_given}: {exc}", file=sys.stderr)
+        return 2
     wanted = [w.strip() for w in (args.only or "").split(",") if w.strip()]
     if unknown := [w for w in wanted if w not in ROWS + sections]:
         parser.error(f"unknown rows {unknown}; rows are: {', '.join(ROWS + sections)}")
