@@ -255,6 +255,25 @@ for meta, error in (((("a0", 9),), "ValueError"), ((("a0",),), "TypeError"), (((
     else:
         raise AssertionError(f"meta {meta!r} was taken")
 
+# A grid function's launch made from a binder, once per kernel: each grid function is its own
+# launch's; a name given twice, or a binder given no function, is an error.
+binder = k2.grid_function_binder(make, (("a0", 0), ("BLOCK", (64,)), ("a1", 1), ("a2", 2)), "g", "g[grid]")
+seen_meta.clear()
+binder(grid_fn)(None, None, 1000)
+binder(lambda meta: (meta["a2"], 2))(None, None, 7)
+assert seen_meta == [[("a0", None), ("BLOCK", 64), ("a1", None), ("a2", 1000)]], seen_meta
+assert [fake.fake_dim(i) for i in range(3)] == [7, 2, 1] and fake.fake_param(2) == 7
+for attempt, error in ((lambda: binder(5), "TypeError: bind_grid_function: grid must be callable"),
+                       (lambda: binder(), "TypeError: a binder takes one grid function"),
+                       (lambda: k2.grid_function_binder(make, (("a0", 0), ("a0", 1)), "g", "g"),
+                        "ValueError: grid_function_binder: 'a0' is named twice")):
+    try:
+        attempt()
+    except Exception as exc:
+        assert f"{type(exc).__name__}: {exc}" == error, exc
+    else:
+        raise AssertionError(f"{error}: taken")
+
 # An empty grid launches nothing; a cluster and cooperative launch carry their attributes.
 launched = fake.fake_launches()
 k2.bind(0, 5, 1, fallback, "g", "g")(None, None, 1)
@@ -318,6 +337,7 @@ t = Tensor(0x7F0000003000)
 n = 123456789
 quiet = k2.bind(1, 1, 1, lambda *args, **kwargs: None, "g", "g[grid]")
 quiet_grid = k2.bind_grid_function(lambda meta: (meta["a2"] % 7 + 1,), lambda grid: (lambda *a, **kw: None), (("a2", 2),), "g", "g")
+quiet_binder = k2.grid_function_binder(lambda grid: (lambda *a, **kw: None), (("a2", 2),), "g", "g")
 before = (sys.getrefcount(t), sys.getrefcount(n), sys.getrefcount(fallback))
 for _ in range(10000):
     quiet(t, t, n)
@@ -326,6 +346,7 @@ for _ in range(10000):
     quiet_grid(t, t, n=n)
 for _ in range(1000):
     k2.bind(1, 1, 1, fallback, "g", "g[grid]")
+    quiet_binder(lambda meta: (meta["a2"] % 7 + 1,))(t, t, n)
 gc.collect()
 after = (sys.getrefcount(t), sys.getrefcount(n), sys.getrefcount(fallback))
 assert after == before, (before, after)

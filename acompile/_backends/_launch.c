@@ -4,9 +4,9 @@
  * metadata, the launch hooks, the scratch buffers and every argument, parses them, and checks
  * the launch flags again; its Python half allocates scratch it rarely needs. Here everything
  * that cannot change between two launches of one kernel is read once, when the kernel is
- * loaded (`Kernel`), and a launch (`Kernel.bind` for a grid of ints, `Kernel.bind_grid_function`
- * for a grid function, called here with the arguments by name) takes only the kernel's runtime
- * arguments: a vectorcall, one pass over the arguments, cuLaunchKernelEx.
+ * loaded (`Kernel`), and a launch (`Kernel.bind` for a grid of ints; for a grid function, called
+ * here with the arguments by name, a `Binder` made once by `Kernel.grid_function_binder`) takes
+ * only the kernel's runtime arguments: a vectorcall, one pass over the arguments, cuLaunchKernelEx.
  *
  * Safety over speed where they meet:
  * - `Kernel` compares the parameter list the driver reports for the loaded function
@@ -18,7 +18,7 @@
  * - An integer that does not fit its parameter's type is an OverflowError, not a silent wrap.
  * - Anything this launcher does not take (an argument by name, a wrong count, an installed
  *   launch hook) goes to the Python launch function given to `bind` (or made by the function given
- *   to `bind_grid_function`), which behaves as before.
+ *   to `grid_function_binder`), which behaves as before.
  *
  * The driver is opened with dlopen at the first `Kernel`: importing this module needs no GPU.
  */
@@ -692,6 +692,7 @@ static PyObject *kernel_launch(KernelObject *self, PyObject *const *args, Py_ssi
 
 static PyObject *kernel_bind(KernelObject *self, PyObject *args);
 static PyObject *kernel_bind_grid_function(KernelObject *self, PyObject *args);
+static PyObject *kernel_grid_function_binder(KernelObject *self, PyObject *args);
 
 static PyMethodDef kernel_methods[] = {
     {"launch", (PyCFunction)(void (*)(void))kernel_launch, METH_FASTCALL,
@@ -703,6 +704,9 @@ static PyMethodDef kernel_methods[] = {
      "bind(gx, gy, gz, fallback, name, qualname): the launch function of a grid"},
     {"bind_grid_function", (PyCFunction)kernel_bind_grid_function, METH_VARARGS,
      "bind_grid_function(grid, make, meta, name, qualname): the launch function of a grid function"},
+    {"grid_function_binder", (PyCFunction)kernel_grid_function_binder, METH_VARARGS,
+     "grid_function_binder(make, meta, name, qualname): binder(grid) is the launch function of "
+     "a grid function"},
     {NULL}};
 
 static PyTypeObject KernelType = {
@@ -728,11 +732,32 @@ typedef struct {
   PyObject *name;     /* __name__ */
   PyObject *qualname; /* __qualname__ */
   PyObject *grid_fn;  /* NULL: the grid is (gx, gy, gz) */
-  PyObject *meta;     /* with grid_fn: ((name, index of a runtime argument | (constant,)), ...) */
+  PyObject *binder;   /* with grid_fn: the Binder that made it (what the grid function is given) */
   unsigned int gx, gy, gz;
 } BoundObject;
 
 static PyTypeObject BoundType;
+
+/* --- Binder: kernel[grid function], made once per kernel ---------------------------------- */
+
+/* A grid function is given every parameter by name, in the kernel's order: a copy of
+ * `template` (the constexprs' values in place, None where a runtime argument goes) with each
+ * runtime argument set by name. Library code often writes its grid as a lambda made at every
+ * call, so kernel[grid function] is made at every launch: calling a Binder is that, one object
+ * and no parsing. */
+typedef struct {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  KernelObject *kernel;
+  PyObject *make;     /* make(grid function): the Python launch function it falls back to */
+  PyObject *name;
+  PyObject *qualname;
+  PyObject *template_;      /* dict */
+  PyObject *runtime_names;  /* tuple of str: the runtime arguments the grid function sees */
+  Py_ssize_t runtime_index[MAX_PARAMS];
+} BinderObject;
+
+static PyTypeObject BinderType;
 
 /* The grid a grid function returned: an int, or a tuple or list of 1 to 3 ints. */
 static int parse_grid(PyObject *grid, unsigned int dims[3]) {
@@ -777,15 +802,13 @@ wrong:
 /* The grid function's argument: every parameter by name (runtime arguments and constexprs),
  * in the kernel's order, as Triton's JIT gives it. */
 static PyObject *grid_meta(BoundObject *self, PyObject *const *args) {
-  PyObject *meta = PyDict_New();
+  BinderObject *binder = (BinderObject *)self->binder;
+  PyObject *meta = PyDict_Copy(binder->template_);
   if (meta == NULL)
     return NULL;
-  Py_ssize_t n = PyTuple_GET_SIZE(self->meta);
-  for (Py_ssize_t i = 0; i < n; i++) {
-    PyObject *pair = PyTuple_GET_ITEM(self->meta, i);
-    PyObject *source = PyTuple_GET_ITEM(pair, 1);
-    PyObject *value = PyLong_Check(source) ? args[PyLong_AsSsize_t(source)] : PyTuple_GET_ITEM(source, 0);
-    if (PyDict_SetItem(meta, PyTuple_GET_ITEM(pair, 0), value) < 0) {
+  Py_ssize_t n = PyTuple_GET_SIZE(binder->runtime_names);
+  for (Py_ssize_t i = 0; i < n; i++) { /* keys already there: their order stays the kernel's */
+    if (PyDict_SetItem(meta, PyTuple_GET_ITEM(binder->runtime_names, i), args[binder->runtime_index[i]]) < 0) {
       Py_DECREF(meta);
       return NULL;
     }
@@ -857,47 +880,107 @@ static BoundObject *new_bound(KernelObject *kernel, PyObject *fallback, PyObject
   bound->name = Py_NewRef(name);
   bound->qualname = Py_NewRef(qualname);
   bound->grid_fn = NULL;
-  bound->meta = NULL;
+  bound->binder = NULL;
   bound->gx = bound->gy = bound->gz = 0;
   return bound;
 }
 
-/* kernel.bind_grid_function(grid, make, meta, name, qualname): kernel[grid] for a grid function;
- * make(grid) is the Python launch function it falls back to. */
+static PyObject *binder_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                   PyObject *kwnames);
+
+/* kernel.grid_function_binder(make, meta, name, qualname) -> Binder: binder(grid) is
+ * kernel[grid] for a grid function; make(grid) is the Python launch function it falls back to.
+ * meta: ((name, index of a runtime argument | (constant,)), ...) in the kernel's order, each
+ * name once; checked here, trusted at each launch. */
+static PyObject *kernel_grid_function_binder(KernelObject *self, PyObject *args) {
+  PyObject *make, *meta, *name, *qualname;
+  if (!PyArg_ParseTuple(args, "OO!UU", &make, &PyTuple_Type, &meta, &name, &qualname))
+    return NULL;
+  if (!PyCallable_Check(make)) {
+    PyErr_SetString(PyExc_TypeError, "grid_function_binder: make must be callable");
+    return NULL;
+  }
+  Py_ssize_t n = PyTuple_GET_SIZE(meta);
+  PyObject *template_ = PyDict_New();
+  PyObject *names = PyList_New(0);
+  BinderObject *binder = NULL;
+  if (template_ == NULL || names == NULL)
+    goto failed;
+  Py_ssize_t runtime_index[MAX_PARAMS];
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *pair = PyTuple_GET_ITEM(meta, i);
+    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyUnicode_Check(PyTuple_GET_ITEM(pair, 0))) {
+      PyErr_SetString(PyExc_TypeError, "grid_function_binder: meta must hold (name, source) pairs");
+      goto failed;
+    }
+    PyObject *key = PyTuple_GET_ITEM(pair, 0), *source = PyTuple_GET_ITEM(pair, 1), *value;
+    int seen = PyDict_Contains(template_, key);
+    if (seen != 0) {
+      if (seen > 0)
+        PyErr_Format(PyExc_ValueError, "grid_function_binder: %R is named twice", key);
+      goto failed;
+    }
+    if (PyLong_Check(source)) {
+      Py_ssize_t index = PyLong_AsSsize_t(source);
+      if (index < 0 || index >= self->nargs || PyList_GET_SIZE(names) >= MAX_PARAMS) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "grid_function_binder: an argument index is out of range");
+        goto failed;
+      }
+      runtime_index[PyList_GET_SIZE(names)] = index;
+      if (PyList_Append(names, key) < 0)
+        goto failed;
+      value = Py_None;
+    } else if (PyTuple_Check(source) && PyTuple_GET_SIZE(source) == 1) {
+      value = PyTuple_GET_ITEM(source, 0);
+    } else {
+      PyErr_SetString(PyExc_TypeError, "grid_function_binder: a source is an index or (constant,)");
+      goto failed;
+    }
+    if (PyDict_SetItem(template_, key, value) < 0)
+      goto failed;
+  }
+  binder = PyObject_GC_New(BinderObject, &BinderType);
+  if (binder == NULL)
+    goto failed;
+  binder->vectorcall = NULL; /* set below, once every field is */
+  binder->kernel = (KernelObject *)Py_NewRef(self);
+  binder->make = Py_NewRef(make);
+  binder->name = Py_NewRef(name);
+  binder->qualname = Py_NewRef(qualname);
+  binder->template_ = template_;
+  binder->runtime_names = PyList_AsTuple(names);
+  memcpy(binder->runtime_index, runtime_index, sizeof(Py_ssize_t) * (size_t)PyList_GET_SIZE(names));
+  Py_DECREF(names);
+  if (binder->runtime_names == NULL) {
+    Py_DECREF(binder);
+    return NULL;
+  }
+  binder->vectorcall = binder_vectorcall;
+  PyObject_GC_Track(binder);
+  return (PyObject *)binder;
+failed:
+  Py_XDECREF(template_);
+  Py_XDECREF(names);
+  return NULL;
+}
+
+/* kernel.bind_grid_function(grid, make, meta, name, qualname): kernel[grid] for one grid
+ * function (a Binder made and called once). */
 static PyObject *kernel_bind_grid_function(KernelObject *self, PyObject *args) {
   PyObject *grid, *make, *meta, *name, *qualname;
   if (!PyArg_ParseTuple(args, "OOO!UU", &grid, &make, &PyTuple_Type, &meta, &name, &qualname))
     return NULL;
-  Py_ssize_t n = PyTuple_GET_SIZE(meta);
-  for (Py_ssize_t i = 0; i < n; i++) { /* checked once here, trusted at each launch */
-    PyObject *pair = PyTuple_GET_ITEM(meta, i);
-    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
-      PyErr_SetString(PyExc_TypeError, "bind_grid_function: meta must hold (name, source) pairs");
-      return NULL;
-    }
-    PyObject *source = PyTuple_GET_ITEM(pair, 1);
-    if (PyLong_Check(source)) {
-      Py_ssize_t index = PyLong_AsSsize_t(source);
-      if (index < 0 || index >= self->nargs) {
-        PyErr_SetString(PyExc_ValueError, "bind_grid_function: an argument index is out of range");
-        return NULL;
-      }
-    } else if (!PyTuple_Check(source) || PyTuple_GET_SIZE(source) != 1) {
-      PyErr_SetString(PyExc_TypeError, "bind_grid_function: a source is an index or (constant,)");
-      return NULL;
-    }
-  }
-  if (!PyCallable_Check(grid)) {
-    PyErr_SetString(PyExc_TypeError, "bind_grid_function: grid must be callable");
+  PyObject *parts = Py_BuildValue("(OOOO)", make, meta, name, qualname);
+  if (parts == NULL)
     return NULL;
-  }
-  BoundObject *bound = new_bound(self, make, name, qualname);
-  if (bound == NULL)
+  PyObject *binder = kernel_grid_function_binder(self, parts);
+  Py_DECREF(parts);
+  if (binder == NULL)
     return NULL;
-  bound->grid_fn = Py_NewRef(grid);
-  bound->meta = Py_NewRef(meta);
-  PyObject_GC_Track(bound);
-  return (PyObject *)bound;
+  PyObject *bound = PyObject_CallOneArg(binder, grid);
+  Py_DECREF(binder);
+  return bound;
 }
 
 static PyObject *kernel_bind(KernelObject *self, PyObject *args) {
@@ -924,7 +1007,7 @@ static int bound_traverse(BoundObject *self, visitproc visit, void *arg) {
   Py_VISIT(self->name);
   Py_VISIT(self->qualname);
   Py_VISIT(self->grid_fn);
-  Py_VISIT(self->meta);
+  Py_VISIT(self->binder);
   return 0;
 }
 
@@ -934,7 +1017,7 @@ static int bound_clear(BoundObject *self) {
   Py_CLEAR(self->name);
   Py_CLEAR(self->qualname);
   Py_CLEAR(self->grid_fn);
-  Py_CLEAR(self->meta);
+  Py_CLEAR(self->binder);
   return 0;
 }
 
@@ -981,6 +1064,76 @@ static PyTypeObject BoundType = {
     .tp_getset = bound_getset,
 };
 
+/* binder(grid) -> kernel[grid] for the grid function grid. */
+static PyObject *binder_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                   PyObject *kwnames) {
+  BinderObject *self = (BinderObject *)callable;
+  if (PyVectorcall_NARGS(nargsf) != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0)) {
+    PyErr_SetString(PyExc_TypeError, "a binder takes one grid function");
+    return NULL;
+  }
+  PyObject *grid = args[0];
+  if (!PyCallable_Check(grid)) {
+    PyErr_SetString(PyExc_TypeError, "bind_grid_function: grid must be callable");
+    return NULL;
+  }
+  BoundObject *bound = new_bound(self->kernel, self->make, self->name, self->qualname);
+  if (bound == NULL)
+    return NULL;
+  bound->grid_fn = Py_NewRef(grid);
+  bound->binder = Py_NewRef(callable);
+  PyObject_GC_Track(bound);
+  return (PyObject *)bound;
+}
+
+static int binder_traverse(BinderObject *self, visitproc visit, void *arg) {
+  Py_VISIT(self->kernel);
+  Py_VISIT(self->make);
+  Py_VISIT(self->name);
+  Py_VISIT(self->qualname);
+  Py_VISIT(self->template_);
+  Py_VISIT(self->runtime_names);
+  return 0;
+}
+
+static int binder_clear(BinderObject *self) {
+  Py_CLEAR(self->kernel);
+  Py_CLEAR(self->make);
+  Py_CLEAR(self->name);
+  Py_CLEAR(self->qualname);
+  Py_CLEAR(self->template_);
+  Py_CLEAR(self->runtime_names);
+  return 0;
+}
+
+static void binder_dealloc(BinderObject *self) {
+  PyObject_GC_UnTrack(self);
+  binder_clear(self);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *binder_repr(BinderObject *self) {
+  return PyUnicode_FromFormat("<launch binder %U>", self->qualname);
+}
+
+static PyMemberDef binder_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(BinderObject, vectorcall), READONLY, NULL},
+    {NULL}};
+
+static PyTypeObject BinderType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "acompile._launch.Binder",
+    .tp_basicsize = sizeof(BinderObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "binder(grid): kernel[grid] for a grid function.",
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(BinderObject, vectorcall),
+    .tp_dealloc = (destructor)binder_dealloc,
+    .tp_traverse = (traverseproc)binder_traverse,
+    .tp_clear = (inquiry)binder_clear,
+    .tp_repr = (reprfunc)binder_repr,
+    .tp_members = binder_members,
+};
+
 /* --- module ------------------------------------------------------------------------------- */
 
 static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_launch",
@@ -994,13 +1147,13 @@ PyMODINIT_FUNC PyInit__launch(void) {
   calls_name = PyUnicode_InternFromString("calls");
   if (!data_ptr_name || !stream_name || !enter_hook_name || !exit_hook_name || !calls_name)
     return NULL;
-  if (PyType_Ready(&KernelType) < 0 || PyType_Ready(&BoundType) < 0)
+  if (PyType_Ready(&KernelType) < 0 || PyType_Ready(&BoundType) < 0 || PyType_Ready(&BinderType) < 0)
     return NULL;
   PyObject *m = PyModule_Create(&module_def);
   if (m == NULL)
     return NULL;
   if (PyModule_AddObjectRef(m, "Kernel", (PyObject *)&KernelType) < 0 ||
-      PyModule_AddIntConstant(m, "ABI", 4) < 0) {
+      PyModule_AddIntConstant(m, "ABI", 5) < 0) {
     Py_DECREF(m);
     return NULL;
   }

@@ -299,7 +299,7 @@ def _load(path: Path) -> ModuleType:
         raise ImportError(f"cannot load {path}")
     built = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(built)
-    if getattr(built, "ABI", None) != 4:
+    if getattr(built, "ABI", None) != 5:
         raise ImportError(f"{path} is not this version's launcher")
     return built
 

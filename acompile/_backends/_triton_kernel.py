@@ -56,6 +56,9 @@ class TritonKernel:
         # Launch functions by grid of ints, once loaded (``__getitem__``): a launch in a loop
         # costs one look-up here.
         self._by_grid: dict[Any, Callable[..., None]] = {}
+        # kernel[grid function] once loaded: a grid function is often a lambda made at every
+        # call, so its launch function is made at every launch, by this (made once).
+        self._by_grid_function: Callable[[Callable[..., Any]], Callable[..., None]] | None = None
 
     @property
     def asm(self) -> dict[str, Any]:
@@ -91,7 +94,9 @@ class TritonKernel:
                     "can still be cached and shipped"
                 ) from exc
             raise
-        self._launches = _Launches(self.name, self._triton.signature, self._constants, compiled)
+        launches = _Launches(self.name, self._triton.signature, self._constants, compiled)
+        self._by_grid_function = launches.grid_function_binder()
+        self._launches = launches
 
     def __getitem__(self, grid: Any) -> Callable[..., None]:
         """``kernel[grid](*args)``: grid is 1 to 3 ints, or, as for Triton's JIT, a callable
@@ -107,14 +112,18 @@ class TritonKernel:
             launch = None
         if launch is not None:
             return launch
+        if callable(grid):
+            # Not kept: a callable grid often closes over the caller's tensors.
+            by_grid_function = self._by_grid_function
+            if by_grid_function is None:
+                self.load()
+                by_grid_function = self._by_grid_function
+                assert by_grid_function is not None
+            return by_grid_function(grid)
         return self._subscript(grid)
 
     def _subscript(self, grid: Any) -> Callable[..., None]:
-        """``kernel[grid]`` the first time for this grid (or for any grid function)."""
-        if callable(grid):
-            self.load()
-            # Not kept: a callable grid often closes over the caller's tensors.
-            return self._launches.with_grid_function(grid)
+        """``kernel[grid]`` the first time for a grid of ints."""
         gx, gy, gz = _grid3(grid)
         self.load()
         launches = self._launches
@@ -194,7 +203,6 @@ class _Launches:
             *self._constant_values,
         )
         self._makers: dict[bool, Callable[..., Callable[..., None]]] = {}
-        self._meta: tuple[tuple[str, Any], ...] | None = None
 
     @property
     def launcher(self) -> str:
@@ -219,22 +227,21 @@ class _Launches:
         gx, gy, gz = _grid3(grid)
         return self._fast.time_parts(count, gx, gy, gz, None, *args)  # type: ignore[no-any-return]
 
-    def with_grid_function(self, grid: Callable[..., Any]) -> Callable[..., None]:
-        """The launch function for a grid computed from the arguments at each launch."""
+    def grid_function_binder(self) -> Callable[[Callable[..., Any]], Callable[..., None]]:
+        """The function making the launch function of any grid function (a grid computed from
+        the arguments at each launch): the launcher's own where it takes this kernel."""
         if self._fast is None:
-            return self._maker(True)(grid)
-        meta = self._meta
-        if meta is None:
-            # What the grid function is given, by name: each runtime argument's position, or a
-            # constexpr's value.
-            order, is_constant, _ = self._layout
-            runtime = iter(range(len(order)))
-            constants = iter(self._constant_values)
-            meta = self._meta = tuple(
-                (n, (next(constants),) if constant else next(runtime))
-                for n, constant in zip(order, is_constant, strict=True)
-            )
-        return self._fast.bind_grid_function(grid, self._maker(True), meta, self._name, self._name + "[grid]")  # type: ignore[no-any-return]
+            return self._maker(True)
+        # What the grid function is given, by name: each runtime argument's position, or a
+        # constexpr's value.
+        order, is_constant, _ = self._layout
+        runtime = iter(range(len(order)))
+        constants = iter(self._constant_values)
+        meta = tuple(
+            (n, (next(constants),) if constant else next(runtime))
+            for n, constant in zip(order, is_constant, strict=True)
+        )
+        return self._fast.grid_function_binder(self._maker(True), meta, self._name, self._name + "[grid]")  # type: ignore[no-any-return]
 
     def _maker(self, grid_function: bool) -> Callable[..., Callable[..., None]]:
         maker = self._makers.get(grid_function)

@@ -22,11 +22,13 @@ them the CUDA context).
 Then, in the same process, the host cost of one ``kernel[grid](*args)`` for each kernel, and for
 two no-op kernels (no argument, and 19: 5 tensors, 9 ints, 5 constexprs, as Triton's own launch
 benchmark has them; compiled after the clock): after a warm-up, ``--launches`` launches in batches
-with a synchronize between batches (outside the clock); the median batch's time per launch, on
-each side. On acompile's side, the same batches of the driver's ``cuLaunchKernelEx`` alone (a C
-loop with the arguments packed once: what any launcher must pay), and of packing the arguments
-alone; acompile's cost over the driver's is the target's figure (grid functions, the library's
-own code that both sides run at every launch, left out).
+of 50 written out line by line, as a library writes a launch (no loop or function call around
+each), with a synchronize between batches (outside the clock); the median batch's time per
+launch, on each side. On acompile's side, each batch is followed by a batch of the driver's
+``cuLaunchKernelEx`` alone (a C loop with the arguments packed once: what any launcher must pay)
+and of packing the arguments alone; acompile's cost over the driver's, the median of the
+differences batch by batch, is the target's figure (grid functions, the library's own code that
+both sides run at every launch, left out).
 
 ``--profile`` adds a run of each side under cProfile (not measured) and prints the functions that
 took the most time between the clock's start and stop (in that process; workers are not profiled).
@@ -55,7 +57,6 @@ from acompile._bench import harness, library
 from acompile._bench.corpus import acompile_specs
 from acompile._bench.spec import Spec
 
-_WARMUP = 20
 _BATCH = 50
 # The launch host cost's target: acompile's cost over the driver's own call, µs.
 _OVER_DRIVER_US = 0.5
@@ -115,14 +116,17 @@ async def acompile_side(args: argparse.Namespace) -> dict[str, Any]:
     if stats["compiled"] or cache["hits_disk"] != n:
         problem = f"compiled {stats['compiled']}, disk hits {cache['hits_disk']} (want 0, {n})"
     cases, kernels = [*cases, *nops], [*kernels, *nop_kernels]
-    launches = {c.spec.name: _launcher(k, c.grid, c.args, {}) for c, k in zip(cases, kernels, strict=True)}
+    batches = {c.spec.name: _batch(k, c.grid, c.args, {}) for c, k in zip(cases, kernels, strict=True)}
     if args.filling:
         # The run that fills the caches also leaves acompile's launcher built (a build started
         # in this process runs in the background), as Triton's first run leaves its own.
         from acompile._backends import launcher_module
 
         launcher_module(wait=True)
-    host_us = _host_costs(launches, args.launches)
+    for case, kernel in zip(cases, kernels, strict=True):
+        kernel[case.grid](*case.args)  # loaded (the launcher known) before the parts are read
+    parts = {c.spec.name: p for c, k in zip(cases, kernels, strict=True) if (p := _time_parts(c, k))}
+    costs = _host_costs(batches, args.launches, parts)
     return {
         # Read after the launches: a kernel's launcher is known once it is loaded.
         "launcher": {c.spec.name: k.launcher for c, k in zip(cases, kernels, strict=True)},
@@ -131,8 +135,8 @@ async def acompile_side(args: argparse.Namespace) -> dict[str, Any]:
         "from_start_s": from_start,
         "exit_s": exit_s,
         "assertion": None if args.filling else problem,
-        "host_us": host_us,
-        "driver_us": _driver_costs(cases, kernels, args.launches),
+        "host_us": {n: c[0] for n, c in costs.items()},
+        "driver_us": {n: c[1:] for n, c in costs.items() if len(c) > 1},
         "profile": profile.get("text"),
     }
 
@@ -158,13 +162,13 @@ def triton_side(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.synchronize()
         after, from_start = time.perf_counter() - t1, time.time() - args.t0
     cases = [*cases, *nop_cases()]
-    launches = {c.spec.name: _launcher(c.spec.fn, c.grid, c.args, c.keywords()) for c in cases}
+    batches = {c.spec.name: _batch(c.spec.fn, c.grid, c.args, c.keywords()) for c in cases}
     return {
         "grid_us": _grid_costs(cases, args.launches),
         **set_up,
         "after_setup_s": after,
         "from_start_s": from_start,
-        "host_us": _host_costs(launches, args.launches),
+        "host_us": {n: c[0] for n, c in _host_costs(batches, args.launches).items()},
         "profile": profile.get("text"),
     }
 
@@ -175,57 +179,60 @@ def _set_up(args: argparse.Namespace, imported: float) -> dict[str, float]:
     return {"imports_s": imported - args.t0, "arguments_s": time.time() - imported}
 
 
-def _launcher(kernel: Any, grid: Any, args: tuple[Any, ...], keywords: dict[str, Any]) -> Callable[[], Any]:
-    """``kernel[grid](*args, **keywords)`` as a library writes it, subscript included."""
+def _batch(kernel: Any, grid: Any, args: tuple[Any, ...], keywords: dict[str, Any]) -> Callable[[], float]:
+    """A function launching ``kernel[grid](*args, **keywords)`` ``_BATCH`` times, as a library
+    writes it (the subscript included, each launch a line of its own: no loop or call around
+    it), and returning the seconds it took."""
+    call = "kernel[grid](*args, **keywords)" if keywords else "kernel[grid](*args)"
+    lines = f"    {call}\n" * _BATCH
+    code = f"def batch():\n    t = perf_counter()\n{lines}    return perf_counter() - t\n"
+    namespace: dict[str, Any] = {
+        "kernel": kernel, "grid": grid, "args": args, "keywords": keywords, "perf_counter": time.perf_counter
+    }  # fmt: skip
+    exec(code, namespace)
+    return namespace["batch"]  # type: ignore[no-any-return]
 
-    def launch() -> Any:
-        return kernel[grid](*args, **keywords)
 
-    return launch
-
-
-def _host_costs(launches: dict[str, Callable[[], Any]], count: int) -> dict[str, float]:
-    """Microseconds of host time per launch, for each kernel: the median batch of ``count``
-    launches (the GPU drained between batches, so a full launch queue never blocks a batch)."""
+def _host_costs(
+    batches: dict[str, Callable[[], float]], count: int, parts: dict[str, Callable[[], Any]] | None = None
+) -> dict[str, list[float]]:
+    """Microseconds of host time per launch, for each kernel: the median of batches of
+    ``_BATCH`` launches, ``count`` launches in all (the GPU drained between batches, so a full
+    launch queue never blocks a batch). With ``parts`` (acompile's side), each batch is
+    followed by a batch of the driver's call alone and of packing alone (``time_parts``), and
+    the figures are [launch, driver call, packing, launch minus driver call]: the last one the
+    median of the differences batch by batch, so that the two sides of the difference are
+    measured moments apart."""
     import torch
 
     costs = {}
-    for name, launch in launches.items():
-        for _ in range(_WARMUP):
-            launch()
-        per_launch = []
+    for name, batch in batches.items():
+        batch()  # a warm-up
+        part = (parts or {}).get(name)
+        samples = []
         for _ in range(max(1, count // _BATCH)):
             torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(_BATCH):
-                launch()
-            per_launch.append((time.perf_counter() - t) / _BATCH)
+            launch = batch() / _BATCH
+            sample = [launch]
+            if part is not None:
+                torch.cuda.synchronize()
+                driver, packing = part()
+                sample += [driver, packing, launch - driver]
+            samples.append(sample)
         torch.cuda.synchronize()
-        costs[name] = statistics.median(per_launch) * 1e6
+        costs[name] = [statistics.median(s[i] for s in samples) * 1e6 for i in range(len(samples[0]))]
     return costs
 
 
-def _driver_costs(cases: list[library.Case], kernels: list[Any], count: int) -> dict[str, list[float]]:
-    """Microseconds per launch of the driver's call alone, and of packing the arguments alone,
-    for each kernel acompile's launcher launches: the median of batches as ``_host_costs``."""
-    import torch
-
-    costs = {}
-    for case, kernel in zip(cases, kernels, strict=True):
-        grid = case.grid
-        if callable(grid):
-            grid = grid({**dict(zip(case.spec.signature, case.args, strict=True)), **case.spec.constexprs})
-        parts = []
-        for _ in range(max(1, count // _BATCH)):
-            torch.cuda.synchronize()
-            measured = kernel._launches.time_parts(grid, case.args, _BATCH)
-            if measured is None:
-                break
-            parts.append(measured)
-        torch.cuda.synchronize()
-        if parts:
-            costs[case.spec.name] = [statistics.median(p[i] for p in parts) * 1e6 for i in (0, 1)]
-    return costs
+def _time_parts(case: library.Case, kernel: Any) -> Callable[[], Any] | None:
+    """A batch of the driver's call alone and of packing alone for a kernel acompile's launcher
+    launches (seconds per launch, each), or None where Triton's launcher launches it."""
+    if kernel.launcher != "acompile":
+        return None
+    grid = case.grid
+    if callable(grid):
+        grid = grid({**dict(zip(case.spec.signature, case.args, strict=True)), **case.spec.constexprs})
+    return lambda: kernel._launches.time_parts(grid, case.args, _BATCH)
 
 
 def _grid_costs(cases: list[library.Case], count: int) -> dict[str, float]:
@@ -316,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         host[side] = {n: statistics.median(r["host_us"][n] for r in measured) for n in names}
         if side == "acompile":
             driver = {
-                n: [statistics.median(r["driver_us"][n][i] for r in measured) for i in (0, 1)]
+                n: [statistics.median(r["driver_us"][n][i] for r in measured) for i in (0, 1, 2)]
                 for n in names
                 if all(n in r["driver_us"] for r in measured)
             }
@@ -363,8 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f"{ours_us / theirs_us:.2f}x"
         cells = ["-", "-", "-"]
         if n in driver:
-            driver_us, pack_us = driver[n]
-            over_driver[n] = over = ours_us - grid_us.get(n, 0.0) - driver_us
+            driver_us, pack_us, paired_us = driver[n]
+            over_driver[n] = over = paired_us - grid_us.get(n, 0.0)
             cells = [f"{driver_us:.2f}", f"{pack_us:.2f}", f"{over:+.2f}"]
         rows.append([n, f"{ours_us:.2f}", f"{theirs_us:.2f}", ratio, grid, *cells, str(launchers[n])])
     header = ["kernel", "acompile", "Triton JIT", "ratio", "of which grid fn", "driver call", "packing"]
@@ -373,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         "(grid fn: the library's grid function alone, which both sides call at every launch; "
         "driver call: cuLaunchKernelEx alone in a C loop, arguments packed once; packing: the "
         "arguments alone (tensors' data_ptr() and pointer checks, ints, floats); over driver: "
-        "acompile minus grid fn minus driver call; launcher: whose launcher acompile used)"
+        "acompile minus driver call, batch by batch (each batch of launches followed by one of the driver's "
+        "call alone: the median of the differences), minus grid fn; launcher: whose launcher acompile used)"
     )
     if over_driver:
         worst = max(over_driver, key=over_driver.__getitem__)
