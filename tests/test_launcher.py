@@ -289,6 +289,24 @@ except ValueError as exc:
 else:
     raise AssertionError("a negative grid was taken")
 
+# The driver's call alone (for benchmarks): the arguments packed once, each call one launch
+# with the same grid, stream, attributes and parameters as the launch function's.
+attrs = [fake.fake_attr(i) for i in range(4)]
+call = k3.driver_call(3, 1, 1, 9, 41)
+launched = fake.fake_launches()
+call()
+call()
+assert fake.fake_launches() == launched + 2 and fake.fake_param(0) == 41 and fake.fake_stream() == 9
+assert [fake.fake_dim(i) for i in range(3)] == [6, 1, 1] and fake.fake_nattrs() == 4
+assert [fake.fake_attr(i) for i in range(4)] == attrs, attrs
+for attempt in (lambda: call(1), lambda: k3.driver_call(3, 1, 1, 9)):
+    try:
+        attempt()
+    except TypeError:
+        pass
+    else:
+        raise AssertionError("a driver call took a wrong number of arguments")
+
 # A cluster of 16 is allowed on the function first, as Triton's launcher does.
 assert fake.fake_set_attribute_calls() == 0
 kernel(["i32"], num_ctas=16)

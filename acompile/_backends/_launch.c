@@ -677,6 +677,101 @@ static PyObject *kernel_time_parts(KernelObject *self, PyObject *const *args, Py
   return Py_BuildValue("(dd)", driver, packing);
 }
 
+/* --- DriverCall: the driver's call alone, called from Python -------------------------------- */
+
+/* kernel.driver_call(gx, gy, gz, stream, *args) -> a callable whose every call is one
+ * cuLaunchKernelEx of the kernel with those arguments, packed once here: for benchmarks, the
+ * floor of any launch made from Python (the call into C, the driver's call, nothing else; the
+ * GIL is kept). It holds the arguments, so their memory lives as long as it does. */
+typedef struct {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  KernelObject *kernel;
+  PyObject *args; /* tuple: what the packed values point into */
+  CUlaunchConfig config;
+  CUlaunchAttribute attributes[5];
+  uint64_t values[MAX_PARAMS];
+  void *params[MAX_PARAMS];
+} DriverCallObject;
+
+static PyTypeObject DriverCallType;
+
+static PyObject *driver_call_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                        PyObject *kwnames) {
+  DriverCallObject *self = (DriverCallObject *)callable;
+  if (PyVectorcall_NARGS(nargsf) != 0 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0)) {
+    PyErr_SetString(PyExc_TypeError, "a driver call takes no arguments");
+    return NULL;
+  }
+  CUresult status = cu.launch_kernel_ex(&self->config, self->kernel->function, self->params, NULL);
+  if (status != CUDA_SUCCESS)
+    return cuda_error(status, "cuLaunchKernelEx");
+  Py_RETURN_NONE;
+}
+
+static PyObject *kernel_driver_call(KernelObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 4 + self->nargs) {
+    PyErr_Format(PyExc_TypeError, "driver_call() takes %zd arguments, got %zd", 4 + self->nargs, nargs);
+    return NULL;
+  }
+  unsigned int gx, gy, gz;
+  CUstream stream;
+  if (grid_dimension(args[0], &gx, "x") < 0 || grid_dimension(args[1], &gy, "y") < 0 ||
+      grid_dimension(args[2], &gz, "z") < 0 || stream_for(self, args[3], &stream) < 0 ||
+      make_context_current(self) < 0)
+    return NULL;
+  DriverCallObject *call = PyObject_GC_New(DriverCallObject, &DriverCallType);
+  if (call == NULL)
+    return NULL;
+  call->vectorcall = driver_call_vectorcall;
+  call->kernel = (KernelObject *)Py_NewRef(self);
+  call->args = PyTuple_New(self->nargs);
+  for (Py_ssize_t i = 0; call->args != NULL && i < self->nargs; i++)
+    PyTuple_SET_ITEM(call->args, i, Py_NewRef(args[4 + i]));
+  if (call->args == NULL || pack(self, args + 4, call->values, call->params) < 0) {
+    Py_DECREF(call);
+    return NULL;
+  }
+  configure(self, gx, gy, gz, stream, &call->config, call->attributes);
+  PyObject_GC_Track(call);
+  return (PyObject *)call;
+}
+
+static int driver_call_traverse(DriverCallObject *self, visitproc visit, void *arg) {
+  Py_VISIT(self->kernel);
+  Py_VISIT(self->args);
+  return 0;
+}
+
+static int driver_call_clear(DriverCallObject *self) {
+  Py_CLEAR(self->kernel);
+  Py_CLEAR(self->args);
+  return 0;
+}
+
+static void driver_call_dealloc(DriverCallObject *self) {
+  PyObject_GC_UnTrack(self);
+  driver_call_clear(self);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef driver_call_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(DriverCallObject, vectorcall), READONLY, NULL},
+    {NULL}};
+
+static PyTypeObject DriverCallType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "acompile._launch.DriverCall",
+    .tp_basicsize = sizeof(DriverCallObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "call(): the driver's launch alone, its arguments packed once.",
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(DriverCallObject, vectorcall),
+    .tp_dealloc = (destructor)driver_call_dealloc,
+    .tp_traverse = (traverseproc)driver_call_traverse,
+    .tp_clear = (inquiry)driver_call_clear,
+    .tp_members = driver_call_members,
+};
+
 /* kernel.launch(gx, gy, gz, stream, *args): a launch of a grid computed by the caller. */
 static PyObject *kernel_launch(KernelObject *self, PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 4 + self->nargs) {
@@ -697,6 +792,9 @@ static PyObject *kernel_grid_function_binder(KernelObject *self, PyObject *args)
 static PyMethodDef kernel_methods[] = {
     {"launch", (PyCFunction)(void (*)(void))kernel_launch, METH_FASTCALL,
      "launch(gx, gy, gz, stream, *args): launch on a grid; stream None is the current one"},
+    {"driver_call", (PyCFunction)(void (*)(void))kernel_driver_call, METH_FASTCALL,
+     "driver_call(gx, gy, gz, stream, *args): a callable making the driver's call alone, the "
+     "arguments packed once"},
     {"time_parts", (PyCFunction)(void (*)(void))kernel_time_parts, METH_FASTCALL,
      "time_parts(count, gx, gy, gz, stream, *args) -> (driver, pack): seconds per launch of "
      "cuLaunchKernelEx alone, and per packing of the arguments alone"},
@@ -765,6 +863,18 @@ static int parse_grid(PyObject *grid, unsigned int dims[3]) {
   static const char *axes[3] = {"x", "y", "z"};
   if (PyLong_Check(grid))
     return grid_dimension(grid, &dims[0], "x");
+  if (PyTuple_CheckExact(grid) && PyTuple_GET_SIZE(grid) >= 1 && PyTuple_GET_SIZE(grid) <= 3) {
+    /* The usual grid function's result: a tuple of ints, read as it is. */
+    Py_ssize_t n = PyTuple_GET_SIZE(grid), i = 0;
+    while (i < n && PyLong_CheckExact(PyTuple_GET_ITEM(grid, i)))
+      i++;
+    if (i == n) {
+      for (i = 0; i < n; i++)
+        if (grid_dimension(PyTuple_GET_ITEM(grid, i), &dims[i], axes[i]) < 0)
+          return -1;
+      return 0;
+    }
+  }
   if (!PyTuple_Check(grid) && !PyList_Check(grid))
     goto wrong;
   /* A list becomes a tuple first: an item's __index__ may change the list under the loop. */
@@ -1147,7 +1257,8 @@ PyMODINIT_FUNC PyInit__launch(void) {
   calls_name = PyUnicode_InternFromString("calls");
   if (!data_ptr_name || !stream_name || !enter_hook_name || !exit_hook_name || !calls_name)
     return NULL;
-  if (PyType_Ready(&KernelType) < 0 || PyType_Ready(&BoundType) < 0 || PyType_Ready(&BinderType) < 0)
+  if (PyType_Ready(&KernelType) < 0 || PyType_Ready(&BoundType) < 0 || PyType_Ready(&BinderType) < 0 ||
+      PyType_Ready(&DriverCallType) < 0)
     return NULL;
   PyObject *m = PyModule_Create(&module_def);
   if (m == NULL)

@@ -227,6 +227,15 @@ class _Launches:
         gx, gy, gz = _grid3(grid)
         return self._fast.time_parts(count, gx, gy, gz, None, *args)  # type: ignore[no-any-return]
 
+    def driver_call(self, grid: Any, args: Sequence[Any]) -> Callable[[], None] | None:
+        """A function making the driver's ``cuLaunchKernelEx`` alone, the arguments packed once,
+        on the current stream; None where Triton's launcher launches this kernel. For
+        benchmarks: the floor of any launch made from Python."""
+        if self._fast is None:
+            return None
+        gx, gy, gz = _grid3(grid)
+        return self._fast.driver_call(gx, gy, gz, None, *args)  # type: ignore[no-any-return]
+
     def grid_function_binder(self) -> Callable[[Callable[..., Any]], Callable[..., None]]:
         """The function making the launch function of any grid function (a grid computed from
         the arguments at each launch): the launcher's own where it takes this kernel."""

@@ -184,11 +184,14 @@ def _batch(kernel: Any, grid: Any, args: tuple[Any, ...], keywords: dict[str, An
     writes it (the subscript included, each launch a line of its own: no loop or call around
     it), and returning the seconds it took."""
     call = "kernel[grid](*args, **keywords)" if keywords else "kernel[grid](*args)"
-    lines = f"    {call}\n" * _BATCH
+    return _written_out(call, kernel=kernel, grid=grid, args=args, keywords=keywords)
+
+
+def _written_out(line: str, **names: Any) -> Callable[[], float]:
+    """A function running ``line`` ``_BATCH`` times, written out, and returning the seconds."""
+    lines = f"    {line}\n" * _BATCH
     code = f"def batch():\n    t = perf_counter()\n{lines}    return perf_counter() - t\n"
-    namespace: dict[str, Any] = {
-        "kernel": kernel, "grid": grid, "args": args, "keywords": keywords, "perf_counter": time.perf_counter
-    }  # fmt: skip
+    namespace: dict[str, Any] = {**names, "perf_counter": time.perf_counter}
     exec(code, namespace)
     return namespace["batch"]  # type: ignore[no-any-return]
 
@@ -199,10 +202,11 @@ def _host_costs(
     """Microseconds of host time per launch, for each kernel: the median of batches of
     ``_BATCH`` launches, ``count`` launches in all (the GPU drained between batches, so a full
     launch queue never blocks a batch). With ``parts`` (acompile's side), each batch is
-    followed by a batch of the driver's call alone and of packing alone (``time_parts``), and
-    the figures are [launch, driver call, packing, launch minus driver call]: the last one the
-    median of the differences batch by batch, so that the two sides of the difference are
-    measured moments apart."""
+    followed by batches of the driver's call alone (in a C loop, and called from Python) and of
+    packing alone (``_time_parts``), and the figures are [launch, driver call, packing, launch
+    minus driver call, driver call from Python, launch minus that]: the differences are the
+    medians of the differences batch by batch, so that the two sides of each are measured
+    moments apart."""
     import torch
 
     costs = {}
@@ -216,23 +220,35 @@ def _host_costs(
             sample = [launch]
             if part is not None:
                 torch.cuda.synchronize()
-                driver, packing = part()
-                sample += [driver, packing, launch - driver]
+                driver, packing, from_python = part()
+                sample += [driver, packing, launch - driver, from_python, launch - from_python]
             samples.append(sample)
         torch.cuda.synchronize()
         costs[name] = [statistics.median(s[i] for s in samples) * 1e6 for i in range(len(samples[0]))]
     return costs
 
 
-def _time_parts(case: library.Case, kernel: Any) -> Callable[[], Any] | None:
-    """A batch of the driver's call alone and of packing alone for a kernel acompile's launcher
-    launches (seconds per launch, each), or None where Triton's launcher launches it."""
+def _time_parts(case: library.Case, kernel: Any) -> Callable[[], tuple[float, float, float]] | None:
+    """For a kernel acompile's launcher launches (None for another): a function timing a batch
+    of the driver's call alone in a C loop, a batch of packing the arguments alone, and a batch
+    of the driver's call alone made from Python (a C function launching arguments packed
+    once, called as ``_batch`` calls a launch: the floor of any launch made from Python),
+    seconds per launch each."""
+    import torch
+
     if kernel.launcher != "acompile":
         return None
     grid = case.grid
     if callable(grid):
         grid = grid({**dict(zip(case.spec.signature, case.args, strict=True)), **case.spec.constexprs})
-    return lambda: kernel._launches.time_parts(grid, case.args, _BATCH)
+    from_python = _written_out("call()", call=kernel._launches.driver_call(grid, case.args))
+
+    def parts() -> tuple[float, float, float]:
+        driver, packing = kernel._launches.time_parts(grid, case.args, _BATCH)
+        torch.cuda.synchronize()
+        return driver, packing, from_python() / _BATCH
+
+    return parts
 
 
 def _grid_costs(cases: list[library.Case], count: int) -> dict[str, float]:
@@ -323,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         host[side] = {n: statistics.median(r["host_us"][n] for r in measured) for n in names}
         if side == "acompile":
             driver = {
-                n: [statistics.median(r["driver_us"][n][i] for r in measured) for i in (0, 1, 2)]
+                n: [statistics.median(r["driver_us"][n][i] for r in measured) for i in range(5)]
                 for n in names
                 if all(n in r["driver_us"] for r in measured)
             }
@@ -363,31 +379,42 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     grid_us = runs["triton"][1]["grid_us"]
     launchers = runs["acompile"][1]["launcher"]
-    over_driver = {}
+    over_driver: dict[str, float] = {}
+    over_python: dict[str, float] = {}
     for n in names:
         ours_us, theirs_us = host["acompile"][n], host["triton"][n]
         grid = f"{grid_us[n]:.2f}" if n in grid_us else "-"
         ratio = f"{ours_us / theirs_us:.2f}x"
-        cells = ["-", "-", "-"]
+        cells = ["-"] * 5
         if n in driver:
-            driver_us, pack_us, paired_us = driver[n]
+            driver_us, pack_us, paired_us, python_us, over_python_us = driver[n]
             over_driver[n] = over = paired_us - grid_us.get(n, 0.0)
-            cells = [f"{driver_us:.2f}", f"{pack_us:.2f}", f"{over:+.2f}"]
+            over_python[n] = over_floor = over_python_us - grid_us.get(n, 0.0)
+            cells = [f"{v:.2f}" for v in (driver_us, pack_us)] + [f"{over:+.2f}", f"{python_us:.2f}"]
+            cells.append(f"{over_floor:+.2f}")
         rows.append([n, f"{ours_us:.2f}", f"{theirs_us:.2f}", ratio, grid, *cells, str(launchers[n])])
     header = ["kernel", "acompile", "Triton JIT", "ratio", "of which grid fn", "driver call", "packing"]
-    print(harness.table([*header, "over driver", "launcher"], rows))
+    print(harness.table([*header, "over driver", "driver from Python", "over it", "launcher"], rows))
     print(
         "(grid fn: the library's grid function alone, which both sides call at every launch; "
         "driver call: cuLaunchKernelEx alone in a C loop, arguments packed once; packing: the "
         "arguments alone (tensors' data_ptr() and pointer checks, ints, floats); over driver: "
         "acompile minus driver call, batch by batch (each batch of launches followed by one of the driver's "
-        "call alone: the median of the differences), minus grid fn; launcher: whose launcher acompile used)"
+        "call alone: the median of the differences), minus grid fn; driver from Python: the driver's call "
+        "alone, arguments packed once, made by a C function called from Python as a launch is (the floor "
+        "of any launch from Python); over it: as over driver, against it; launcher: whose launcher "
+        "acompile used)"
     )
     if over_driver:
         worst = max(over_driver, key=over_driver.__getitem__)
         print(
             f"launch host cost over the driver's call: {min(over_driver.values()):+.2f} to "
             f"{over_driver[worst]:+.2f} µs ({worst}); target <= {_OVER_DRIVER_US} µs"
+        )
+        worst = max(over_python, key=over_python.__getitem__)
+        print(
+            f"launch host cost over the driver's call made from Python: {min(over_python.values()):+.2f} "
+            f"to {over_python[worst]:+.2f} µs ({worst})"
         )
     return 0
 
