@@ -1205,6 +1205,7 @@ class CompilePool:
         results: list[Any] = [None] * len(specs)
         failure: list[BaseException] = []
         batch = _Batch.of(self._workers, len(specs))
+        self._prepare_ahead(specs)
 
         async def one(i: int, spec: Any) -> None:
             arrival = _Arrival(batch) if batch is not None else None
@@ -1236,6 +1237,27 @@ class CompilePool:
         if failure:
             raise failure[0]
         return results
+
+    def _prepare_ahead(self, specs: Sequence[Spec]) -> None:
+        """Start what the requests of a ``gather()`` will each wait for while they are prepared,
+        for all of them at once, where their backend can (Triton's keys of their functions:
+        one job of its parse thread for all, rather than one per function as each request's
+        turn on the loop comes). Each request still checks its own spec and raises its own
+        error; a spec that is not one is left to its request."""
+        if self._state != "running":
+            return
+        by_backend: dict[str, list[Any]] = {}
+        for spec in specs:
+            try:
+                by_backend.setdefault(backend_of(spec), []).append(spec)
+            except TypeError:
+                continue
+        for name, group in by_backend.items():
+            if len(group) < 2 or BACKENDS[name].parent not in sys.modules:
+                continue  # one request gains nothing; a backend not loaded yet loads in its requests
+            ahead = getattr(load_parent(name), "prepare_ahead", None)
+            if ahead is not None:
+                ahead(group)
 
     # -- introspection ---------------------------------------------------------------------------
 

@@ -148,6 +148,13 @@ async def prepare(spec: TritonSpec, default_target: Target | None, memo_dir: Pat
     return TritonRequest(key, fn.__name__, target, fn, signature, constants, attrs, payload, key_parts)
 
 
+def prepare_ahead(specs: list[TritonSpec]) -> None:
+    """Start now what ``prepare()`` of each of ``specs`` would wait for, all of it at once: the
+    Triton keys of their functions, one after another on the parse thread (``gather()``).
+    Returns at once; the requests' errors are still each request's own."""
+    _triton_describe.keys_ahead(specs)
+
+
 @functools.lru_cache(maxsize=16)  # one path a cache folder, computed once
 def _log_dir(memo_dir: Path) -> str:
     return str(logs_dir(memo_dir.parent))
@@ -196,6 +203,7 @@ __all__ = (
     "load",
     "payload",
     "prepare",
+    "prepare_ahead",
     "setup",
     "worker_config",
 )

@@ -12,7 +12,7 @@ import weakref
 from typing import Any
 
 from acompile._backends import _triton_source
-from acompile._backends._triton_once import once
+from acompile._backends._triton_once import ahead, once
 from acompile._backends._triton_spec import TritonSpec, show
 from acompile._backends._triton_text import kernel_from_text
 from acompile._errors import InvalidSpecError
@@ -62,6 +62,20 @@ async def resolve_kernel(spec: TritonSpec) -> tuple[Any, dict[str, Any] | None]:
             "@triton.jit, or pass the kernel's source text with kernel_name="
         )
     raise InvalidSpecError(f"expected a @triton.jit function or a source string, got {type(fn).__name__}")
+
+
+def keys_ahead(specs: list[Any]) -> None:
+    """Start Triton's key of every JIT function ``specs`` name that has none yet, in one job of
+    the parse thread, in their order: the requests that arrive together (``gather()``) then
+    wait for a key already under way, and the thread goes from one function to the next
+    without a trip through the loop. Anything but a JIT function is left to its request."""
+    from triton.runtime.jit import JITFunction
+
+    named = (getattr(spec, "fn", None) for spec in specs)
+    unkeyed = {id(fn): fn for fn in named if isinstance(fn, JITFunction) and not _has_cache_key(fn)}
+    fns = list(unkeyed.values())
+    if fns:
+        ahead([("key", id(fn)) for fn in fns], lambda i: fns[i].cache_key)
 
 
 # Each JIT function's description for workers, with the Triton key it was built under, by the

@@ -72,6 +72,56 @@ async def once(key: Any, done: Callable[[], Any], work: Callable[..., Any], *arg
     return await _once(this_loops(_in_progress, dict), key, done, on_the_parse_thread)
 
 
+def ahead(keys: list[Any], work: Callable[[int], None]) -> None:
+    """Start, in one job of the parsing thread, the work of each of ``keys`` (``work(i)`` for
+    ``keys[i]``, in their order) that no task of this loop does already: a task that asks for
+    one of them with ``once`` meanwhile waits for this job's, and reads its result with its own
+    ``done()`` (where there is none, the work failed: that task does it again, and raises
+    what it raises). On the loop; returns at once.
+
+    For the requests that arrive together (``gather()``): each would otherwise hand its
+    function to the thread only when its turn on the loop comes, and the thread would wait for
+    the loop between two of them."""
+    loop = asyncio.get_running_loop()
+    waits = this_loops(_in_progress, dict)
+    todo = [(i, key) for i, key in enumerate(keys) if key not in waits]
+    if not todo:
+        return
+    events = {key: anyio.Event() for _, key in todo}
+    waits.update(events)
+
+    def finish(key: Any) -> None:
+        if waits.get(key) is events[key]:
+            del waits[key]
+        events[key].set()
+
+    # Entered here, not on the thread: the thread needs the interpreter's lock to start, and
+    # the loop, busy with the requests, would hold it for the default interval first.
+    switches = _pacing.quick_switches()
+    switches.__enter__()
+
+    def job() -> None:
+        try:
+            for i, key in todo:
+                try:
+                    work(i)
+                except Exception:
+                    pass  # the task that asks for it does it again, and raises this
+                finally:
+                    try:
+                        loop.call_soon_threadsafe(finish, key)
+                    except RuntimeError:
+                        return  # the loop is closed: nobody waits any more
+        finally:
+            switches.__exit__(None, None, None)
+
+    try:
+        parse_thread().submit(job)
+    except BaseException:
+        switches.__exit__(None, None, None)
+        raise
+
+
 # The source strings each loop's tasks wait for, by key (see ``_triton_text``).
 _in_flight: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Any, anyio.Event]] = (
     weakref.WeakKeyDictionary()
