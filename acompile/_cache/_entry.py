@@ -5,9 +5,9 @@
     b"ACMPL" version:u8 header_len:u32 sha256:32 header(JSON) blob blob ...
 
 The SHA-256 covers the header and every blob. The header is small JSON: the entry's key, backend
-and kernel name, the names and sizes of the blobs, and backend metadata. Nothing in an entry is
-ever unpickled; a reader that finds anything out of place (magic, version, lengths, digest, key)
-treats the entry as missing.
+and kernel name, the names and sizes of the blobs, which of them are ASCII text (``ascii``: found
+once, by the writer), and backend metadata. Nothing in an entry is ever unpickled; a reader that
+finds anything out of place (magic, version, lengths, digest, key) treats the entry as missing.
 
 An entry read from bytes (``decode``) keeps its blobs where they were read (``Blobs``): a blob is
 copied out the first time it is asked for, so that reading an entry costs one copy of the file,
@@ -48,11 +48,14 @@ class Blobs(MutableMapping[str, bytes]):
 
     __slots__ = ("_ascii", "_data", "_items")
 
-    def __init__(self, data: bytes, spans: dict[str, tuple[int, int]]) -> None:
+    def __init__(
+        self, data: bytes, spans: dict[str, tuple[int, int]], ascii: dict[str, bool] | None = None
+    ) -> None:
         self._data = data
         # A blob not copied out yet is its (start, end) in _data.
         self._items: dict[str, bytes | tuple[int, int]] = dict(spans)
-        self._ascii: dict[str, bool] = {}  # what isascii() found, by blob
+        # What isascii() found, by blob; or what the entry's header says its writer found.
+        self._ascii: dict[str, bool] = ascii or {}
 
     def __getitem__(self, name: str) -> bytes:
         item = self._items[name]
@@ -152,6 +155,8 @@ class Entry:
             "backend": self.backend,
             "name": self.name,
             "blobs": [[name, len(data)] for name, data in zip(self.blobs, views, strict=True)],
+            # Found once here, so that no reader scans megabytes of text stages for it (see decode).
+            "ascii": [name for name in self.blobs if blob_isascii(self.blobs, name)],
             "meta": self.meta,
         }
         head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
@@ -204,6 +209,15 @@ def decode(data: bytes, expect_key: str | None = None, *, verify: bool = True) -
         key, backend, name, meta = header["key"], header["backend"], header["name"], header["meta"]
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptEntry(f"malformed header: {exc}") from None
+    # Which blobs are ASCII, as the writer found (the checksum holds it to what was written):
+    # entries written before it was recorded, or with a list that is not one, are scanned where
+    # asked. Only whoever could forge the checksum could make it lie, and such a writer could
+    # put any binary in the entry anyway.
+    listed = header.get("ascii")
+    ascii = None
+    if isinstance(listed, list) and all(isinstance(x, str) for x in listed):
+        text = set(listed)
+        ascii = {blob: blob in text for blob in spans}
     if not isinstance(meta, dict) or not all(isinstance(x, str) for x in (key, backend, name)):
         raise CorruptEntry("malformed header: key, backend and name must be text, meta an object")
     if offset != len(data):
@@ -214,4 +228,4 @@ def decode(data: bytes, expect_key: str | None = None, *, verify: bool = True) -
         # The header and the blobs, as stored: one hash over everything after the prefix.
         if hashlib.sha256(memoryview(data)[head_start:]).digest() != expected_digest:
             raise CorruptEntry("content does not match its checksum")
-    return Entry(key=key, backend=backend, name=name, blobs=Blobs(data, spans), meta=meta)
+    return Entry(key=key, backend=backend, name=name, blobs=Blobs(data, spans, ascii), meta=meta)
