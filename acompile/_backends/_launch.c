@@ -484,9 +484,14 @@ static int hook_installed(KernelObject *k, PyObject *name) {
 }
 
 static int grid_dimension(PyObject *value, unsigned int *out, const char *axis) {
-  long v = PyLong_AsLong(value);
+  int overflow;
+  long v = PyLong_AsLongAndOverflow(value, &overflow);
   if (v == -1 && PyErr_Occurred())
     return -1;
+  if (overflow) { /* an int past a C long: out of range as well, said so by name */
+    PyErr_Format(PyExc_ValueError, "grid %s dimension %S is out of range", axis, value);
+    return -1;
+  }
   if (v < 0 || v > 0x7fffffffL) {
     PyErr_Format(PyExc_ValueError, "grid %s dimension %ld is out of range", axis, v);
     return -1;

@@ -163,7 +163,8 @@ class TritonObjects:
     that only launches a kernel needs the ``CompiledKernel`` once, and its text stages never.
     Built once even when threads ask at the same moment: a second ``CompiledKernel`` would load
     the binary again. Nothing in the entry can make building fail: ``kernel_metadata`` checked,
-    at load, every field and stage it reads.
+    at load, every field and stage it reads (a stage the entry's header lists as ASCII is taken
+    at its word there; bytes of one that are not text read as U+FFFD).
     """
 
     _building = threading.Lock()  # taken only while something is built, the first time
@@ -187,9 +188,10 @@ class TritonObjects:
                     binary = backend_for(self._metadata.target).binary_ext
                     blobs = self._blobs
                     # Text stages decoded from where the entry was read (no copy of the bytes
-                    # first); the metadata is not a stage.
+                    # first); the metadata is not a stage. "replace": only a stage the header
+                    # calls ASCII can fail to decode, and the kernel must load all the same.
                     stages = {
-                        ext: blobs[ext] if ext == binary else str(blob_view(blobs, ext), "utf-8")
+                        ext: blobs[ext] if ext == binary else str(blob_view(blobs, ext), "utf-8", "replace")
                         for ext in blobs
                         if ext != "json"
                     }

@@ -105,21 +105,28 @@ def ahead(keys: list[Any], work: Callable[[int], None]) -> None:
             for i, key in todo:
                 try:
                     work(i)
-                except Exception:
-                    pass  # the task that asks for it does it again, and raises this
-                finally:
-                    try:
-                        loop.call_soon_threadsafe(finish, key)
-                    except RuntimeError:
-                        return  # the loop is closed: nobody waits any more
+                except BaseException:
+                    # The task that asks for it does it again, and raises this. Not only an
+                    # Exception: whatever ended the job here would leave the keys after this
+                    # one waited for on this loop for ever.
+                    pass
+                try:
+                    loop.call_soon_threadsafe(finish, key)
+                except RuntimeError:
+                    return  # the loop is closed: nobody waits any more
         finally:
             switches.__exit__(None, None, None)
 
     try:
         parse_thread().submit(job)
-    except BaseException:
+    except BaseException as exc:
+        # No job: no head start. Each task does its own work rather than wait for ever, and
+        # meets the thread's refusal of new jobs (the interpreter shutting down) itself.
         switches.__exit__(None, None, None)
-        raise
+        for key in events:
+            finish(key)
+        if not isinstance(exc, RuntimeError):
+            raise
 
 
 # The source strings each loop's tasks wait for, by key (see ``_triton_text``).
