@@ -1218,6 +1218,11 @@ class CompilePool:
                 else:
                     failure.append(exc)
                     tg.cancel_scope.cancel()
+            except Exception as exc:
+                # Not a compile's failure (a wrong argument: not a spec): raised as it is, not
+                # inside an exception group, whatever return_exceptions says.
+                failure.append(exc)
+                tg.cancel_scope.cancel()
             finally:
                 if arrival is not None:
                     arrival.arrive()  # a hit, or an error: no job of its own coming
@@ -1250,7 +1255,7 @@ class CompilePool:
         for spec in specs:
             try:
                 by_backend.setdefault(backend_of(spec), []).append(spec)
-            except TypeError:
+            except Exception:  # not a spec (even one whose repr fails): its request says so
                 continue
         for name, group in by_backend.items():
             if len(group) < 2 or BACKENDS[name].parent not in sys.modules:

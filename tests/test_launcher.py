@@ -222,7 +222,10 @@ for grid, dims in ((7, [7, 1, 1]), ([2, 2], [2, 2, 1]), ((Index(), 1, 4), [5, 1,
 for grid, error in (((1, 2, 3, 4), "TypeError: grid must be an int or a tuple of 1 to 3 ints, got (1, 2, 3, 4)"),
                     ("8", "TypeError: grid must be an int or a tuple of 1 to 3 ints, got '8'"),
                     ((1.5,), "TypeError: grid must be an int or a tuple of 1 to 3 ints, got (1.5,)"),
-                    ((-2,), "ValueError: grid x dimension -2 is out of range")):
+                    ((-2,), "ValueError: grid x dimension -2 is out of range"),
+                    ((1, 2**70), "ValueError: grid y dimension 1180591620717411303424 is out of range"),
+                    ([1, 1, -2**64], "ValueError: grid z dimension -18446744073709551616 is out of range"),
+                    (2**64, "ValueError: grid x dimension 18446744073709551616 is out of range")):
     try:
         k2.bind_grid_function(lambda meta, grid=grid: grid, make, (), "g", "g[grid]")(None, None, 1)
     except Exception as exc:
@@ -263,6 +266,24 @@ binder(grid_fn)(None, None, 1000)
 binder(lambda meta: (meta["a2"], 2))(None, None, 7)
 assert seen_meta == [[("a0", None), ("BLOCK", 64), ("a1", None), ("a2", 1000)]], seen_meta
 assert [fake.fake_dim(i) for i in range(3)] == [7, 2, 1] and fake.fake_param(2) == 7
+# Each launch's grid function gets a dict of its own: one kept and changed later, or changed
+# during the call, changes no other launch's. A tuple of int subclasses or bools reads as ints.
+kept = []
+def keeping(meta):
+    kept.append(meta)
+    meta["BLOCK"], meta["a2"] = 1, -1
+    del meta["a0"]
+    return (meta["a2"] + 4,)
+binder(keeping)(None, None, 5)
+kept[0].clear()
+kept[0]["a1"] = "changed"
+seen_meta.clear()
+binder(grid_fn)(None, None, 9)
+assert seen_meta == [[("a0", None), ("BLOCK", 64), ("a1", None), ("a2", 9)]], seen_meta
+class Int(int):
+    pass
+binder(lambda meta: (Int(4), True, Int(2)))(None, None, 1)
+assert [fake.fake_dim(i) for i in range(3)] == [4, 1, 2]
 for attempt, error in ((lambda: binder(5), "TypeError: bind_grid_function: grid must be callable"),
                        (lambda: binder(), "TypeError: a binder takes one grid function"),
                        (lambda: k2.grid_function_binder(make, (("a0", 0), ("a0", 1)), "g", "g"),
@@ -370,6 +391,17 @@ after = (sys.getrefcount(t), sys.getrefcount(n), sys.getrefcount(fallback))
 assert after == before, (before, after)
 print("ok", repr(f))
 """
+
+
+def test_a_grid_of_something_else_than_ints_is_refused_not_cut_to_ints() -> None:
+    """kernel[grid] with a float in the grid is refused, as Triton's launcher refuses it (and
+    acompile's, for a grid function's result), never truncated to a smaller grid."""
+    from acompile._backends._triton_kernel import _grid3
+
+    assert _grid3((4, True, 2)) == (4, 1, 2) and _grid3(7) == (7, 1, 1) and _grid3([2, 3]) == (2, 3, 1)
+    for grid in ((1.5,), (2, 2.0), 3.0, [1, 0.5, 1]):
+        with pytest.raises(TypeError, match="grid must be an int or a tuple of 1 to 3 ints"):
+            _grid3(grid)
 
 
 @pytest.fixture(scope="module")

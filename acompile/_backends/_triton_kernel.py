@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
+from operator import index
 from types import CodeType
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -141,17 +142,22 @@ _GRIDS_KEPT = 64
 
 
 def _grid3(grid: Any) -> tuple[int, int, int]:
-    """A grid of 1 to 3 ints as the three dimensions Triton's launcher takes."""
-    if type(grid) is tuple:
-        size = len(grid)
-        if size == 1:
-            return (int(grid[0]), 1, 1)
-        if size == 2:
-            return (int(grid[0]), int(grid[1]), 1)
-        if size == 3:
-            return (int(grid[0]), int(grid[1]), int(grid[2]))
-    elif isinstance(grid, int):
-        return (int(grid), 1, 1)
+    """A grid of 1 to 3 ints as the three dimensions Triton's launcher takes. Anything that is
+    not an int (a float) is refused, as Triton's launcher and acompile's refuse it, never cut to
+    one."""
+    try:
+        if type(grid) is tuple:
+            size = len(grid)
+            if size == 1:
+                return (index(grid[0]), 1, 1)
+            if size == 2:
+                return (index(grid[0]), index(grid[1]), 1)
+            if size == 3:
+                return (index(grid[0]), index(grid[1]), index(grid[2]))
+        elif isinstance(grid, int):
+            return (index(grid), 1, 1)
+    except TypeError:
+        raise TypeError(f"grid must be an int or a tuple of 1 to 3 ints, got {grid!r}") from None
     if isinstance(grid, (str, bytes)) or not isinstance(grid, Sequence) or not 1 <= len(grid) <= 3:
         raise TypeError(f"grid must be an int or a tuple of 1 to 3 ints, got {grid!r}")
     return _grid3(tuple(grid))
