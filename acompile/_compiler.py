@@ -1200,7 +1200,9 @@ class CompilePool:
         """Compile many specs at once; results in the order given.
 
         With ``return_exceptions=True`` a failed spec's place holds its exception and the others
-        go on; otherwise the first failure cancels the rest and is raised.
+        go on; otherwise the first failure cancels the rest and is raised. Something that is
+        not a spec is the caller's mistake, not a compile's failure: its ``TypeError`` is
+        raised either way.
         """
         results: list[Any] = [None] * len(specs)
         failure: list[BaseException] = []
