@@ -309,6 +309,18 @@ except ValueError as exc:
     assert "grid x dimension -1 is out of range" in str(exc)
 else:
     raise AssertionError("a negative grid was taken")
+# A grid that fits, but not once counted in CTAs of its clusters: refused, never wrapped.
+launched = fake.fake_launches()
+for attempt in (lambda: k3.launch(0x40000000, 1, 1, 9, 1), lambda: k3.driver_call(0x40000000, 1, 1, 9, 1)):
+    try:
+        attempt()
+    except ValueError as exc:
+        assert "grid x dimension 1073741824 is out of range for clusters of 2 CTAs" in str(exc), exc
+    else:
+        raise AssertionError("a grid past the driver's, in CTAs, was taken")
+assert fake.fake_launches() == launched
+k3.launch(0x3FFFFFFF, 1, 1, 9, 1)
+assert fake.fake_dim(0) == 0x7FFFFFFE
 
 # The driver's call alone (for benchmarks): the arguments packed once, each call one launch
 # with the same grid, stream, attributes and parameters as the launch function's.

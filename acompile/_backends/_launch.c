@@ -562,9 +562,15 @@ static int pack(KernelObject *k, PyObject *const *args, uint64_t *values, void *
 }
 
 /* The launch's configuration: the grid, the block, shared memory and the launch attributes
- * (attributes: room for 5). */
-static void configure(KernelObject *k, unsigned int gx, unsigned int gy, unsigned int gz,
-                      CUstream stream, CUlaunchConfig *out, CUlaunchAttribute *attributes) {
+ * (attributes: room for 5). A grid whose x dimension, counted in CTAs (x times the CTAs of a
+ * cluster), does not fit the driver's is a ValueError, never a smaller grid. */
+static int configure(KernelObject *k, unsigned int gx, unsigned int gy, unsigned int gz,
+                     CUstream stream, CUlaunchConfig *out, CUlaunchAttribute *attributes) {
+  if ((unsigned long long)gx * k->num_ctas > 0x7fffffffULL) {
+    PyErr_Format(PyExc_ValueError, "grid x dimension %u is out of range for clusters of %u CTAs", gx,
+                 k->num_ctas);
+    return -1;
+  }
   CUlaunchConfig config;
   memset(&config, 0, sizeof(config));
   config.gridDimX = gx * k->num_ctas;
@@ -605,6 +611,7 @@ static void configure(KernelObject *k, unsigned int gx, unsigned int gy, unsigne
   }
   config.numAttrs = n;
   *out = config;
+  return 0;
 }
 
 static PyObject *launch(KernelObject *k, unsigned int gx, unsigned int gy, unsigned int gz,
@@ -619,7 +626,8 @@ static PyObject *launch(KernelObject *k, unsigned int gx, unsigned int gy, unsig
     Py_RETURN_NONE;
   CUlaunchAttribute attributes[5];
   CUlaunchConfig config;
-  configure(k, gx, gy, gz, stream, &config, attributes);
+  if (configure(k, gx, gy, gz, stream, &config, attributes) < 0)
+    return NULL;
   CUresult status;
   Py_BEGIN_ALLOW_THREADS;
   status = cu.launch_kernel_ex(&config, k->function, params, NULL);
@@ -668,7 +676,8 @@ static PyObject *kernel_time_parts(KernelObject *self, PyObject *const *args, Py
   double packing = (seconds_now() - t0) / (double)count;
   CUlaunchAttribute attributes[5];
   CUlaunchConfig config;
-  configure(self, gx, gy, gz, stream, &config, attributes);
+  if (configure(self, gx, gy, gz, stream, &config, attributes) < 0)
+    return NULL;
   CUresult status = CUDA_SUCCESS;
   double driver;
   Py_BEGIN_ALLOW_THREADS;
@@ -737,7 +746,10 @@ static PyObject *kernel_driver_call(KernelObject *self, PyObject *const *args, P
     Py_DECREF(call);
     return NULL;
   }
-  configure(self, gx, gy, gz, stream, &call->config, call->attributes);
+  if (configure(self, gx, gy, gz, stream, &call->config, call->attributes) < 0) {
+    Py_DECREF(call);
+    return NULL;
+  }
   PyObject_GC_Track(call);
   return (PyObject *)call;
 }
