@@ -803,7 +803,6 @@ static PyObject *kernel_launch(KernelObject *self, PyObject *const *args, Py_ssi
 }
 
 static PyObject *kernel_bind(KernelObject *self, PyObject *args);
-static PyObject *kernel_bind_grid_function(KernelObject *self, PyObject *args);
 static PyObject *kernel_grid_function_binder(KernelObject *self, PyObject *args);
 
 static PyMethodDef kernel_methods[] = {
@@ -817,8 +816,6 @@ static PyMethodDef kernel_methods[] = {
      "cuLaunchKernelEx alone, and per packing of the arguments alone"},
     {"bind", (PyCFunction)kernel_bind, METH_VARARGS,
      "bind(gx, gy, gz, fallback, name, qualname): the launch function of a grid"},
-    {"bind_grid_function", (PyCFunction)kernel_bind_grid_function, METH_VARARGS,
-     "bind_grid_function(grid, make, meta, name, qualname): the launch function of a grid function"},
     {"grid_function_binder", (PyCFunction)kernel_grid_function_binder, METH_VARARGS,
      "grid_function_binder(make, meta, name, qualname): binder(grid) is the launch function of "
      "a grid function"},
@@ -1092,24 +1089,6 @@ failed:
   return NULL;
 }
 
-/* kernel.bind_grid_function(grid, make, meta, name, qualname): kernel[grid] for one grid
- * function (a Binder made and called once). */
-static PyObject *kernel_bind_grid_function(KernelObject *self, PyObject *args) {
-  PyObject *grid, *make, *meta, *name, *qualname;
-  if (!PyArg_ParseTuple(args, "OOO!UU", &grid, &make, &PyTuple_Type, &meta, &name, &qualname))
-    return NULL;
-  PyObject *parts = Py_BuildValue("(OOOO)", make, meta, name, qualname);
-  if (parts == NULL)
-    return NULL;
-  PyObject *binder = kernel_grid_function_binder(self, parts);
-  Py_DECREF(parts);
-  if (binder == NULL)
-    return NULL;
-  PyObject *bound = PyObject_CallOneArg(binder, grid);
-  Py_DECREF(binder);
-  return bound;
-}
-
 static PyObject *kernel_bind(KernelObject *self, PyObject *args) {
   PyObject *x, *y, *z, *fallback, *name, *qualname;
   if (!PyArg_ParseTuple(args, "OOOOUU", &x, &y, &z, &fallback, &name, &qualname))
@@ -1201,7 +1180,7 @@ static PyObject *binder_vectorcall(PyObject *callable, PyObject *const *args, si
   }
   PyObject *grid = args[0];
   if (!PyCallable_Check(grid)) {
-    PyErr_SetString(PyExc_TypeError, "bind_grid_function: grid must be callable");
+    PyErr_SetString(PyExc_TypeError, "kernel[grid]: a binder takes a callable grid");
     return NULL;
   }
   BoundObject *bound = new_bound(self->kernel, self->make, self->name, self->qualname);
