@@ -437,3 +437,42 @@ async def test_a_pointer_check_skipped_for_a_known_allocation_still_refuses_what
         assert torch.equal(out, t + 1)
     with pytest.raises(ValueError, match="is not memory the GPU can access"):
         k[grid](torch.ones(n), y, out, n)
+
+
+@pytest.mark.gpu
+async def test_launches_through_the_bridge_to_pytorch_compute_on_views_parameters_and_subclasses(
+    cache_dir: Path,
+) -> None:
+    # The bridge reads an exact tensor's address in C (built here against this PyTorch, on the
+    # first kernel's load); views (an offset address), Parameters and subclasses (through their
+    # data_ptr()) launch and compute as through Triton's own launcher, and a CPU tensor is
+    # still refused by name.
+    torch = torch_cuda()
+    from acompile._backends import _launcher, launcher_module, launcher_problem
+
+    assert launcher_module(wait=True) is not None, launcher_problem()
+    n = 4099
+    async with acompile.CompilePool(1, cache_dir=cache_dir) as pool:
+        k = await pool.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 1024})
+    grid = (triton_cdiv(n, 1024),)
+    base = torch.randn(n + 7, device="cuda")
+    y, out = torch.randn(n, device="cuda"), torch.zeros(n + 3, device="cuda")
+    k[grid](base[7:], y, out[3:], n)
+    assert k.launcher == "acompile"
+    assert await anyio.to_thread.run_sync(_launcher.wait_for_bridge), _launcher.bridge_problem()
+
+    class Marked(torch.Tensor):
+        pass
+
+    cases = [
+        (base[7:], y, out[3:]),
+        (torch.nn.Parameter(base[:n].clone()), y.as_subclass(Marked), out[:n]),
+        (base[1 : n + 1], y, out[3:]),
+    ]
+    for x, b, o in cases:
+        o.zero_()
+        k[grid](x, b, o, n)
+        torch.cuda.synchronize()
+        assert torch.equal(o, x.detach() + b), "a launch through the bridge computed something else"
+    with pytest.raises(ValueError, match=r"argument y_ptr: pointer 0x[0-9a-f]+ is not memory the GPU"):
+        k[grid](base[7:], y.cpu(), out[3:], n)

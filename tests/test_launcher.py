@@ -79,7 +79,7 @@ CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **ker
 }
 """
 
-SCRIPT = r"""
+SETUP = r"""
 import ctypes, gc, struct, sys
 from acompile._backends import _launcher
 
@@ -133,6 +133,11 @@ def kernel(types, trailing=2, **options):
 def fallback(*args, **kwargs):
     fallback.calls.append((args, kwargs))
 fallback.calls = []
+"""
+
+SCRIPT = (
+    SETUP
+    + r"""
 
 # Every kind, packed as Triton's launcher packs it.
 types = ["*", "i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64", "fp16", "bf16", "fp32", "fp64"]
@@ -405,6 +410,117 @@ after = (sys.getrefcount(t), sys.getrefcount(n), sys.getrefcount(fallback))
 assert after == before, (before, after)
 print("ok", repr(f))
 """
+)
+
+
+BRIDGE_SCRIPT = (
+    SETUP
+    + r"""
+import os
+import threading
+import torch
+from torch.overrides import TorchFunctionMode
+
+bridge = _launcher.load_bridge()
+x = torch.empty(1 << 20)  # 4 MiB: mapped high, where the stand-in driver's "GPU memory" is
+base = x.data_ptr()
+assert base >= 0x7F0000000000, hex(base)
+view = x[5:]
+
+
+class Sub(torch.Tensor):
+    pass
+
+
+sub = x.as_subclass(Sub)
+# The bridge reads what data_ptr() reads...
+for t in (x, view, torch.nn.Parameter(x)):
+    assert bridge.tensor_pointer(t) == t.data_ptr()
+# ...and leaves to data_ptr() what it would not read by the same path.
+assert bridge.tensor_pointer(sub) is None and bridge.tensor_pointer(3) is None
+assert bridge.tensor_pointer(Tensor(0x7F0000001000)) is None
+with TorchFunctionMode():
+    assert bridge.tensor_pointer(x) is None
+assert bridge.tensor_pointer(torch.eye(2).to_sparse()) is None  # data_ptr() raises
+
+k = kernel(["*", "*"])
+f = k.bind(1, 1, 1, fallback, "f", "f[grid]")
+real = torch.Tensor.data_ptr
+torch.Tensor.data_ptr = lambda self: 0x7F00000F0000  # seen only by a launch through data_ptr()
+try:
+    f(view, sub)
+    assert (fake.fake_param(0), fake.fake_param(1)) == (0x7F00000F0000, 0x7F00000F0000)
+    assert not launch.tensor_pointer_in_use()
+    launch.use_tensor_pointer(bridge.TENSOR_POINTER)
+    f(view, sub)  # the exact tensor through the bridge, the subclass through data_ptr()
+    assert (fake.fake_param(0), fake.fake_param(1)) == (base + 20, 0x7F00000F0000), hex(fake.fake_param(0))
+    with TorchFunctionMode():  # a mode sees data_ptr() called, as without the bridge
+        f(view, view)
+    assert fake.fake_param(0) == 0x7F00000F0000
+finally:
+    torch.Tensor.data_ptr = real
+try:  # a tensor data_ptr() refuses: its own error, not a launch
+    f(torch.eye(2).to_sparse(), None)
+except RuntimeError as exc:
+    assert "sparse" in str(exc).lower() or "storage" in str(exc).lower(), exc
+else:
+    raise AssertionError("a sparse tensor was launched")
+for wrong, error in ((3, TypeError), (launch.use_tensor_pointer, TypeError)):
+    try:
+        launch.use_tensor_pointer(wrong)
+    except error:
+        pass
+    else:
+        raise AssertionError(f"use_tensor_pointer took {wrong!r}")
+assert launch.tensor_pointer_in_use()
+launch.use_tensor_pointer(None)
+assert not launch.tensor_pointer_in_use()
+
+
+def started():  # the bridge's thread, run to its end
+    for thread in threading.enumerate():
+        if thread.name == "acompile-torch-bridge":
+            thread.join()
+
+
+# What a kernel's load does: the bridge in use once it is imported (built already here).
+_launcher.use_bridge(launch)
+started()
+assert launch.tensor_pointer_in_use() and _launcher.bridge_problem() is None
+launch.use_tensor_pointer(None)
+_launcher._bridge_started = False
+os.environ["ACOMPILE_TORCH_BRIDGE"] = "off"
+_launcher.use_bridge(launch)
+started()
+assert not launch.tensor_pointer_in_use() and "ACOMPILE_TORCH_BRIDGE" in _launcher.bridge_problem()
+del os.environ["ACOMPILE_TORCH_BRIDGE"]
+os.environ["CXX"] = "/nonexistent/c++"  # another compiler: another build, which fails
+_launcher.use_bridge(launch)
+started()
+assert not launch.tensor_pointer_in_use() and "/nonexistent/c++" in _launcher.bridge_problem()
+print("ok")
+"""
+)
+
+
+def test_tensors_addresses_are_read_through_the_bridge_to_pytorch_where_it_reads_as_data_ptr(
+    fake_driver: Path, tmp_path: Path
+) -> None:
+    """The bridge to PyTorch is built here for real, against this PyTorch's headers: a launch
+    takes an exact tensor's address from it, as data_ptr() reads it, and leaves everything else
+    (a subclass, a torch function mode, a tensor data_ptr() refuses) to data_ptr()."""
+    pytest.importorskip("torch")
+    env = {
+        **os.environ,
+        "LD_LIBRARY_PATH": f"{fake_driver}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+        "ACOMPILE_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    env.pop("ACOMPILE_TORCH_BRIDGE", None)
+    done = subprocess.run(
+        [sys.executable, "-c", BRIDGE_SCRIPT], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-4000:]
+    assert list((tmp_path / "cache" / "launcher").glob("*/_torch_bridge*.so")), "not built into the cache"
 
 
 def test_a_grid_of_something_else_than_ints_is_refused_not_cut_to_ints() -> None:

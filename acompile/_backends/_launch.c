@@ -313,13 +313,23 @@ static void remember_range(uint64_t pointer) {
   known_ranges[slot].end = (uint64_t)start + size;
 }
 
+/* PyTorch's tensor address read in C (acompile's bridge to PyTorch, `_torch_bridge.cpp`), set
+ * by `use_tensor_pointer` once that is built: 0 with *out the address data_ptr() would return,
+ * 1 where data_ptr() must be called instead (a subclass, a torch function mode, an error). NULL:
+ * data_ptr() for every tensor. Read and written under the GIL. */
+typedef int (*tensor_pointer_t)(PyObject *, uint64_t *);
+static tensor_pointer_t tensor_pointer;
+#define TENSOR_POINTER_CAPSULE "acompile._torch_bridge.tensor_pointer"
+
 static int extract_pointer(KernelObject *k, Py_ssize_t i, PyObject *obj, uint64_t *out) {
   int tensor = 0;
   if (obj == Py_None) {
     *out = 0;
     return 0;
   }
-  if (PyLong_Check(obj)) {
+  if (tensor_pointer != NULL && tensor_pointer(obj, out) == 0) {
+    tensor = 1; /* exactly torch.Tensor (or Parameter): it holds its memory while it lives */
+  } else if (PyLong_Check(obj)) {
     *out = PyLong_AsUnsignedLongLong(obj);
     if (*out == (uint64_t)-1 && PyErr_Occurred()) {
       PyErr_Format(PyExc_OverflowError, "argument %s: a pointer must fit 64 bits", arg_name(k, i));
@@ -1242,8 +1252,40 @@ static PyTypeObject BinderType = {
 
 /* --- module ------------------------------------------------------------------------------- */
 
+/* use_tensor_pointer(capsule or None): read tensors' addresses through acompile's bridge to
+ * PyTorch (its TENSOR_POINTER capsule), or through data_ptr() again (None). */
+static PyObject *use_tensor_pointer(PyObject *module, PyObject *capsule) {
+  if (capsule == Py_None) {
+    tensor_pointer = NULL;
+    Py_RETURN_NONE;
+  }
+  if (!PyCapsule_CheckExact(capsule)) {
+    PyErr_Format(PyExc_TypeError, "use_tensor_pointer takes the bridge's TENSOR_POINTER or None, got %.100s",
+                 Py_TYPE(capsule)->tp_name);
+    return NULL;
+  }
+  void *function = PyCapsule_GetPointer(capsule, TENSOR_POINTER_CAPSULE);
+  if (function == NULL)
+    return NULL; /* another capsule: a ValueError names it */
+  tensor_pointer = (tensor_pointer_t)function;
+  Py_RETURN_NONE;
+}
+
+static PyObject *tensor_pointer_in_use(PyObject *module, PyObject *unused) {
+  return PyBool_FromLong(tensor_pointer != NULL);
+}
+
+static PyMethodDef module_methods[] = {
+    {"use_tensor_pointer", use_tensor_pointer, METH_O,
+     "use_tensor_pointer(capsule): read tensors' addresses through the bridge to PyTorch "
+     "(None: through data_ptr())"},
+    {"tensor_pointer_in_use", tensor_pointer_in_use, METH_NOARGS,
+     "tensor_pointer_in_use(): whether tensors' addresses are read through the bridge"},
+    {NULL}};
+
 static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_launch",
-                                        "acompile's launcher for Triton kernels on CUDA.", -1, NULL};
+                                        "acompile's launcher for Triton kernels on CUDA.", -1,
+                                        module_methods};
 
 PyMODINIT_FUNC PyInit__launch(void) {
   data_ptr_name = PyUnicode_InternFromString("data_ptr");
@@ -1260,7 +1302,7 @@ PyMODINIT_FUNC PyInit__launch(void) {
   if (m == NULL)
     return NULL;
   if (PyModule_AddObjectRef(m, "Kernel", (PyObject *)&KernelType) < 0 ||
-      PyModule_AddIntConstant(m, "ABI", 5) < 0) {
+      PyModule_AddIntConstant(m, "ABI", 6) < 0) {
     Py_DECREF(m);
     return NULL;
   }

@@ -129,6 +129,7 @@ def kernel_for(
     built = module()
     if built is None:
         return None
+    use_bridge(built)
     metadata = compiled.metadata
     why = _unsupported(metadata, signature)
     if why is None:
@@ -204,14 +205,20 @@ def _compiler() -> list[str]:
 
 
 def _build_dir(include: Path, *, make: bool = False) -> Path:
-    from acompile._cache import default_cache_dir
-
     header = (include / "cuda.h").stat()  # a megabyte: its path, size and time stand for it
     digest = hashlib.sha256()
     digest.update(SOURCE.read_bytes())
     # The compiler command: a library built with other flags (a sanitizer) must not be loaded.
     digest.update(repr((os.environ.get("CC"), os.environ.get("CFLAGS"))).encode())
     digest.update(f"{include}|{header.st_size}|{header.st_mtime_ns}|".encode())
+    return _folder_for(digest, make=make)
+
+
+def _folder_for(digest: Any, *, make: bool) -> Path:
+    """``<cache>/launcher/<digest>/``: a library's folder, keyed by what built it (``digest``,
+    completed here with this Python's build)."""
+    from acompile._cache import default_cache_dir
+
     digest.update(f"{sys.version}|{sys.implementation.cache_tag}|{sysconfig.get_platform()}".encode())
     # The library is loaded into this process: its folders must be this user's alone, as the
     # cache folder's are (acompile._trust); UntrustedFolderError (an OSError) otherwise.
@@ -253,20 +260,7 @@ def _import_built() -> ModuleType | None:
     except OSError as exc:
         _failed = f"cannot read the launcher's source: {exc}"
         return None
-    if not path.is_file():
-        return None
-    # Loading a damaged shared library can crash the process (a truncated one, with SIGBUS):
-    # it is loaded only if it is, byte for byte, what the build wrote.
-    try:
-        recorded = _read_regular(_checksum_path(path), 64).decode("ascii", "replace").strip()
-        intact = recorded == hashlib.sha256(_read_regular(path, 1 << 24)).hexdigest()
-    except OSError:
-        intact = False
-    if not intact:
-        logger.debug("rebuilding acompile's launcher: %s is damaged or incomplete", path)
-        for stale in (path, _checksum_path(path)):
-            with contextlib.suppress(OSError):
-                stale.unlink()
+    if not path.is_file() or not _intact(path):
         return None
     try:
         _module = _load(path)
@@ -276,6 +270,24 @@ def _import_built() -> ModuleType | None:
             path.unlink()
         return None
     return _module
+
+
+def _intact(path: Path) -> bool:
+    """Whether the library at ``path`` is, byte for byte, what a build wrote (its checksum
+    beside it); a damaged or half-written one is removed. Loading a damaged shared library can
+    crash the process (a truncated one, with SIGBUS)."""
+    try:
+        recorded = _read_regular(_checksum_path(path), 64).decode("ascii", "replace").strip()
+        if recorded == hashlib.sha256(_read_regular(path, 1 << 24)).hexdigest():
+            return True
+    except OSError:
+        pass
+    if os.path.lexists(path):
+        logger.debug("rebuilding %s: damaged or incomplete", path)
+    for stale in (path, _checksum_path(path)):
+        with contextlib.suppress(OSError):
+            stale.unlink()
+    return False
 
 
 def _read_regular(path: Path, limit: int) -> bytes:
@@ -299,7 +311,7 @@ def _load(path: Path) -> ModuleType:
         raise ImportError(f"cannot load {path}")
     built = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(built)
-    if getattr(built, "ABI", None) != 5:
+    if getattr(built, "ABI", None) != 6:
         raise ImportError(f"{path} is not this version's launcher")
     return built
 
@@ -347,18 +359,25 @@ def build() -> Path:
     target = _artifact(folder)
     if target.is_file() and _checksum_path(target).is_file():
         return target
-    compiler = _compiler()
     python_include = sysconfig.get_paths()["include"]
-    with tempfile.TemporaryDirectory(dir=folder) as scratch:
+    command = [
+        *_compiler(),
+        "-O2", "-shared", "-fPIC", "-std=gnu11", "-Wall", "-Werror=implicit-function-declaration",
+        f"-I{python_include}", f"-I{include}", str(SOURCE), "-ldl",
+    ]  # fmt: skip
+    _compile(command, target)
+    return target
+
+
+def _compile(command: list[str], target: Path) -> None:
+    """Run the compiler ``command`` (its output's ``-o`` added) into a scratch file beside
+    ``target``, then put the library in place with its checksum."""
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         out = Path(scratch) / target.name
-        command = [
-            *compiler,
-            "-O2", "-shared", "-fPIC", "-std=gnu11", "-Wall", "-Werror=implicit-function-declaration",
-            f"-I{python_include}", f"-I{include}", str(SOURCE), "-o", str(out), "-ldl",
-        ]  # fmt: skip
-        done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+        command = [*command, "-o", str(out)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
         if done.returncode != 0:
-            raise RuntimeError(f"{compiler[0]} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{command[0]} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
         library = out.read_bytes()
         # The checksum first: a library in place always has its checksum beside it (a reader
         # between the two writes sees the new checksum and no library, or an older one that
@@ -366,4 +385,111 @@ def build() -> Path:
         # library keeps the mode a compiler gives its output.
         _files.write_whole(_checksum_path(target), hashlib.sha256(library).hexdigest().encode())
         _files.write_whole(target, library, mode=0o777)
-    return target
+
+
+# --- the bridge to PyTorch's tensors ------------------------------------------------------------
+
+BRIDGE_SOURCE = Path(__file__).with_name("_torch_bridge.cpp")
+_BRIDGE_ABI = 1
+
+_bridge_started = False
+_bridge_thread: threading.Thread | None = None
+_bridge_failed: str | None = None
+
+
+def bridge_enabled() -> bool:
+    return os.environ.get("ACOMPILE_TORCH_BRIDGE", "").strip().lower() not in ("0", "off", "no")
+
+
+def use_bridge(launcher: ModuleType) -> None:
+    """Once PyTorch is imported, have ``launcher`` read tensors' addresses through acompile's
+    bridge to PyTorch (``_torch_bridge.cpp``) instead of calling ``data_ptr()``: on a thread,
+    the bridge this machine built already is imported, or it is built (once per PyTorch build,
+    a C++ compiler's ten seconds or so, at the lowest priority). Launches call ``data_ptr()``
+    until then, and for good where it cannot be built (the reason at debug level)."""
+    global _bridge_started, _bridge_thread
+    if _bridge_started or "torch" not in sys.modules or not bridge_enabled():
+        return
+    with _state_lock:
+        if _bridge_started:
+            return
+        _bridge_started = True
+        _bridge_thread = threading.Thread(
+            target=_bridge_in_background, args=(launcher,), name="acompile-torch-bridge", daemon=True
+        )
+    _bridge_thread.start()
+
+
+def wait_for_bridge() -> bool:
+    """Wait for the bridge's import or build, if one was started; whether launches read tensors'
+    addresses through it now (for benchmarks: the steady state, and a build left complete)."""
+    thread = _bridge_thread
+    if thread is not None:
+        thread.join()
+    launcher = _module
+    return launcher is not None and bool(launcher.tensor_pointer_in_use())
+
+
+def bridge_problem() -> str | None:
+    """Why launches read tensors' addresses through ``data_ptr()``, if they do for good."""
+    if not bridge_enabled():
+        return "turned off by ACOMPILE_TORCH_BRIDGE"
+    return _bridge_failed
+
+
+def _bridge_in_background(launcher: ModuleType) -> None:
+    global _bridge_failed
+    lower_this_thread()  # the compiler it runs too: the caller's event loop comes first
+    try:
+        bridge = load_bridge()
+        launcher.use_tensor_pointer(bridge.TENSOR_POINTER)
+    except (ImportError, OSError, subprocess.SubprocessError, RuntimeError, ValueError, TypeError) as exc:
+        _bridge_failed = str(exc)
+        logger.debug("launches read tensors' addresses through data_ptr(): %s", exc)
+
+
+def load_bridge() -> ModuleType:
+    """The bridge's module, built here first unless this machine built it already for this
+    PyTorch. Several processes may build at once: each writes its own file and renames it."""
+    torch = sys.modules.get("torch") or importlib.import_module("torch")
+    root = Path(str(torch.__file__)).parent
+    include, lib = root / "include", root / "lib"
+    if not (include / "torch" / "csrc" / "autograd" / "python_variable.h").is_file():
+        raise RuntimeError(f"PyTorch's C++ headers are not installed (no {include})")
+    abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (set CXX, or install g++)")
+    library = lib / "libtorch_python.so"
+    stat_ = library.stat()
+    digest = hashlib.sha256()
+    digest.update(BRIDGE_SOURCE.read_bytes())
+    digest.update(repr((compiler, os.environ.get("CXXFLAGS"), abi)).encode())
+    version = f"{torch.__version__}|{getattr(torch.version, 'git_version', '')}"
+    digest.update(f"{version}|{library}|{stat_.st_size}|{stat_.st_mtime_ns}|".encode())
+    target = _folder_for(digest, make=True) / f"_torch_bridge{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    for attempt in range(2):
+        if not (target.is_file() and _intact(target)):
+            command = [
+                *shlex.split(compiler),
+                "-O2", "-shared", "-fPIC", "-std=c++17", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+                f"-I{sysconfig.get_paths()['include']}", f"-I{include}", str(BRIDGE_SOURCE),
+                f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_python", "-lc10",
+            ]  # fmt: skip
+            _compile(command, target)
+        spec = importlib.util.spec_from_file_location("acompile._torch_bridge", target)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {target}")
+        bridge = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(bridge)
+        except ImportError:
+            if attempt:
+                raise
+            with contextlib.suppress(OSError):
+                target.unlink()  # another build's, or damaged: build it again
+            continue
+        if getattr(bridge, "ABI", None) != _BRIDGE_ABI:
+            raise ImportError(f"{target} is not this version's bridge")
+        return bridge
+    raise AssertionError("unreachable")

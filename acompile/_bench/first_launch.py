@@ -125,11 +125,17 @@ async def acompile_side(args: argparse.Namespace) -> dict[str, Any]:
         launcher_module(wait=True)
     for case, kernel in zip(cases, kernels, strict=True):
         kernel[case.grid](*case.args)  # loaded (the launcher known) before the parts are read
+    # Launches read tensors' addresses through the bridge to PyTorch once it is imported (on a
+    # thread, at the first kernel's load), or built (by the filling run): timed after that.
+    from acompile._backends import _launcher
+
+    bridge = _launcher.wait_for_bridge()
     parts = {c.spec.name: p for c, k in zip(cases, kernels, strict=True) if (p := _time_parts(c, k))}
     costs = _host_costs(batches, args.launches, parts)
     return {
         # Read after the launches: a kernel's launcher is known once it is loaded.
         "launcher": {c.spec.name: k.launcher for c, k in zip(cases, kernels, strict=True)},
+        "bridge": bridge or _launcher.bridge_problem() or "not in use",
         **set_up,
         "after_setup_s": after,
         "from_start_s": from_start,
@@ -403,12 +409,17 @@ def main(argv: list[str] | None = None) -> int:
         "(grid fn: the library's grid function alone, which both sides call at every launch (timed in "
         "acompile's process); "
         "driver call: cuLaunchKernelEx alone in a C loop, arguments packed once; packing: the "
-        "arguments alone (tensors' data_ptr() and pointer checks, ints, floats); over driver: "
+        "arguments alone (tensors' addresses and pointer checks, ints, floats); over driver: "
         "acompile minus driver call, batch by batch (each batch of launches followed by one of the driver's "
         "call alone: the median of the differences), minus grid fn; driver from Python: the driver's call "
         "alone, arguments packed once, made by a C function called from Python as a launch is (the floor "
         "of any launch from Python); over it: as over driver, against it; launcher: whose launcher "
         "acompile used)"
+    )
+    bridge = runs["acompile"][1].get("bridge")
+    print(
+        "tensors' addresses read "
+        + ("through acompile's bridge to PyTorch" if bridge is True else f"by data_ptr() ({bridge})")
     )
     if over_driver:
         worst = max(over_driver, key=over_driver.__getitem__)
