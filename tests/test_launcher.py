@@ -653,3 +653,35 @@ def test_the_launcher_builds_below_the_callers_priority(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == str(os.getpriority(os.PRIO_PROCESS, 0))  # the caller: unchanged
     assert seen.read_text().strip() == "19"
+
+
+def test_the_bridge_to_pytorch_is_never_built_or_loaded_in_a_folder_another_user_controls() -> None:
+    """The bridge is a library loaded into this process, as the launcher is: in a cache folder
+    another user made first (writable by anyone, even), it is neither built nor loaded, and the
+    refusal says whose the folder is."""
+    pytest.importorskip("torch")
+    from attacker import as_nobody, shared_folder
+    from conftest import subprocess_env
+
+    code = textwrap.dedent("""
+        from acompile._backends import _launcher
+        try:
+            _launcher.load_bridge()
+        except OSError as exc:
+            print(type(exc).__name__, exc)
+        else:
+            print("loaded")
+    """)
+    with shared_folder() as shared:
+        theirs = shared / "cache"
+        as_nobody(os.mkdir, str(theirs), 0o777)
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=subprocess_env(ACOMPILE_CACHE_DIR=str(theirs)),
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.startswith("UntrustedFolderError") and "nobody" in done.stdout, done.stdout
+        assert not any(theirs.iterdir()), "the bridge's folders were made in nobody's folder"
