@@ -153,6 +153,43 @@ async def test_a_key_that_raises_a_base_exception_ahead_leaves_no_other_function
     forget_keys()
 
 
+async def test_a_kernel_whose_code_calls_sys_exit_as_it_is_read_fails_its_requests_not_the_pool(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel's code raises SystemExit while Triton reads it (its key, on acompile's parse
+    thread, where a thread's exit ends nothing): that kernel's requests fail with an error
+    naming it, the others are served, and the same pool serves the next gather. (Carried to the
+    request as it is, asyncio stopped the event loop for it, and every later request on the
+    pool was cancelled.)"""
+    from triton.runtime.jit import JITFunction
+
+    forget_keys()
+    getter = JITFunction.cache_key.fget
+    assert getter is not None
+    exiting = [True]
+
+    def cache_key(fn: Any) -> str:
+        if fn is add_kernel and exiting[0]:
+            raise SystemExit(3)
+        key: str = getter(fn)
+        return key
+
+    monkeypatch.setattr(JITFunction, "cache_key", property(cache_key))
+    async with acompile.CompilePool(1, target=TARGET, cache_dir=cache_dir, prestart=False) as p:
+        with anyio.fail_after(120):
+            results = await p.gather(*specs(), return_exceptions=True)
+            assert [type(r).__name__ for r in results] == ["InvalidSpecError"] * 2 + ["TritonKernel"] * 2
+            assert "SystemExit(3)" in str(results[0]), results[0]
+            assert isinstance(results[0].__cause__, SystemExit)
+            with pytest.raises(acompile.InvalidSpecError, match=r"raised SystemExit\(3\)"):
+                await p.compile(specs()[0])
+            exiting[0] = False
+            again = await p.gather(*specs())
+    assert [k.name for k in again] == ["add_kernel"] * 2 + ["scale_add_kernel"] * 2
+    monkeypatch.undo()
+    forget_keys()
+
+
 def test_a_gather_as_the_interpreter_shuts_down_fails_each_request_and_leaves_none_waiting(
     cache_dir: Path,
 ) -> None:

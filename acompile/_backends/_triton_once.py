@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import anyio
 
 from acompile import _pacing
+from acompile._errors import InvalidSpecError
 
 _T = TypeVar("_T")
 _loops_lock = threading.Lock()
@@ -67,9 +68,23 @@ async def once(key: Any, done: Callable[[], Any], work: Callable[..., Any], *arg
 
     async def on_the_parse_thread() -> Any:
         with _pacing.quick_switches():
-            return await loop.run_in_executor(parse_thread(), work, *args)
+            return await loop.run_in_executor(parse_thread(), _no_exit, work, *args)
 
     return await _once(this_loops(_in_progress, dict), key, done, on_the_parse_thread)
+
+
+def _no_exit(work: Callable[..., _T], *args: Any) -> _T:
+    """work(*args), where the kernel's code that it runs raising SystemExit or KeyboardInterrupt
+    is an error of that kernel's requests. On this thread they end nothing (a thread's exit is
+    not the program's); carried to the waiting task as they are, asyncio would stop the event
+    loop for them, and cancel every later request of the pool."""
+    try:
+        return work(*args)
+    except (SystemExit, KeyboardInterrupt) as exc:
+        raise InvalidSpecError(
+            f"the kernel's code raised {exc!r} while it was read (on acompile's parse thread, "
+            "where that ends nothing)"
+        ) from exc
 
 
 def ahead(keys: list[Any], work: Callable[[int], None]) -> None:
