@@ -349,17 +349,22 @@ async def test_acompiles_launcher_passes_every_scalar_kind_as_tritons_does(cache
     assert ours_f.tolist() == [-0.0, bf16, struct.unpack("<f", struct.pack("<f", -1e-30))[0], -1e-300]
 
 
-@pytest.mark.gpu
-async def test_acompiles_launcher_refuses_bad_arguments_by_name_and_launches_nothing(cache_dir: Path) -> None:
-    torch = torch_cuda()
+async def _add_kernel_on_acompiles_launcher(cache_dir: Path) -> acompile.TritonKernel:
+    """add_kernel (BLOCK 1024) from a pool, on a machine whose launcher is built (awaited)."""
     from acompile._backends import launcher_module, launcher_problem
 
     assert launcher_module(wait=True) is not None, launcher_problem()
+    async with acompile.CompilePool(1, cache_dir=cache_dir) as pool:
+        return await pool.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 1024})
+
+
+@pytest.mark.gpu
+async def test_acompiles_launcher_refuses_bad_arguments_by_name_and_launches_nothing(cache_dir: Path) -> None:
+    torch = torch_cuda()
+    k = await _add_kernel_on_acompiles_launcher(cache_dir)
     n = 4096
     x, y = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
     out = torch.zeros_like(x)
-    async with acompile.CompilePool(1, cache_dir=cache_dir) as pool:
-        k = await pool.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 1024})
     grid = (triton_cdiv(n, 1024),)
     k[grid](x, y, out, n)
     assert k.launcher == "acompile"
@@ -398,12 +403,8 @@ async def test_a_pointer_check_skipped_for_a_known_allocation_still_refuses_what
     import ctypes
 
     torch = torch_cuda()
-    from acompile._backends import launcher_module, launcher_problem
-
-    assert launcher_module(wait=True) is not None, launcher_problem()
+    k = await _add_kernel_on_acompiles_launcher(cache_dir)
     n = 4096
-    async with acompile.CompilePool(1, cache_dir=cache_dir) as pool:
-        k = await pool.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 1024})
     grid = (triton_cdiv(n, 1024),)
     y, out = torch.ones(n, device="cuda"), torch.zeros(n, device="cuda")
     driver = ctypes.CDLL("libcuda.so.1")
@@ -448,12 +449,10 @@ async def test_launches_through_the_bridge_to_pytorch_compute_on_views_parameter
     # data_ptr()) launch and compute as through Triton's own launcher, and a CPU tensor is
     # still refused by name.
     torch = torch_cuda()
-    from acompile._backends import _launcher, launcher_module, launcher_problem
+    from acompile._backends import _launcher
 
-    assert launcher_module(wait=True) is not None, launcher_problem()
+    k = await _add_kernel_on_acompiles_launcher(cache_dir)
     n = 4099
-    async with acompile.CompilePool(1, cache_dir=cache_dir) as pool:
-        k = await pool.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 1024})
     grid = (triton_cdiv(n, 1024),)
     base = torch.randn(n + 7, device="cuda")
     y, out = torch.randn(n, device="cuda"), torch.zeros(n + 3, device="cuda")
