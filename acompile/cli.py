@@ -215,6 +215,16 @@ def _main(argv: list[str]) -> int:
 
     sub.add_parser("bench", help="compile a kernel corpus against the baselines (see: acompile bench --help)")
 
+    launcher = sub.add_parser(
+        "launcher",
+        help="build acompile's kernel launcher (and its bridge to PyTorch) now, e.g. in an image's build",
+        description="Build acompile's launcher for Triton kernels, and its bridge to PyTorch where "
+        "PyTorch is installed, into the cache folder now (a C compiler's second, a C++ compiler's ten "
+        "seconds and up to 1 GB of memory), rather than in the background of the first process that "
+        "loads a kernel on a GPU. Needs no GPU. Exit status 1 if either cannot be built (why, on stderr).",
+    )
+    launcher.add_argument("--cache-dir", type=Path, default=None, help=dir_help)
+
     run = sub.add_parser(
         "run",
         help="run a command with its torch.compile served by acompile",
@@ -256,6 +266,8 @@ def _main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.command == "warmup":
         return _warmup(args)
+    if args.command == "launcher":
+        return _build_launcher(args)
     if args.command == "run":
         return _run(args)
     root = args.cache_dir or default_cache_dir()
@@ -277,6 +289,37 @@ def _main(argv: list[str]) -> int:
 
 
 # --- run ------------------------------------------------------------------------------------------
+
+
+def _build_launcher(args: argparse.Namespace) -> int:
+    """``acompile launcher``: the launcher and the bridge to PyTorch built (or found built) in
+    the cache folder, each one's path printed, or why it cannot be."""
+    import importlib.util
+
+    from acompile._backends import _launcher
+
+    if args.cache_dir is not None:
+        os.environ["ACOMPILE_CACHE_DIR"] = str(args.cache_dir)
+    status = 0
+    built = _launcher.module(wait=True)
+    if built is None:
+        print(f"acompile: the launcher is not built: {_launcher.problem()}", file=sys.stderr)
+        status = 1
+    else:
+        print(f"launcher: {built.__file__}")
+    if importlib.util.find_spec("torch") is None:
+        print("bridge to PyTorch: not needed (PyTorch is not installed)")
+    elif not _launcher.bridge_enabled():
+        print(f"bridge to PyTorch: {_launcher.bridge_problem()}")
+    else:
+        try:
+            bridge = _launcher.load_bridge()
+        except (ImportError, OSError, RuntimeError, ValueError) as exc:
+            print(f"acompile: the bridge to PyTorch is not built: {exc}", file=sys.stderr)
+            status = 1
+        else:
+            print(f"bridge to PyTorch: {bridge.__file__}")
+    return status
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -503,24 +503,66 @@ print("ok")
 )
 
 
+def _cli_launcher(cache: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    environment = {**os.environ, **env}
+    environment.pop("ACOMPILE_TORCH_BRIDGE", None)
+    return subprocess.run(
+        [sys.executable, "-m", "acompile", "launcher", "--cache-dir", str(cache)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=environment,
+    )
+
+
+@pytest.fixture(scope="module")
+def built_by_the_cli(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """A cache folder where ``acompile launcher`` built the launcher and the bridge to PyTorch
+    (as an image's build step would), and what it printed."""
+    pytest.importorskip("torch")
+    if _launcher._cuda_include() is None:
+        pytest.skip("Triton's CUDA headers are not installed")
+    cache = tmp_path_factory.mktemp("built") / "cache"
+    done = _cli_launcher(cache)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return cache, done.stdout.splitlines()
+
+
+def test_acompile_launcher_builds_the_launcher_and_the_bridge_ahead_and_says_why_not(
+    built_by_the_cli: tuple[Path, list[str]], tmp_path: Path
+) -> None:
+    """``acompile launcher`` (an image's build step, no GPU) builds both into the cache folder
+    and prints their paths; run again, it finds them built; a bridge it cannot build is exit
+    status 1 with the reason."""
+    cache, lines = built_by_the_cli
+    assert [line.split(":")[0] for line in lines] == ["launcher", "bridge to PyTorch"], lines
+    paths = [Path(line.split(": ", 1)[1]) for line in lines]
+    assert paths[0].name.startswith("_launch.") and paths[1].name.startswith("_torch_bridge.")
+    assert all(p.is_file() and p.is_relative_to(cache / "launcher") for p in paths), paths
+    again = _cli_launcher(cache)
+    assert again.returncode == 0 and again.stdout.splitlines() == lines, again.stderr
+    broken = _cli_launcher(cache, CXX="/nonexistent/c++")  # another compiler: another build
+    assert broken.returncode == 1, broken.stdout
+    assert broken.stdout.startswith("launcher: ")  # the launcher, a C build, is still there
+    assert "the bridge to PyTorch is not built" in broken.stderr and "/nonexistent/c++" in broken.stderr
+
+
 def test_tensors_addresses_are_read_through_the_bridge_to_pytorch_where_it_reads_as_data_ptr(
-    fake_driver: Path, tmp_path: Path
+    fake_driver: Path, built_by_the_cli: tuple[Path, list[str]]
 ) -> None:
     """The bridge to PyTorch is built here for real, against this PyTorch's headers: a launch
     takes an exact tensor's address from it, as data_ptr() reads it, and leaves everything else
     (a subclass, a torch function mode, a tensor data_ptr() refuses) to data_ptr()."""
-    pytest.importorskip("torch")
     env = {
         **os.environ,
         "LD_LIBRARY_PATH": f"{fake_driver}:{os.environ.get('LD_LIBRARY_PATH', '')}",
-        "ACOMPILE_CACHE_DIR": str(tmp_path / "cache"),
+        "ACOMPILE_CACHE_DIR": str(built_by_the_cli[0]),
     }
     env.pop("ACOMPILE_TORCH_BRIDGE", None)
     done = subprocess.run(
         [sys.executable, "-c", BRIDGE_SCRIPT], capture_output=True, text=True, timeout=240, env=env
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-4000:]
-    assert list((tmp_path / "cache" / "launcher").glob("*/_torch_bridge*.so")), "not built into the cache"
 
 
 def test_a_grid_of_something_else_than_ints_is_refused_not_cut_to_ints() -> None:
