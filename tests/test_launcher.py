@@ -11,6 +11,7 @@ own launcher.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -62,10 +63,22 @@ CUresult cuFuncGetParamInfo(CUfunction f, size_t i, size_t *offset, size_t *size
   *size = sizes[i];
   return CUDA_SUCCESS;
 }
-/* "Device memory": addresses from 0x7f0000000000 up; anything lower is host memory. */
+/* "Device memory": addresses from 0x7f0000000000 up, one allocation; "pinned host memory" the
+ * GPU can reach: 0x7e0000000000 up to there, until fake_free_pinned(); anything lower is host
+ * memory the GPU cannot reach. */
+static int pinned_freed;
+void fake_free_pinned(void) { pinned_freed = 1; }
 CUresult cuPointerGetAttribute(void *data, CUpointer_attribute a, CUdeviceptr p) {
-  if (p < 0x7f0000000000ull) return CUDA_ERROR_INVALID_VALUE;
-  *(CUdeviceptr *)data = p;
+  int pinned = p >= 0x7e0000000000ull && p < 0x7f0000000000ull;
+  if (p < 0x7e0000000000ull || (pinned && pinned_freed)) return CUDA_ERROR_INVALID_VALUE;
+  if (a == CU_POINTER_ATTRIBUTE_MEMORY_TYPE)
+    *(unsigned int *)data = pinned ? CU_MEMORYTYPE_HOST : CU_MEMORYTYPE_DEVICE;
+  else if (a == CU_POINTER_ATTRIBUTE_RANGE_START_ADDR)
+    *(CUdeviceptr *)data = pinned ? 0x7e0000000000ull : 0x7f0000000000ull;
+  else if (a == CU_POINTER_ATTRIBUTE_RANGE_SIZE)
+    *(size_t *)data = 0x10000000000ull;
+  else
+    *(CUdeviceptr *)data = p;
   return CUDA_SUCCESS;
 }
 CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernel_params, void **extra) {
@@ -390,6 +403,21 @@ for kinds, why in ((bytes([0, 3]), "parameter 3"), (bytes([0, 4]), "parameter 1 
     else:
         raise AssertionError("a mismatched kernel was taken")
 
+# Pinned host memory the GPU reaches is checked at every launch, never remembered as GPU memory
+# is: once freed, its addresses may hold an ordinary CPU allocation.
+h = kernel(["*"], tensor_type=Tensor).bind(1, 1, 1, fallback, "h", "h[grid]")
+pinned = Tensor(0x7E0000001000)
+h(pinned)
+h(Tensor(0x7F0000005000))  # GPU memory: remembered
+fake.fake_free_pinned()
+h(Tensor(0x7F0000006000))  # the same GPU allocation: launched
+try:
+    h(pinned)
+except ValueError as exc:
+    assert "is not memory the GPU can access" in str(exc), exc
+else:
+    raise AssertionError("freed pinned memory was launched")
+
 # No reference leaked or freed twice over many launches.
 t = Tensor(0x7F0000003000)
 n = 123456789
@@ -488,7 +516,6 @@ _launcher.use_bridge(launch)
 started()
 assert launch.tensor_pointer_in_use() and _launcher.bridge_problem() is None
 launch.use_tensor_pointer(None)
-_launcher._bridge_started = False
 os.environ["ACOMPILE_TORCH_BRIDGE"] = "off"
 _launcher.use_bridge(launch)
 started()
@@ -695,6 +722,83 @@ def test_the_launcher_builds_below_the_callers_priority(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == str(os.getpriority(os.PRIO_PROCESS, 0))  # the caller: unchanged
     assert seen.read_text().strip() == "19"
+
+
+BRIDGE_LOADS = """
+from acompile._backends import _launcher
+try:
+    print(_launcher.load_bridge().__file__)
+except (ImportError, RuntimeError) as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_the_bridge_is_built_once_for_processes_starting_together_and_again_where_it_does_not_load(
+    tmp_path: Path,
+) -> None:
+    """Processes starting together on a fresh cache (a server's ranks) build the bridge once,
+    not each (it takes up to 1 GB). A library at its path that does not load (another library,
+    with a checksum to match) is removed and built again: the next process loads it. Something
+    in the way that is not a file fails at once, with no build."""
+    pytest.importorskip("torch")
+    log = tmp_path / "compiles.log"
+    wrapper = tmp_path / "c++"
+    wrapper.write_text(f'#!/bin/sh\necho "$$" >> {log}\nexec g++ "$@"\n')
+    wrapper.chmod(0o755)
+    env = {**os.environ, "ACOMPILE_CACHE_DIR": str(tmp_path / "cache"), "CXX": str(wrapper)}
+    env.pop("ACOMPILE_TORCH_BRIDGE", None)
+
+    def start() -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-c", BRIDGE_LOADS],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+
+    def compiles() -> int:
+        return len(log.read_text().splitlines()) if log.exists() else 0
+
+    together = [start() for _ in range(3)]
+    outputs = [p.communicate(timeout=240) for p in together]
+    paths = {out.strip() for out, _ in outputs}
+    assert len(paths) == 1 and all(p.returncode == 0 for p in together), outputs
+    target = Path(paths.pop())
+    assert target.is_file(), outputs
+    assert compiles() == 1, "processes starting together each built the bridge"
+
+    # Another library in its place, its checksum written to match (a foreign file, or one from
+    # a broken build): removed and built again; this process keeps the failed one loaded.
+    other = Path(torch_lib()) / "libc10.so"
+    target.write_bytes(other.read_bytes())
+    checksum = target.with_name(target.name + ".sha256")
+    checksum.write_text(hashlib.sha256(other.read_bytes()).hexdigest())
+    first = subprocess.run(
+        [sys.executable, "-c", BRIDGE_LOADS], capture_output=True, text=True, env=env, timeout=240
+    )
+    assert first.stdout.startswith("ImportError") and "the next process loads" in first.stdout, first
+    assert compiles() == 2
+    second = subprocess.run(
+        [sys.executable, "-c", BRIDGE_LOADS], capture_output=True, text=True, env=env, timeout=240
+    )
+    assert second.stdout.strip() == str(target), second
+    assert compiles() == 2, "the rebuilt bridge was built yet again"
+
+    # A folder where the library goes: refused by name, without a build.
+    target.unlink()
+    target.mkdir()
+    third = subprocess.run(
+        [sys.executable, "-c", BRIDGE_LOADS], capture_output=True, text=True, env=env, timeout=240
+    )
+    assert third.stdout.startswith("RuntimeError") and "is in the way" in third.stdout, third
+    assert compiles() == 2
+
+
+def torch_lib() -> str:
+    import torch
+
+    return os.path.join(os.path.dirname(torch.__file__), "lib")
 
 
 def test_the_bridge_to_pytorch_is_never_built_or_loaded_in_a_folder_another_user_controls() -> None:

@@ -298,11 +298,17 @@ static int in_known_range(uint64_t pointer) {
   return 0;
 }
 
-/* Remember the allocation a checked pointer is in (once per allocation: two driver calls). */
+/* Remember the allocation a checked pointer is in (once per allocation: three driver calls).
+ * GPU memory only: host memory the GPU can reach (pinned, registered) has the same address on
+ * both sides too, but once freed its addresses may hold an ordinary CPU allocation. */
 static void remember_range(uint64_t pointer) {
   CUdeviceptr start = 0;
   size_t size = 0;
-  if (cu.pointer_get_attribute(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, (CUdeviceptr)pointer) !=
+  unsigned int memory_type = 0;
+  if (cu.pointer_get_attribute(&memory_type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, (CUdeviceptr)pointer) !=
+          CUDA_SUCCESS ||
+      memory_type != CU_MEMORYTYPE_DEVICE ||
+      cu.pointer_get_attribute(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, (CUdeviceptr)pointer) !=
           CUDA_SUCCESS ||
       cu.pointer_get_attribute(&size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, (CUdeviceptr)pointer) !=
           CUDA_SUCCESS ||

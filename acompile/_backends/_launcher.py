@@ -19,7 +19,9 @@ this one does not take:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import fcntl
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -33,14 +35,15 @@ import sys
 import sysconfig
 import tempfile
 import threading
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from acompile import _files
 from acompile._errors import UntrustedFolderError
-from acompile._linux import lower_this_thread
+from acompile._linux import kill_group, lower_this_thread
 from acompile._trust import check_folder, own_folder
 
 logger = logging.getLogger("acompile")
@@ -350,34 +353,84 @@ def _give_up(exc: BaseException) -> None:
 
 def build() -> Path:
     """Compile ``_launch.c`` for this Python into the cache (unless there already) and return
-    the extension's path. Several processes may build at once: each writes its own file and
-    renames it into place."""
+    the extension's path. Processes that build at once take turns (a lock in its folder): the
+    first builds, the others find it built."""
     include = _cuda_include()
     if include is None:
         raise RuntimeError("Triton's CUDA headers are not installed")
     folder = _build_dir(include, make=True)
     target = _artifact(folder)
-    if target.is_file() and _checksum_path(target).is_file():
-        return target
-    python_include = sysconfig.get_paths()["include"]
-    command = [
-        *_compiler(),
-        "-O2", "-shared", "-fPIC", "-std=gnu11", "-Wall", "-Werror=implicit-function-declaration",
-        f"-I{python_include}", f"-I{include}", str(SOURCE), "-ldl",
-    ]  # fmt: skip
-    _compile(command, target)
+    with _build_lock(folder):
+        if target.is_file() and _intact(target):
+            return target
+        python_include = sysconfig.get_paths()["include"]
+        command = [
+            *_compiler(),
+            "-O2", "-shared", "-fPIC", "-std=gnu11", "-Wall", "-Werror=implicit-function-declaration",
+            f"-I{python_include}", f"-I{include}", str(SOURCE), "-ldl",
+        ]  # fmt: skip
+        _compile(command, target)
     return target
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path) -> Iterator[None]:
+    """Held while a library of ``folder`` is checked and built: processes starting together on
+    a fresh machine (a server's ranks) build it once, not each (the bridge's build takes up to
+    1 GB of memory)."""
+    fd = os.open(folder / ".build.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # and the lock with it
+
+
+# The compilers running now, by process group: killed if this process exits before they end
+# (a daemon thread's build would leave them running for nobody).
+_compiling: set[int] = set()
+
+
+@atexit.register
+def _stop_compilers() -> None:
+    for pgid in list(_compiling):
+        kill_group(pgid)
 
 
 def _compile(command: list[str], target: Path) -> None:
     """Run the compiler ``command`` (its output's ``-o`` added) into a scratch file beside
-    ``target``, then put the library in place with its checksum."""
+    ``target``, then put the library in place with its checksum. Called with the folder's
+    build lock held."""
+    if not command or command[0].startswith("-"):
+        raise RuntimeError(f"no compiler in the command {shlex.join(command)!r} (is CC or CXX empty?)")
+    for path in (target, _checksum_path(target)):
+        if os.path.lexists(path) and not (path.is_symlink() or path.is_file()):
+            raise RuntimeError(f"{path} is in the way (not a file acompile can replace): remove it")
+    _remove_stale_scratch(target.parent)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         out = Path(scratch) / target.name
         command = [*command, "-o", str(out)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"{command[0]} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        # A session of its own: the compiler and what it runs (cc1plus) are killed together, on
+        # a timeout or at this process's exit.
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+        _compiling.add(process.pid)
+        try:
+            _, stderr = process.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            kill_group(process.pid)  # not reaped yet: the group is still the compiler's
+            process.communicate()
+            raise RuntimeError(f"{command[0]} did not finish in 300 s") from None
+        except BaseException:
+            kill_group(process.pid)
+            raise
+        finally:
+            _compiling.discard(process.pid)
+        if process.returncode != 0:
+            raise RuntimeError(f"{command[0]} failed ({process.returncode}): {stderr.strip()[-2000:]}")
+        if not out.is_file():
+            raise RuntimeError(f"{command[0]} exited 0 and wrote no library")
         library = out.read_bytes()
         # The checksum first: a library in place always has its checksum beside it (a reader
         # between the two writes sees the new checksum and no library, or an older one that
@@ -387,18 +440,29 @@ def _compile(command: list[str], target: Path) -> None:
         _files.write_whole(target, library, mode=0o777)
 
 
+def _remove_stale_scratch(folder: Path) -> None:
+    """Scratch folders of builds killed an hour ago or more (a build's own lasts seconds)."""
+    cutoff = time.time() - 3600
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(folder):
+            if entry.name.startswith("tmp") and entry.is_dir(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                        shutil.rmtree(entry.path, ignore_errors=True)
+
+
 # --- the bridge to PyTorch's tensors ------------------------------------------------------------
 
 BRIDGE_SOURCE = Path(__file__).with_name("_torch_bridge.cpp")
 _BRIDGE_ABI = 1
 
-_bridge_started = False
 _bridge_thread: threading.Thread | None = None
 _bridge_failed: str | None = None
+_OFF = ("0", "off", "no", "false", "none", "disable", "disabled")
 
 
 def bridge_enabled() -> bool:
-    return os.environ.get("ACOMPILE_TORCH_BRIDGE", "").strip().lower() not in ("0", "off", "no")
+    return os.environ.get("ACOMPILE_TORCH_BRIDGE", "").strip().lower() not in _OFF
 
 
 def use_bridge(launcher: ModuleType) -> None:
@@ -406,18 +470,22 @@ def use_bridge(launcher: ModuleType) -> None:
     bridge to PyTorch (``_torch_bridge.cpp``) instead of calling ``data_ptr()``: on a thread,
     the bridge this machine built already is imported, or it is built (once per PyTorch build,
     a C++ compiler's ten seconds or so, at the lowest priority). Launches call ``data_ptr()``
-    until then, and for good where it cannot be built (the reason at debug level)."""
-    global _bridge_started, _bridge_thread
-    if _bridge_started or "torch" not in sys.modules or not bridge_enabled():
+    until then, and for good where it cannot be built (the reason at debug level, and from
+    ``bridge_problem()``). Called at each kernel's load; a process forked meanwhile starts
+    its own."""
+    global _bridge_thread
+    if _bridge_failed is not None or "torch" not in sys.modules or not bridge_enabled():
+        return
+    thread = _bridge_thread
+    if (thread is not None and thread.is_alive()) or launcher.tensor_pointer_in_use():
         return
     with _state_lock:
-        if _bridge_started:
-            return
-        _bridge_started = True
+        if _bridge_thread is not thread:
+            return  # another thread started one meanwhile
         _bridge_thread = threading.Thread(
             target=_bridge_in_background, args=(launcher,), name="acompile-torch-bridge", daemon=True
         )
-    _bridge_thread.start()
+        _bridge_thread.start()
 
 
 def wait_for_bridge() -> bool:
@@ -432,6 +500,8 @@ def wait_for_bridge() -> bool:
 
 def bridge_problem() -> str | None:
     """Why launches read tensors' addresses through ``data_ptr()``, if they do for good."""
+    if _module is not None and _module.tensor_pointer_in_use():
+        return None
     if not bridge_enabled():
         return "turned off by ACOMPILE_TORCH_BRIDGE"
     return _bridge_failed
@@ -450,7 +520,9 @@ def _bridge_in_background(launcher: ModuleType) -> None:
 
 def load_bridge() -> ModuleType:
     """The bridge's module, built here first unless this machine built it already for this
-    PyTorch. Several processes may build at once: each writes its own file and renames it."""
+    PyTorch (processes that build at once take turns: the first builds). A library there that
+    does not load is removed and built again; where it still does not load in this process
+    (the one that failed stays loaded under its name), the next process loads the new one."""
     torch = sys.modules.get("torch") or importlib.import_module("torch")
     root = Path(str(torch.__file__)).parent
     include, lib = root / "include", root / "lib"
@@ -464,32 +536,39 @@ def load_bridge() -> ModuleType:
     stat_ = library.stat()
     digest = hashlib.sha256()
     digest.update(BRIDGE_SOURCE.read_bytes())
-    digest.update(repr((compiler, os.environ.get("CXXFLAGS"), abi)).encode())
+    digest.update(repr((compiler, abi)).encode())
     version = f"{torch.__version__}|{getattr(torch.version, 'git_version', '')}"
     digest.update(f"{version}|{library}|{stat_.st_size}|{stat_.st_mtime_ns}|".encode())
-    target = _folder_for(digest, make=True) / f"_torch_bridge{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    folder = _folder_for(digest, make=True)
+    target = folder / f"_torch_bridge{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    command = [
+        *shlex.split(compiler),
+        "-O2", "-shared", "-fPIC", "-std=c++17", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{sysconfig.get_paths()['include']}", f"-I{include}", str(BRIDGE_SOURCE),
+        f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_python", "-lc10",
+    ]  # fmt: skip
     for attempt in range(2):
-        if not (target.is_file() and _intact(target)):
-            command = [
-                *shlex.split(compiler),
-                "-O2", "-shared", "-fPIC", "-std=c++17", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-                f"-I{sysconfig.get_paths()['include']}", f"-I{include}", str(BRIDGE_SOURCE),
-                f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_python", "-lc10",
-            ]  # fmt: skip
-            _compile(command, target)
-        spec = importlib.util.spec_from_file_location("acompile._torch_bridge", target)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"cannot load {target}")
-        bridge = importlib.util.module_from_spec(spec)
+        with _build_lock(folder):
+            if not (target.is_file() and _intact(target)):
+                _compile(command, target)
         try:
-            spec.loader.exec_module(bridge)
-        except ImportError:
+            return _import_bridge(target)
+        except ImportError as exc:
             if attempt:
-                raise
-            with contextlib.suppress(OSError):
-                target.unlink()  # another build's, or damaged: build it again
-            continue
-        if getattr(bridge, "ABI", None) != _BRIDGE_ABI:
-            raise ImportError(f"{target} is not this version's bridge")
-        return bridge
+                raise ImportError(f"{exc}; the next process loads the one built again") from exc
+            logger.debug("building the bridge to PyTorch again: %s", exc)
+            for stale in (target, _checksum_path(target)):
+                with contextlib.suppress(OSError):
+                    stale.unlink()
     raise AssertionError("unreachable")
+
+
+def _import_bridge(target: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("acompile._torch_bridge", target)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {target}")
+    bridge = importlib.util.module_from_spec(spec)  # where an extension's library is opened
+    spec.loader.exec_module(bridge)
+    if getattr(bridge, "ABI", None) != _BRIDGE_ABI:
+        raise ImportError(f"{target} is not this version's bridge")
+    return bridge
