@@ -26,6 +26,13 @@ def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, object
     return request.param
 
 
+# For a test that takes seconds and is about something other than the event loop (a lease's
+# life, a time limit's arithmetic, an entry's checks, CPU priorities): it runs on asyncio only.
+# The pool's own traffic on uvloop (its workers' pipes and sockets, their deaths, cancellation)
+# is shown by the tests that keep both loops. Each test that uses it says why it may.
+asyncio_only = pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"])
+
+
 @pytest.fixture
 def cache_dir(tmp_path: Path) -> Path:
     return tmp_path / "cache"

@@ -25,7 +25,7 @@ from typing import Any
 
 import anyio
 import pytest
-from conftest import ROOT, TARGET, RedisServer, subprocess_env
+from conftest import ROOT, TARGET, RedisServer, asyncio_only, subprocess_env
 
 import acompile
 from acompile._backends import CppSpec, load_parent
@@ -151,6 +151,8 @@ async def test_an_empty_signing_key_is_an_error_naming_where_it_came_from(
             pool(tmp_path / "c", signing_key=option)
 
 
+# asyncio only: the commands run in processes of their own; this loop only waits for them.
+@asyncio_only
 @pytest.mark.parametrize("value", ["", "    "])
 async def test_the_command_line_refuses_an_empty_signing_key_with_exit_2(tmp_path: Path, value: str) -> None:
     (tmp_path / "cache").mkdir()
@@ -266,6 +268,9 @@ async def wait_before_compiling(p: acompile.CompilePool, spec: CppSpec) -> float
     return waited
 
 
+# asyncio only, as the replayed lease's test: what bounds the wait is the lease's contents as
+# Redis holds them, not the loop (a compile and a lease's life in each run).
+@asyncio_only
 async def test_a_planted_lease_without_ttl_costs_a_replica_seconds_at_most(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -281,6 +286,7 @@ async def test_a_planted_lease_without_ttl_costs_a_replica_seconds_at_most(
         assert waited < 10, f"waited {waited:.1f} s on a lease planted to last {expires:.0f} s"
 
 
+@asyncio_only
 async def test_a_replayed_lease_costs_a_replica_seconds_at_most(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:

@@ -144,18 +144,29 @@ async def test_what_top_level_code_starts_ends_with_the_request(
     then = "" if end == "finished" else "time.sleep(60)"
     text = source(CHILD.format(started=str(started), then=then))
     if end == "timed-out":
-        monkeypatch.setattr(_triton_text, "SOURCE_RUN_SECONDS", 5.0)
+        # Long enough for the text to start its child (a fraction of a second), then it sleeps.
+        monkeypatch.setattr(_triton_text, "SOURCE_RUN_SECONDS", 2.0)
     async with pool(cache_dir, prestart=False) as p:
         if end == "finished":
             # Probed only: no worker runs the text, so whatever is left is the probe's.
             with pytest.raises(acompile.InvalidSpecError, match=r"no @triton\.jit function named 'absent'"):
                 await p.triton(text, kernel_name="absent", signature=SIG)
         elif end == "cancelled":
-            with pytest.raises(TimeoutError):
-                with anyio.fail_after(5):
+            # Cancelled once the text has started its child and sleeps, as a caller's deadline
+            # would cancel it (no need to wait out a fixed deadline for that).
+            with anyio.CancelScope() as request:
+
+                async def cancel_once_started() -> None:
+                    await until(lambda: started.exists() and started.read_text().strip(), 60)
+                    request.cancel()
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(cancel_once_started)
                     await p.triton(text, signature=SIG)
+                    raise AssertionError("the request ended before it was cancelled")
+            assert request.cancelled_caught
         else:
-            with pytest.raises(acompile.InvalidSpecError, match="ran longer than 5 s"):
+            with pytest.raises(acompile.InvalidSpecError, match="ran longer than 2 s"):
                 await p.triton(text, signature=SIG)
         pids = [int(line) for line in (await anyio.Path(started).read_text()).split()]
         assert pids, "the text started no child"

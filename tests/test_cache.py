@@ -13,7 +13,7 @@ from typing import Any
 
 import anyio
 import pytest
-from conftest import TARGET, run_python, subprocess_env
+from conftest import TARGET, asyncio_only, run_python, subprocess_env
 from kernels_for_tests import ADD_SIG, add_kernel
 
 import acompile
@@ -125,6 +125,9 @@ async def test_the_memory_tier_answers_repeats(cache_dir: Path) -> None:
     assert (tier_a, tier_b) == ("compile", "memory") and a is b
 
 
+# asyncio only, as the damage of the next test: what is checked is the entry's bytes, read the
+# same on either loop (a damaged entry on uvloop too: the warm start's test below).
+@asyncio_only
 @pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "empty", "other-key"])
 async def test_a_damaged_disk_entry_is_a_miss_and_is_replaced(
     cache_dir: Path, damage: str, caplog: pytest.LogCaptureFixture
@@ -224,6 +227,9 @@ INTACT_BUT_UNLOADABLE = {
 }
 
 
+# asyncio only: eighteen kinds of damage to an entry's contents, each two compiles; what tells
+# them apart is the checks made as an entry is loaded, not the loop.
+@asyncio_only
 @pytest.mark.parametrize("damage", list(INTACT_BUT_UNLOADABLE))
 async def test_an_intact_entry_without_a_loadable_kernel_is_a_miss_and_is_replaced(
     cache_dir: Path, damage: str, caplog: pytest.LogCaptureFixture

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from conftest import TARGET, run_python
+from conftest import TARGET, asyncio_only, run_python
 from kernels_for_tests import ADD_SIG, add_kernel
 
 import acompile
@@ -328,6 +328,9 @@ def big_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
 """
 
 
+# asyncio only: the subject is the checksum over a large entry (a 5 s compile of the kernel in
+# each run), not the loop; damaged entries on uvloop are in test_cache.py.
+@asyncio_only
 @pytest.mark.slow
 async def test_a_damaged_byte_in_the_middle_of_a_large_entry_is_a_miss(
     cache_dir: Path, caplog: pytest.LogCaptureFixture

@@ -27,7 +27,7 @@ import anyio.abc
 import httpx
 import psutil
 import pytest
-from conftest import ROOT, TARGET, subprocess_env
+from conftest import ROOT, TARGET, asyncio_only, subprocess_env
 
 try:
     import tomllib
@@ -283,6 +283,12 @@ async def test_health_answers_at_once_while_warmup_and_compiles_run(tmp_path: Pa
     assert stats["failed"] == 0 and restarts(health) == {}, stats
 
 
+# asyncio only, as the other tests of what the server answers (its requests, record, replay,
+# progressive matmul, quiesce): the application's logic is the same on either loop, and the
+# pool's quiesce and idle timer on uvloop are in test_lifecycle.py. The tests of what the loop
+# does (answers during a storm, signals, a client hanging up, shutdown with compiles in flight)
+# run the server on both.
+@asyncio_only
 @pytest.mark.timeout(180)
 async def test_compile_answers_with_the_kernel_and_where_it_came_from(
     tmp_path: Path, server_loop: str
@@ -327,6 +333,7 @@ async def test_compile_answers_with_the_kernel_and_where_it_came_from(
     assert third.json()["key"] == one["key"]
 
 
+@asyncio_only
 @pytest.mark.timeout(180)
 async def test_bad_requests_get_400_and_kernels_triton_rejects_get_422(
     tmp_path: Path, server_loop: str
@@ -409,6 +416,7 @@ async def test_signal_stops_the_server_and_its_workers(
     print(f"{signum.name} during warm-up {warmup_when_signalled!r}: exit {code} in {seconds:.2f} s")
 
 
+@asyncio_only
 @pytest.mark.timeout(180)
 async def test_served_kernels_are_recorded_and_replayed_by_the_next_start(
     tmp_path: Path, server_loop: str
@@ -457,7 +465,7 @@ async def test_served_kernels_are_recorded_and_replayed_by_the_next_start(
     assert record.read_bytes() == recorded  # nothing new was served: the record is as it was
     print(f"replay of {served} kernels in {replay['seconds']} s")
 
-    if server_loop == "asyncio":  # once is enough: the command does not depend on the loop
+    if server_loop == "asyncio":  # the command does not depend on the loop
         # The build box: `acompile warmup` replays the same record into another cache, without a
         # GPU. The record names kernels by module (`kernels`), so that module must import there.
         env = subprocess_env(PYTHONPATH=os.pathsep.join([str(ROOT / "examples"), str(ROOT)]))
@@ -476,6 +484,7 @@ async def test_served_kernels_are_recorded_and_replayed_by_the_next_start(
         assert f"{served} kernels: {served} compiled, 0 cached, 0 failed" in text, text
 
 
+@asyncio_only
 @pytest.mark.timeout(180)
 async def test_progressive_matmul_is_served_fast_then_best(tmp_path: Path, server_loop: str) -> None:
     stages: list[str] = []
@@ -523,6 +532,7 @@ async def test_progressive_matmul_is_served_fast_then_best(tmp_path: Path, serve
     )
 
 
+@asyncio_only
 @pytest.mark.timeout(180)
 async def test_quiesce_stops_the_workers_and_a_miss_wakes_them(tmp_path: Path, server_loop: str) -> None:
     async with serve(tmp_path / "cache", server_loop) as server, client_of(server) as client:
@@ -568,6 +578,7 @@ async def test_quiesce_stops_the_workers_and_a_miss_wakes_them(tmp_path: Path, s
     )
 
 
+@asyncio_only
 @pytest.mark.timeout(180)
 async def test_idle_timeout_quiesces_the_pool_until_the_next_miss(tmp_path: Path, server_loop: str) -> None:
     async with (

@@ -503,12 +503,24 @@ def test_a_pool_left_at_once_fifty_times_reaps_every_child_while_another_thread_
             await p.triton(add_kernel, **spec)  # type: ignore[arg-type]
 
     anyio.run(fill)
+    # Each round's collection needs to look only at what the rounds make: what this process held
+    # before (torch's and Ray's modules, where other tests imported them) is set aside, so that a
+    # round costs the same whatever ran earlier (0.1-0.2 s more per collection with torch loaded).
+    gc.collect()
+    gc.freeze()
     stop = threading.Event()
+    # Set while a pool is entered and left. The busy thread rests while the test reads the
+    # process table: psutil gives the GIL up for each process it reads, and waits a switch
+    # interval for it each time (about 1 s per round on a machine running 70 processes).
+    holding = threading.Event()
 
     def hold_the_gil() -> None:
         x = 0
         while not stop.is_set():
-            x += 1  # pure Python: holds the GIL for its switch interval at a time
+            if holding.is_set():
+                x += 1  # pure Python: holds the GIL for its switch interval at a time
+            else:
+                holding.wait(0.01)
 
     holder = threading.Thread(target=hold_the_gil)
     holder.start()
@@ -523,13 +535,18 @@ def test_a_pool_left_at_once_fifty_times_reaps_every_child_while_another_thread_
             with warnings.catch_warnings():
                 warnings.simplefilter("error", ResourceWarning)
                 linger = _PRESTART_DELAY + random.uniform(-0.01, 0.02) if i % 2 else 0.0
-                anyio.run(once, linger, backend_options={"use_uvloop": i % 3 == 0})
+                holding.set()
+                try:
+                    anyio.run(once, linger, backend_options={"use_uvloop": i % 3 == 0})
+                finally:
+                    holding.clear()
                 gc.collect()
             children = psutil.Process().children(recursive=True)
             assert not children, (i, [(c.pid, c.status()) for c in children])
     finally:
         stop.set()
         holder.join()
+        gc.unfreeze()
 
 
 # --- event loops ---------------------------------------------------------------------------------

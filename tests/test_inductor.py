@@ -2,8 +2,8 @@
 graph caches, a real redis-server, real pool workers running the C++ compiler.
 
 Each "machine" is a process of its own with empty Inductor caches (``TORCHINDUCTOR_CACHE_DIR``,
-and ``TMPDIR`` where its precompiled headers live) and an empty acompile cache folder: what it
-finds, it found in the shared tier.
+and ``TMPDIR`` where its precompiled headers live, unless the test shares a folder of them) and
+an empty acompile cache folder: what it finds, it found in the shared tier.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import anyio
 import pytest
-from conftest import ROOT, RedisServer, subprocess_env
+from conftest import ROOT, RedisServer, asyncio_only, subprocess_env
 from processes import pool_processes
 
 import acompile
@@ -62,6 +62,15 @@ def compile_in(env: dict[str, str], *, plain: bool = False, timeout: float = 300
 
 def fx(report: dict[str, Any]) -> dict[str, Any]:
     return report["served"]["caches"]["fx-graph"]
+
+
+@pytest.fixture(scope="module")
+def headers(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Precompiled headers for the machines of the tests that are not about them: the first
+    machine to need them builds them (5 s on 2 cores), the later ones find them. Those that are
+    about them make their own: the fleet's (built by its first machine, served to the others),
+    a second machine's (none), the eight machines' (built as they boot together)."""
+    return tmp_path_factory.mktemp("headers")
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +185,7 @@ def test_forged_and_damaged_shared_entries_are_refused_counted_and_compiled_agai
     assert fx(third)["hits"]["shared"] == 0
 
 
-def test_an_unreachable_shared_tier_is_a_miss_and_the_compile_goes_on(tmp_path: Path) -> None:
+def test_an_unreachable_shared_tier_is_a_miss_and_the_compile_goes_on(tmp_path: Path, headers: Path) -> None:
     import socket
 
     with socket.socket() as s:
@@ -184,7 +193,7 @@ def test_an_unreachable_shared_tier_is_a_miss_and_the_compile_goes_on(tmp_path: 
         port = s.getsockname()[1]  # nothing listens there once this is closed
     report = compile_in(
         {
-            **machine(tmp_path, "alone"),
+            **machine(tmp_path, "alone", headers=headers),
             **serve_options(shared_cache=f"redis://127.0.0.1:{port}/0", signing_key=KEY),
         }
     )
@@ -221,7 +230,9 @@ def test_eight_machines_booting_together_on_an_empty_shared_tier_compile_the_gra
     assert sum(fx(r)["hits"]["fleet"] + fx(r)["hits"]["shared"] for r in reports) == 7
 
 
-def test_on_a_torch_it_does_not_serve_it_warns_once_and_leaves_inductor_as_it_was(tmp_path: Path) -> None:
+def test_on_a_torch_it_does_not_serve_it_warns_once_and_leaves_inductor_as_it_was(
+    tmp_path: Path, headers: Path
+) -> None:
     code = f"""
 import warnings, json, sys
 import torch
@@ -246,7 +257,7 @@ print(json.dumps({{"ok": report["ok"], "active": [first.active, second.active], 
         capture_output=True,
         text=True,
         timeout=300,
-        env=subprocess_env(**machine(tmp_path, "old")),
+        env=subprocess_env(**machine(tmp_path, "old", headers=headers)),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
@@ -366,6 +377,9 @@ async def test_an_async_program_serves_torch_compile_through_its_own_pool_and_qu
     assert len(spans) >= stats["cpp"]["builds"]
 
 
+# asyncio only: a worker killed under its job, and the retry, are shown on both loops in
+# test_faults.py; here it is what torch.compile sees of it (6 s of compiling in each run).
+@asyncio_only
 @pytest.mark.anyio
 async def test_a_worker_killed_while_it_builds_a_kernel_costs_a_retry_not_the_compile(
     cache_dir: Path, fresh_inductor: None
@@ -405,14 +419,16 @@ async def test_a_worker_killed_while_it_builds_a_kernel_costs_a_retry_not_the_co
 # -- programs that know nothing of acompile, and a host's ranks ------------------------------------
 
 
-def test_a_program_that_knows_nothing_of_acompile_is_served_through_acompile_run(tmp_path: Path) -> None:
+def test_a_program_that_knows_nothing_of_acompile_is_served_through_acompile_run(
+    tmp_path: Path, headers: Path
+) -> None:
     """``acompile run -- python script.py``: the script imports torch and compiles, and never
     names acompile; a second run on an empty Inductor cache takes the graph from acompile's."""
     ac = tmp_path / "acompile"
     command = [sys.executable, "-m", "acompile", "run", "--cache-dir", str(ac), "--workers", "2", "--"]
     reports = []
     for name in ("first", "second"):
-        env = subprocess_env(**machine(tmp_path, name, headers=tmp_path / "headers"))
+        env = subprocess_env(**machine(tmp_path, name, headers=headers))
         done = subprocess.run(
             [*command, sys.executable, MODEL, "--plain"], capture_output=True, text=True, timeout=300, env=env
         )
@@ -476,7 +492,7 @@ def test_acompile_run_refuses_what_would_leave_the_program_unserved(tmp_path: Pa
         assert other.returncode == 2 and "no acompile" in other.stderr, other.stderr
 
 
-def test_four_processes_of_a_host_share_one_pool(tmp_path: Path) -> None:
+def test_four_processes_of_a_host_share_one_pool(tmp_path: Path, headers: Path) -> None:
     """Four served processes (a server's ranks) with host_pool: one pool server for the host
     runs every process's compile jobs; none of them starts workers of its own."""
     import psutil
@@ -488,7 +504,7 @@ def test_four_processes_of_a_host_share_one_pool(tmp_path: Path) -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=subprocess_env(**machine(tmp_path, f"rank{i}", headers=tmp_path / "headers"), **env),
+            env=subprocess_env(**machine(tmp_path, f"rank{i}", headers=headers), **env),
         )
         for i in range(4)
     ]
@@ -519,7 +535,7 @@ def test_four_processes_of_a_host_share_one_pool(tmp_path: Path) -> None:
 
 
 def test_warmup_compiles_a_model_into_the_shared_tier_and_its_artifacts_travel_in_a_bundle(
-    redis_server: RedisServer, tmp_path: Path
+    redis_server: RedisServer, tmp_path: Path, headers: Path
 ) -> None:
     """``acompile warmup`` on a ``[[torch]]`` entry fills the shared tier with the model's graph
     (a fresh machine then compiles nothing) and saves its Mega-Cache artifacts, which a signed
@@ -529,7 +545,7 @@ def test_warmup_compiles_a_model_into_the_shared_tier_and_its_artifacts_travel_i
         f'[[torch]]\ncallable = "{ROOT / "tests" / "torch_warm.py"}:warm"\nartifacts = "small"\n'
     )
     signed = {"ACOMPILE_SIGNING_KEY": KEY}
-    builder = machine(tmp_path, "builder", headers=tmp_path / "headers")
+    builder = machine(tmp_path, "builder", headers=headers)
     report_path = tmp_path / "warm.json"
     done = subprocess.run(
         [
@@ -722,14 +738,14 @@ async def test_a_cache_folder_another_user_controls_is_refused_at_entry(tmp_path
         pass
 
 
-def test_a_host_pool_that_does_not_answer_holds_nobody(tmp_path: Path) -> None:
+def test_a_host_pool_that_does_not_answer_holds_nobody(tmp_path: Path, headers: Path) -> None:
     """The host's pool server stopped (SIGSTOP: its socket still takes connections): a served
     process gives up on it within seconds and compiles on workers of its own."""
     import psutil
 
     ac = tmp_path / "acompile"
     env = {
-        **machine(tmp_path, "a", headers=tmp_path / "headers"),
+        **machine(tmp_path, "a", headers=headers),
         **serve_options(host_pool=True, workers=2, cache_dir=str(ac)),
     }
     first = compile_in(env)  # starts the host's server
@@ -739,7 +755,7 @@ def test_a_host_pool_that_does_not_answer_holds_nobody(tmp_path: Path) -> None:
         t0 = time.monotonic()
         stopped = compile_in(
             {
-                **machine(tmp_path, "b", headers=tmp_path / "headers"),
+                **machine(tmp_path, "b", headers=headers),
                 **serve_options(host_pool=True, workers=2, cache_dir=str(ac)),
             }
         )
@@ -752,7 +768,9 @@ def test_a_host_pool_that_does_not_answer_holds_nobody(tmp_path: Path) -> None:
         server.wait(30)
 
 
-def test_a_host_pool_that_dies_and_cannot_come_back_costs_nothing_but_its_help(tmp_path: Path) -> None:
+def test_a_host_pool_that_dies_and_cannot_come_back_costs_nothing_but_its_help(
+    tmp_path: Path, headers: Path
+) -> None:
     """The host's server killed just before a compile, and its folder no longer trusted (so no
     server can start again): the compile finishes in the process's own threads, the process's
     serving goes on (its writes reach its tiers), and the outputs are right."""
@@ -770,7 +788,7 @@ with inductor.serve(host_pool=True, workers=2, cache_dir={str(ac)!r}) as serving
     stats = serving.stats()
 print(json.dumps({{"ok": report["ok"], "jobs": stats["jobs"], "cpp": stats["cpp"], "puts": stats["caches"]["fx-graph"]["puts"], "state": stats["pool"]["state"]}}))
 """
-    env = subprocess_env(**machine(tmp_path, "lost", headers=tmp_path / "headers"))
+    env = subprocess_env(**machine(tmp_path, "lost", headers=headers))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])

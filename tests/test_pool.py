@@ -22,6 +22,7 @@ from pathlib import Path
 import anyio
 import psutil
 import pytest
+from conftest import asyncio_only
 from fake_backend import local_executor, run_job
 from processes import forked_and_fresh, gone, template_pids, until, worker_pids
 
@@ -989,6 +990,9 @@ def _others_busy_cpus(seconds: float) -> float:
     return max(0.0, (all_after - all_before) - (ours_after - ours_before)) / (time.monotonic() - started)
 
 
+# asyncio only, as the next test: the subject is the workers' CPU priority, which the pool sets
+# from the process table whatever loop it runs on.
+@asyncio_only
 async def test_more_idle_workers_than_cpus_busy_with_their_own_jobs_are_not_starved(
     cache_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1016,6 +1020,9 @@ async def test_more_idle_workers_than_cpus_busy_with_their_own_jobs_are_not_star
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 
 
+# asyncio only: what is shown is the kernel's scheduling of the workers (SCHED_IDLE, then nice
+# +5), not the loop; each run takes 6-15 s behind busy loops on 2 cores.
+@asyncio_only
 async def test_idle_workers_that_other_work_starves_get_a_share_and_their_jobs_run(
     cache_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

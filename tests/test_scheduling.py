@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import pytest
+from conftest import asyncio_only
 from fake_backend import local_executor
 from kernels_for_tests import ADD_SIG, add_kernel, scale_add_kernel
 from processes import forked_and_fresh, until
@@ -223,6 +224,9 @@ async def test_a_configuration_that_never_comes_does_not_hold_the_workers(
         tg.cancel_scope.cancel()
 
 
+# asyncio only: the subject is the time limit's arithmetic (13 s of waits in each run), not the
+# loop; a wait's messages cross uvloop's pipes in test_triton's wait for the parent's key.
+@asyncio_only
 @forked_and_fresh
 async def test_a_wait_that_is_not_the_jobs_work_counts_neither_against_its_time_limit_nor_as_its_time(
     tmp_path: Path, fork_workers: bool, monkeypatch: pytest.MonkeyPatch

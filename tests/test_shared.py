@@ -9,7 +9,7 @@ from typing import Any
 
 import anyio
 import pytest
-from conftest import TARGET, RedisServer
+from conftest import TARGET, RedisServer, asyncio_only
 from kernels_for_tests import ADD_SIG, add_kernel, slow_to_compile_kernel
 
 import acompile
@@ -149,6 +149,9 @@ async def test_fleet_single_flight_one_replica_compiles(tmp_path: Path, redis_se
         assert b.stats()["compiled"] == compiled and b.stats()["cache"]["fleet_waits"] == 1
 
 
+# asyncio only: the subject is the lease's renewal against its life in Redis (2.5 s waited out in
+# each run), not the loop; the shared tier's leases on uvloop are in the tests around it.
+@asyncio_only
 async def test_a_lease_outlives_a_job_queued_past_its_ttl(tmp_path: Path, redis_server: RedisServer) -> None:
     """Replica a takes the lease on a kernel whose job then waits in a's queue (its one worker
     busy with a slow compile) longer than a lease lasts (1 s here). a renews it, so replica b,

@@ -18,7 +18,7 @@ import pytest
 import triton
 from conftest import TARGET, subprocess_env
 from kernels_for_tests import ADD_SIG, add_kernel
-from processes import gone, probe_processes
+from processes import gone, probe_processes, until
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -90,14 +90,28 @@ async def test_the_same_ptx_as_triton_and_the_text_never_runs_here(cache_dir: Pa
     assert k.name == "scaled" and k.metadata.num_warps == 4
 
 
-async def test_a_deadline_stops_a_source_that_sleeps_or_spins(cache_dir: Path) -> None:
+async def test_a_deadline_stops_a_source_that_sleeps_or_spins(cache_dir: Path, tmp_path: Path) -> None:
+    running = tmp_path / "running"
+    fell: list[float] = []
+
+    async def deadline_once_running(deadline: anyio.CancelScope) -> None:
+        # The deadline falls as the top-level code sleeps or spins (it says it runs with a file),
+        # not a fixed time after the request: that would only wait longer for the same thing.
+        await until(running.exists, 60)
+        deadline.deadline = anyio.current_time()
+        fell.append(time.monotonic())
+
     async with pool(cache_dir, prestart=False) as p:
         for top in ("import time; time.sleep(20)", "while True: pass"):
-            start = time.monotonic()
+            running.unlink(missing_ok=True)
+            fell.clear()
+            text = source(top=f"open({str(running)!r}, 'w').close()\n{top}")
             with pytest.raises(TimeoutError):
-                with anyio.fail_after(3):
-                    await p.triton(source(top=top), signature={"x_ptr": "*fp32", "n": "i32"})
-            assert time.monotonic() - start < 10, top
+                with anyio.fail_after(60) as deadline:
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(deadline_once_running, deadline)
+                        await p.triton(text, signature={"x_ptr": "*fp32", "n": "i32"})
+            assert time.monotonic() - fell[0] < 7, top  # stopped at once, not when it is done
             assert not probe_processes()
         # The pool is none the worse: the same kernel without the stall compiles.
         assert (await p.triton(source(), signature={"x_ptr": "*fp32", "n": "i32"})).cubin
