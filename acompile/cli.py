@@ -296,24 +296,30 @@ def _build_launcher(args: argparse.Namespace) -> int:
     the cache folder, each one's path printed, or why it cannot be."""
     import importlib.util
 
-    from acompile._backends import _launcher
+    from acompile._backends import (
+        bridge_enabled,
+        bridge_problem,
+        launcher_module,
+        launcher_problem,
+        load_bridge,
+    )
 
     if args.cache_dir is not None:
         os.environ["ACOMPILE_CACHE_DIR"] = str(args.cache_dir)
     status = 0
-    built = _launcher.module(wait=True)
+    built = launcher_module(wait=True)
     if built is None:
-        print(f"acompile: the launcher is not built: {_launcher.problem()}", file=sys.stderr)
+        print(f"acompile: the launcher is not built: {launcher_problem()}", file=sys.stderr)
         status = 1
     else:
         print(f"launcher: {built.__file__}")
     if importlib.util.find_spec("torch") is None:
         print("bridge to PyTorch: not needed (PyTorch is not installed)")
-    elif not _launcher.bridge_enabled():
-        print(f"bridge to PyTorch: {_launcher.bridge_problem()}")
+    elif not bridge_enabled():
+        print(f"bridge to PyTorch: {bridge_problem()}")
     else:
         try:
-            bridge = _launcher.load_bridge()
+            bridge = load_bridge()
         except (ImportError, OSError, RuntimeError, ValueError) as exc:
             print(f"acompile: the bridge to PyTorch is not built: {exc}", file=sys.stderr)
             status = 1

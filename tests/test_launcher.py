@@ -68,15 +68,21 @@ CUresult cuFuncGetParamInfo(CUfunction f, size_t i, size_t *offset, size_t *size
  * memory the GPU cannot reach. */
 static int pinned_freed;
 void fake_free_pinned(void) { pinned_freed = 1; }
+/* One more "device memory" range, where a test needs a real buffer's addresses to be it. */
+static CUdeviceptr extra_start, extra_end;
+void fake_add_device_range(unsigned long long start, unsigned long long end) { extra_start = start; extra_end = end; }
 CUresult cuPointerGetAttribute(void *data, CUpointer_attribute a, CUdeviceptr p) {
-  int pinned = p >= 0x7e0000000000ull && p < 0x7f0000000000ull;
-  if (p < 0x7e0000000000ull || (pinned && pinned_freed)) return CUDA_ERROR_INVALID_VALUE;
+  int extra = p >= extra_start && p < extra_end;
+  int pinned = !extra && p >= 0x7e0000000000ull && p < 0x7f0000000000ull;
+  if ((!extra && p < 0x7e0000000000ull) || (pinned && pinned_freed)) return CUDA_ERROR_INVALID_VALUE;
+  CUdeviceptr start = extra ? extra_start : pinned ? 0x7e0000000000ull : 0x7f0000000000ull;
+  size_t size = extra ? (size_t)(extra_end - extra_start) : 0x10000000000ull;
   if (a == CU_POINTER_ATTRIBUTE_MEMORY_TYPE)
     *(unsigned int *)data = pinned ? CU_MEMORYTYPE_HOST : CU_MEMORYTYPE_DEVICE;
   else if (a == CU_POINTER_ATTRIBUTE_RANGE_START_ADDR)
-    *(CUdeviceptr *)data = pinned ? 0x7e0000000000ull : 0x7f0000000000ull;
+    *(CUdeviceptr *)data = start;
   else if (a == CU_POINTER_ATTRIBUTE_RANGE_SIZE)
-    *(size_t *)data = 0x10000000000ull;
+    *(size_t *)data = size;
   else
     *(CUdeviceptr *)data = p;
   return CUDA_SUCCESS;
@@ -450,9 +456,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 bridge = _launcher.load_bridge()
-x = torch.empty(1 << 20)  # 4 MiB: mapped high, where the stand-in driver's "GPU memory" is
+x = torch.empty(1 << 20)
 base = x.data_ptr()
-assert base >= 0x7F0000000000, hex(base)
+fake.fake_add_device_range(ctypes.c_ulonglong(base), ctypes.c_ulonglong(base + 4 * (1 << 20)))  # its "GPU memory"
 view = x[5:]
 
 

@@ -23,6 +23,12 @@ if TYPE_CHECKING:
     from acompile._backends._cpp import CppSpec
     from acompile._backends._cuda import CudaSpec
     from acompile._backends._driver import CudaFunction, CudaModule
+    from acompile._backends._launcher import (
+        bridge_enabled,
+        bridge_problem,
+        load_bridge,
+        wait_for_bridge,
+    )
     from acompile._backends._launcher import module as launcher_module
     from acompile._backends._launcher import prepare as prepare_launcher
     from acompile._backends._launcher import problem as launcher_problem
@@ -71,6 +77,10 @@ _NAMES: dict[str, str | tuple[str, str]] = {
     "prepare_launcher": ("_launcher", "prepare"),
     "launcher_module": ("_launcher", "module"),
     "launcher_problem": ("_launcher", "problem"),
+    "bridge_enabled": "_launcher",
+    "bridge_problem": "_launcher",
+    "load_bridge": "_launcher",
+    "wait_for_bridge": "_launcher",
 }
 __getattr__, __dir__ = _lazy.face(__name__, _NAMES, eager=False)
 
@@ -93,14 +103,18 @@ __all__ = (
     "TritonSpec",
     "WorkerBackend",
     "backend_of",
+    "bridge_enabled",
+    "bridge_problem",
     "forget_triton",
     "launcher_module",
     "launcher_problem",
+    "load_bridge",
     "load_parent",
     "load_worker",
     "native_tool_version",
     "prepare_launcher",
     "prepare_triton",
     "triton_toolchain",
+    "wait_for_bridge",
     "worker_module",
 )

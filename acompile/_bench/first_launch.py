@@ -127,15 +127,15 @@ async def acompile_side(args: argparse.Namespace) -> dict[str, Any]:
         kernel[case.grid](*case.args)  # loaded (the launcher known) before the parts are read
     # Launches read tensors' addresses through the bridge to PyTorch once it is imported (on a
     # thread, at the first kernel's load), or built (by the filling run): timed after that.
-    from acompile._backends import _launcher
+    from acompile._backends import bridge_problem, wait_for_bridge
 
-    bridge = _launcher.wait_for_bridge()
+    bridge = wait_for_bridge()
     parts = {c.spec.name: p for c, k in zip(cases, kernels, strict=True) if (p := _time_parts(c, k))}
     costs = _host_costs(batches, args.launches, parts)
     return {
         # Read after the launches: a kernel's launcher is known once it is loaded.
         "launcher": {c.spec.name: k.launcher for c, k in zip(cases, kernels, strict=True)},
-        "bridge": bridge or _launcher.bridge_problem() or "not in use",
+        "bridge": bridge or bridge_problem() or "not in use",
         **set_up,
         "after_setup_s": after,
         "from_start_s": from_start,
