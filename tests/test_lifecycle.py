@@ -22,7 +22,7 @@ from fake_backend import local_executor, run_job
 from processes import forked_and_fresh, gone, template_pids, until, worker_pids
 
 import acompile
-from acompile._workers import Job
+from acompile._workers import Job, SlotExecutor
 
 pytestmark = pytest.mark.anyio
 FAKE = "fake_backend"
@@ -402,3 +402,71 @@ async def test_a_template_told_to_exit_goes_at_once_and_leaves_the_work_folder_t
         started = time.perf_counter()
     assert time.perf_counter() - started < 0.35
     assert not os.path.exists(workdir)  # noqa: ASYNC240 (the pool removed it as it left)
+
+
+class _GatedRunners:
+    """Runners for a ``SlotExecutor`` whose starts end when the test says so, each start
+    finishing shielded: a start whose last step (a worker's ready reply) arrived just before its
+    epoch was cancelled. In-process: the subject is the executor's bookkeeping of epochs, which
+    no process start can place at that instant on purpose."""
+
+    def __init__(self) -> None:
+        self.gates: list[anyio.Event] = []
+        self.alive = 0
+
+    def live(self) -> int:
+        return self.alive
+
+    def prepare(self, job: Job) -> None:
+        pass
+
+    async def start(self, slot: int) -> _GatedRunner:
+        gate = anyio.Event()
+        self.gates.append(gate)
+        with anyio.CancelScope(shield=True):
+            await gate.wait()
+        self.alive += 1
+        return _GatedRunner(self)
+
+    async def watch(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+class _GatedRunner:
+    def __init__(self, runners: _GatedRunners) -> None:
+        self.runners = runners
+
+    async def serve(self) -> str:
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def stop(self, cause: str) -> None:
+        self.runners.alive -= 1
+
+
+async def test_wait_ready_after_quiesce_and_wakeup_waits_for_the_new_epochs_workers() -> None:
+    """quiesce(), wakeup(), wait_ready() in a row, while a worker of the ending epoch finishes its
+    start: wait_ready() returns once the new epoch's worker is ready, not at the old one's start
+    (which then stops). It did, and a pool said ready with one of its two workers."""
+    executor = SlotExecutor(1, lambda _: _GatedRunners(), preload_timeout=60, idle_timeout=None)
+    runners = executor.runners
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(executor.serve)
+        executor.wakeup()
+        await until(lambda: len(runners.gates) == 1)
+        executor.quiesce()
+        executor.wakeup()
+        runners.gates[0].set()  # the old epoch's start ends now, after its epoch was cancelled
+        with anyio.move_on_after(0.5) as early:
+            await executor.wait_ready()
+        assert early.cancelled_caught, "wait_ready() took the old epoch's start for the new one's"
+        await until(lambda: len(runners.gates) == 2 and runners.alive == 0)
+        runners.gates[1].set()
+        with anyio.fail_after(5):
+            await executor.wait_ready()
+        assert runners.alive == 1 and executor.stats()["workers"]["alive"] == 1
+        tg.cancel_scope.cancel()
+    assert runners.alive == 0

@@ -434,28 +434,31 @@ class SlotExecutor(Generic[R]):
             self._last_ready = time.monotonic()
             async with anyio.create_task_group() as tg:
                 for slot in range(self.size):
-                    tg.start_soon(self._slot, slot)
+                    tg.start_soon(self._slot, slot, ready)
         self._epoch_scope = None
         for event in ready:
             event.set()  # nobody waits for an epoch that ended
 
-    async def _slot(self, slot: int) -> None:
+    async def _slot(self, slot: int, ready: list[anyio.Event]) -> None:
+        """Keep a runner going in ``slot`` for one epoch, whose ready events are ``ready``: a start
+        that ends after its epoch was cancelled (its last step had arrived) must not mark the
+        next epoch's slot ready, or wait_ready() returns before that epoch's runner is."""
         failures = 0
         while True:
             try:
                 runner = await self.runners.start(slot)
             except NoRoom as exc:
-                await self._no_room(slot, exc)
+                await self._no_room(slot, exc, ready)
                 continue
             except WorkerStartError as exc:
                 failures += 1
-                await self._start_failed(slot, exc, failures)
+                await self._start_failed(slot, exc, failures, ready)
                 continue
             failures = 0
             self._lasting_failures = 0
             self._start_error = None
             self._last_ready = time.monotonic()
-            self._ready[slot].set()
+            ready[slot].set()
             cause = "stopped"  # by quiesce() or shutdown, unless the runner says otherwise
             try:
                 cause = await runner.serve()
@@ -465,7 +468,9 @@ class SlotExecutor(Generic[R]):
                 self._last_ready = time.monotonic()
                 self.counters.restart(cause)
 
-    async def _start_failed(self, slot: int, exc: WorkerStartError, failures: int) -> None:
+    async def _start_failed(
+        self, slot: int, exc: WorkerStartError, failures: int, ready: list[anyio.Event]
+    ) -> None:
         """A start failed: try again, with back-off. Give up (fail the queued jobs and new ones)
         only with no runner alive, after starts kept failing for a reason that will not go away
         (a preload that raises, a broken install) or for ``preload_timeout`` seconds."""
@@ -498,8 +503,8 @@ class SlotExecutor(Generic[R]):
             # wake wait_ready() (which waits for every slot in turn: another one may still be
             # starting a runner that will fail too).
             self.queue.fail_all(error)
-            for ready in self._ready:
-                ready.set()
+            for event in ready:
+                event.set()
         else:
             reason = str(exc).splitlines()[0]
             logger.warning("worker %d failed to start (%s); starting it again", slot, reason)
@@ -509,7 +514,7 @@ class SlotExecutor(Generic[R]):
             base = 0.05 if transient else 0.25
             await anyio.sleep(min(base * 2 ** (failures - 1), 2.0 if transient else 10.0))
 
-    async def _no_room(self, slot: int, exc: NoRoom) -> None:
+    async def _no_room(self, slot: int, exc: NoRoom, ready: list[anyio.Event]) -> None:
         """No runner can start anywhere now: the slot counts as ready and looks again later; with
         no runner alive and a reason none ever can, the queued jobs fail with it."""
         if exc.error is not None and not self.runners.live():
@@ -517,7 +522,7 @@ class SlotExecutor(Generic[R]):
                 logger.error("workers cannot start: %s", exc.error)
             self._start_error = exc.error
             self.queue.fail_all(exc.error)
-        self._ready[slot].set()
+        ready[slot].set()
         await anyio.sleep(exc.retry_after)
 
     async def _quiesce_when_idle(self, after: float) -> None:
