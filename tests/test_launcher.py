@@ -580,6 +580,61 @@ def test_acompile_launcher_builds_the_launcher_and_the_bridge_ahead_and_says_why
     assert "the bridge to PyTorch is not built" in broken.stderr and "/nonexistent/c++" in broken.stderr
 
 
+def test_a_library_whose_load_would_end_the_process_is_refused_at_its_build(tmp_path: Path) -> None:
+    """A sanitizer in ``CC`` and ``CXX`` (a developer's shell): the libraries build, and loading
+    them ends the process (the sanitizer's runtime exits one that did not load it first). Each
+    build is checked in a fresh Python first: refused with what that process said, nothing put
+    in the cache, and the process that asked goes on (launches then go through Triton's
+    launcher and ``data_ptr()``)."""
+    pytest.importorskip("torch")
+    if _launcher._cuda_include() is None:
+        pytest.skip("Triton's CUDA headers are not installed")
+    probe = tmp_path / "probe.c"
+    probe.write_text("int f(void) { return 1; }\n")
+    if subprocess.run(
+        ["gcc", "-fsanitize=address", "-shared", "-fPIC", str(probe), "-o", str(tmp_path / "probe.so")],
+        capture_output=True,
+    ).returncode:
+        pytest.skip("gcc cannot build with AddressSanitizer here")
+    cache = tmp_path / "cache"
+    done = _cli_launcher(cache, CC="gcc -fsanitize=address", CXX="g++ -fsanitize=address")
+    assert done.returncode == 1, (done.stdout, done.stderr)  # exited by itself: neither was loaded
+    for what in ("the launcher is not built", "the bridge to PyTorch is not built"):
+        line = next((x for x in done.stderr.splitlines() if what in x), "")
+        assert "does not load in a fresh Python" in line, done.stderr[-3000:]
+    assert "ASan runtime does not come first" in done.stderr, done.stderr[-3000:]
+    assert not list(cache.glob("launcher/*/*.so")), "a library that ends its loader was kept"
+
+
+def test_the_load_check_of_a_build_imports_from_the_callers_sys_path(tmp_path: Path) -> None:
+    """The fresh Python that loads a library before it is kept imports what it needs (PyTorch,
+    for the bridge) from the caller's sys.path as it is now: a server that put its packages on
+    it at run time still gets its libraries. Shown with the launcher's build and a module that
+    only a folder added at run time holds."""
+    if _launcher._cuda_include() is None:
+        pytest.skip("Triton's CUDA headers are not installed")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "only_on_my_path.py").write_text("")
+    code = textwrap.dedent(f"""
+        import sys
+        from acompile._backends import _launcher
+        folder, target, command, probe = _launcher._launcher_build()
+        probe = probe._replace(first=("only_on_my_path",))
+        try:
+            _launcher._compile(command, target, probe)
+        except RuntimeError as exc:
+            assert "No module named 'only_on_my_path'" in str(exc), exc
+        else:
+            raise AssertionError("the check imported what the caller cannot")
+        sys.path.insert(0, {str(tmp_path / "mine")!r})
+        _launcher._compile(command, target, probe)
+        print("ok")
+    """)
+    env = {**os.environ, "ACOMPILE_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
 def test_tensors_addresses_are_read_through_the_bridge_to_pytorch_where_it_reads_as_data_ptr(
     fake_driver: Path, built_by_the_cli: tuple[Path, list[str]]
 ) -> None:

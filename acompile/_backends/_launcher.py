@@ -25,6 +25,7 @@ import fcntl
 import hashlib
 import importlib.machinery
 import importlib.util
+import json
 import logging
 import os
 import shlex
@@ -39,7 +40,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 from acompile import _files
 from acompile._errors import UntrustedFolderError
@@ -58,6 +59,8 @@ _KINDS: dict[str, int] = {
     "fp16": 9, "bf16": 10, "fp32": 11, "f32": 11, "fp64": 12,
 }  # fmt: skip
 _POINTER = 0
+_LAUNCHER_ABI = 6  # _launch.c's ABI
+_RECIPE = 2  # the build's own version (see _folder_for)
 
 # Triton's kernels take two hidden pointers after their arguments (global and profile scratch);
 # the launcher passes null for both, as Triton's does for a kernel that needs neither.
@@ -211,8 +214,8 @@ def _build_dir(include: Path, *, make: bool = False) -> Path:
     header = (include / "cuda.h").stat()  # a megabyte: its path, size and time stand for it
     digest = hashlib.sha256()
     digest.update(SOURCE.read_bytes())
-    # The compiler command: a library built with other flags (a sanitizer) must not be loaded.
-    digest.update(repr((os.environ.get("CC"), os.environ.get("CFLAGS"))).encode())
+    # The compiler's command, flags included (``CC`` may carry them; ``CFLAGS`` is not used).
+    digest.update(repr(os.environ.get("CC")).encode())
     digest.update(f"{include}|{header.st_size}|{header.st_mtime_ns}|".encode())
     return _folder_for(digest, make=make)
 
@@ -223,6 +226,9 @@ def _folder_for(digest: Any, *, make: bool) -> Path:
     from acompile._cache import default_cache_dir
 
     digest.update(f"{sys.version}|{sys.implementation.cache_tag}|{sysconfig.get_platform()}".encode())
+    # How libraries are built and checked: one built before a fresh Python had to load it first
+    # (``_compile``) may end the process that loads it, and is never loaded.
+    digest.update(f"|recipe {_RECIPE}".encode())
     # The library is loaded into this process: its folders must be this user's alone, as the
     # cache folder's are (acompile._trust); UntrustedFolderError (an OSError) otherwise.
     # Made only to build (``make``): a pool that merely looks for a launcher makes nothing.
@@ -314,7 +320,7 @@ def _load(path: Path) -> ModuleType:
         raise ImportError(f"cannot load {path}")
     built = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(built)
-    if getattr(built, "ABI", None) != 6:
+    if getattr(built, "ABI", None) != _LAUNCHER_ABI:
         raise ImportError(f"{path} is not this version's launcher")
     return built
 
@@ -328,20 +334,13 @@ def _start_build() -> None:
 def _build_in_background() -> None:
     global _module
     lower_this_thread()  # the compiler it runs too: the caller's event loop comes first
-    for attempt in range(2):
-        try:
-            built = _load(build())
-        except ImportError as exc:
-            if attempt == 0:
-                continue  # another process replaced or removed it between build and load
-            _give_up(exc)
-            return
-        except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-            _give_up(exc)
-            return
-        with _state_lock:
-            _module = built
+    try:
+        built = _built_and_loaded(*_launcher_build(), _load)
+    except (ImportError, OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        _give_up(exc)
         return
+    with _state_lock:
+        _module = built
 
 
 def _give_up(exc: BaseException) -> None:
@@ -355,22 +354,61 @@ def build() -> Path:
     """Compile ``_launch.c`` for this Python into the cache (unless there already) and return
     the extension's path. Processes that build at once take turns (a lock in its folder): the
     first builds, the others find it built."""
+    folder, target, command, probe = _launcher_build()
+    _ensure_built(folder, target, command, probe)
+    return target
+
+
+def _launcher_build() -> tuple[Path, Path, list[str], _Probe]:
+    """The launcher's folder, library, compiler command and load check (see ``_built_and_loaded``)."""
     include = _cuda_include()
     if include is None:
         raise RuntimeError("Triton's CUDA headers are not installed")
     folder = _build_dir(include, make=True)
-    target = _artifact(folder)
+    command = [
+        *_compiler(),
+        "-O2", "-shared", "-fPIC", "-std=gnu11", "-Wall", "-Werror=implicit-function-declaration",
+        f"-I{sysconfig.get_paths()['include']}", f"-I{include}", str(SOURCE), "-ldl",
+    ]  # fmt: skip
+    return folder, _artifact(folder), command, _Probe("acompile._launch", _LAUNCHER_ABI)
+
+
+class _Probe(NamedTuple):
+    """How a fresh Python loads a library just built: as the extension module ``name``, whose
+    ``ABI`` must be ``abi``, after importing ``first`` (what the library links against)."""
+
+    name: str
+    abi: int
+    first: tuple[str, ...] = ()
+
+
+def _built_and_loaded(
+    folder: Path, target: Path, command: list[str], probe: _Probe, load: Callable[[Path], ModuleType]
+) -> ModuleType:
+    """The library ``target``, built by ``command`` unless this machine built it already, loaded
+    by ``load``. Processes that build at once take turns (a lock in ``folder``): the first
+    builds. A library there that does not load is removed and built again; where it still does
+    not load in this process (the one that failed stays loaded under its name), the next
+    process loads the new one."""
+    for attempt in range(2):
+        _ensure_built(folder, target, command, probe)
+        try:
+            return load(target)
+        except ImportError as exc:
+            if attempt:
+                raise ImportError(f"{exc}; the next process loads the one built again") from exc
+            logger.debug("building %s again: %s", target, exc)
+            for stale in (target, _checksum_path(target)):
+                with contextlib.suppress(OSError):
+                    stale.unlink()
+    raise AssertionError("unreachable")
+
+
+def _ensure_built(folder: Path, target: Path, command: list[str], probe: _Probe) -> None:
+    """Build ``target`` with ``command`` unless an intact one is there, under ``folder``'s lock."""
     with _build_lock(folder):
-        if target.is_file() and _intact(target):
-            return target
-        python_include = sysconfig.get_paths()["include"]
-        command = [
-            *_compiler(),
-            "-O2", "-shared", "-fPIC", "-std=gnu11", "-Wall", "-Werror=implicit-function-declaration",
-            f"-I{python_include}", f"-I{include}", str(SOURCE), "-ldl",
-        ]  # fmt: skip
-        _compile(command, target)
-    return target
+        if not (target.is_file() and _intact(target)):
+            _compile(command, target, probe)
 
 
 @contextlib.contextmanager
@@ -397,10 +435,15 @@ def _stop_compilers() -> None:
         kill_group(pgid)
 
 
-def _compile(command: list[str], target: Path) -> None:
+def _compile(command: list[str], target: Path, probe: _Probe) -> None:
     """Run the compiler ``command`` (its output's ``-o`` added) into a scratch file beside
-    ``target``, then put the library in place with its checksum. Called with the folder's
-    build lock held."""
+    ``target``, check that a fresh Python loads it (``probe``), then put the library in place
+    with its checksum. Called with the folder's build lock held.
+
+    The check keeps out a library whose load would end this process: a sanitizer in ``CC`` or
+    ``CXX`` (its runtime exits a process that did not load it first), a compiler for another
+    machine, a broken toolchain. Such a build fails like any other, with what the fresh process
+    said."""
     if not command or command[0].startswith("-"):
         raise RuntimeError(f"no compiler in the command {shlex.join(command)!r} (is CC or CXX empty?)")
     for path in (target, _checksum_path(target)):
@@ -410,27 +453,21 @@ def _compile(command: list[str], target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         out = Path(scratch) / target.name
         command = [*command, "-o", str(out)]
-        # A session of its own: the compiler and what it runs (cc1plus) are killed together, on
-        # a timeout or at this process's exit.
-        process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-        )
-        _compiling.add(process.pid)
-        try:
-            _, stderr = process.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            kill_group(process.pid)  # not reaped yet: the group is still the compiler's
-            process.communicate()
-            raise RuntimeError(f"{command[0]} did not finish in 300 s") from None
-        except BaseException:
-            kill_group(process.pid)
-            raise
-        finally:
-            _compiling.discard(process.pid)
-        if process.returncode != 0:
-            raise RuntimeError(f"{command[0]} failed ({process.returncode}): {stderr.strip()[-2000:]}")
+        returncode, stderr = _run(command, 300)
+        if returncode != 0:
+            raise RuntimeError(f"{command[0]} failed ({returncode}): {stderr.strip()[-2000:]}")
         if not out.is_file():
             raise RuntimeError(f"{command[0]} exited 0 and wrote no library")
+        check = [sys.executable, "-c", _PROBE, str(out), probe.name, str(probe.abi), *probe.first]
+        # The probe imports what this process would (its sys.path, which may have been changed
+        # after it started), and nothing else.
+        returncode, stderr = _run(check, 120, json.dumps(sys.path))
+        if returncode != 0:
+            how = f"killed by signal {-returncode}" if returncode < 0 else f"exit status {returncode}"
+            raise RuntimeError(
+                f"the library {shlex.join(command[:1])} built does not load in a fresh Python "
+                f"({how}; not used, as loading it could end this process): {stderr.strip()[-2000:]}"
+            )
         library = out.read_bytes()
         # The checksum first: a library in place always has its checksum beside it (a reader
         # between the two writes sees the new checksum and no library, or an older one that
@@ -438,6 +475,49 @@ def _compile(command: list[str], target: Path) -> None:
         # library keeps the mode a compiler gives its output.
         _files.write_whole(_checksum_path(target), hashlib.sha256(library).hexdigest().encode())
         _files.write_whole(target, library, mode=0o777)
+
+
+# What a fresh Python runs to check a library just built: argv is its path, the module's name,
+# its ABI, and the modules to import first; its input, the caller's sys.path.
+_PROBE = """
+import importlib, importlib.util, json, sys
+sys.path[:] = json.loads(sys.stdin.read())
+path, name, abi, *first = sys.argv[1:]
+for module in first:
+    importlib.import_module(module)
+spec = importlib.util.spec_from_file_location(name, path)
+built = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(built)
+if getattr(built, "ABI", None) != int(abi):
+    sys.exit(f"{path} is not the library this version needs (ABI {getattr(built, 'ABI', None)}, not {abi})")
+"""
+
+
+def _run(command: list[str], timeout: float, given: str = "") -> tuple[int, str]:
+    """Run ``command`` in a session of its own, its input ``given``, killed with what it started
+    (a compiler's cc1plus) past ``timeout`` seconds or at this process's exit; its exit status
+    (negative: the signal that ended it) and its stderr."""
+    process = subprocess.Popen(
+        command,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    _compiling.add(process.pid)
+    try:
+        _, stderr = process.communicate(given, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(process.pid)  # not reaped yet: the group is still the command's
+        process.communicate()
+        raise RuntimeError(f"{command[0]} did not finish in {timeout:g} s") from None
+    except BaseException:
+        kill_group(process.pid)
+        raise
+    finally:
+        _compiling.discard(process.pid)
+    return process.returncode, stderr
 
 
 def _remove_stale_scratch(folder: Path) -> None:
@@ -520,9 +600,7 @@ def _bridge_in_background(launcher: ModuleType) -> None:
 
 def load_bridge() -> ModuleType:
     """The bridge's module, built here first unless this machine built it already for this
-    PyTorch (processes that build at once take turns: the first builds). A library there that
-    does not load is removed and built again; where it still does not load in this process
-    (the one that failed stays loaded under its name), the next process loads the new one."""
+    PyTorch (see ``_built_and_loaded``)."""
     torch = sys.modules.get("torch") or importlib.import_module("torch")
     root = Path(str(torch.__file__)).parent
     include, lib = root / "include", root / "lib"
@@ -541,26 +619,14 @@ def load_bridge() -> ModuleType:
     digest.update(f"{version}|{library}|{stat_.st_size}|{stat_.st_mtime_ns}|".encode())
     folder = _folder_for(digest, make=True)
     target = folder / f"_torch_bridge{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    probe = _Probe("acompile._torch_bridge", _BRIDGE_ABI, first=("torch",))
     command = [
         *shlex.split(compiler),
         "-O2", "-shared", "-fPIC", "-std=c++17", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         f"-I{sysconfig.get_paths()['include']}", f"-I{include}", str(BRIDGE_SOURCE),
         f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_python", "-lc10",
     ]  # fmt: skip
-    for attempt in range(2):
-        with _build_lock(folder):
-            if not (target.is_file() and _intact(target)):
-                _compile(command, target)
-        try:
-            return _import_bridge(target)
-        except ImportError as exc:
-            if attempt:
-                raise ImportError(f"{exc}; the next process loads the one built again") from exc
-            logger.debug("building the bridge to PyTorch again: %s", exc)
-            for stale in (target, _checksum_path(target)):
-                with contextlib.suppress(OSError):
-                    stale.unlink()
-    raise AssertionError("unreachable")
+    return _built_and_loaded(folder, target, command, probe, _import_bridge)
 
 
 def _import_bridge(target: Path) -> ModuleType:
