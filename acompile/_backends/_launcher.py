@@ -336,7 +336,7 @@ def _build_in_background() -> None:
     lower_this_thread()  # the compiler it runs too: the caller's event loop comes first
     try:
         built = _built_and_loaded(*_launcher_build(), _load)
-    except (ImportError, OSError, subprocess.SubprocessError, RuntimeError) as exc:
+    except Exception as exc:  # whatever it was, launches go on through Triton's launcher; said once
         _give_up(exc)
         return
     with _state_lock:
@@ -460,8 +460,9 @@ def _compile(command: list[str], target: Path, probe: _Probe) -> None:
             raise RuntimeError(f"{command[0]} exited 0 and wrote no library")
         check = [sys.executable, "-c", _PROBE, str(out), probe.name, str(probe.abi), *probe.first]
         # The probe imports what this process would (its sys.path, which may have been changed
-        # after it started), and nothing else.
-        returncode, stderr = _run(check, 120, json.dumps(sys.path))
+        # after it started; imports skip entries that are not text), and nothing else.
+        importable = [entry for entry in sys.path if isinstance(entry, str)]
+        returncode, stderr = _run(check, 120, json.dumps(importable))
         if returncode != 0:
             how = f"killed by signal {-returncode}" if returncode < 0 else f"exit status {returncode}"
             raise RuntimeError(
@@ -593,7 +594,7 @@ def _bridge_in_background(launcher: ModuleType) -> None:
     try:
         bridge = load_bridge()
         launcher.use_tensor_pointer(bridge.TENSOR_POINTER)
-    except (ImportError, OSError, subprocess.SubprocessError, RuntimeError, ValueError, TypeError) as exc:
+    except Exception as exc:  # whatever it was, launches go on through data_ptr(); said where asked
         _bridge_failed = str(exc)
         logger.debug("launches read tensors' addresses through data_ptr(): %s", exc)
 
