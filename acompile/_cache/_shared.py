@@ -22,8 +22,11 @@ they are served (``acompile.inductor.serve`` refuses an unsigned tier without
 ``unsafe_unsigned_shared_cache=True``).
 
 **Bounded values.** A value larger than ``max_value`` (``?max_value=64MiB`` in the URL; 32 MiB
-by default) is refused as a miss, counted with the refused values and logged; on Redis it is
-refused unread (one script answers with its size). Verifying a signature and reading a header
+by default, 1 MiB less 1 KiB on Memcached, whose items are at most 1 MiB unless its server says
+otherwise) is refused as a miss, counted with the refused values and logged; on Redis it is
+refused unread (one script answers with its size). A value the server itself refuses as too
+large (a Memcached started with a smaller ``-I``) is a publication that did not happen, said
+once: not an outage. Verifying a signature and reading a header
 run on a worker thread for values of 256 KiB and more, never on the event loop.
 
 **Faults are misses.** The tier never fails a compile. At most ``max_in_flight`` operations run
@@ -99,6 +102,10 @@ _RELEASE_AT_CLOSE = 1.0
 _VERIFY_INLINE_MAX = 256 * 1024
 # The largest value read from or written to the tier, unless the URL says (?max_value=64MiB).
 DEFAULT_MAX_VALUE = 32 << 20
+# ... on Memcached, whose items are at most 1 MiB unless the server is started with another -I
+# (the key and the item's header count against that too): larger values are not sent.
+MEMCACHED_MAX_VALUE = (1 << 20) - 1024
+
 # Operations at once where the client does not say (Redis URLs default to this many connections).
 DEFAULT_MAX_IN_FLIGHT = 16
 UNSIGNED_NAMESPACE = "unsigned"
@@ -328,11 +335,17 @@ def _url_max_connections(url: str) -> int:
 def _url_max_value(url: str) -> int:
     value = parse_qs(urlparse(url).query).get("max_value")
     if not value:
-        return DEFAULT_MAX_VALUE
+        return MEMCACHED_MAX_VALUE if urlparse(url).scheme == "memcached" else DEFAULT_MAX_VALUE
     try:
         return parse_size(value[0])
     except ValueError as exc:
         raise ValueError(f"max_value in the shared cache URL: {exc}") from None
+
+
+def _refused_as_too_large(exc: BaseException) -> bool:
+    """Whether the server refused a value for its size (Memcached: ``SERVER_ERROR object too
+    large for cache``): an answer about that value, not a fault of the server."""
+    return "too large" in str(exc).lower()
 
 
 def _pool_size(cache: Any) -> int:
@@ -495,6 +508,18 @@ class SharedTier:
                 self._fault(what, exc, started)
                 return False, None
             except Exception as exc:
+                if _refused_as_too_large(exc):
+                    # The server answered: it takes no value that large (Memcached's item size,
+                    # its -I, 1 MiB by default). That one value is not there; the tier is.
+                    self._up()
+                    logger.log(
+                        self._once("too-large"),
+                        "shared cache: the server refused a value as too large (%s); entries that "
+                        "large are not shared (raise the server's limit, e.g. memcached -I, or set "
+                        "?max_value= in the shared cache URL below it so that they are not sent)",
+                        exc,
+                    )
+                    return False, None
                 self._fault(what, exc, started)
                 return False, None
             finally:
