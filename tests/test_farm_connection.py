@@ -402,21 +402,26 @@ def one_node() -> Iterator[Cluster]:
 
 
 @pytest.mark.anyio
-async def test_a_deadline_around_wait_ready_fires_while_the_head_is_gone(
+async def test_a_deadline_around_wait_ready_fires_while_the_head_is_gone_and_a_head_back_is_used(
     one_node: Cluster, tmp_path: Path
 ) -> None:
     """The head's GCS SIGKILLed under a pool (in this very process, which Ray would end 60 s
     later): the farm cannot place its actors again, and a deadline around ``wait_ready()``
     fires on time; once the farm is lost (within ``LOST_WITHIN``), ``wait_ready()`` and new
-    jobs raise ``FarmUnreachableError`` naming the address, and leaving the pool leaves no
-    connection process."""
+    jobs raise ``FarmUnreachableError`` naming the address. A head started again at that
+    address is connected to by itself: jobs run on the farm again, the pool's counts go on
+    from where they were, and leaving the pool leaves no connection process."""
     from acompile._workers import Job
+
+    def echo(value: int) -> Job:
+        return Job("fake_backend", {"name": f"e{value}", "action": "echo", "value": value}, f"e{value}")
 
     cluster = one_node
     farm = acompile.RayFarm(cluster.address, workers=1, runtime_env=RUNTIME_ENV)
     async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path, preload=()) as pool:
         with anyio.fail_after(120):
             await pool.wait_ready()
+        assert await pool.executor.run(echo(1)) == 1
         os.kill(cluster.head_node.all_processes["gcs_server"][0].process.pid, signal.SIGKILL)
         killed_at = time.perf_counter()
         await pool.quiesce()  # its actor goes: another must be placed, which takes the head
@@ -430,8 +435,25 @@ async def test_a_deadline_around_wait_ready_fires_while_the_head_is_gone(
                 await pool.wait_ready()
         assert time.perf_counter() - killed_at < LOST_WITHIN + 5
         with pytest.raises(acompile.FarmUnreachableError, match=cluster.address):
-            await pool.executor.run(Job("fake_backend", {"name": "k", "action": "echo", "value": 1}, "k"))
+            await pool.executor.run(echo(2))
         assert not farm.stats()["connected"]
+
+        # A new head at the same address (a restarted head node): the farm connects again.
+        address = cluster.address
+        port = int(address.rsplit(":", 1)[1])
+        # On this thread, holding up the pool's loop for a few seconds: Ray sets signal handlers
+        # as it starts a node, which only the main thread may do.
+        cluster.remove_node(cluster.head_node, allow_graceful=False)
+        cluster.add_node(num_cpus=1, gcs_server_port=port)
+        assert cluster.address == address
+        back_at = time.perf_counter()
+        with anyio.fail_after(90):
+            while not farm.stats()["connected"]:  # noqa: ASYNC110 - the farm's own state
+                await anyio.sleep(0.1)
+            await pool.wait_ready()
+        assert time.perf_counter() - back_at < 60, "the attempts to connect again were too far apart"
+        assert await pool.executor.run(echo(3)) == 3
+        assert pool.stats()["jobs"]["done"] == 2  # the first connection's job, and this one
     assert not _brokers()
 
 

@@ -12,10 +12,13 @@ thread that calls a head that is gone), it does to the connection process, and t
   abandoned that way is killed.
 * Losing the cluster: when the connection process ends, or says the cluster is lost (its head
   has not answered for ``LOST_AFTER`` seconds, which it says within ``LOST_WITHIN`` seconds of
-  the head's death), the farm is lost for the rest of the pool's life. The jobs waiting on it,
-  and every later one, go to this machine's workers if the farm allows it
+  the head's death), the farm is lost until a new connection holds. The jobs waiting on it,
+  and every later one meanwhile, go to this machine's workers if the farm allows it
   (``RayFarm(local_fallback=True)``: the pool's own local workers, or local workers started
   then), or fail with ``FarmUnreachableError`` naming the address and what happened.
+* Reconnecting: a new connection process is started after 2 s, then at doubling intervals up to
+  a minute (each attempt first checks that the head's port answers, where the address names
+  one), until one connects; new jobs then go to the farm again.
 * Leaving: the connection process's input is closed; it stops the actors, disconnects (a
   cluster it started for ``"local"`` ends with it) and exits, or is killed past a bound. It also
   ends when this process dies, however (its parent-death signal).
@@ -33,10 +36,12 @@ import pickle
 import signal
 import subprocess
 import sys
+import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import anyio
 import anyio.abc
@@ -77,6 +82,12 @@ _ABORT_GRACE = 3.0
 # the message that says why it ended.
 _STDERR_LINES = 20
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+# After the farm is lost: the first attempt to connect again, and the most between two (each
+# doubles the last).
+_RECONNECT_FIRST = 2.0
+_RECONNECT_MAX = 60.0
+# How long the check that a head's port answers waits for it.
+_ANSWER_WITHIN = 2.0
 
 
 async def connect(
@@ -98,7 +109,7 @@ async def connect(
     Raises ``FarmUnreachableError`` naming the address, and ``BackendUnavailableError`` where
     Ray cannot be imported.
     """
-    setup = {
+    setup: dict[str, Any] = {
         "address": _address(farm),
         "farm": {
             "address": farm.address,
@@ -113,6 +124,17 @@ async def connect(
         "sys_path": list(sys.path),
         "workers": workers,
     }
+    connection = await _open(farm, setup)
+    return RemoteExecutor(farm, setup, *connection, local=local, make_local=make_local)
+
+
+_Connection = tuple[anyio.abc.Process, MessageReceiver, dict[str, Any], deque[str]]
+
+
+async def _open(farm: RayFarm, setup: dict[str, Any]) -> _Connection:
+    """Start a connection process with ``setup`` and wait for it to connect: the process, its
+    frames, its first words (``hello``) and its last lines on standard error. Raises as
+    ``connect()`` does; a process that does not connect is stopped."""
     env = dict(os.environ)
     env["ACOMPILE_PARENT_PID"] = str(os.getpid())
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
@@ -148,7 +170,7 @@ async def connect(
         with anyio.CancelScope(shield=True):
             await _stop(process, grace=_ABORT_GRACE)
         raise
-    return RemoteExecutor(farm, process, receiver, hello, stderr, local=local, make_local=make_local)
+    return process, receiver, hello, stderr
 
 
 def _address(farm: RayFarm) -> str:
@@ -307,6 +329,7 @@ class RemoteExecutor:
     def __init__(
         self,
         farm: RayFarm,
+        setup: dict[str, Any],
         process: anyio.abc.Process,
         receiver: MessageReceiver,
         hello: dict[str, Any],
@@ -316,11 +339,15 @@ class RemoteExecutor:
         make_local: Callable[[], Executor] | None,
     ) -> None:
         self.farm = farm
+        self._setup = setup  # what a connection process is given (a new one, to reconnect)
         self._process = process
         self._receiver = receiver
         self._stderr = stderr
         self._stats: ExecutorStats = hello["stats"]
         self._farm_stats: FarmStats = hello["farm"]
+        # The counts of the connections lost before this one (jobs done, workers started...),
+        # added to this one's: a pool's counts never go back.
+        self._carried: ExecutorStats | None = None
         self._jobs: dict[int, Job] = {}  # sent to the farm, not ended
         self._ran: dict[int, dict[str, Any]] = {}  # where and when a job ran, before its outcome
         self._tokens = itertools.count()
@@ -435,9 +462,10 @@ class RemoteExecutor:
         """The farm's figures as the connection process last sent them (actors for workers;
         resident memory is not measured on remote nodes), with those of the local workers
         started here after the farm was lost."""
+        stats = self._stats if self._carried is None else combined_stats(self._carried, self._stats)
         if self._own_local and self._local is not None:
-            return combined_stats(self._local.stats(), self._stats)
-        return self._stats
+            return combined_stats(self._local.stats(), stats)
+        return stats
 
     def farm_stats(self) -> FarmStats:
         """What ``RayFarm.stats()`` returns while (and after) this executor serves."""
@@ -448,17 +476,21 @@ class RemoteExecutor:
     # -- the connection process ------------------------------------------------------------------
 
     async def serve(self) -> None:
-        """Exchange frames with the connection process until cancelled; when it ends or says the
-        cluster is lost, move or fail the farm's jobs and serve the local workers that replace
-        it. On the way out, stop the connection process."""
+        """Exchange frames with the connection process until cancelled. When it ends or says the
+        cluster is lost, move or fail the farm's jobs (serving the local workers that replace
+        it, where the farm allows them), then connect again until a connection holds: new jobs
+        go to the farm again from then on. On the way out, stop the connection process."""
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
-                tg.start_soon(self._write)
-                tg.start_soon(_keep_stderr, self._process, self._stderr)
-                error = await self._read()
-                await self._lose(error)
-                await anyio.sleep_forever()
+                while True:
+                    async with anyio.create_task_group() as connection:
+                        connection.start_soon(self._write)
+                        connection.start_soon(_keep_stderr, self._process, self._stderr)
+                        error = await self._read()
+                        await self._lose(error)
+                        connection.cancel_scope.cancel()
+                    await self._reconnect()
         finally:
             self._closed = True
             for job in self._jobs.values():
@@ -572,6 +604,40 @@ class RemoteExecutor:
             except AcompileError as exc:
                 job.finish(error=exc)
 
+    async def _reconnect(self) -> None:
+        """Connect again after the farm was lost: attempts ``_RECONNECT_FIRST`` seconds apart,
+        doubling to ``_RECONNECT_MAX``, until a connection process connects; then the farm
+        serves new jobs again (jobs moved to local workers meanwhile finish there, and local
+        workers started for the outage are quiesced: they wake if work comes back to them).
+        Where the address names a host and port, an attempt first checks here that the port
+        answers: a connection process costs a second or two of CPU (Python and Ray imported)."""
+        lost_at = time.monotonic()
+        delay = _RECONNECT_FIRST
+        while True:
+            await anyio.sleep(delay)
+            delay = min(delay * 2, _RECONNECT_MAX)
+            if not await _answers(self._setup["address"]):
+                continue
+            try:
+                connection = await _open(self.farm, self._setup)
+            except (AcompileError, OSError) as exc:
+                logger.debug(
+                    "the Ray cluster at %r does not take a connection yet: %s", self.farm.address, exc
+                )
+                continue
+            break
+        self._carried = _carried(self._carried, self._stats)
+        self._process, self._receiver, hello, self._stderr = connection
+        self._stats, self._farm_stats = hello["stats"], hello["farm"]
+        self._lost = None
+        if self._own_local and self._local is not None:
+            self._local.quiesce()
+        logger.warning(
+            "connected to the Ray cluster at %r again, %.0f s after it was lost: new jobs go to the farm",
+            self.farm.address,
+            time.monotonic() - lost_at,
+        )
+
     def _fallback(self) -> Executor | None:
         """The local workers that replace a lost farm (started here at the first need, unless
         the pool has its own); None where the farm allows no fallback."""
@@ -589,6 +655,41 @@ class RemoteExecutor:
         if local is None:
             raise self._lost
         return local
+
+
+def _carried(before: ExecutorStats | None, lost: ExecutorStats) -> ExecutorStats:
+    """What a lost connection's figures add to the next ones': its counts (workers started and
+    restarted, jobs done, failed, cancelled, retried, their durations), with ``before`` (the
+    connections lost earlier); none of its slots, workers or jobs in flight (gone with it, or
+    moved)."""
+    workers = dict(_without_workers(lost)["workers"])
+    workers["size"] = 0
+    jobs = dict(lost["jobs"])
+    jobs.update(queued=0, running=0)
+    counts: ExecutorStats = {**lost, "workers": workers, "jobs": jobs}  # type: ignore[typeddict-item]
+    return counts if before is None else combined_stats(before, counts)
+
+
+async def _answers(address: str) -> bool:
+    """Whether the head at ``address`` takes a TCP connection, where the address names a host
+    and port (``HOST:PORT``, ``ray://HOST:PORT``) and ``RAY_ADDRESS`` does not override it;
+    True where it cannot be told here (``auto``, ``local``: the connection process finds out)."""
+    if os.environ.get("RAY_ADDRESS"):
+        return True
+    parts = urlsplit(address if "://" in address else f"//{address}")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return True
+    if not host or port is None:
+        return True
+    try:
+        with anyio.fail_after(_ANSWER_WITHIN):
+            stream = await anyio.connect_tcp(host, port)
+    except (OSError, TimeoutError):
+        return False
+    await stream.aclose()
+    return True
 
 
 def _without_workers(stats: ExecutorStats) -> ExecutorStats:
