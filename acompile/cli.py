@@ -307,25 +307,43 @@ def _build_launcher(args: argparse.Namespace) -> int:
     if args.cache_dir is not None:
         os.environ["ACOMPILE_CACHE_DIR"] = str(args.cache_dir)
     status = 0
-    built = launcher_module(wait=True)
+    logger = logging.getLogger("acompile")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # a build that fails is said once, below, not also as a warning
+    try:
+        started = time.time()
+        built = launcher_module(wait=True)
+    finally:
+        logger.setLevel(level)
     if built is None:
         print(f"acompile: the launcher is not built: {launcher_problem()}", file=sys.stderr)
         status = 1
     else:
-        print(f"launcher: {built.__file__}")
+        print(f"launcher: {built.__file__} ({_built_or_found(built.__file__, started)})")
     if importlib.util.find_spec("torch") is None:
         print("bridge to PyTorch: not needed (PyTorch is not installed)")
     elif not bridge_enabled():
         print(f"bridge to PyTorch: {bridge_problem()}")
     else:
         try:
+            started = time.time()
             bridge = load_bridge()
-        except (ImportError, OSError, RuntimeError, ValueError) as exc:
+        except Exception as exc:
             print(f"acompile: the bridge to PyTorch is not built: {exc}", file=sys.stderr)
             status = 1
         else:
-            print(f"bridge to PyTorch: {bridge.__file__}")
+            print(f"bridge to PyTorch: {bridge.__file__} ({_built_or_found(bridge.__file__, started)})")
     return status
+
+
+def _built_or_found(path: str | None, started: float) -> str:
+    """Whether the library at ``path`` was written since ``started`` (a ``time.time()``: by
+    this command, or by another process building it meanwhile), and how long that took."""
+    try:
+        made = path is not None and os.stat(path).st_mtime >= started
+    except OSError:
+        made = False
+    return f"built in {time.time() - started:.1f} s" if made else "built already"
 
 
 def _run(args: argparse.Namespace) -> int:

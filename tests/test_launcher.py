@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -569,11 +570,13 @@ def test_acompile_launcher_builds_the_launcher_and_the_bridge_ahead_and_says_why
     status 1 with the reason."""
     cache, lines = built_by_the_cli
     assert [line.split(":")[0] for line in lines] == ["launcher", "bridge to PyTorch"], lines
-    paths = [Path(line.split(": ", 1)[1]) for line in lines]
+    assert all(re.search(r" \(built in \d+\.\d s\)$", line) for line in lines), lines
+    paths = [Path(line.split(": ", 1)[1].rsplit(" (", 1)[0]) for line in lines]
     assert paths[0].name.startswith("_launch.") and paths[1].name.startswith("_torch_bridge.")
     assert all(p.is_file() and p.is_relative_to(cache / "launcher") for p in paths), paths
     again = _cli_launcher(cache)
-    assert again.returncode == 0 and again.stdout.splitlines() == lines, again.stderr
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.splitlines() == [f"{line.rsplit(' (', 1)[0]} (built already)" for line in lines]
     broken = _cli_launcher(cache, CXX="/nonexistent/c++")  # another compiler: another build
     assert broken.returncode == 1, broken.stdout
     assert broken.stdout.startswith("launcher: ")  # the launcher, a C build, is still there
