@@ -602,9 +602,12 @@ def test_a_library_whose_load_would_end_the_process_is_refused_at_its_build(tmp_
     cache = tmp_path / "cache"
     done = _cli_launcher(cache, CC="gcc -fsanitize=address", CXX="g++ -fsanitize=address")
     assert done.returncode == 1, (done.stdout, done.stderr)  # exited by itself: neither was loaded
-    for what in ("the launcher is not built", "the bridge to PyTorch is not built"):
+    for what, named in (
+        ("the launcher is not built", "CC='gcc -fsanitize=address'"),
+        ("the bridge to PyTorch is not built", "CXX='g++ -fsanitize=address'"),
+    ):
         line = next((x for x in done.stderr.splitlines() if what in x), "")
-        assert "does not load in a fresh Python" in line, done.stderr[-3000:]
+        assert "does not load in a fresh Python" in line and named in line, done.stderr[-3000:]
     assert "ASan runtime does not come first" in done.stderr, done.stderr[-3000:]
     assert not list(cache.glob("launcher/*/*.so")), "a library that ends its loader was kept"
 

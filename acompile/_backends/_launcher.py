@@ -90,7 +90,8 @@ def module(*, wait: bool = False, build: bool = True) -> ModuleType | None:
             except OSError as exc:  # the cache folder unreadable, a path too long
                 _failed = f"cannot use {exc.filename or 'the launcher folder'}: {exc.strerror or exc}"
                 logger.warning(
-                    "acompile's launcher cannot be used (%s); kernels launch through Triton's", _failed
+                    "acompile's launcher cannot be used (%s); kernels launch through Triton's launcher",
+                    _failed,
                 )
                 return None
             if found is None and build and (_building is None or not _building.is_alive()):
@@ -264,7 +265,9 @@ def _import_built() -> ModuleType | None:
         path = _artifact(_build_dir(include))
     except UntrustedFolderError as exc:
         _failed = str(exc)
-        logger.warning("acompile's launcher is not loaded (%s); kernels launch through Triton's", exc)
+        logger.warning(
+            "acompile's launcher is not loaded (%s); kernels launch through Triton's launcher", exc
+        )
         return None
     except OSError as exc:
         _failed = f"cannot read the launcher's source: {exc}"
@@ -347,7 +350,9 @@ def _give_up(exc: BaseException) -> None:
     global _failed
     with _state_lock:
         _failed = str(exc)
-    logger.warning("acompile's launcher could not be built (%s); kernels launch through Triton's", exc)
+    logger.warning(
+        "acompile's launcher could not be built (%s); kernels launch through Triton's launcher", exc
+    )
 
 
 def build() -> Path:
@@ -370,15 +375,17 @@ def _launcher_build() -> tuple[Path, Path, list[str], _Probe]:
         "-O2", "-shared", "-fPIC", "-std=gnu11", "-Wall", "-Werror=implicit-function-declaration",
         f"-I{sysconfig.get_paths()['include']}", f"-I{include}", str(SOURCE), "-ldl",
     ]  # fmt: skip
-    return folder, _artifact(folder), command, _Probe("acompile._launch", _LAUNCHER_ABI)
+    return folder, _artifact(folder), command, _Probe("acompile._launch", _LAUNCHER_ABI, "CC")
 
 
 class _Probe(NamedTuple):
     """How a fresh Python loads a library just built: as the extension module ``name``, whose
-    ``ABI`` must be ``abi``, after importing ``first`` (what the library links against)."""
+    ``ABI`` must be ``abi``, after importing ``first`` (what the library links against); and
+    the environment variable that names its compiler (for the messages)."""
 
     name: str
     abi: int
+    variable: str
     first: tuple[str, ...] = ()
 
 
@@ -453,7 +460,10 @@ def _compile(command: list[str], target: Path, probe: _Probe) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         out = Path(scratch) / target.name
         command = [*command, "-o", str(out)]
-        returncode, stderr = _run(command, 300)
+        try:
+            returncode, stderr = _run(command, 300)
+        except FileNotFoundError:
+            raise RuntimeError(f"no compiler at {command[0]!r} ({_named_by(probe.variable)})") from None
         if returncode != 0:
             raise RuntimeError(f"{command[0]} failed ({returncode}): {stderr.strip()[-2000:]}")
         if not out.is_file():
@@ -466,8 +476,10 @@ def _compile(command: list[str], target: Path, probe: _Probe) -> None:
         if returncode != 0:
             how = f"killed by signal {-returncode}" if returncode < 0 else f"exit status {returncode}"
             raise RuntimeError(
-                f"the library {shlex.join(command[:1])} built does not load in a fresh Python "
-                f"({how}; not used, as loading it could end this process): {stderr.strip()[-2000:]}"
+                f"the library {command[0]} built ({_named_by(probe.variable)}) does not load in a "
+                f"fresh Python ({how}), so it is not used: loading it could end this process. "
+                f"{probe.variable} must build libraries that load as they are (no sanitizer flags, "
+                f"for one). What that process said: {stderr.strip()[-2000:]}"
             )
         library = out.read_bytes()
         # The checksum first: a library in place always has its checksum beside it (a reader
@@ -492,6 +504,12 @@ spec.loader.exec_module(built)
 if getattr(built, "ABI", None) != int(abi):
     sys.exit(f"{path} is not the library this version needs (ABI {getattr(built, 'ABI', None)}, not {abi})")
 """
+
+
+def _named_by(variable: str) -> str:
+    """Where the compiler's command came from, for a message."""
+    given = os.environ.get(variable)
+    return f"{variable}={given!r}" if given else f"{variable} is not set: found on PATH"
 
 
 def _run(command: list[str], timeout: float, given: str = "") -> tuple[int, str]:
@@ -620,7 +638,7 @@ def load_bridge() -> ModuleType:
     digest.update(f"{version}|{library}|{stat_.st_size}|{stat_.st_mtime_ns}|".encode())
     folder = _folder_for(digest, make=True)
     target = folder / f"_torch_bridge{importlib.machinery.EXTENSION_SUFFIXES[0]}"
-    probe = _Probe("acompile._torch_bridge", _BRIDGE_ABI, first=("torch",))
+    probe = _Probe("acompile._torch_bridge", _BRIDGE_ABI, "CXX", first=("torch",))
     command = [
         *shlex.split(compiler),
         "-O2", "-shared", "-fPIC", "-std=c++17", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
