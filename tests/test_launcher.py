@@ -11,12 +11,15 @@ own launcher.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -898,3 +901,131 @@ def test_the_bridge_to_pytorch_is_never_built_or_loaded_in_a_folder_another_user
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.stdout.startswith("UntrustedFolderError") and "nobody" in done.stdout, done.stdout
         assert not any(theirs.iterdir()), "the bridge's folders were made in nobody's folder"
+
+
+def _compiler_adding(tmp_path: Path, name: str, c_source: str) -> str:
+    """A ``CC`` that builds what it is asked to, with ``c_source`` linked in (a constructor: code
+    that runs as the library is loaded)."""
+    extra = tmp_path / f"{name}.c"
+    extra.write_text(textwrap.dedent(c_source))
+    wrapper = tmp_path / f"cc-{name}"
+    wrapper.write_text(f'#!/bin/sh\nexec gcc "$@" {extra}\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def _build_in_a_fresh_python(tmp_path: Path, cc: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    code = textwrap.dedent("""
+        from acompile._backends import _launcher
+        try:
+            print("built", _launcher.build())
+        except RuntimeError as exc:
+            print("failed", exc)
+    """)
+    env = {**os.environ, "ACOMPILE_CACHE_DIR": str(tmp_path / "cache"), "CC": cc}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def test_a_library_that_starts_a_daemon_as_it_loads_does_not_hold_up_its_build(tmp_path: Path) -> None:
+    """The library starts a process of its own at load, in a session of its own, that keeps the
+    load check's output open (a library's helper server): the build ends when the check does.
+    It waited for that output to close, past the check's timeout, for ever, holding the build
+    lock that every other process building it waits for."""
+    if _launcher._cuda_include() is None:
+        pytest.skip("Triton's CUDA headers are not installed")
+    pid_file = tmp_path / "daemon.pid"
+    cc = _compiler_adding(
+        tmp_path,
+        "daemon",
+        f"""
+        #include <stdio.h>
+        #include <unistd.h>
+        __attribute__((constructor)) static void start_daemon(void) {{
+            if (fork() == 0) {{
+                setsid();
+                if (fork() == 0) {{
+                    FILE *f = fopen("{pid_file}", "w");
+                    fprintf(f, "%d\\n", getpid());
+                    fclose(f);
+                    sleep(300);
+                }}
+                _exit(0);
+            }}
+        }}
+        """,
+    )
+    try:
+        done = _build_in_a_fresh_python(tmp_path, cc, timeout=60)
+        assert done.returncode == 0 and done.stdout.startswith("built "), (done.stdout, done.stderr[-3000:])
+    finally:
+        if pid_file.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_a_compiler_that_says_why_it_failed_in_another_encoding_is_quoted(tmp_path: Path) -> None:
+    """A compiler's message in bytes that are not UTF-8 (a Latin-1 locale, a path's bytes): the
+    build fails with that message, the odd bytes replaced. It failed with a UnicodeDecodeError,
+    which said nothing of the compiler."""
+    if _launcher._cuda_include() is None:
+        pytest.skip("Triton's CUDA headers are not installed")
+    wrapper = tmp_path / "cc-latin1"
+    wrapper.write_bytes(b"#!/bin/sh\nprintf 'erreur: fichier \\351trange\\n' >&2\nexit 1\n")
+    wrapper.chmod(0o755)
+    done = _build_in_a_fresh_python(tmp_path, str(wrapper), timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("failed ") and "erreur: fichier \ufffdtrange" in done.stdout, done.stdout
+
+
+def test_the_load_check_ends_with_the_process_that_asked_for_the_build(tmp_path: Path) -> None:
+    """The process building the launcher is SIGKILLed while the fresh Python it started loads a
+    library that never finishes loading: that Python goes too. It stayed, for ever."""
+    if _launcher._cuda_include() is None:
+        pytest.skip("Triton's CUDA headers are not installed")
+    pid_file = tmp_path / "loader.pid"
+    cc = _compiler_adding(
+        tmp_path,
+        "stuck",
+        f"""
+        #include <stdio.h>
+        #include <unistd.h>
+        __attribute__((constructor)) static void stuck(void) {{
+            FILE *f = fopen("{pid_file}", "w");
+            fprintf(f, "%d\\n", getpid());
+            fclose(f);
+            for (;;) pause();
+        }}
+        """,
+    )
+    code = "from acompile._backends import _launcher; _launcher.build()"
+    env = {**os.environ, "ACOMPILE_CACHE_DIR": str(tmp_path / "cache"), "CC": cc}
+    caller = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text().endswith("\n"):
+            assert time.monotonic() < deadline and caller.poll() is None, "the load check did not start"
+            time.sleep(0.02)
+        loader = int(pid_file.read_text())
+        caller.kill()
+        caller.wait()
+        deadline = time.monotonic() + 10
+        while _alive(loader):
+            assert time.monotonic() < deadline, "the load check outlived the process that started it"
+            time.sleep(0.02)
+    finally:
+        caller.kill()
+        caller.wait()
+        if pid_file.exists():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended and not reaped yet, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

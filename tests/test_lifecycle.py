@@ -413,6 +413,7 @@ class _GatedRunners:
     def __init__(self) -> None:
         self.gates: list[anyio.Event] = []
         self.alive = 0
+        self.opened = False  # starts end at once (a test's teardown)
 
     def live(self) -> int:
         return self.alive
@@ -423,8 +424,9 @@ class _GatedRunners:
     async def start(self, slot: int) -> _GatedRunner:
         gate = anyio.Event()
         self.gates.append(gate)
-        with anyio.CancelScope(shield=True):
-            await gate.wait()
+        if not self.opened:
+            with anyio.CancelScope(shield=True):
+                await gate.wait()
         self.alive += 1
         return _GatedRunner(self)
 
@@ -433,6 +435,11 @@ class _GatedRunners:
 
     async def close(self) -> None:
         pass
+
+    def open_all(self) -> None:
+        self.opened = True
+        for gate in self.gates:
+            gate.set()
 
 
 class _GatedRunner:
@@ -470,3 +477,99 @@ async def test_wait_ready_after_quiesce_and_wakeup_waits_for_the_new_epochs_work
         assert runners.alive == 1 and executor.stats()["workers"]["alive"] == 1
         tg.cancel_scope.cancel()
     assert runners.alive == 0
+
+
+async def test_a_wait_ready_before_the_next_epoch_began_outlives_another_quiesce_and_wakeup() -> None:
+    """wait_ready() called while the ending epoch still stops its runners, then quiesce() and
+    wakeup() again before the next epoch began (another task, the idle timer): the waiter is
+    answered by the epoch that starts. It waited for events no epoch would ever set, forever."""
+    executor = SlotExecutor(1, lambda _: _GatedRunners(), preload_timeout=60, idle_timeout=None)
+    runners = executor.runners
+    answered = anyio.Event()
+
+    async def waiter() -> None:
+        await executor.wait_ready()
+        answered.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(executor.serve)
+        executor.wakeup()
+        await until(lambda: len(runners.gates) == 1)
+        executor.quiesce()
+        executor.wakeup()  # the first epoch is still ending: its start finishes shielded
+        tg.start_soon(waiter)
+        await anyio.sleep(0.05)
+        executor.quiesce()
+        executor.wakeup()
+        runners.gates[0].set()
+        await until(lambda: len(runners.gates) == 2)
+        runners.gates[1].set()
+        with anyio.fail_after(5):
+            await answered.wait()
+        assert runners.alive == 1
+        tg.cancel_scope.cancel()
+
+
+async def test_a_wait_ready_pending_when_the_pool_closes_raises_instead_of_hanging(cache_dir: Path) -> None:
+    """A task outside the pool waits for its workers while the pool shuts down: PoolClosedError,
+    at once."""
+    p = pool(cache_dir, workers=2, fork_workers=False)
+    outcome: list[BaseException | None] = []
+
+    async def waiter() -> None:
+        try:
+            await p.wait_ready()
+            outcome.append(None)
+        except Exception as exc:
+            outcome.append(exc)
+
+    async with anyio.create_task_group() as outside:
+        async with p:
+            outside.start_soon(waiter)
+            await anyio.sleep(0.01)  # waiting for workers that are still starting
+        with anyio.fail_after(5):
+            await until(lambda: bool(outcome))
+    assert isinstance(outcome[0], acompile.PoolClosedError), outcome
+
+
+async def test_the_idle_timer_does_not_quiesce_a_pool_that_wakes_up_before_its_workers_are_ready() -> None:
+    """wakeup() long after the last job, with an idle timer shorter than a worker's start: the
+    workers are ready when it returns, and stay up for the idle timeout. The timer counted from
+    the last job, quiesced the pool as it woke, and wait_ready() returned with none alive (or
+    just after it returned)."""
+    # Seconds, not tenths: the check right after the workers are ready must not depend on how
+    # late a loaded machine wakes a sleeping task.
+    executor = SlotExecutor(2, lambda _: _GatedRunners(), preload_timeout=60, idle_timeout=1.0)
+    runners = executor.runners
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(executor.serve)
+        try:
+            await anyio.sleep(1.5)  # idle since the executor was made
+            executor.wakeup()
+            await until(lambda: len(runners.gates) == 2)
+            await anyio.sleep(1.5)  # the starts take longer than idle_timeout
+            for gate in runners.gates:
+                gate.set()
+            with anyio.fail_after(5):
+                await executor.wait_ready()
+            assert runners.alive == 2 and executor.awake
+            await anyio.sleep(0.1)
+            assert executor.awake, "quiesced as soon as its workers were ready"
+            await until(lambda: not executor.awake)  # idle again: the timer quiesces it
+            assert len(runners.gates) == 2
+        finally:
+            runners.open_all()
+            tg.cancel_scope.cancel()
+
+
+@forked_and_fresh
+async def test_wakeup_after_an_idle_quiesce_returns_with_every_worker_alive(
+    cache_dir: Path, fork_workers: bool
+) -> None:
+    async with pool(cache_dir, workers=2, idle_timeout=0.2, fork_workers=fork_workers) as p:
+        for _ in range(4):
+            await until(lambda: not p.stats()["workers"]["awake"], seconds=30)
+            await anyio.sleep(0.3)
+            with anyio.fail_after(60):
+                await p.wakeup()
+            assert p.stats()["workers"]["alive"] == 2

@@ -468,7 +468,8 @@ def _compile(command: list[str], target: Path, probe: _Probe) -> None:
             raise RuntimeError(f"{command[0]} failed ({returncode}): {stderr.strip()[-2000:]}")
         if not out.is_file():
             raise RuntimeError(f"{command[0]} exited 0 and wrote no library")
-        check = [sys.executable, "-c", _PROBE, str(out), probe.name, str(probe.abi), *probe.first]
+        check = [sys.executable, "-c", _PROBE, str(os.getpid()), str(out), probe.name, str(probe.abi)]
+        check += probe.first
         # The probe imports what this process would (its sys.path, which may have been changed
         # after it started; imports skip entries that are not text), and nothing else.
         importable = [entry for entry in sys.path if isinstance(entry, str)]
@@ -490,12 +491,20 @@ def _compile(command: list[str], target: Path, probe: _Probe) -> None:
         _files.write_whole(target, library, mode=0o777)
 
 
-# What a fresh Python runs to check a library just built: argv is its path, the module's name,
-# its ABI, and the modules to import first; its input, the caller's sys.path.
+# What a fresh Python runs to check a library just built: argv is the caller's pid, the library's
+# path, the module's name, its ABI, and the modules to import first; its input, the caller's
+# sys.path. It ends with the caller (PR_SET_PDEATHSIG), even SIGKILLed: a library that never
+# finishes loading would keep it for ever.
 _PROBE = """
-import importlib, importlib.util, json, sys
+import ctypes, importlib, importlib.util, json, os, signal, sys
+caller, path, name, abi, *first = sys.argv[1:]
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+except (AttributeError, OSError):
+    pass
+if os.getppid() != int(caller):
+    sys.exit("the process that asked for this check has ended")
 sys.path[:] = json.loads(sys.stdin.read())
-path, name, abi, *first = sys.argv[1:]
 for module in first:
     importlib.import_module(module)
 spec = importlib.util.spec_from_file_location(name, path)
@@ -515,28 +524,32 @@ def _named_by(variable: str) -> str:
 def _run(command: list[str], timeout: float, given: str = "") -> tuple[int, str]:
     """Run ``command`` in a session of its own, its input ``given``, killed with what it started
     (a compiler's cc1plus) past ``timeout`` seconds or at this process's exit; its exit status
-    (negative: the signal that ended it) and its stderr."""
-    process = subprocess.Popen(
-        command,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    _compiling.add(process.pid)
-    try:
-        _, stderr = process.communicate(given, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(process.pid)  # not reaped yet: the group is still the command's
-        process.communicate()
-        raise RuntimeError(f"{command[0]} did not finish in {timeout:g} s") from None
-    except BaseException:
-        kill_group(process.pid)
-        raise
-    finally:
-        _compiling.discard(process.pid)
-    return process.returncode, stderr
+    (negative: the signal that ended it) and the end of its stderr.
+
+    Its input and stderr are files, not pipes, and what ends is the command itself: a process
+    it leaves running that keeps them open (a daemon a library starts as it loads, in a session
+    of its own) holds nothing up. Its stderr may be in any encoding (bytes that are not UTF-8
+    are replaced)."""
+    with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as stderr:
+        stdin.write(given.encode())
+        stdin.seek(0)
+        process = subprocess.Popen(
+            command, stdin=stdin, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True
+        )
+        _compiling.add(process.pid)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(process.pid)  # not reaped yet: the group is still the command's
+            process.wait()
+            raise RuntimeError(f"{command[0]} did not finish in {timeout:g} s") from None
+        except BaseException:
+            kill_group(process.pid)
+            raise
+        finally:
+            _compiling.discard(process.pid)
+        stderr.seek(max(0, stderr.seek(0, os.SEEK_END) - 16384))  # megabytes of it: the end
+        return process.returncode, stderr.read().decode(errors="replace")
 
 
 def _remove_stale_scratch(folder: Path) -> None:

@@ -214,6 +214,9 @@ class SlotExecutor(Generic[R]):
         self.busy = 0
         self.last_activity = time.monotonic()
         self._ready = [anyio.Event() for _ in range(size)]
+        # The ready events the current (or last) epoch took: set as it ends, so a wakeup needs
+        # new ones; events no epoch took yet are the next epoch's, whoever waits for them.
+        self._epoch_ready: list[anyio.Event] | None = None
         self._start_error: PoolError | None = None
         self._lasting_failures = 0  # in a row, executor-wide
         # When a runner was last ready (or the epoch began): failures from outside stop the
@@ -297,7 +300,11 @@ class SlotExecutor(Generic[R]):
         """Start the runners (if they are not running); ``wait_ready()`` waits for them."""
         if not self._awake and not self._closed:
             self._awake = True
-            self._ready = [anyio.Event() for _ in range(self.size)]
+            if self._ready is self._epoch_ready:
+                self._ready = [anyio.Event() for _ in range(self.size)]
+            # Woken, the executor is not idle: the idle timer counts from now (it counted from
+            # the last job, and quiesced a pool as it woke).
+            self.last_activity = time.monotonic()
             self._wake.set()
 
     def quiesce(self) -> None:
@@ -311,13 +318,16 @@ class SlotExecutor(Generic[R]):
     async def wait_ready(self) -> None:
         """Wake up and wait until every slot has a runner ready (or the epoch ended).
 
-        Raises the error that stopped the executor when no runner can start.
+        Raises the error that stopped the executor when no runner can start, and
+        ``PoolClosedError`` once it has shut down.
         """
         self.wakeup()
         for event in list(self._ready):
             await event.wait()
             if self._start_error is not None:
                 raise self._start_error
+            if self._closed:
+                raise PoolClosedError("the pool shut down before its workers were ready")
 
     # -- for the runners ---------------------------------------------------------------------
 
@@ -421,23 +431,27 @@ class SlotExecutor(Generic[R]):
             self._tg = None
             self._closed = True
             self._awake = False
+            for event in self._ready:
+                event.set()  # wait_ready() raises PoolClosedError
             self.queue.fail_all(PoolClosedError("the pool shut down before this job ran"))
             with anyio.CancelScope(shield=True):
                 await self.runners.close()
 
     async def _epoch(self) -> None:
-        ready = self._ready
-        with anyio.CancelScope() as scope:
-            self._epoch_scope = scope
-            if not self._awake:  # quiesced before it began
-                return
-            self._last_ready = time.monotonic()
-            async with anyio.create_task_group() as tg:
-                for slot in range(self.size):
-                    tg.start_soon(self._slot, slot, ready)
-        self._epoch_scope = None
-        for event in ready:
-            event.set()  # nobody waits for an epoch that ended
+        ready = self._epoch_ready = self._ready
+        try:
+            with anyio.CancelScope() as scope:
+                self._epoch_scope = scope
+                if not self._awake:  # quiesced before it began
+                    return
+                self._last_ready = time.monotonic()
+                async with anyio.create_task_group() as tg:
+                    for slot in range(self.size):
+                        tg.start_soon(self._slot, slot, ready)
+        finally:
+            self._epoch_scope = None
+            for event in ready:
+                event.set()  # nobody waits for an epoch that ended (or the executor's end)
 
     async def _slot(self, slot: int, ready: list[anyio.Event]) -> None:
         """Keep a runner going in ``slot`` for one epoch, whose ready events are ``ready``: a start
@@ -457,7 +471,7 @@ class SlotExecutor(Generic[R]):
             failures = 0
             self._lasting_failures = 0
             self._start_error = None
-            self._last_ready = time.monotonic()
+            self._last_ready = self.last_activity = time.monotonic()  # idle from now, at most
             ready[slot].set()
             cause = "stopped"  # by quiesce() or shutdown, unless the runner says otherwise
             try:
@@ -533,7 +547,9 @@ class SlotExecutor(Generic[R]):
             if idle_for < after or not self._awake:
                 await anyio.sleep(after - idle_for if self._awake else after)
                 continue
-            if self.busy == 0 and not self.queue:
+            # Not while a slot of this epoch is still starting its runner: wait_ready() waits for
+            # it, and a start may take longer than the timeout (a fresh interpreter's preload).
+            if self.busy == 0 and not self.queue and all(event.is_set() for event in self._ready):
                 logger.debug("no work for %.1f s: quiescing", idle_for)
                 self.quiesce()
             self.last_activity = time.monotonic()
