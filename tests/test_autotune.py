@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import pytest
 import triton
-from conftest import TARGET, RedisServer, run_python
+from conftest import TARGET, RedisServer, asyncio_only, run_python
 from kernels_for_tests import ADD_SIG, add_kernel
 
 import acompile
@@ -24,6 +24,9 @@ from acompile import _autotune
 from acompile._autotune import TunedKernel, TuneResult, autotune, pin_key
 
 pytestmark = pytest.mark.anyio
+# The tests marked asyncio_only are about autotune's choices, its stored and shared choices and
+# its errors, not the event loop: they run on asyncio only. Those with requests and benchmarks
+# concurrent on the loop keep both loops.
 
 KEY = {"n": 4096, "dtype": "fp32"}
 N = 4096
@@ -125,6 +128,7 @@ def compile_log(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, dic
 # --- compiling, without a GPU ---------------------------------------------------------------
 
 
+@asyncio_only
 async def test_every_config_is_asked_for_at_once_the_longest_expected_first(
     cache_dir: Path, compile_log: list[tuple[str, dict[str, Any]]]
 ) -> None:
@@ -147,6 +151,7 @@ async def test_every_config_is_asked_for_at_once_the_longest_expected_first(
     assert "those that compiled are in the cache" in message and "pin=" in message and pin_key(KEY) in message
 
 
+@asyncio_only
 async def test_no_gpu_and_nothing_stored_is_a_clear_error_even_without_args(cache_dir: Path) -> None:
     async with pool(cache_dir) as p:
         with pytest.raises(acompile.DeviceUnavailableError, match="needs a GPU"):
@@ -157,6 +162,7 @@ async def test_no_gpu_and_nothing_stored_is_a_clear_error_even_without_args(cach
         assert p.stats()["compiled"] == 2
 
 
+@asyncio_only
 async def test_a_single_config_needs_no_benchmark(cache_dir: Path) -> None:
     async with pool(cache_dir) as p:
         k = await tune(p, add_configs(128))
@@ -169,6 +175,7 @@ async def test_a_single_config_needs_no_benchmark(cache_dir: Path) -> None:
 # --- benchmarking (faked here) and the stored choice ----------------------------------------
 
 
+@asyncio_only
 async def test_the_fastest_config_wins_and_its_choice_is_stored(
     cache_dir: Path, monkeypatch: pytest.MonkeyPatch, compile_log: list[tuple[str, dict[str, Any]]]
 ) -> None:
@@ -211,6 +218,7 @@ async def test_the_fastest_config_wins_and_its_choice_is_stored(
         assert p.stats()["compiled"] == 4  # BLOCK=256 asked directly, and the retunes, were hits
 
 
+@asyncio_only
 async def test_the_leaders_are_run_in_full_and_the_fastest_full_run_wins(
     cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -258,6 +266,7 @@ async def test_configs_are_benchmarked_while_others_still_compile(
     assert seen[32] == [("asked", 128), ("asked", 32), ("landed", 32)]
 
 
+@asyncio_only
 async def test_a_stored_choice_is_used_by_a_fresh_process_without_a_gpu(
     cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -292,6 +301,7 @@ async def test_a_stored_choice_is_used_by_a_fresh_process_without_a_gpu(
     assert result["started"] == 0  # not one compile: the choice and its kernel came from disk
 
 
+@asyncio_only
 async def test_another_replica_finds_the_choice_in_the_shared_tier(
     tmp_path: Path, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -325,6 +335,7 @@ async def test_concurrent_callers_of_one_tuning_benchmark_once(
     assert len({r.key for r in results}) == 1 and len(gpu.benchmarked) == 3
 
 
+@asyncio_only
 async def test_a_corrupt_stored_choice_is_tuned_again(
     cache_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -346,6 +357,7 @@ async def test_a_corrupt_stored_choice_is_tuned_again(
 # --- pinning ----------------------------------------------------------------------------------
 
 
+@asyncio_only
 async def test_pin_forces_a_config_without_benchmark_or_gpu(
     cache_dir: Path, tmp_path: Path, compile_log: list[tuple[str, dict[str, Any]]]
 ) -> None:
@@ -378,6 +390,7 @@ async def test_pin_forces_a_config_without_benchmark_or_gpu(
             await tune(p, configs, key={"n": 1}, pin=table)
 
 
+@asyncio_only
 async def test_a_pin_wins_over_a_stored_choice(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gpu = FakeGPU(monkeypatch)
     configs = add_configs(64, 128, 256)
@@ -391,6 +404,7 @@ async def test_a_pin_wins_over_a_stored_choice(cache_dir: Path, monkeypatch: pyt
     assert len(gpu.benchmarked) == 3
 
 
+@asyncio_only
 async def test_configs_map_to_the_same_requests_as_pool_triton_and_duplicates_compile_once(
     cache_dir: Path, monkeypatch: pytest.MonkeyPatch, compile_log: list[tuple[str, dict[str, Any]]]
 ) -> None:
@@ -437,6 +451,7 @@ async def test_configs_map_to_the_same_requests_as_pool_triton_and_duplicates_co
 # --- failing configs --------------------------------------------------------------------------
 
 
+@asyncio_only
 async def test_configs_that_fail_to_compile_are_skipped_and_reported(
     cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -452,12 +467,14 @@ async def test_configs_that_fail_to_compile_are_skipped_and_reported(
     assert "skipped: compile failed: arange's range must be a power of 2" in r.summary()
 
 
+@asyncio_only
 async def test_only_one_config_compiling_needs_no_gpu(cache_dir: Path) -> None:
     async with pool(cache_dir) as p:
         k = await tune(p, [*add_configs(3), *add_configs(128), *add_configs(7)])
     assert k.tuning.source == "single" and k.tuning.index == 1 and set(k.tuning.skipped) == {0, 2}
 
 
+@asyncio_only
 async def test_all_configs_failing_is_a_compile_error_listing_each(cache_dir: Path) -> None:
     async with pool(cache_dir) as p:
         with pytest.raises(acompile.CompileError) as info:
@@ -473,6 +490,7 @@ async def test_all_configs_failing_is_a_compile_error_listing_each(cache_dir: Pa
     assert isinstance(err.__cause__, acompile.CompileError)
 
 
+@asyncio_only
 async def test_configs_that_cannot_run_are_skipped_and_reported(
     cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -495,6 +513,7 @@ async def test_configs_that_cannot_run_are_skipped_and_reported(
 # --- arguments --------------------------------------------------------------------------------
 
 
+@asyncio_only
 async def test_wrong_arguments_are_invalid_spec_errors_before_any_compile(cache_dir: Path) -> None:
     bad = pytest.raises(acompile.InvalidSpecError)
     async with pool(cache_dir, prestart=False) as p:
@@ -523,6 +542,7 @@ async def test_wrong_arguments_are_invalid_spec_errors_before_any_compile(cache_
         assert p.stats()["workers"]["started"] == 0
 
 
+@asyncio_only
 async def test_a_triton_autotune_kernel_brings_its_configs(cache_dir: Path) -> None:
     wrapped = triton.autotune(configs=add_configs(64, 128), key=["n"])(add_kernel)
     async with pool(cache_dir) as p:
@@ -530,6 +550,7 @@ async def test_a_triton_autotune_kernel_brings_its_configs(cache_dir: Path) -> N
     assert k.config["constexprs"] == {"BLOCK": 128} and k.tuning.source == "pin"
 
 
+@asyncio_only
 async def test_outside_the_pool_is_a_pool_closed_error(cache_dir: Path) -> None:
     p = pool(cache_dir)
     with pytest.raises(acompile.PoolClosedError):
@@ -539,6 +560,7 @@ async def test_outside_the_pool_is_a_pool_closed_error(cache_dir: Path) -> None:
 # --- the GPU parts, against stand-ins -----------------------------------------------------------
 
 
+@asyncio_only
 async def test_a_callable_grid_at_launch_gets_the_runtime_arguments(
     cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -709,6 +731,7 @@ def test_gpu_info_and_its_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         _autotune._gpu_info(None, "hint")
 
 
+@asyncio_only
 async def test_a_gpu_of_another_target_is_refused(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     FakeGPU(monkeypatch)
     monkeypatch.setattr(_autotune, "_gpu_info", lambda wanted, hint: (0, "Fake A100", 80))

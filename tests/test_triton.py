@@ -16,7 +16,7 @@ import anyio.lowlevel
 import psutil
 import pytest
 import triton
-from conftest import TARGET, run_python, subprocess_env
+from conftest import TARGET, asyncio_only, run_python, subprocess_env
 from kernels_for_tests import ADD_SIG, add_kernel, broken_kernel, scale_add_kernel, slow_to_compile_kernel
 from processes import gone
 from triton.backends.compiler import GPUTarget
@@ -48,6 +48,8 @@ def triton_reference(
         del os.environ["TRITON_CACHE_DIR"]
 
 
+# asyncio only: the subject is the compiled kernel, compared with Triton's, not the loop.
+@asyncio_only
 async def test_compiles_the_same_kernel_triton_compile_does(cache_dir: Path, tmp_path: Path) -> None:
     async with pool(cache_dir) as p:
         k = await p.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 1024}, num_warps=4)
@@ -62,6 +64,8 @@ async def test_compiles_the_same_kernel_triton_compile_does(cache_dir: Path, tmp
     assert k.metadata.num_warps == 4 and k.target == acompile.Target("cuda", 90)
 
 
+# asyncio only: the subject is the cached kernel, compared with Triton's, not the loop.
+@asyncio_only
 async def test_a_kernel_from_the_disk_cache_is_the_kernel_triton_compile_builds(
     cache_dir: Path, tmp_path: Path
 ) -> None:
@@ -144,6 +148,8 @@ async def test_a_kernel_whose_module_changed_since_it_was_imported_is_refused_no
             await p.triton(changing_kernels.scaled, signature=sig, constexprs={"BLOCK": 128})
 
 
+# asyncio only: the subject is what the compiler makes of source text, not the loop.
+@asyncio_only
 async def test_a_kernel_from_source_text(cache_dir: Path) -> None:
     source = textwrap.dedent(
         """
@@ -257,6 +263,8 @@ async def test_workers_compile_while_the_parent_still_hashes_triton_and_kernels_
     assert k.cubin == ref.asm["cubin"] and k.compiled.hash == ref.hash
 
 
+# asyncio only: the subject is a time limit's and a job time's arithmetic, not the loop.
+@asyncio_only
 async def test_waiting_for_the_parents_key_counts_neither_against_the_time_limit_nor_as_compile_time(
     cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -459,6 +467,8 @@ async def test_a_broken_kernel_is_a_compile_error_and_the_pool_goes_on(cache_dir
             await p.triton(broken_kernel, signature={"x_ptr": "*fp32", "n": "i32"}, constexprs={"BLOCK": 64})
 
 
+# asyncio only: the subject is what reaches the compiler, not the loop.
+@asyncio_only
 async def test_targets_and_options_reach_the_compiler(cache_dir: Path) -> None:
     async with pool(cache_dir) as p:
         k80, k90 = await p.gather(
@@ -470,6 +480,8 @@ async def test_targets_and_options_reach_the_compiler(cache_dir: Path) -> None:
     assert k80.key != k90.key
 
 
+# asyncio only: the subject is what the compiler and the cache make of the kernel, not the loop.
+@asyncio_only
 async def test_a_hip_kernel_compiles_and_comes_back_from_the_disk_cache(cache_dir: Path) -> None:
     """AMD's targets are compiled here (no GPU needed) and cached like CUDA's: their metadata
     has no CUDA launch flags, and the cached entry loads as it was compiled."""
@@ -484,6 +496,8 @@ async def test_a_hip_kernel_compiles_and_comes_back_from_the_disk_cache(cache_di
     assert tier == "disk" and cached.cubin == compiled.cubin and cached.metadata == compiled.metadata
 
 
+# asyncio only: the subject is the error a kernel's load gives, not the loop.
+@asyncio_only
 async def test_a_compiled_kernel_this_process_cannot_load_is_a_compile_error(
     cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
