@@ -461,7 +461,12 @@ async def test_served_kernels_are_recorded_and_replayed_by_the_next_start(
     assert [r.json()["key"] for r in again] == [r.json()["key"] for r in first]
     stats = health["pool"]
     assert stats["cache"]["misses"] == never_compiled and stats["compiled"] <= never_compiled, stats
-    assert stats["cache"]["hits_disk"] == served - never_compiled, stats
+    # Each recorded kernel read from the disk once; one more read where this start's fast matmul
+    # was stopped because its tuned one landed first, after the fast one's read: the replay's
+    # request for it then reads it again (the stopped request kept nothing).
+    stopped_after_reading = 1 if health["matmul"]["fast_tier"] is None else 0
+    hits = stats["cache"]["hits_disk"]
+    assert served - never_compiled <= hits <= served - never_compiled + stopped_after_reading, (stats, health)
     assert record.read_bytes() == recorded  # nothing new was served: the record is as it was
     print(f"replay of {served} kernels in {replay['seconds']} s")
 
