@@ -47,6 +47,7 @@ _NAMES: dict[str, str | tuple[str, str]] = {
     "KernelNotReadyError": "_errors",
     "PoolClosedError": "_errors",
     "PoolError": "_errors",
+    "StageUnavailableError": "_errors",
     "UnknownTargetError": "_errors",
     "UntrustedFolderError": "_errors",
     "WorkerCrashedError": "_errors",
@@ -90,6 +91,7 @@ if _typing.TYPE_CHECKING:
     from acompile._errors import KernelNotReadyError as KernelNotReadyError
     from acompile._errors import PoolClosedError as PoolClosedError
     from acompile._errors import PoolError as PoolError
+    from acompile._errors import StageUnavailableError as StageUnavailableError
     from acompile._errors import UnknownTargetError as UnknownTargetError
     from acompile._errors import UntrustedFolderError as UntrustedFolderError
     from acompile._errors import WorkerCrashedError as WorkerCrashedError
@@ -127,6 +129,7 @@ __all__ = (
     "PruneReport",
     "RayFarm",
     "SharedLibrary",
+    "StageUnavailableError",
     "Target",
     "Trial",
     "TritonKernel",

@@ -216,6 +216,16 @@ class KernelNotReadyError(AcompileError, RuntimeError):
     """
 
 
+class StageUnavailableError(AcompileError, LookupError):
+    """A text stage of a kernel loaded from the disk cache (its PTX, an IR) cannot be read.
+
+    A warm start reads each kernel's binary and metadata, checked, and its text stages only when
+    ``kernel.asm`` first asks for them. Raised there when the entry's file no longer holds them:
+    removed (``acompile prune``) or replaced by another compile's since, or damaged (then removed,
+    so that the next request for the kernel compiles it again). The kernel itself still launches.
+    """
+
+
 class BackendUnavailableError(AcompileError, ImportError):
     """A backend's package is missing; the message names what to install."""
 

@@ -30,6 +30,7 @@ from acompile._cache import (
     decode_entry,
     toolchain_dir,
 )
+from acompile._cache._entry import peek_header
 
 pytestmark = pytest.mark.anyio
 
@@ -164,7 +165,8 @@ async def test_a_warm_start_reads_its_entries_together_and_verifies_each(cache_d
         compiled = await p.gather(*specs)
     damaged = entry_path(cache_dir, compiled[2].key)
     data = bytearray(damaged.read_bytes())
-    data[len(data) // 2] ^= 0x01
+    start, end = blob_span(damaged, "cubin")  # what a warm start reads and checks
+    data[(start + end) // 2] ^= 0x01
     damaged.write_bytes(bytes(data))
     results: list[Any] = [None] * len(specs)
     async with pool(cache_dir, prestart=False) as p:
@@ -182,6 +184,79 @@ async def test_a_warm_start_reads_its_entries_together_and_verifies_each(cache_d
     assert [tier for _, tier in results] == ["disk", "disk", "compile", "disk"]
     cache = stats["cache"]
     assert (cache["hits_disk"], cache["misses"], cache["disk_corrupt"], stats["compiled"]) == (3, 1, 1, 1)
+
+
+def blob_span(path: Path, name: str) -> tuple[int, int]:
+    """Where a blob of the entry file at ``path`` is, (start, end)."""
+    header = peek_header(path.read_bytes())
+    offset = header["_end"]
+    for blob, size, *_ in header["blobs"]:
+        if blob == name:
+            return offset, offset + size
+        offset += size
+    raise KeyError(name)
+
+
+async def test_a_warm_start_reads_a_kernels_text_stages_only_when_asked_and_checks_them(
+    cache_dir: Path,
+) -> None:
+    # A warm start reads each kernel's binary and metadata (checked); its IRs and PTX, most of
+    # the entry, are read from the file, and checked, when .asm first asks. Damage there is
+    # not seen by the warm start: the kernel is a disk hit and launches; .asm says the stages
+    # cannot be read, the damaged file is removed, and the next request compiles it again.
+    specs = [acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": b}) for b in (64, 128)]
+    async with pool(cache_dir) as p:
+        good = await p.gather(*specs)
+    damaged = entry_path(cache_dir, good[1].key)
+    data = bytearray(damaged.read_bytes())
+    start, end = blob_span(damaged, "llir")
+    data[(start + end) // 2] ^= 0x01
+    damaged.write_bytes(bytes(data))
+    async with pool(cache_dir, prestart=False) as p:
+        intact, hit = await p.gather(*specs)
+        stats = p.stats()
+        assert intact.asm == good[0].asm and intact.compiled.asm["ptx"] == good[0].asm["ptx"]
+        assert hit.cubin == good[1].cubin  # checked: what a launch loads
+        with pytest.raises(acompile.StageUnavailableError, match=r"add_kernel: .*damaged.*blob llir"):
+            _ = hit.asm
+        assert not damaged.exists()
+    assert (stats["cache"]["hits_disk"], stats["compiled"]) == (2, 0)
+    async with pool(cache_dir) as p:
+        k, tier = await p.compile_with_tier(specs[1])
+    assert tier == "compile" and k.asm["llir"] == good[1].asm["llir"]
+
+
+@pytest.mark.parametrize("change", ["removed", "other-bytes", "same-bytes-other-order"])
+async def test_a_kernels_text_stages_are_read_from_the_file_as_it_is_when_asked(
+    cache_dir: Path, change: str
+) -> None:
+    # The file of a kernel loaded from the disk can change before .asm asks for its stages: a
+    # prune removes it, another compile replaces it. Stages are taken from the file there only
+    # if they are the bytes the kernel was loaded with (their digests), wherever they now are.
+    spec = acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 256})
+    async with pool(cache_dir) as p:
+        good = await p.compile(spec)
+    path = entry_path(cache_dir, good.key)
+    async with pool(cache_dir, prestart=False) as p:
+        hit, tier = await p.compile_with_tier(spec)
+        assert tier == "disk"
+        entry = decode_entry(path.read_bytes(), good.key)
+        if change == "removed":
+            path.unlink()
+        else:
+            blobs = {name: entry.blobs[name] for name in entry.blobs}
+            if change == "other-bytes":
+                blobs["ptx"] = blobs["ptx"].replace(b".version", b".version ", 1)
+            else:
+                blobs = dict(reversed(list(blobs.items())))
+            path.write_bytes(Entry(entry.key, entry.backend, entry.name, blobs, entry.meta).encode())
+        if change == "same-bytes-other-order":
+            assert hit.asm == good.asm
+        else:
+            why = "removed" if change == "removed" else "replaced by one whose ptx differs"
+            with pytest.raises(acompile.StageUnavailableError, match=why):
+                _ = hit.asm
+            assert hit.cubin == good.cubin
 
 
 def _metadata_edit(edit: Any) -> Any:

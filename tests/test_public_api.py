@@ -42,6 +42,7 @@ EXPECTED = {
     "InvalidSpecError",
     "PoolClosedError",
     "PoolError",
+    "StageUnavailableError",
     "Target",
     "TritonKernel",
     "TritonSpec",

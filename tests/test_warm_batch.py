@@ -252,16 +252,17 @@ async def test_a_gather_given_something_that_is_not_a_spec_raises_that_error_pla
 
 
 def old_format(entry: Entry) -> bytes:
-    """The entry as a writer that did not record its text blobs wrote it (checksum and all)."""
-    data = entry.encode()
-    header = _entry.peek_header(data)
+    """The entry as the first format's writer wrote it: no list of text blobs, no digest per
+    blob, one checksum over the header and every blob."""
+    header = _entry.peek_header(entry.encode())
     for field in ("_end", "_digest", "ascii"):
         header.pop(field)
+    header["blobs"] = [row[:2] for row in header["blobs"]]
     head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     digest = hashlib.sha256(head)
     for name in entry.blobs:
         digest.update(entry.blobs[name])
-    prefix = _entry._PREFIX.pack(_entry.MAGIC, _entry.VERSION, len(head), digest.digest())
+    prefix = _entry._PREFIX.pack(_entry.MAGIC, 1, len(head), digest.digest())
     return b"".join([prefix, head, *entry.blobs.values()])
 
 
@@ -292,18 +293,14 @@ def test_an_entry_says_which_blobs_are_text_and_a_reader_scans_none(monkeypatch:
 
 
 def with_ascii(entry: Entry, ascii: Any) -> bytes:
-    """The entry with ``ascii`` as its header's list of text blobs, whatever it says, under a
-    valid checksum: what anyone who can write the cache folder can write."""
-    data = entry.encode()
-    header = _entry.peek_header(data)
+    """The entry with ``ascii`` as its header's list of text blobs, whatever it says, under valid
+    checksums: what anyone who can write the cache folder can write."""
+    header = _entry.peek_header(entry.encode())
     for field in ("_end", "_digest"):
         header.pop(field)
     header["ascii"] = ascii
     head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
-    digest = hashlib.sha256(head)
-    for name in entry.blobs:
-        digest.update(entry.blobs[name])
-    prefix = _entry._PREFIX.pack(_entry.MAGIC, _entry.VERSION, len(head), digest.digest())
+    prefix = _entry._PREFIX.pack(_entry.MAGIC, _entry.VERSION, len(head), hashlib.sha256(head).digest())
     return b"".join([prefix, head, *entry.blobs.values()])
 
 
@@ -349,3 +346,22 @@ async def test_a_kernel_whose_entry_calls_a_stage_that_is_not_utf8_text_still_la
     assert kernel.compiled.kernel == blobs["cubin"]
     assert kernel.asm["llir"].endswith("; \ufffd\ufffd\n")
     assert kernel.asm["ptx"] == blobs["ptx"].decode()
+
+
+async def test_a_disk_entry_of_the_first_format_is_a_hit_read_whole(cache_dir: Path) -> None:
+    """A cache folder filled before entries had a digest per blob: its entries are still hits,
+    read and checked whole (one checksum over everything), every stage there at once."""
+    from acompile._cache._layout import entries_dir
+
+    spec = specs()[0]
+    async with acompile.CompilePool(1, target=TARGET, cache_dir=cache_dir, prestart=False) as p:
+        key = (await p.compile(spec)).key
+    path = entries_dir(cache_dir) / key[:2] / key
+    genuine = decode_entry(path.read_bytes(), key)
+    path.write_bytes(old_format(genuine))
+    async with acompile.CompilePool(1, target=TARGET, cache_dir=cache_dir, prestart=False) as p:
+        kernel = await p.compile(spec)
+        assert p.stats()["cache"]["hits_disk"] == 1
+    path.unlink()  # nothing left to read: every stage came with the entry
+    assert kernel.asm["llir"] == genuine.blobs["llir"].decode()
+    assert kernel.compiled.kernel == genuine.blobs["cubin"]

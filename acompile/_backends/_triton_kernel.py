@@ -68,7 +68,9 @@ class TritonKernel:
 
     @property
     def compiled(self) -> Any:
-        """Triton's ``CompiledKernel``, built from the entry the first time it is asked for."""
+        """Triton's ``CompiledKernel``, built from the entry the first time it is asked for, with
+        every stage in its ``asm`` (``StageUnavailableError`` where they cannot be read)."""
+        _ = self._triton.asm
         return self._triton.compiled
 
     def __repr__(self) -> str:
@@ -85,7 +87,7 @@ class TritonKernel:
         """Load the binary onto the current GPU now (otherwise the first launch does)."""
         if "_launches" in self.__dict__:
             return
-        compiled = self.compiled
+        compiled = self._triton.compiled  # its binary: loading reads no text stage
         try:
             compiled._init_handles()
         except RuntimeError as exc:

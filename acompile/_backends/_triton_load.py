@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from acompile._backends._triton_spec import show
 from acompile._cache import CorruptEntry, Entry, blob_isascii, blob_view
+from acompile._errors import StageUnavailableError
 
 if TYPE_CHECKING:
     from acompile._backends._triton_spec import TritonRequest
@@ -161,6 +162,11 @@ class TritonObjects:
     Decoding every text stage (a matmul's LLVM IR alone is most of a megabyte) and building the
     ``CompiledKernel`` cost more than everything else a warm start does per kernel; a process
     that only launches a kernel needs the ``CompiledKernel`` once, and its text stages never.
+    The ``CompiledKernel`` is built with the binary alone in its ``asm``: the text stages join
+    it (the same dict) when ``asm`` is first asked for, here or by a key missing from Triton's
+    dict. An entry read from the disk reads them from its file then (``Blobs``), so that a warm
+    start reads a fifth of each entry; one whose file no longer holds them raises
+    ``StageUnavailableError``, and the kernel still launches.
     Built once even when threads ask at the same moment: a second ``CompiledKernel`` would load
     the binary again. Nothing in the entry can make building fail: ``kernel_metadata`` checked,
     at load, every field and stage it reads (a stage the entry's header lists as ASCII is taken
@@ -174,42 +180,95 @@ class TritonObjects:
         self.signature = request.signature
         self._blobs: Mapping[str, bytes] = entry.blobs
         self._metadata = metadata
-        self._asm: dict[str, Any] | None = None
+        self._stages: dict[str, Any] | None = None  # Triton's AsmDict: the binary, then every stage
+        self._complete = False
         self._compiled: Any = None
 
     @property
     def asm(self) -> dict[str, Any]:
-        asm = self._asm
-        if asm is None:
-            with self._building:
-                if self._asm is None:
-                    from triton.compiler.compiler import AsmDict
-
-                    binary = backend_for(self._metadata.target).binary_ext
-                    blobs = self._blobs
-                    # Text stages decoded from where the entry was read (no copy of the bytes
-                    # first); the metadata is not a stage. "replace": only a stage the header
-                    # calls ASCII can fail to decode, and the kernel must load all the same.
-                    stages = {
-                        ext: blobs[ext] if ext == binary else str(blob_view(blobs, ext), "utf-8", "replace")
-                        for ext in blobs
-                        if ext != "json"
-                    }
-                    self._asm = AsmDict(stages)
-                    self._blobs = {}  # the decoded stages replace the entry's bytes
-                asm = self._asm
-        return asm
+        """Every stage, by extension (the text stages decoded; the binary as bytes)."""
+        if not self._complete:
+            self._complete_stages()
+        assert self._stages is not None
+        return self._stages
 
     @property
     def compiled(self) -> Any:
         compiled = self._compiled
         if compiled is None:
-            asm = self.asm
             with self._building:
                 if self._compiled is None:
-                    self._compiled = build_compiled_kernel(self._request, self._metadata, asm)
+                    self._compiled = build_compiled_kernel(self._request, self._metadata, self._stage_dict())
                 compiled = self._compiled
         return compiled
+
+    def _stage_dict(self) -> dict[str, Any]:
+        """The stages' dict, made with the binary alone (under ``_building``)."""
+        if self._stages is None:
+            binary = backend_for(self._metadata.target).binary_ext
+            self._stages = _stages_type()(self)
+            self._stages[binary] = self._blobs[binary]
+        return self._stages
+
+    def _complete_stages(self) -> None:
+        """Put every text stage in the stages' dict, in the entry's order."""
+        with self._building:
+            if self._complete:
+                return
+            stages = self._stage_dict()
+            binary = backend_for(self._metadata.target).binary_ext
+            blobs = self._blobs
+            try:
+                # Text stages decoded from where the entry was read (no copy of the bytes first);
+                # the metadata is not a stage. "replace": only a stage the header calls ASCII can
+                # fail to decode, and the kernel must load all the same.
+                ordered = {
+                    ext: stages[binary] if ext == binary else str(blob_view(blobs, ext), "utf-8", "replace")
+                    for ext in blobs
+                    if ext != "json"
+                }
+            except CorruptEntry as exc:
+                raise StageUnavailableError(
+                    f"{self._request.fn.__name__}: the text stages of this kernel (its IRs and PTX) "
+                    f"cannot be read from the disk cache entry it was loaded from: {exc}. The "
+                    "kernel itself was checked and launches; the next request for it reads or "
+                    "compiles it again"
+                ) from None
+            extra = {ext: value for ext, value in stages.items() if ext not in ordered}  # SASS, say
+            stages.clear()
+            stages.update(ordered)
+            stages.update(extra)
+            stages._owner = None  # type: ignore[attr-defined]
+            self._blobs = {}  # the decoded stages replace the entry's bytes
+            self._complete = True
+
+
+_stages_class: Any = None
+
+
+def _stages_type() -> Any:
+    """Triton's ``AsmDict``, whose missing keys complete its ``TritonObjects``' stages first:
+    code holding the ``CompiledKernel`` (a profiler reading ``compiled.asm["ptx"]``) finds every
+    stage as Triton's own would have it."""
+    global _stages_class
+    if _stages_class is None:
+        from triton.compiler.compiler import AsmDict
+
+        class Stages(AsmDict):  # type: ignore[misc]
+            def __init__(self, owner: TritonObjects) -> None:
+                super().__init__()
+                self._owner: TritonObjects | None = owner
+
+            def __missing__(self, key: str) -> Any:
+                owner = self._owner
+                if owner is not None:
+                    owner._complete_stages()
+                    if key in self:
+                        return self[key]
+                return super().__missing__(key)
+
+        _stages_class = Stages
+    return _stages_class
 
 
 def build_compiled_kernel(request: TritonRequest, metadata: Any, asm: dict[str, Any]) -> Any:

@@ -337,13 +337,24 @@ class TierChain:
             except CorruptEntry:
                 pass  # a damaged copy there: the good one replaces it
             if data is None:
-                entry = await self._read(self.local, key)
-                if entry is None:
+                data = await self._local_bytes(key)
+                if data is None:
                     return found, written
-                data = entry.encode()
             if await tier.set(key, data):
                 written += 1
         return found, written
+
+    async def _local_bytes(self, key: str) -> bytes | None:
+        """The local entry ``key``'s bytes, verified whole on a thread; None where there is none
+        or it is damaged (counted, as a read is)."""
+        try:
+            data = await self.local.get(key)
+            if data is not None:
+                await anyio.to_thread.run_sync(_entry.decode, data, key)
+        except CorruptEntry as exc:
+            self._damaged(self.local.name, key, exc)
+            return None
+        return data
 
     async def get_record(self, key: str) -> Entry | None:
         """A small record (not a kernel) from the byte tiers, in order: autotuning choices and

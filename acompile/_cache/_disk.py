@@ -26,7 +26,10 @@ the fresh compile's publication replaces it (a folder there is removed first).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+import functools
+import hashlib
 import logging
 import os
 import queue
@@ -35,7 +38,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any, TypeVar
@@ -57,6 +60,8 @@ from acompile._cache._layout import (
     entry_folders,
     human_bytes,
     is_key,
+    open_limited,
+    read_at,
     read_state,
     toolchain_dir,
     write_state,
@@ -172,14 +177,81 @@ def _read_file(path: str | Path) -> bytes | None:
 
 def _read_entry(path: str, key: str) -> Entry | None:
     """The verified entry at path, or None where there is none, its binaries copied out (see
-    ``Blobs.copy_out_binaries``). Raises ``CorruptEntry``, ``RefusedFile`` or ``OSError``."""
-    data = _read_file(path)
-    if data is None:
+    ``Blobs.copy_out_binaries``); a Triton kernel's text stages are read from the file when first
+    asked for (``_entry.read_entry_at``). Raises ``CorruptEntry``, ``RefusedFile`` or
+    ``OSError``."""
+    opened = open_limited(path, MAX_ENTRY_BYTES)
+    if opened is None:
         return None
-    entry = _entry.decode(data, key)
-    if isinstance(entry.blobs, _entry.Blobs):
-        entry.blobs.copy_out_binaries()
-    return entry
+    fd, size = opened
+    try:
+        return _entry.read_entry_at(functools.partial(read_at, fd), size, key, _EntryFile(path, key))
+    finally:
+        os.close(fd)
+
+
+class _EntryFile:
+    """The file of an entry read in part: its other blobs are read from it when first asked for
+    (blocking, wherever they are asked for: the text stages of a kernel, read by whoever looks
+    at them)."""
+
+    __slots__ = ("key", "path")
+
+    def __init__(self, path: str, key: str) -> None:
+        self.path = path
+        self.key = key
+
+    def read(self, pending: Mapping[str, tuple[int, int, bytes]]) -> dict[str, bytes]:
+        """Each pending blob, checked against its digest; raises ``CorruptEntry`` where the file
+        no longer holds it (removed, or replaced by an entry with other bytes there). A file
+        whose own blobs do not match its own digests is damaged, and removed."""
+        low = min(start for start, _, _ in pending.values())
+        high = max(end for _, end, _ in pending.values())
+        try:
+            opened = open_limited(self.path, MAX_ENTRY_BYTES)
+            chunk = b""
+            if opened is not None:
+                fd, _ = opened
+                try:
+                    chunk = read_at(fd, low, high - low)
+                finally:
+                    os.close(fd)
+        except OSError as exc:
+            raise CorruptEntry(f"its file cannot be read again ({exc})") from None
+        found: dict[str, bytes] = {}
+        for name, (start, end, digest) in pending.items():
+            blob = chunk[start - low : end - low]
+            if len(blob) == end - start and hashlib.sha256(blob).digest() == digest:
+                found[name] = blob
+        if len(found) == len(pending):
+            return found
+        # Not where they were: the file was replaced (a fresh compile's publication has other
+        # bytes in places) or damaged. Read what is there now, whole and checked.
+        try:
+            data = read_state(self.path, MAX_ENTRY_BYTES)
+        except OSError as exc:
+            raise CorruptEntry(f"its file cannot be read again ({exc})") from None
+        if data is None:
+            raise CorruptEntry("its file was removed after the entry was read")
+        try:
+            now = _entry.decode(data, self.key)
+        except CorruptEntry as exc:
+            self._remove_damaged(data)
+            raise CorruptEntry(f"its file is damaged ({exc}) and was removed") from None
+        for name, (_, _, digest) in pending.items():
+            if name not in found:
+                there = now.blobs.get(name)
+                if there is None or hashlib.sha256(there).digest() != digest:
+                    raise CorruptEntry(f"its file was replaced by one whose {name} differs")
+                found[name] = there
+        return found
+
+    def _remove_damaged(self, data: bytes) -> None:
+        """Remove the entry's file if it still holds ``data`` (another process may have put a
+        good one there meanwhile)."""
+        with contextlib.suppress(OSError):
+            if read_state(self.path, MAX_ENTRY_BYTES) == data:
+                os.remove(self.path)
 
 
 def read_entry(root: str | os.PathLike[str], key: str) -> Entry | None:

@@ -138,34 +138,53 @@ def _open_regular(path: str | os.PathLike[str]) -> tuple[int, int] | None:
     return fd, info.st_size
 
 
+def open_limited(path: str | os.PathLike[str], limit: int) -> tuple[int, int] | None:
+    """A descriptor of the regular file at ``path`` and its size (blocking; the caller closes
+    the descriptor), or None where there is none. Raises ``RefusedFile`` for anything but a
+    regular file of at most ``limit`` bytes. Opened as ``open_state`` opens it."""
+    opened = _open_regular(path)
+    if opened is None:
+        return None
+    fd, size = opened
+    if size > limit:
+        os.close(fd)
+        raise RefusedFile(
+            f"{human_bytes(size)}, over the {human_bytes(limit)} bound on this kind of file: "
+            f"{os.fspath(path)}"
+        )
+    return opened
+
+
+def read_at(fd: int, start: int, length: int) -> bytes:
+    """Up to ``length`` bytes of ``fd`` from ``start`` (fewer only at the file's end), in one
+    system call where the filesystem allows (some network and FUSE filesystems return short
+    reads: read on)."""
+    data = os.pread(fd, length, start)
+    if len(data) < length and data:
+        parts, got = [data], len(data)
+        while got < length:
+            more = os.pread(fd, length - got, start + got)
+            if not more:
+                break
+            parts.append(more)
+            got += len(more)
+        data = b"".join(parts)
+    return data
+
+
 def read_state(path: str | os.PathLike[str], limit: int) -> bytes | None:
     """The bytes of the file at ``path`` (blocking), or None where there is none. Raises
     ``RefusedFile`` for anything but a regular file of at most ``limit`` bytes, ``OSError`` where
     the file cannot be read. Opened as ``open_state`` opens it; read whole, in one allocation of
     its size, with as few system calls as can be (open, stat, read, close): a warm start reads
     dozens of entries on threads, and each call there is a hand-over of the interpreter's lock."""
-    opened = _open_regular(path)
+    opened = open_limited(path, limit)
     if opened is None:
         return None
     fd, size = opened
     try:
-        if size > limit:
-            raise RefusedFile(
-                f"{human_bytes(size)}, over the {human_bytes(limit)} bound on this kind of file: "
-                f"{os.fspath(path)}"
-            )
         # One byte more than the file holds: a file that grew meanwhile says so.
-        data = os.pread(fd, size + 1, 0)
-        if len(data) < size:
-            # A short read (some network and FUSE filesystems return one): read on to the end.
-            parts, got = [data], len(data)
-            while got <= size:
-                more = os.pread(fd, size + 1 - got, got)
-                if not more:
-                    break
-                parts.append(more)
-                got += len(more)
-            data = b"".join(parts)
+        data = read_at(fd, 0, size + 1)
     finally:
         os.close(fd)
     if len(data) > size:
