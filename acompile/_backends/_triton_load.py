@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from acompile._backends._triton_spec import show
 from acompile._cache import CorruptEntry, Entry, blob_isascii, blob_view
+from acompile._cache._entry import Blobs
 from acompile._errors import StageUnavailableError
 
 if TYPE_CHECKING:
@@ -211,13 +212,20 @@ class TritonObjects:
         return self._stages
 
     def _complete_stages(self) -> None:
-        """Put every text stage in the stages' dict, in the entry's order."""
+        """Put every text stage in the stages' dict, in the entry's order. An entry read in part
+        reads the rest from its file first, outside the lock that every kernel's first build
+        takes (a slow filesystem holds up this kernel's stages alone)."""
+        blobs = self._blobs
+        if isinstance(blobs, Blobs):
+            try:
+                blobs.read_pending()
+            except CorruptEntry as exc:
+                raise self._unavailable(exc) from None
         with self._building:
             if self._complete:
                 return
             stages = self._stage_dict()
             binary = backend_for(self._metadata.target).binary_ext
-            blobs = self._blobs
             try:
                 # Text stages decoded from where the entry was read (no copy of the bytes first);
                 # the metadata is not a stage. "replace": only a stage the header calls ASCII can
@@ -228,12 +236,7 @@ class TritonObjects:
                     if ext != "json"
                 }
             except CorruptEntry as exc:
-                raise StageUnavailableError(
-                    f"{self._request.fn.__name__}: the text stages of this kernel (its IRs and PTX) "
-                    f"cannot be read from the disk cache entry it was loaded from: {exc}. The "
-                    "kernel itself was checked and launches; the next request for it reads or "
-                    "compiles it again"
-                ) from None
+                raise self._unavailable(exc) from None
             extra = {ext: value for ext, value in stages.items() if ext not in ordered}  # SASS, say
             stages.clear()
             stages.update(ordered)
@@ -241,6 +244,14 @@ class TritonObjects:
             stages._owner = None  # type: ignore[attr-defined]
             self._blobs = {}  # the decoded stages replace the entry's bytes
             self._complete = True
+
+    def _unavailable(self, exc: CorruptEntry) -> StageUnavailableError:
+        return StageUnavailableError(
+            f"{self._request.fn.__name__}: the text stages of this kernel (its IRs and PTX) cannot "
+            f"be read from the disk cache entry it was loaded from: {exc}. The kernel itself was "
+            "checked and launches; a pool that is asked for it later (this one keeps the kernel "
+            "loaded) reads or compiles it again"
+        )
 
 
 _stages_class: Any = None
@@ -258,6 +269,12 @@ def _stages_type() -> Any:
             def __init__(self, owner: TritonObjects) -> None:
                 super().__init__()
                 self._owner: TritonObjects | None = owner
+
+            def __reduce__(self) -> Any:
+                # Pickled as Triton's own dict, every stage in it.
+                if self._owner is not None:
+                    self._owner._complete_stages()
+                return (AsmDict, (dict(self),))
 
             def __missing__(self, key: str) -> Any:
                 owner = self._owner

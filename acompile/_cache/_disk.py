@@ -34,6 +34,7 @@ import logging
 import os
 import queue
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -248,9 +249,11 @@ class _EntryFile:
 
     def _remove_damaged(self, data: bytes) -> None:
         """Remove the entry's file if it still holds ``data`` (another process may have put a
-        good one there meanwhile)."""
+        good one there meanwhile), and its folder is one (never through a link put at it)."""
         with contextlib.suppress(OSError):
-            if read_state(self.path, MAX_ENTRY_BYTES) == data:
+            if stat.S_ISDIR(os.lstat(os.path.dirname(self.path)).st_mode) and (
+                read_state(self.path, MAX_ENTRY_BYTES) == data
+            ):
                 os.remove(self.path)
 
 

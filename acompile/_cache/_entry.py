@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import threading
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -77,7 +78,7 @@ class Blobs(MutableMapping[str, bytes]):
     An entry read in part from a file (``read_entry_at``) holds the others as pending: the
     first one asked for reads them all from the file (``BlobSource``), once."""
 
-    __slots__ = ("_ascii", "_data", "_items", "_source")
+    __slots__ = ("_ascii", "_data", "_items", "_reading", "_source")
 
     def __init__(
         self,
@@ -92,12 +93,14 @@ class Blobs(MutableMapping[str, bytes]):
         # What isascii() found, by blob; or what the entry's header says its writer found.
         self._ascii: dict[str, bool] = ascii or {}
         self._source = source
+        # Held while pending blobs are read: one read of the file for threads asking at once.
+        self._reading = threading.Lock() if source is not None else None
 
     def __getitem__(self, name: str) -> bytes:
         item = self._items[name]
         if isinstance(item, tuple):
             if isinstance(item, _Pending):
-                self._read_pending()
+                self.read_pending()
                 return self[name]
             item = self._items[name] = self._data[item[0] : item[1]]
         return item
@@ -157,15 +160,21 @@ class Blobs(MutableMapping[str, bytes]):
             if not self.isascii(name):
                 self[name]  # copied out, and kept
 
-    def _read_pending(self) -> None:
-        """Read every pending blob from the entry's file, at once (raises ``CorruptEntry``)."""
-        pending: dict[str, _Pending] = {}
-        for name, item in self._items.items():
-            if isinstance(item, _Pending):
-                pending[name] = item
-        assert self._source is not None
-        self._items.update(self._source.read(pending))
-        self._source = None
+    def read_pending(self) -> None:
+        """Read every pending blob from the entry's file, at once, if not done (blocking; raises
+        ``CorruptEntry``, and the next call tries again)."""
+        if self._reading is None:
+            return
+        with self._reading:
+            source = self._source
+            if source is None:
+                return  # another thread read them meanwhile
+            pending: dict[str, _Pending] = {}
+            for name, item in self._items.items():
+                if isinstance(item, _Pending):
+                    pending[name] = item
+            self._items.update(source.read(pending))
+            self._source = None
 
 
 def _isascii(view: bytes | memoryview) -> bool:
@@ -255,8 +264,8 @@ def _prefix(data: bytes) -> tuple[int, int, bytes]:
 def _header(data: bytes | memoryview, end: int) -> dict[str, Any]:
     try:
         header = json.loads(bytes(data[_PREFIX.size : end]))
-    except ValueError as exc:
-        raise CorruptEntry(f"unreadable header: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested past the stack
+        raise CorruptEntry(f"unreadable header: {type(exc).__name__}: {exc}") from None
     if not isinstance(header, dict):
         raise CorruptEntry("header is not an object")
     return header
@@ -385,7 +394,10 @@ def read_entry_at(read: Callable[[int, int], bytes], size: int, key: str, source
         layout = _layout(head, size, key)
     except _ShortHeader as short:
         head += read(len(head), short.needed - len(head))
-        layout = _layout(head, size, key)
+        try:
+            layout = _layout(head, size, key)
+        except _ShortHeader:  # the file shrank under the read: never an entry's doing
+            raise CorruptEntry("truncated inside the header") from None
     eager = [
         name for name in layout.spans if name == "json" or layout.ascii is None or not layout.ascii[name]
     ]
