@@ -540,6 +540,239 @@ print("ok")
 )
 
 
+HOOKS_SCRIPT = (
+    SETUP
+    + r"""
+import random
+from triton import knobs
+
+runtime, HookChain = knobs.runtime, knobs.HookChain
+Runtime = type(runtime)
+names = ("launch_enter_hook", "launch_exit_hook")
+of_class = {n: Runtime.__dict__[n] for n in names}  # Triton's own chains
+spare = [HookChain(), HookChain()]
+chains = [*of_class.values(), *spare]
+
+
+class SubChain(HookChain):
+    pass
+
+
+class SubRuntime(Runtime):
+    pass
+
+
+def hook(*args):
+    pass
+
+
+f = kernel([], knobs=runtime, chain_type=HookChain).bind(1, 1, 1, fallback, "f", "f[grid]")
+
+
+def expected():  # what getattr says of the hooks now: Triton's launcher must call one, or not
+    try:
+        for name in names:
+            h = getattr(runtime, name)
+            if h is not None and not (type(h) is HookChain and len(h.calls) == 0):
+                return "to Triton's launcher"
+        return "launched"
+    except AttributeError:
+        return "AttributeError"
+
+
+def launched():
+    before = fake.fake_launches(), len(fallback.calls)
+    try:
+        f()
+    except AttributeError:
+        return "AttributeError"
+    after = fake.fake_launches(), len(fallback.calls)
+    assert after[0] - before[0] + after[1] - before[1] == 1
+    return "launched" if after[0] > before[0] else "to Triton's launcher"
+
+
+def reset():
+    for name, chain in of_class.items():
+        setattr(Runtime, name, chain)
+    for attr in ("calls", "__get__"):
+        if attr in HookChain.__dict__:
+            delattr(HookChain, attr)
+    for chain in chains:
+        chain.__class__ = HookChain
+        chain.__dict__.clear()
+        chain.__dict__.update(calls=[], reversed=False)
+    runtime.__class__ = Runtime
+    runtime.__dict__.clear()
+    for name in names:
+        if name in SubRuntime.__dict__:
+            delattr(SubRuntime, name)
+
+
+def store(obj, value):  # an assignment as a library writes it, run often enough to be specialized
+    obj.launch_enter_hook = value
+
+
+def store_calls(chain, value):
+    chain.calls = value
+
+
+for _ in range(100):
+    store(Runtime(), None)
+    store_calls(HookChain(), [])
+
+
+def set_property():
+    HookChain.calls = property(lambda self: [hook])
+
+
+def with_scope():
+    with runtime.scope():
+        runtime.launch_exit_hook = hook
+        assert launched() == "to Triton's launcher"
+
+
+# A hook installed in any way, between two launches of a kernel bound earlier, is seen by the
+# next launch; so is any change of what the hooks are read from.
+changes = {
+    "HookChain.add": lambda: runtime.launch_enter_hook.add(hook),
+    "an exit hook added": lambda: runtime.launch_exit_hook.add(hook),
+    "a function assigned": lambda: setattr(runtime, "launch_exit_hook", hook),
+    "a chain with calls assigned": lambda: (spare[0].add(hook), store(runtime, spare[0])),
+    "the knobs' dict changed": lambda: runtime.__dict__.update(launch_exit_hook=hook),
+    "the knobs' dict replaced": lambda: setattr(runtime, "__dict__", {"launch_enter_hook": hook}),
+    "the class's chain replaced": lambda: setattr(Runtime, "launch_exit_hook", hook),
+    "the knobs' class": lambda: (setattr(SubRuntime, "launch_enter_hook", hook), setattr(runtime, "__class__", SubRuntime)),
+    "a chain's calls replaced": lambda: store_calls(of_class["launch_enter_hook"], [hook]),
+    "a chain's calls deleted": lambda: delattr(of_class["launch_exit_hook"], "calls"),
+    "a chain's dict replaced": lambda: setattr(of_class["launch_enter_hook"], "__dict__", {"calls": [hook]}),
+    "a chain's class": lambda: setattr(of_class["launch_exit_hook"], "__class__", SubChain),
+    "HookChain.calls a property": set_property,
+    "HookChain a descriptor": lambda: setattr(HookChain, "__get__", lambda self, obj, cls: hook),
+    "knobs.runtime.scope()": with_scope,
+    "nothing": lambda: None,
+}
+for what, change in changes.items():
+    reset()
+    assert launched() == launched() == "launched", what  # the second launch reads what the first kept
+    change()
+    for _ in range(3):
+        assert launched() == expected(), (what, expected())
+    assert what in ("nothing", "knobs.runtime.scope()") or expected() != "launched", what
+
+# Random changes, each followed by launches.
+rng = random.Random(5)
+steps = [
+    lambda: rng.choice(chains).calls.append(hook),
+    lambda: rng.choice(chains).calls.clear(),
+    lambda: rng.choice(chains).calls.clear(),
+    lambda: store(runtime, rng.choice([None, hook, *chains])),
+    lambda: setattr(runtime, rng.choice(names), rng.choice([None, *chains])),
+    lambda: runtime.__dict__.pop(rng.choice(names), None),
+    lambda: runtime.__dict__.__setitem__("unrelated", rng.random()),
+    lambda: setattr(Runtime, rng.choice(names), rng.choice([None, *chains])),
+    lambda: store_calls(rng.choice(chains), rng.choice([[], [hook]])),
+    lambda: setattr(rng.choice(chains), "__class__", rng.choice([HookChain, SubChain])),
+    lambda: setattr(runtime, "__class__", rng.choice([Runtime, SubRuntime])),
+    lambda: setattr(SubRuntime, rng.choice(names), rng.choice([None, *chains])),
+    reset,
+]
+reset()
+for _ in range(3000):
+    rng.choice(steps)()
+    for _ in range(2):
+        assert launched() == expected()
+
+# A key other than a str in the knobs' dict, of a hook's name's hash, whose n-th comparison
+# installs the other hook: in the middle of the launch's generic read (n = 1), or of the
+# launcher's own read of what it keeps (n = 2). Every launch after sees it.
+for key_name, other in (names, names[::-1]):
+    for n in (1, 2):
+        reset()
+
+        class Key:
+            seen = 0
+
+            def __hash__(self):
+                return hash(key_name)
+
+            def __eq__(self, value):
+                Key.seen += 1
+                if Key.seen == n:
+                    spare[1].add(hook)
+                    runtime.__dict__[other] = spare[1]
+                return False
+
+        runtime.__dict__[Key()] = 1
+        for _ in range(6):
+            fired = Key.seen >= n
+            outcome = launched()
+            assert not fired or outcome == expected() == "to Triton's launcher", (key_name, n)
+        assert Key.seen >= n
+
+# A launch made from Python code run in the middle of another launch's read of the hooks (a key's
+# comparison, in the generic read or in the launcher's own): no reference kept twice or lost.
+reset()
+
+
+def counts():
+    chains_of_class = list(of_class.values())
+    held = (runtime.__dict__, Runtime, *chains_of_class, *(c.__dict__ for c in chains_of_class))
+    return [sys.getrefcount(o) for o in (*held, *(c.calls for c in chains_of_class))]
+
+
+launched(), launched()
+before = counts()
+for n in (1, 2, 3):
+
+    class Reentrant:
+        seen = 0
+
+        def __hash__(self):
+            return hash("launch_enter_hook")
+
+        def __eq__(self, value):
+            Reentrant.seen += 1
+            if Reentrant.seen == n:
+                f()
+            return False
+
+    runtime.__dict__[Reentrant()] = 1
+    went_to_triton = len(fallback.calls)
+    for _ in range(3):
+        f()
+    assert len(fallback.calls) == went_to_triton
+    del runtime.__dict__[next(key for key in runtime.__dict__ if isinstance(key, Reentrant))]
+launched(), launched()
+gc.collect()
+assert counts() == before, (before, counts())
+
+# Where the launcher keeps what it read (CPython 3.10 to 3.12), launches read the knobs' dict no
+# more once it is kept (a key that counts its comparisons is not compared again).
+reset()
+
+
+class Counting:
+    seen = 0
+
+    def __hash__(self):
+        return hash("launch_enter_hook")
+
+    def __eq__(self, value):
+        Counting.seen += 1
+        return False
+
+
+runtime.__dict__[Counting()] = 1
+launched(), launched()
+before = Counting.seen
+for _ in range(5):
+    assert launched() == "launched"
+assert (Counting.seen == before) == (sys.version_info < (3, 13)), (before, Counting.seen)
+print("ok")
+"""
+)
+
+
 def _cli_launcher(cache: Path, **env: str) -> subprocess.CompletedProcess[str]:
     environment = dict(os.environ)
     environment.pop("ACOMPILE_TORCH_BRIDGE", None)
@@ -708,6 +941,27 @@ def test_the_launcher_builds_here_and_passes_what_tritons_launcher_passes(
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.startswith("ok <launch k[grid] grid=(7, 2, 1)>"), done.stdout
     assert list((tmp_path / "cache" / "launcher").glob("*/_launch*.so")), "not built into the cache"
+
+
+def test_a_launch_hook_installed_at_any_time_is_seen_by_the_next_launch(
+    fake_driver: Path, tmp_path: Path
+) -> None:
+    """Triton's launch hooks are read at every launch of a kernel bound earlier: installed in any
+    way between two launches (HookChain.add, an assignment on the knobs or their class, a chain's
+    `calls` or dict replaced, knobs.runtime.scope()), a hook sends the next launch to Triton's
+    launcher, which calls it, as getattr reads the hooks at that moment. Where the launcher
+    keeps what it read while none of it changes (CPython 3.10 to 3.12), it reads no more once
+    kept."""
+    pytest.importorskip("triton")
+    env = {
+        **os.environ,
+        "LD_LIBRARY_PATH": f"{fake_driver}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+        "ACOMPILE_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", HOOKS_SCRIPT], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-4000:]
 
 
 def test_a_damaged_launcher_in_the_cache_is_built_again(tmp_path: Path) -> None:

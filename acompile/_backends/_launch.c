@@ -115,6 +115,24 @@ static PyObject *cuda_error(CUresult status, const char *what) {
 
 /* --- Kernel: one loaded function and what its launches share ------------------------------ */
 
+/* The launch hooks as a launch last read them with none installed (see hooks_installed): each
+ * one None, or a HookChain with no calls, and the versions of what getattr read them from. */
+typedef struct {
+  PyObject *hook;        /* None, or the HookChain */
+  PyObject *dict;        /* the HookChain's own dict, where its `calls` is (NULL for None) */
+  uint64_t dict_version;
+  PyObject *calls;       /* its `calls`: an empty list then */
+} KeptHook;
+
+typedef struct {
+  PyTypeObject *knobs_type; /* NULL: nothing kept */
+  unsigned int knobs_type_version;
+  PyObject *knobs_dict;     /* the knobs object's own dict */
+  uint64_t knobs_dict_version;
+  unsigned int chain_type_version;
+  KeptHook hooks[2];        /* the enter hook, the exit hook */
+} KeptHooks;
+
 typedef struct {
   PyObject_HEAD
   CUfunction function;
@@ -123,6 +141,7 @@ typedef struct {
   PyObject *stream_of;    /* device -> the current stream, as an int */
   PyObject *knobs;        /* triton.knobs.runtime: the launch hooks are read at each launch */
   PyObject *chain_type;   /* triton.knobs.HookChain, or None */
+  KeptHooks kept;         /* the hooks as last read with none installed */
   PyObject *tensor_type;  /* torch.Tensor, or None: whose pointers' allocations are remembered */
   PyObject *names;        /* tuple of str: the runtime arguments' names, for errors */
   Py_ssize_t nargs;       /* runtime arguments */
@@ -144,10 +163,28 @@ static int kernel_traverse(KernelObject *self, visitproc visit, void *arg) {
   Py_VISIT(self->chain_type);
   Py_VISIT(self->tensor_type);
   Py_VISIT(self->names);
+  Py_VISIT(self->kept.knobs_type);
+  Py_VISIT(self->kept.knobs_dict);
+  for (int i = 0; i < 2; i++) {
+    Py_VISIT(self->kept.hooks[i].hook);
+    Py_VISIT(self->kept.hooks[i].dict);
+    Py_VISIT(self->kept.hooks[i].calls);
+  }
   return 0;
 }
 
+static void forget_hooks(KeptHooks *kept) {
+  Py_CLEAR(kept->knobs_type);
+  Py_CLEAR(kept->knobs_dict);
+  for (int i = 0; i < 2; i++) {
+    Py_CLEAR(kept->hooks[i].hook);
+    Py_CLEAR(kept->hooks[i].dict);
+    Py_CLEAR(kept->hooks[i].calls);
+  }
+}
+
 static int kernel_clear(KernelObject *self) {
+  forget_hooks(&self->kept);
   Py_CLEAR(self->device_obj);
   Py_CLEAR(self->stream_of);
   Py_CLEAR(self->knobs);
@@ -411,8 +448,7 @@ static int extract_int(KernelObject *k, Py_ssize_t i, PyObject *obj, unsigned ch
                              : kind == ARG_U32 ? 0xffffffffull : ~0ull;
     if (v > limit)
       goto overflow;
-    *out = 0;
-    memcpy(out, &v, arg_size[kind]); /* little-endian: the low bytes first */
+    *out = v; /* little-endian: the parameter's bytes are the low ones, the rest zero */
     return 0;
   }
   long long v = PyLong_AsLongLong(obj);
@@ -422,8 +458,10 @@ static int extract_int(KernelObject *k, Py_ssize_t i, PyObject *obj, unsigned ch
   long long high = kind == ARG_I8 ? INT8_MAX : kind == ARG_I16 ? INT16_MAX : kind == ARG_I32 ? INT32_MAX : INT64_MAX;
   if (v < low || v > high)
     goto overflow;
-  *out = 0;
-  memcpy(out, &v, arg_size[kind]);
+  /* Its low bytes, as memcpy of the parameter's size into a zeroed value would leave them, in a
+   * register (a memcpy of a size known only here is a call to libc's). */
+  *out = (uint64_t)v & (kind == ARG_I8 ? 0xffull : kind == ARG_I16 ? 0xffffull
+                        : kind == ARG_I32 ? 0xffffffffull : ~0ull);
   return 0;
 failed: /* our message for a wrong type or size; any other error (an interrupt) as it is */
   if (PyErr_ExceptionMatches(PyExc_OverflowError))
@@ -499,6 +537,161 @@ static int hook_installed(KernelObject *k, PyObject *name) {
   return installed;
 }
 
+/* Whether a launch hook is installed (1; -1 with an error set): hook_installed for each hook.
+ *
+ * Read so, that is four generic look-ups a launch (each hook, then its HookChain's `calls`),
+ * some 50 ns. Their answer depends only on the knobs' class and own dict, each hook's class and
+ * own dict, and each `calls` list, and CPython versions classes and dicts: a class's version tag
+ * changes whenever it or a base does (CPython's attribute cache relies on it), a dict's version
+ * (PEP 509) whenever the dict does. So once a launch finds no hook installed, and the objects are
+ * plain ones (the generic getattr, each hook the knobs' own attribute or its class's, None or a
+ * HookChain, no descriptor on the way), what the reads went through is kept with those versions
+ * (keep_hooks), and the next launches compare the versions and the lists' lengths
+ * (kept_hooks_current), a few nanoseconds: a hook installed, or any of those objects changed,
+ * is a difference, and the hooks are read again as above.
+ *
+ * CPython 3.10 to 3.12 only: from 3.13 an object's attribute can change without a new version of
+ * its dict (where the dict shares the object's inline values), and 3.14 drops dicts' versions;
+ * nor on a free-threaded build. Every launch reads the hooks there. */
+#if PY_VERSION_HEX < 0x030D0000 && !defined(Py_GIL_DISABLED)
+#define KEEP_HOOKS 1
+#else
+#define KEEP_HOOKS 0
+#endif
+
+#if KEEP_HOOKS
+static int type_version_current(PyTypeObject *type, unsigned int version) {
+  return PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG) && version != 0 &&
+         type->tp_version_tag == version;
+}
+
+static uint64_t dict_version(PyObject *dict) {
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations" /* deprecated in 3.12, still kept */
+  return ((PyDictObject *)dict)->ma_version_tag;
+#pragma GCC diagnostic pop
+}
+
+/* Whether obj's own dict is still `dict`, at `version`. */
+static int dict_current(PyObject *obj, PyObject *dict, uint64_t version) {
+  PyObject *now = PyObject_GenericGetDict(obj, NULL);
+  if (now == NULL) {
+    PyErr_Clear();
+    return 0;
+  }
+  Py_DECREF(now); /* obj holds it */
+  return now == dict && dict_version(dict) == version;
+}
+
+static int kept_hooks_current(KernelObject *k) {
+  KeptHooks *kept = &k->kept;
+  if (Py_TYPE(k->knobs) != kept->knobs_type ||
+      !type_version_current(kept->knobs_type, kept->knobs_type_version) ||
+      !dict_current(k->knobs, kept->knobs_dict, kept->knobs_dict_version))
+    return 0;
+  for (int i = 0; i < 2; i++) {
+    KeptHook *h = &kept->hooks[i];
+    if (h->hook != Py_None &&
+        ((PyObject *)Py_TYPE(h->hook) != k->chain_type ||
+         !type_version_current((PyTypeObject *)k->chain_type, kept->chain_type_version) ||
+         !dict_current(h->hook, h->dict, h->dict_version) || PyList_GET_SIZE(h->calls) != 0))
+      return 0;
+  }
+  return 1;
+}
+
+/* obj.name (a new reference) as the generic getattr reads it, `dict` being obj's own dict, where
+ * the class's attribute of that name, if any, is None or a `chain` (the caller checks that it is
+ * no descriptor): the dict's entry, else the class's. NULL otherwise, or where there is neither. */
+static PyObject *plain_attribute(PyObject *obj, PyObject *dict, PyObject *name, PyTypeObject *chain) {
+  PyObject *of_class = _PyType_Lookup(Py_TYPE(obj), name);
+  if (of_class != NULL && of_class != Py_None && (chain == NULL || Py_TYPE(of_class) != chain))
+    return NULL;
+  Py_XINCREF(of_class); /* the dict's look-up may run Python code */
+  PyObject *own = PyDict_GetItemWithError(dict, name);
+  if (own != NULL) {
+    Py_XDECREF(of_class);
+    return Py_NewRef(own);
+  }
+  if (PyErr_Occurred())
+    Py_CLEAR(of_class);
+  return of_class;
+}
+
+/* Called when the launch's reads found no hook installed: keep what they went through, with its
+ * versions, where all of it is plain (see above); else keep nothing. */
+static void keep_hooks(KernelObject *k) {
+  PyObject *knobs = k->knobs, *names[2] = {enter_hook_name, exit_hook_name};
+  PyTypeObject *type = Py_TYPE(knobs);
+  PyTypeObject *chain = PyType_Check(k->chain_type) ? (PyTypeObject *)k->chain_type : NULL;
+  forget_hooks(&k->kept);
+  if (type->tp_getattro != PyObject_GenericGetAttr || type->tp_dictoffset == 0)
+    return;
+  if (chain != NULL && (chain->tp_getattro != PyObject_GenericGetAttr || chain->tp_dictoffset == 0 ||
+                        chain->tp_descr_get != NULL))
+    chain = NULL; /* a HookChain would not be a plain attribute, or its `calls` not one */
+  /* Each version is taken before the look-ups that depend on it: one that runs Python code (a
+   * dict key other than a str, compared with the name) and changes what it reads leaves a version
+   * that the next launch finds out of date. A class gets its version tag at its first look-up. */
+  (void)_PyType_Lookup(type, names[0]);
+  if (chain != NULL)
+    (void)_PyType_Lookup(chain, calls_name);
+  if (!type_version_current(type, type->tp_version_tag) ||
+      (chain != NULL && !type_version_current(chain, chain->tp_version_tag)))
+    return; /* no version: a class changed too often */
+  KeptHooks fresh;
+  memset(&fresh, 0, sizeof(fresh));
+  fresh.knobs_type = (PyTypeObject *)Py_NewRef((PyObject *)type);
+  fresh.knobs_type_version = type->tp_version_tag;
+  fresh.chain_type_version = chain != NULL ? chain->tp_version_tag : 0;
+  fresh.knobs_dict = PyObject_GenericGetDict(knobs, NULL);
+  if (fresh.knobs_dict == NULL || !PyDict_CheckExact(fresh.knobs_dict))
+    goto nothing;
+  fresh.knobs_dict_version = dict_version(fresh.knobs_dict);
+  for (int i = 0; i < 2; i++) {
+    KeptHook *h = &fresh.hooks[i];
+    PyObject *hook = h->hook = plain_attribute(knobs, fresh.knobs_dict, names[i], chain);
+    if (hook == NULL || (hook != Py_None && (chain == NULL || Py_TYPE(hook) != chain)))
+      goto nothing;
+    if (hook == Py_None)
+      continue;
+    h->dict = PyObject_GenericGetDict(hook, NULL);
+    if (h->dict == NULL || !PyDict_CheckExact(h->dict))
+      goto nothing;
+    h->dict_version = dict_version(h->dict);
+    if (_PyType_Lookup(chain, calls_name) != NULL) /* `calls` must be the chain's own */
+      goto nothing;
+    PyObject *calls = PyDict_GetItemWithError(h->dict, calls_name);
+    if (calls == NULL || !PyList_CheckExact(calls) || PyList_GET_SIZE(calls) != 0)
+      goto nothing;
+    h->calls = Py_NewRef(calls);
+  }
+  forget_hooks(&k->kept); /* what a launch made from Python code run above kept, if any */
+  k->kept = fresh;
+  return;
+nothing:
+  PyErr_Clear();
+  forget_hooks(&fresh);
+}
+#endif
+
+static int hooks_installed(KernelObject *k) {
+#if KEEP_HOOKS
+  if (k->kept.knobs_type != NULL && kept_hooks_current(k))
+    return 0;
+#endif
+  int installed = hook_installed(k, enter_hook_name);
+  if (installed == 0)
+    installed = hook_installed(k, exit_hook_name);
+#if KEEP_HOOKS
+  if (installed == 0)
+    keep_hooks(k);
+  else
+    forget_hooks(&k->kept);
+#endif
+  return installed;
+}
+
 static int grid_dimension(PyObject *value, unsigned int *out, const char *axis) {
   int overflow;
   long v = PyLong_AsLongAndOverflow(value, &overflow);
@@ -518,16 +711,18 @@ static int grid_dimension(PyObject *value, unsigned int *out, const char *axis) 
 
 /* The stream a launch goes to: the one given, or the current stream of the kernel's device. */
 static int stream_for(KernelObject *k, PyObject *stream_obj, CUstream *stream) {
+  unsigned long long handle;
   if (stream_obj == NULL || stream_obj == Py_None) {
     PyObject *current = PyObject_CallOneArg(k->stream_of, k->device_obj);
     if (current == NULL)
       return -1;
-    *stream = (CUstream)(uintptr_t)PyLong_AsUnsignedLongLong(current);
+    handle = PyLong_AsUnsignedLongLong(current);
     Py_DECREF(current);
   } else {
-    *stream = (CUstream)(uintptr_t)PyLong_AsUnsignedLongLong(stream_obj);
+    handle = PyLong_AsUnsignedLongLong(stream_obj);
   }
-  if (PyErr_Occurred()) {
+  *stream = (CUstream)(uintptr_t)handle;
+  if (handle == (unsigned long long)-1 && PyErr_Occurred()) {
     PyErr_SetString(PyExc_TypeError, "stream must be a CUDA stream handle (an int), or None");
     return -1;
   }
@@ -587,17 +782,6 @@ static int configure(KernelObject *k, unsigned int gx, unsigned int gy, unsigned
                  k->num_ctas);
     return -1;
   }
-  CUlaunchConfig config;
-  memset(&config, 0, sizeof(config));
-  config.gridDimX = gx * k->num_ctas;
-  config.gridDimY = gy;
-  config.gridDimZ = gz;
-  config.blockDimX = k->block;
-  config.blockDimY = 1;
-  config.blockDimZ = 1;
-  config.sharedMemBytes = k->shared;
-  config.hStream = stream;
-  config.attrs = attributes;
   unsigned int n = 0;
   if (k->shared > 228 * 1024) {
     memset(&attributes[n], 0, sizeof(attributes[n]));
@@ -625,8 +809,17 @@ static int configure(KernelObject *k, unsigned int gx, unsigned int gy, unsigned
     attributes[n].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE;
     attributes[n++].value.clusterSchedulingPolicyPreference = CU_CLUSTER_SCHEDULING_POLICY_SPREAD;
   }
-  config.numAttrs = n;
-  *out = config;
+  /* Every field set here: no copy of a zeroed config, at every launch. */
+  out->gridDimX = gx * k->num_ctas;
+  out->gridDimY = gy;
+  out->gridDimZ = gz;
+  out->blockDimX = k->block;
+  out->blockDimY = 1;
+  out->blockDimZ = 1;
+  out->sharedMemBytes = k->shared;
+  out->hStream = stream;
+  out->attrs = attributes;
+  out->numAttrs = n;
   return 0;
 }
 
@@ -971,11 +1164,7 @@ static PyObject *bound_vectorcall(PyObject *callable, PyObject *const *args, siz
   }
   if (n != k->nargs)
     goto python; /* its message names the missing or extra arguments */
-  int enter = hook_installed(k, enter_hook_name);
-  if (enter != 0)
-    goto python_or_error;
-  int exit_ = hook_installed(k, exit_hook_name);
-  if (exit_ != 0)
+  if (hooks_installed(k) != 0)
     goto python_or_error;
   if (self->grid_fn == NULL)
     return launch(k, self->gx, self->gy, self->gz, stream, args);
