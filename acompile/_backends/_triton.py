@@ -148,11 +148,12 @@ async def prepare(spec: TritonSpec, default_target: Target | None, memo_dir: Pat
     return TritonRequest(key, fn.__name__, target, fn, signature, constants, attrs, payload, key_parts)
 
 
-def prepare_ahead(specs: list[TritonSpec]) -> None:
+def prepare_ahead(specs: list[TritonSpec]) -> list[anyio.Event]:
     """Start now what ``prepare()`` of each of ``specs`` would wait for, all of it at once: the
     Triton keys of their functions, one after another on the parse thread (``gather()``).
-    Returns at once; the requests' errors are still each request's own."""
-    _triton_describe.keys_ahead(specs)
+    Returns at once, with the events set as each ends; the requests' errors are still each
+    request's own."""
+    return _triton_describe.keys_ahead(specs)
 
 
 @functools.lru_cache(maxsize=16)  # one path a cache folder, computed once

@@ -11,6 +11,8 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import anyio
+
 from acompile._backends import _triton_source
 from acompile._backends._triton_once import ahead, once
 from acompile._backends._triton_spec import TritonSpec, show
@@ -64,18 +66,20 @@ async def resolve_kernel(spec: TritonSpec) -> tuple[Any, dict[str, Any] | None]:
     raise InvalidSpecError(f"expected a @triton.jit function or a source string, got {type(fn).__name__}")
 
 
-def keys_ahead(specs: list[Any]) -> None:
+def keys_ahead(specs: list[Any]) -> list[anyio.Event]:
     """Start Triton's key of every JIT function ``specs`` name that has none yet, in one job of
     the parse thread, in their order: the requests that arrive together (``gather()``) then
     wait for a key already under way, and the thread goes from one function to the next
-    without a trip through the loop. Anything but a JIT function is left to its request."""
+    without a trip through the loop. Anything but a JIT function is left to its request.
+    Returns the events set as each key's work ends."""
     from triton.runtime.jit import JITFunction
 
     named = (getattr(spec, "fn", None) for spec in specs)
     unkeyed = {id(fn): fn for fn in named if isinstance(fn, JITFunction) and not _has_cache_key(fn)}
     fns = list(unkeyed.values())
-    if fns:
-        ahead([("key", id(fn)) for fn in fns], lambda i: fns[i].cache_key)
+    if not fns:
+        return []
+    return ahead([("key", id(fn)) for fn in fns], lambda i: fns[i].cache_key)
 
 
 # Each JIT function's description for workers, with the Triton key it was built under, by the

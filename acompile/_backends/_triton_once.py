@@ -87,7 +87,7 @@ def _no_exit(work: Callable[..., _T], *args: Any) -> _T:
         ) from exc
 
 
-def ahead(keys: list[Any], work: Callable[[int], None]) -> None:
+def ahead(keys: list[Any], work: Callable[[int], None]) -> list[anyio.Event]:
     """Start, in one job of the parsing thread, the work of each of ``keys`` (``work(i)`` for
     ``keys[i]``, in their order) that no task of this loop does already: a task that asks for
     one of them with ``once`` meanwhile waits for this job's, and reads its result with its own
@@ -96,12 +96,13 @@ def ahead(keys: list[Any], work: Callable[[int], None]) -> None:
 
     For the requests that arrive together (``gather()``): each would otherwise hand its
     function to the thread only when its turn on the loop comes, and the thread would wait for
-    the loop between two of them."""
+    the loop between two of them. Returns the events set as each of those keys' work ends
+    (whatever its outcome), for a caller that waits for them all."""
     loop = asyncio.get_running_loop()
     waits = this_loops(_in_progress, dict)
     todo = [(i, key) for i, key in enumerate(keys) if key not in waits]
     if not todo:
-        return
+        return []
     events = {key: anyio.Event() for _, key in todo}
     waits.update(events)
 
@@ -142,6 +143,7 @@ def ahead(keys: list[Any], work: Callable[[int], None]) -> None:
             finish(key)
         if not isinstance(exc, RuntimeError):
             raise
+    return list(events.values())
 
 
 # The source strings each loop's tasks wait for, by key (see ``_triton_text``).
