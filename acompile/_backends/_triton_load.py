@@ -16,8 +16,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from acompile._backends._triton_spec import show
-from acompile._cache import CorruptEntry, Entry, blob_isascii, blob_view
-from acompile._cache._entry import Blobs
+from acompile._cache import Blobs, CorruptEntry, Entry, blob_isascii, blob_view
 from acompile._errors import StageUnavailableError
 
 if TYPE_CHECKING:

@@ -40,6 +40,7 @@ _NAMES: dict[str, str | tuple[str, str]] = {
     "GuardedDisk": "_disk",
     "default_cache_dir": "_disk",
     "read_entry": "_disk",
+    "Blobs": "_entry",
     "CorruptEntry": "_entry",
     "Entry": "_entry",
     "blob_isascii": "_entry",
@@ -84,7 +85,7 @@ if _typing.TYPE_CHECKING:
     from acompile._cache._costs import MAX_FILE_BYTES as COSTS_MAX_BYTES
     from acompile._cache._costs import MAX_RECORDS as COSTS_MAX_RECORDS
     from acompile._cache._disk import DiskTier, GuardedDisk, default_cache_dir, read_entry
-    from acompile._cache._entry import CorruptEntry, Entry, blob_isascii, blob_view
+    from acompile._cache._entry import Blobs, CorruptEntry, Entry, blob_isascii, blob_view
     from acompile._cache._entry import decode as decode_entry
     from acompile._cache._explain import (
         ABSENT,
@@ -124,6 +125,7 @@ __all__ = [
     "COSTS_MAX_RECORDS",
     "FACTORS",
     "MAX_MEMO_BYTES",
+    "Blobs",
     "BundleReport",
     "CompileCosts",
     "CorruptEntry",
