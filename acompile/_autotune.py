@@ -251,11 +251,12 @@ class TunedKernel(TritonKernel):
     def config(self) -> dict[str, Any]:
         return self.tuning.config
 
-    def __getitem__(self, grid: Any) -> Callable[..., None]:
-        """``kernel[grid](*args)``, where a callable grid gets the same meta as during tuning:
-        the runtime arguments by name, the constexprs, ``num_warps`` and ``num_stages``."""
+    def _subscript_miss(self, grid: Any) -> Callable[..., None]:
+        """``kernel[grid](*args)`` (a grid of ints kept: TritonKernel's), where a callable grid
+        gets the same meta as during tuning: the runtime arguments by name, the constexprs,
+        ``num_warps`` and ``num_stages``."""
         if not callable(grid):
-            return super().__getitem__(grid)
+            return super()._subscript_miss(grid)
         self.load()
         runtime = [n for n in self._order if n not in self._constants]
         fixed = {**self._constants, **{k: v for k, v in self.config.items() if k != "constexprs"}}

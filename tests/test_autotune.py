@@ -568,11 +568,11 @@ async def test_a_callable_grid_at_launch_gets_the_runtime_arguments(
         k = await tune(p, add_configs(64, 256), pin={pin_key(KEY): 1})
     launched: list[tuple[Any, tuple[Any, ...]]] = []
 
-    def fake_getitem(self: Any, grid: Any) -> Any:
+    def fake_subscript(self: Any, grid: Any) -> Any:  # a grid of ints' launch (no GPU here)
         return lambda *args, stream=None: launched.append((grid, args))
 
     monkeypatch.setattr(acompile.TritonKernel, "load", lambda self: None)
-    monkeypatch.setattr(acompile.TritonKernel, "__getitem__", fake_getitem)
+    monkeypatch.setattr(acompile.TritonKernel, "_subscript", fake_subscript)
     metas: list[dict[str, Any]] = []
 
     def grid(meta: dict[str, Any]) -> tuple[int]:

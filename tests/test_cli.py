@@ -337,6 +337,8 @@ def test_bench_runs_its_rows_side_by_side_and_writes_json(tmp_path: Path) -> Non
         "1",
         "--only",
         "sequential,acompile_new_kernels,warm_acompile,warm_triton",
+        "--warm-repeat",
+        "3",
         "--json",
         str(report),
     )
@@ -345,8 +347,14 @@ def test_bench_runs_its_rows_side_by_side_and_writes_json(tmp_path: Path) -> Non
         "sequential" in out.stdout and "acompile_cold" in out.stdout and "warm start, acompile" in out.stdout
     )
     # The warm starts side by side, as a ratio too (the one the targets are written against).
-    assert "warm start, acompile / Triton: " in out.stdout and "x all kernels ready" in out.stdout
+    assert "warm start, acompile / Triton: " in out.stdout and "x all kernels ready (medians)" in out.stdout
     rows = json.loads(report.read_text())["rows"]
+    # Each warm row ran three times in fresh processes, taking turns; its row is the median run.
+    for name, label in (("warm_acompile", "acompile"), ("warm_triton", "Triton")):
+        samples = rows[name]["samples_s"]
+        assert len(samples) == 3 and rows[name]["wall_s"] == sorted(samples)[1]
+        line = next(x for x in out.stdout.splitlines() if x.startswith(f"warm start, {label} "))
+        assert "(median of " + ", ".join(f"{x * 1000:.1f}" for x in samples) + ")" in line, line
     # acompile_new_kernels runs on what acompile_cold's pool left: that row runs first.
     assert {"sequential", "acompile_cold", "acompile_new_kernels", "warm_acompile"} <= set(rows)
     assert rows["acompile_new_kernels"]["ok"] == 2 and "acompile_new_kernels " in out.stdout

@@ -312,6 +312,8 @@ async def test_acompiles_launcher_passes_every_scalar_kind_as_tritons_does(cache
         k = await pool.triton(_scalars_kernel, signature=_SCALARS_SIG)
     k.load()
     assert k.launcher == "acompile"
+    # Loaded through acompile's launcher, the kernel class's subscript is its method of C.
+    assert type(acompile.TritonKernel.__dict__["__getitem__"]).__name__ == "method_descriptor"
     ours_i, ours_f = (
         torch.zeros(8, dtype=torch.int64, device="cuda"),
         torch.zeros(4, dtype=torch.float64, device="cuda"),
