@@ -246,6 +246,13 @@ class TunedKernel(TritonKernel):
         # the binary once. A separate object, though: the same kernel can win for several keys.
         self.__dict__.update(kernel.__dict__)
         self.tuning = tuning
+        # A grid function launches through _subscript_miss here (with the tuning's meta), not
+        # through the kernel's binder.
+        self._by_grid_function = None
+
+    def load(self) -> None:
+        super().load()
+        self._by_grid_function = None
 
     @property
     def config(self) -> dict[str, Any]:

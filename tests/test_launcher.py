@@ -1291,16 +1291,17 @@ from kernels_for_tests import add_kernel
 
 launch = _launcher._load(_launcher.build())
 
-# The method of C on a class of its own: the table's launch function, else the miss method's.
+# The method of C on a class of its own: the table's launch function, else for a grid function
+# the binder's, else the miss method's.
 class K:
     def __init__(self):
-        self._by_grid, self.misses = {}, []
+        self._by_grid, self.misses, self._binder = {}, [], None
     def _subscript_miss(self, grid):
         self.misses.append(grid)
         if grid == "boom":
             raise ZeroDivisionError("from the miss")
         return ("made", grid)
-K.__getitem__ = launch.subscript(K, "_by_grid", "_subscript_miss")
+K.__getitem__ = launch.subscript(K, "_by_grid", "_binder", "_subscript_miss")
 assert type(K.__dict__["__getitem__"]).__name__ == "method_descriptor"
 k = K()
 marker = object()
@@ -1309,6 +1310,16 @@ k._by_grid[5] = marker
 assert k[(7, 2)] is marker and k[5] is marker and k.misses == []
 assert k[(7, 3)] == ("made", (7, 3)) and k[[7, 2]] == ("made", [7, 2])  # a list: unhashable, a miss
 assert k.misses == [(7, 3), [7, 2]]
+def grid_function(meta):
+    return (1,)
+assert k[grid_function] == ("made", grid_function)  # no binder yet (not loaded): the miss
+k._binder = lambda grid: ("bound", grid)
+assert k[grid_function] == ("bound", grid_function) and k[(7, 4)] == ("made", (7, 4))
+k._by_grid[grid_function] = marker  # the table first, whatever the grid
+assert k[grid_function] is marker
+del k._by_grid[grid_function]
+k._binder = None
+k.misses.clear()
 try:
     k["boom"]
 except ZeroDivisionError as exc:
@@ -1321,7 +1332,7 @@ class BadHash:
 try:
     k[BadHash()]
 except ValueError as exc:  # not a TypeError: said as it is, no miss
-    assert str(exc) == "no hash" and len(k.misses) == 3
+    assert str(exc) == "no hash" and len(k.misses) == 1
 else:
     raise AssertionError("a hash's error was lost")
 k._by_grid = None  # not a dict: every grid a miss
@@ -1369,6 +1380,11 @@ assert after == before and len(after) == 4, (before, after)
 assert after[0].startswith("DeviceUnavailableError") and after[3].startswith("TypeError: grid must be"), after
 kernel._by_grid[(4,)] = marker  # what a load keeps there
 assert kernel[(4,)] is marker
+kernel._by_grid_function = lambda grid: ("bound", grid)  # what a load sets
+assert kernel[grid_function] == ("bound", grid_function)
+TritonKernel.__getitem__ = python_getitem
+assert kernel[(4,)] is marker and kernel[grid_function] == ("bound", grid_function)
+_triton_kernel._use_c_subscript()
 try:
     kernel[4]  # another key: a miss, which loads
 except acompile.DeviceUnavailableError:

@@ -1450,10 +1450,11 @@ static PyTypeObject BinderType = {
 /* A library launches with `kernel[grid](*args)`, the subscript at every launch: as a Python
  * `__getitem__`, a frame and a dict look-up, about 0.2 µs (a twentieth of a launch). `subscript`
  * makes the class's `__getitem__` a method of C doing what that Python one does: the launch
- * function kept in the instance's table (`table_name`, a dict) for this grid, else the result of
- * the instance's `miss_name` method (which makes it, keeps it, or raises). One class per
- * process: the names are the last call's. */
-static PyObject *table_name, *miss_name;
+ * function kept in the instance's table (`table_name`, a dict) for this grid; else, for a grid
+ * function, the launch the instance's binder (`binder_name`, None until loaded) makes for it;
+ * else the result of the instance's `miss_name` method (which loads, makes and keeps the launch,
+ * or raises). One class per process: the names are the last call's. */
+static PyObject *table_name, *miss_name, *binder_name;
 
 static PyObject *kernel_subscript(PyObject *self, PyObject *grid) {
   PyObject *table = PyObject_GetAttr(self, table_name);
@@ -1475,6 +1476,17 @@ static PyObject *kernel_subscript(PyObject *self, PyObject *grid) {
     }
   }
   Py_DECREF(table);
+  if (PyCallable_Check(grid)) { /* a grid function: never kept (it often holds the caller's tensors) */
+    PyObject *binder = PyObject_GetAttr(self, binder_name);
+    if (binder == NULL)
+      return NULL;
+    if (binder != Py_None) {
+      PyObject *launch = PyObject_CallOneArg(binder, grid);
+      Py_DECREF(binder);
+      return launch;
+    }
+    Py_DECREF(binder);
+  }
   return PyObject_CallMethodOneArg(self, miss_name, grid);
 }
 
@@ -1482,18 +1494,21 @@ static PyMethodDef subscript_def = {
     "__getitem__", (PyCFunction)kernel_subscript, METH_O,
     "kernel[grid]: the kernel's launch function for grid (see the class's documentation)."};
 
-/* subscript(cls, table, miss) -> a `__getitem__` for cls (a method descriptor) doing in C what
- * `self.<table>.get(grid) or self.<miss>(grid)` does (a grid that cannot be hashed: the miss). */
+/* subscript(cls, table, binder, miss) -> a `__getitem__` for cls (a method descriptor) doing in
+ * C what `self.<table>.get(grid) or (callable(grid) and self.<binder> and self.<binder>(grid)) or
+ * self.<miss>(grid)` does (a grid that cannot be hashed: not in the table). */
 static PyObject *subscript(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs != 3 || !PyType_Check(args[0]) || !PyUnicode_CheckExact(args[1]) ||
-      !PyUnicode_CheckExact(args[2])) {
-    PyErr_SetString(PyExc_TypeError, "subscript(cls, table, miss) takes a class and two names");
+  if (nargs != 4 || !PyType_Check(args[0]) || !PyUnicode_CheckExact(args[1]) ||
+      !PyUnicode_CheckExact(args[2]) || !PyUnicode_CheckExact(args[3])) {
+    PyErr_SetString(PyExc_TypeError, "subscript(cls, table, binder, miss) takes a class and three names");
     return NULL;
   }
-  PyObject *table = Py_NewRef(args[1]), *miss = Py_NewRef(args[2]);
+  PyObject *table = Py_NewRef(args[1]), *binder = Py_NewRef(args[2]), *miss = Py_NewRef(args[3]);
   PyUnicode_InternInPlace(&table);
+  PyUnicode_InternInPlace(&binder);
   PyUnicode_InternInPlace(&miss);
   Py_XSETREF(table_name, table);
+  Py_XSETREF(binder_name, binder);
   Py_XSETREF(miss_name, miss);
   return PyDescr_NewMethod((PyTypeObject *)args[0], &subscript_def);
 }
@@ -1530,7 +1545,8 @@ static PyMethodDef module_methods[] = {
     {"tensor_pointer_in_use", tensor_pointer_in_use, METH_NOARGS,
      "tensor_pointer_in_use(): whether tensors' addresses are read through the bridge"},
     {"subscript", (PyCFunction)(void (*)(void))subscript, METH_FASTCALL,
-     "subscript(cls, table, miss): a __getitem__ for cls returning self.<table>[grid], else "
+     "subscript(cls, table, binder, miss): a __getitem__ for cls returning self.<table>[grid], "
+     "else self.<binder>(grid) for a grid function where the binder is not None, else "
      "self.<miss>(grid)"},
     {NULL}};
 

@@ -119,18 +119,18 @@ class TritonKernel:
             launch = None
         if launch is not None:
             return launch
+        if callable(grid) and (by_grid_function := self._by_grid_function) is not None:
+            # Not kept: a grid function often closes over the caller's tensors.
+            return by_grid_function(grid)
         return self._subscript_miss(grid)
 
     def _subscript_miss(self, grid: Any) -> Callable[..., None]:
         """``kernel[grid]`` for a grid not in ``_by_grid``: a grid function's launch, or a grid of
         ints' (kept)."""
-        if callable(grid):
-            # Not kept: a callable grid often closes over the caller's tensors.
+        if callable(grid):  # before the kernel's load
+            self.load()
             by_grid_function = self._by_grid_function
-            if by_grid_function is None:
-                self.load()
-                by_grid_function = self._by_grid_function
-                assert by_grid_function is not None
+            assert by_grid_function is not None
             return by_grid_function(grid)
         return self._subscript(grid)
 
@@ -156,15 +156,19 @@ _c_subscript = False
 
 def _use_c_subscript() -> None:
     """Make ``TritonKernel.__getitem__`` the launcher's method of C doing what the Python one
-    does (``_by_grid``'s launch function, else ``_subscript_miss``): about 0.2 µs less per launch,
-    out of 4 (a Python ``__getitem__`` is a frame). Done once, at the first kernel acompile's
-    launcher launches (its module is loaded then); subclasses that define their own keep it."""
+    does (``_by_grid``'s launch function; for a grid function, ``_by_grid_function``'s where it
+    is set; else ``_subscript_miss``): about 0.2 µs less per launch, out of 4 (a Python
+    ``__getitem__`` is a frame). Done once, at the first kernel acompile's launcher launches (its
+    module is loaded then). A subclass whose grid functions launch otherwise keeps
+    ``_by_grid_function`` None and overrides ``_subscript_miss``."""
     global _c_subscript
     from acompile._backends import _launcher
 
     built = _launcher.module(build=False)
     if built is not None:
-        TritonKernel.__getitem__ = built.subscript(TritonKernel, "_by_grid", "_subscript_miss")  # type: ignore[method-assign]
+        TritonKernel.__getitem__ = built.subscript(  # type: ignore[method-assign]
+            TritonKernel, "_by_grid", "_by_grid_function", "_subscript_miss"
+        )
         _c_subscript = True
 
 

@@ -209,11 +209,12 @@ def _host_costs(
     """Microseconds of host time per launch, for each kernel: the median of batches of
     ``_BATCH`` launches, ``count`` launches in all (the GPU drained between batches, so a full
     launch queue never blocks a batch). With ``parts`` (acompile's side), each batch is
-    followed by batches of the driver's call alone (in a C loop, and called from Python) and of
-    packing alone (``_time_parts``), and the figures are [launch, driver call, packing, launch
-    minus driver call, driver call from Python, launch minus that]: the differences are the
-    medians of the differences batch by batch, so that the two sides of each are measured
-    moments apart."""
+    followed by batches of the driver's call alone (in a C loop, and called from Python), of
+    packing alone and of the kernel's grid function alone (``_time_parts``), and the figures are
+    [launch, driver call, packing, launch minus driver call and grid function, driver call from
+    Python, launch minus that and the grid function, grid function]: the differences are the
+    medians of the differences batch by batch, so that the parts of each are measured moments
+    apart."""
     import torch
 
     costs = {}
@@ -227,33 +228,38 @@ def _host_costs(
             sample = [launch]
             if part is not None:
                 torch.cuda.synchronize()
-                driver, packing, from_python = part()
-                sample += [driver, packing, launch - driver, from_python, launch - from_python]
+                driver, packing, from_python, grid = part()
+                sample += [driver, packing, launch - driver - grid, from_python, launch - from_python - grid]
+                sample.append(grid)
             samples.append(sample)
         torch.cuda.synchronize()
         costs[name] = [statistics.median(s[i] for s in samples) * 1e6 for i in range(len(samples[0]))]
     return costs
 
 
-def _time_parts(case: library.Case, kernel: Any) -> Callable[[], tuple[float, float, float]] | None:
+def _time_parts(case: library.Case, kernel: Any) -> Callable[[], tuple[float, float, float, float]] | None:
     """For a kernel acompile's launcher launches (None for another): a function timing a batch
-    of the driver's call alone in a C loop, a batch of packing the arguments alone, and a batch
+    of the driver's call alone in a C loop, a batch of packing the arguments alone, a batch
     of the driver's call alone made from Python (a C function launching arguments packed
-    once, called as ``_batch`` calls a launch: the floor of any launch made from Python),
-    seconds per launch each."""
+    once, called as ``_batch`` calls a launch: the floor of any launch made from Python), and
+    a batch of the kernel's grid function alone (the library's code, which any launcher calls
+    at every launch; 0 for a grid of ints), seconds per launch each."""
     import torch
 
     if kernel.launcher != "acompile":
         return None
-    grid = case.grid
+    grid, grid_function = case.grid, None
     if callable(grid):
-        grid = grid({**dict(zip(case.spec.signature, case.args, strict=True)), **case.spec.constexprs})
+        meta = {**dict(zip(case.spec.signature, case.args, strict=True)), **case.spec.constexprs}
+        grid_function = _written_out("grid(meta)", grid=grid, meta=meta)
+        grid = grid(meta)
     from_python = _written_out("call()", call=kernel._launches.driver_call(grid, case.args))
 
-    def parts() -> tuple[float, float, float]:
+    def parts() -> tuple[float, float, float, float]:
         driver, packing = kernel._launches.time_parts(grid, case.args, _BATCH)
         torch.cuda.synchronize()
-        return driver, packing, from_python() / _BATCH
+        python = from_python() / _BATCH
+        return driver, packing, python, grid_function() / _BATCH if grid_function else 0.0
 
     return parts
 
@@ -346,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         host[side] = {n: statistics.median(r["host_us"][n] for r in measured) for n in names}
         if side == "acompile":
             driver = {
-                n: [statistics.median(r["driver_us"][n][i] for r in measured) for i in range(5)]
+                n: [statistics.median(r["driver_us"][n][i] for r in measured) for i in range(6)]
                 for n in names
                 if all(n in r["driver_us"] for r in measured)
             }
@@ -397,9 +403,9 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f"{ours_us / theirs_us:.2f}x"
         cells = ["-"] * 5
         if n in driver:
-            driver_us, pack_us, paired_us, python_us, over_python_us = driver[n]
-            over_driver[n] = over = paired_us - grid_us.get(n, 0.0)
-            over_python[n] = over_floor = over_python_us - grid_us.get(n, 0.0)
+            driver_us, pack_us, over, python_us, over_floor, paired_grid_us = driver[n]
+            over_driver[n], over_python[n] = over, over_floor
+            grid = f"{paired_grid_us:.2f}" if n in grid_us else grid
             cells = [f"{v:.2f}" for v in (driver_us, pack_us)] + [f"{over:+.2f}", f"{python_us:.2f}"]
             cells.append(f"{over_floor:+.2f}")
         rows.append([n, f"{ours_us:.2f}", f"{theirs_us:.2f}", ratio, grid, *cells, str(launchers[n])])
@@ -407,11 +413,12 @@ def main(argv: list[str] | None = None) -> int:
     print(harness.table([*header, "over driver", "driver from Python", "over it", "launcher"], rows))
     print(
         "(grid fn: the library's grid function alone, which both sides call at every launch (timed in "
-        "acompile's process); "
+        "acompile's process, a batch after each batch of launches); "
         "driver call: cuLaunchKernelEx alone in a C loop, arguments packed once; packing: the "
         "arguments alone (tensors' addresses and pointer checks, ints, floats); over driver: "
-        "acompile minus driver call, batch by batch (each batch of launches followed by one of the driver's "
-        "call alone: the median of the differences), minus grid fn; driver from Python: the driver's call "
+        "acompile minus driver call and grid fn, batch by batch (each batch of launches followed by one "
+        "of the driver's call alone and one of the grid fn: the median of the differences); driver from "
+        "Python: the driver's call "
         "alone, arguments packed once, made by a C function called from Python as a launch is (the floor "
         "of any launch from Python); over it: as over driver, against it; launcher: whose launcher "
         "acompile used)"
