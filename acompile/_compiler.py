@@ -251,7 +251,13 @@ class CompilePool:
         # Every argument is checked here, before anything starts: a server learns of a wrong one
         # when it builds its pool, not at entry or at its first request.
         if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
-            raise ValueError(f"workers must be a positive integer or None, got {workers!r}")
+            # A string first is most often a target given by position.
+            hint = (
+                f" (a target is given by name: CompilePool(target={workers!r}))"
+                if isinstance(workers, str)
+                else ""
+            )
+            raise ValueError(f"workers must be a positive integer or None, got {workers!r}{hint}")
         if workers is not None and workers > (most := max(256, 16 * usable_cpus())):
             # Each worker is a process with its own memory: a count like this is a slip (a
             # value meant for something else), and entering would try to make them all.

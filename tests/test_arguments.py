@@ -165,6 +165,7 @@ CONSTRUCTOR_CASES: list[tuple[dict[str, Any], str]] = [
     ({"workers": 0}, r"workers must be a positive integer or None, got 0"),
     ({"workers": True}, r"workers must be a positive integer"),
     ({"workers": 2.0}, r"workers must be a positive integer"),
+    ({"workers": "cuda:90"}, r"got 'cuda:90' \(a target is given by name: CompilePool\(target='cuda:90'\)\)"),
     ({"workers": 10**9}, r"workers=1000000000 is more than this machine can run"),
     ({"target": 90}, r"target must be a string such as 'cuda:90', got int"),
     ({"target": "cuda:nine"}, r"unknown CUDA architecture in 'cuda:nine'; known: cuda:75"),

@@ -33,8 +33,9 @@ is imported and checked before any row runs, then again in each row's process.
 
 The two warm rows run ``--warm-repeat`` times each (default 5), taking turns (acompile, Triton,
 acompile, ...), each time in a fresh process; the report prints every sample and sets the
-medians side by side (one sample of a 50 ms start varies by a quarter from run to run on a
-16-core host). Their JSON rows are the runs of median time, with ``samples_s`` added.
+medians side by side (of an even count, the lower middle run; one sample of a 50 ms start
+varies by a quarter from run to run on a 16-core host). Their JSON rows are the runs of median
+time, with ``samples_s`` added.
 
 The report prints the bound no scheduler can beat: max(the sequential row's time / workers, its
 longest single compile, the first left out as it carries Triton's one-time costs), and each
@@ -468,7 +469,9 @@ def report(results: dict[str, dict[str, Any]], machine: dict[str, Any], args: ar
             continue
         first = f"first kernel {r['first_s'] * 1000:.1f} ms, " if r.get("first_s") else ""
         samples = r.get("samples_s") or []
-        of = f" (median of {', '.join(f'{x * 1000:.1f}' for x in samples)})" if len(samples) > 1 else ""
+        # An even count's row is the lower of the two middle runs (a run as it was, not a mean).
+        middle = "median" if len(samples) % 2 else "lower middle"
+        of = f" ({middle} of {', '.join(f'{x * 1000:.1f}' for x in samples)})" if len(samples) > 1 else ""
         lines.append(
             f"warm start, {label} (fresh process): {first}all {r['specs']} kernels "
             f"{r['wall_s'] * 1000:.1f} ms{of}; "
@@ -552,8 +555,13 @@ def main(argv: list[str] | None = None) -> int:
             flag, action="store_true", help=f"a section run alone: acompile bench {flag} --help"
         )
     args = parser.parse_args(argv)
-    if args.workers < 1 or (args.limit is not None and args.limit < 1) or args.warm_repeat < 1:
-        parser.error("--workers, --limit and --warm-repeat must be at least 1")
+    for option, value in (
+        ("--workers", args.workers),
+        ("--limit", args.limit),
+        ("--warm-repeat", args.warm_repeat),
+    ):
+        if value is not None and value < 1:
+            parser.error(f"{option} must be at least 1, got {value}")
     # A module of the user's is imported and checked here, before any row; the rows get a file
     # as its absolute path.
     args.corpus_given = args.corpus
