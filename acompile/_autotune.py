@@ -247,12 +247,11 @@ class TunedKernel(TritonKernel):
         self.__dict__.update(kernel.__dict__)
         self.tuning = tuning
         # A grid function launches through _subscript_miss here (with the tuning's meta), not
-        # through the kernel's binder.
+        # through the kernel's binder: none is ever set (_grid_function_launches).
         self._by_grid_function = None
 
-    def load(self) -> None:
-        super().load()
-        self._by_grid_function = None
+    def _grid_function_launches(self, launches: Any) -> None:
+        return None
 
     @property
     def config(self) -> dict[str, Any]:

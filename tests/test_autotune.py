@@ -767,6 +767,14 @@ async def test_autotune_add_on_the_gpu(cache_dir: Path) -> None:
         out.fill_(float("nan"))
         k[add_grid](x, y, out, x.numel())
         torch.testing.assert_close(out, x + y)
+        # Loaded, a tuned kernel's grid functions still get the tuning's meta (no binder is set,
+        # not even for a moment: one thread's load beside another's launch).
+        assert k._by_grid_function is None
+        out.fill_(float("nan"))
+        k[lambda meta: (triton.cdiv(meta["n"], meta["BLOCK"]) * (meta["num_warps"] > 0),)](
+            x, y, out, x.numel()
+        )
+        torch.testing.assert_close(out, x + y)
         again = await autotune(
             p, add_kernel, configs, signature=ADD_SIG, args=(x, y, out, x.numel()), grid=add_grid, key=key
         )

@@ -1295,13 +1295,19 @@ launch = _launcher._load(_launcher.build())
 # the binder's, else the miss method's.
 class K:
     def __init__(self):
-        self._by_grid, self.misses, self._binder = {}, [], None
+        self._by_grid, self.misses, self._by_grid_function = {}, [], None
     def _subscript_miss(self, grid):
         self.misses.append(grid)
         if grid == "boom":
             raise ZeroDivisionError("from the miss")
         return ("made", grid)
-K.__getitem__ = launch.subscript(K, "_by_grid", "_binder", "_subscript_miss")
+K.__getitem__ = launch.subscript(K, "_by_grid", "_by_grid_function", "_subscript_miss")
+try:  # the names are the process's: another class naming others is refused, not rewired
+    launch.subscript(K, "_table", "_by_grid_function", "_subscript_miss")
+except ValueError as exc:
+    assert "('_by_grid', '_by_grid_function', '_subscript_miss')" in str(exc), exc
+else:
+    raise AssertionError("other names were taken")
 assert type(K.__dict__["__getitem__"]).__name__ == "method_descriptor"
 k = K()
 marker = object()
@@ -1313,12 +1319,14 @@ assert k.misses == [(7, 3), [7, 2]]
 def grid_function(meta):
     return (1,)
 assert k[grid_function] == ("made", grid_function)  # no binder yet (not loaded): the miss
-k._binder = lambda grid: ("bound", grid)
+k._by_grid_function = lambda grid: ("bound", grid)
 assert k[grid_function] == ("bound", grid_function) and k[(7, 4)] == ("made", (7, 4))
 k._by_grid[grid_function] = marker  # the table first, whatever the grid
 assert k[grid_function] is marker
 del k._by_grid[grid_function]
-k._binder = None
+k._by_grid_function = None
+k._by_grid[(9,)] = None  # None kept: a miss, as for the Python one
+assert k[(9,)] == ("made", (9,))
 k.misses.clear()
 try:
     k["boom"]

@@ -1453,7 +1453,7 @@ static PyTypeObject BinderType = {
  * function kept in the instance's table (`table_name`, a dict) for this grid; else, for a grid
  * function, the launch the instance's binder (`binder_name`, None until loaded) makes for it;
  * else the result of the instance's `miss_name` method (which loads, makes and keeps the launch,
- * or raises). One class per process: the names are the last call's. */
+ * or raises). One class per process: a second call naming other attributes is refused. */
 static PyObject *table_name, *miss_name, *binder_name;
 
 static PyObject *kernel_subscript(PyObject *self, PyObject *grid) {
@@ -1462,7 +1462,7 @@ static PyObject *kernel_subscript(PyObject *self, PyObject *grid) {
     return NULL;
   if (PyDict_CheckExact(table)) {
     PyObject *found = PyDict_GetItemWithError(table, grid); /* borrowed: the table is held */
-    if (found != NULL) {
+    if (found != NULL && found != Py_None) { /* None kept: a miss, as for the Python one */
       Py_INCREF(found);
       Py_DECREF(table);
       return found;
@@ -1503,13 +1503,28 @@ static PyObject *subscript(PyObject *module, PyObject *const *args, Py_ssize_t n
     PyErr_SetString(PyExc_TypeError, "subscript(cls, table, binder, miss) takes a class and three names");
     return NULL;
   }
+  if (table_name != NULL) { /* every descriptor made reads these names: they stay */
+    for (int i = 0; i < 3; i++) {
+      PyObject *kept = i == 0 ? table_name : i == 1 ? binder_name : miss_name;
+      int same = PyUnicode_Compare(kept, args[1 + i]);
+      if (same == -1 && PyErr_Occurred())
+        return NULL;
+      if (same != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "subscript: this process's kernel subscripts read (%R, %R, %R), not (%R, %R, %R)",
+                     table_name, binder_name, miss_name, args[1], args[2], args[3]);
+        return NULL;
+      }
+    }
+    return PyDescr_NewMethod((PyTypeObject *)args[0], &subscript_def);
+  }
   PyObject *table = Py_NewRef(args[1]), *binder = Py_NewRef(args[2]), *miss = Py_NewRef(args[3]);
   PyUnicode_InternInPlace(&table);
   PyUnicode_InternInPlace(&binder);
   PyUnicode_InternInPlace(&miss);
-  Py_XSETREF(table_name, table);
-  Py_XSETREF(binder_name, binder);
-  Py_XSETREF(miss_name, miss);
+  table_name = table;
+  binder_name = binder;
+  miss_name = miss;
   return PyDescr_NewMethod((PyTypeObject *)args[0], &subscript_def);
 }
 

@@ -98,10 +98,17 @@ class TritonKernel:
                 ) from exc
             raise
         launches = _Launches(self.name, self._triton.signature, self._constants, compiled)
-        self._by_grid_function = launches.grid_function_binder()
+        self._by_grid_function = self._grid_function_launches(launches)
         self._launches = launches
         if launches.launcher == "acompile" and not _c_subscript:
             _use_c_subscript()
+
+    def _grid_function_launches(
+        self, launches: _Launches
+    ) -> Callable[[Callable[..., Any]], Callable[..., None]] | None:
+        """What makes a grid function's launch once loaded (``_by_grid_function``); None where
+        ``_subscript_miss`` makes it."""
+        return launches.grid_function_binder()
 
     def __getitem__(self, grid: Any) -> Callable[..., None]:
         """``kernel[grid](*args)``: grid is 1 to 3 ints, or, as for Triton's JIT, a callable
