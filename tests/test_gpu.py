@@ -477,3 +477,40 @@ async def test_launches_through_the_bridge_to_pytorch_compute_on_views_parameter
         assert torch.equal(o, x.detach() + b), "a launch through the bridge computed something else"
     with pytest.raises(ValueError, match=r"argument y_ptr: pointer 0x[0-9a-f]+ is not memory the GPU"):
         k[grid](base[7:], y.cpu(), out[3:], n)
+
+
+@pytest.mark.gpu
+def test_the_first_launch_bench_runs_both_sides_and_sets_each_launch_against_the_drivers_call(
+    tmp_path: Path,
+) -> None:
+    """`acompile bench --first-launch`, small: every library kernel launched by acompile's
+    launcher, each with the driver's call and its floor from Python beside it (for a kernel with
+    a grid function, that floor calls the grid function too: tests/test_launcher.py checks it)."""
+    torch_cuda()
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    command = [
+        sys.executable,
+        "-m",
+        "acompile.cli",
+        "bench",
+        "--first-launch",
+        "--repeat",
+        "1",
+        "--launches",
+        "100",
+    ]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=400, env=subprocess_env(), cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[-1:] == ["acompile"]}
+    for name in ("rms_norm", "gelu", "flash_attention", "matmul_large", "nop", "nop_19_args"):
+        assert name in rows, out
+    assert rows["nop"][4] == "-" and rows["gelu"][4] != "-"  # the grid fn column: gelu's grid is a function
+    assert "launch host cost over the driver's call:" in out
+    assert "made from Python (a grid fn called first, where there is one)" in out

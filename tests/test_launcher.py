@@ -362,7 +362,17 @@ call()
 assert fake.fake_launches() == launched + 2 and fake.fake_param(0) == 41 and fake.fake_stream() == 9
 assert [fake.fake_dim(i) for i in range(3)] == [6, 1, 1] and fake.fake_nattrs() == 4
 assert [fake.fake_attr(i) for i in range(4)] == attrs, attrs
-for attempt in (lambda: call(1), lambda: k3.driver_call(3, 1, 1, 9)):
+# With a grid function and its meta: the function called first, from C, then the same launch.
+seen = []
+call(lambda meta: seen.append(meta) or (1,), {"BLOCK": 64})
+assert seen == [{"BLOCK": 64}] and fake.fake_launches() == launched + 3 and fake.fake_param(0) == 41
+try:
+    call(lambda meta: 1 // 0, {})
+except ZeroDivisionError:
+    assert fake.fake_launches() == launched + 3  # its error, and no launch
+else:
+    raise AssertionError("a grid function's error was lost")
+for attempt in (lambda: call(1), lambda: call(1, 2, 3), lambda: k3.driver_call(3, 1, 1, 9)):
     try:
         attempt()
     except TypeError:

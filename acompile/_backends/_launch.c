@@ -905,7 +905,12 @@ static PyObject *kernel_time_parts(KernelObject *self, PyObject *const *args, Py
 /* kernel.driver_call(gx, gy, gz, stream, *args) -> a callable whose every call is one
  * cuLaunchKernelEx of the kernel with those arguments, packed once here: for benchmarks, the
  * floor of any launch made from Python (the call into C, the driver's call, nothing else; the
- * GIL is kept). It holds the arguments, so their memory lives as long as it does. */
+ * GIL is kept). It holds the arguments, so their memory lives as long as it does.
+ *
+ * call(grid_function, meta) calls grid_function(meta) first, from C, and drops what it returns:
+ * the floor of any launch through a grid function (a launcher must call it, and the driver),
+ * with the grid function's cost as it is between two driver calls rather than in a loop of its
+ * own. */
 typedef struct {
   PyObject_HEAD
   vectorcallfunc vectorcall;
@@ -922,9 +927,16 @@ static PyTypeObject DriverCallType;
 static PyObject *driver_call_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
                                         PyObject *kwnames) {
   DriverCallObject *self = (DriverCallObject *)callable;
-  if (PyVectorcall_NARGS(nargsf) != 0 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0)) {
-    PyErr_SetString(PyExc_TypeError, "a driver call takes no arguments");
+  Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+  if ((n != 0 && n != 2) || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0)) {
+    PyErr_SetString(PyExc_TypeError, "a driver call takes no arguments, or a grid function and its meta");
     return NULL;
+  }
+  if (n == 2) {
+    PyObject *grid = PyObject_CallOneArg(args[0], args[1]);
+    if (grid == NULL)
+      return NULL;
+    Py_DECREF(grid);
   }
   CUresult status = cu.launch_kernel_ex(&self->config, self->kernel->function, self->params, NULL);
   if (status != CUDA_SUCCESS)
@@ -989,7 +1001,7 @@ static PyTypeObject DriverCallType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "acompile._launch.DriverCall",
     .tp_basicsize = sizeof(DriverCallObject),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_doc = "call(): the driver's launch alone, its arguments packed once.",
+    .tp_doc = "call(), call(grid_function, meta): the driver's launch alone, its arguments packed once.",
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(DriverCallObject, vectorcall),
     .tp_dealloc = (destructor)driver_call_dealloc,
@@ -1584,7 +1596,7 @@ PyMODINIT_FUNC PyInit__launch(void) {
   if (m == NULL)
     return NULL;
   if (PyModule_AddObjectRef(m, "Kernel", (PyObject *)&KernelType) < 0 ||
-      PyModule_AddIntConstant(m, "ABI", 7) < 0) {
+      PyModule_AddIntConstant(m, "ABI", 8) < 0) {
     Py_DECREF(m);
     return NULL;
   }

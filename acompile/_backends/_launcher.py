@@ -59,7 +59,7 @@ _KINDS: dict[str, int] = {
     "fp16": 9, "bf16": 10, "fp32": 11, "f32": 11, "fp64": 12,
 }  # fmt: skip
 _POINTER = 0
-_LAUNCHER_ABI = 7  # _launch.c's ABI
+_LAUNCHER_ABI = 8  # _launch.c's ABI
 _RECIPE = 2  # the build's own version (see _folder_for)
 
 # Triton's kernels take two hidden pointers after their arguments (global and profile scratch);

@@ -209,12 +209,12 @@ def _host_costs(
     """Microseconds of host time per launch, for each kernel: the median of batches of
     ``_BATCH`` launches, ``count`` launches in all (the GPU drained between batches, so a full
     launch queue never blocks a batch). With ``parts`` (acompile's side), each batch is
-    followed by batches of the driver's call alone (in a C loop, and called from Python), of
-    packing alone and of the kernel's grid function alone (``_time_parts``), and the figures are
-    [launch, driver call, packing, launch minus driver call and grid function, driver call from
-    Python, launch minus that and the grid function, grid function]: the differences are the
-    medians of the differences batch by batch, so that the parts of each are measured moments
-    apart."""
+    followed by batches of the driver's call alone (in a C loop, and called from Python, there
+    with the grid function called from C first), of packing alone and of the kernel's grid
+    function alone (``_time_parts``), and the figures are [launch, driver call, packing, launch
+    minus driver call and grid function, driver call from Python (with the grid function), launch
+    minus that, grid function]: the differences are the medians of the differences batch by
+    batch, so that the parts of each are measured moments apart."""
     import torch
 
     costs = {}
@@ -229,7 +229,7 @@ def _host_costs(
             if part is not None:
                 torch.cuda.synchronize()
                 driver, packing, from_python, grid = part()
-                sample += [driver, packing, launch - driver - grid, from_python, launch - from_python - grid]
+                sample += [driver, packing, launch - driver - grid, from_python, launch - from_python]
                 sample.append(grid)
             samples.append(sample)
         torch.cuda.synchronize()
@@ -241,9 +241,11 @@ def _time_parts(case: library.Case, kernel: Any) -> Callable[[], tuple[float, fl
     """For a kernel acompile's launcher launches (None for another): a function timing a batch
     of the driver's call alone in a C loop, a batch of packing the arguments alone, a batch
     of the driver's call alone made from Python (a C function launching arguments packed
-    once, called as ``_batch`` calls a launch: the floor of any launch made from Python), and
-    a batch of the kernel's grid function alone (the library's code, which any launcher calls
-    at every launch; 0 for a grid of ints), seconds per launch each."""
+    once, called as ``_batch`` calls a launch: the floor of any launch made from Python; for a
+    grid function, the same C function calls it first, with its meta built once: the floor of
+    any launch through a grid function, the grid function running between two driver calls as
+    it does in a launch), and a batch of the kernel's grid function alone (the library's code,
+    which any launcher calls at every launch; 0 for a grid of ints), seconds per launch each."""
     import torch
 
     if kernel.launcher != "acompile":
@@ -253,7 +255,11 @@ def _time_parts(case: library.Case, kernel: Any) -> Callable[[], tuple[float, fl
         meta = {**dict(zip(case.spec.signature, case.args, strict=True)), **case.spec.constexprs}
         grid_function = _written_out("grid(meta)", grid=grid, meta=meta)
         grid = grid(meta)
-    from_python = _written_out("call()", call=kernel._launches.driver_call(grid, case.args))
+    call = kernel._launches.driver_call(grid, case.args)
+    if grid_function is None:
+        from_python = _written_out("call()", call=call)
+    else:
+        from_python = _written_out("call(grid, meta)", call=call, grid=case.grid, meta=meta)
 
     def parts() -> tuple[float, float, float, float]:
         driver, packing = kernel._launches.time_parts(grid, case.args, _BATCH)
@@ -420,8 +426,9 @@ def main(argv: list[str] | None = None) -> int:
         "of the driver's call alone and one of the grid fn: the median of the differences); driver from "
         "Python: the driver's call "
         "alone, arguments packed once, made by a C function called from Python as a launch is (the floor "
-        "of any launch from Python); over it: as over driver, against it; launcher: whose launcher "
-        "acompile used)"
+        "of any launch from Python); for a kernel with a grid fn, the same C function calls the grid fn "
+        "first (the floor of a launch through it, the grid fn run between two driver calls as in a "
+        "launch); over it: acompile minus it, batch by batch; launcher: whose launcher acompile used)"
     )
     bridge = runs["acompile"][1].get("bridge")
     print(
@@ -436,8 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         worst = max(over_python, key=over_python.__getitem__)
         print(
-            f"launch host cost over the driver's call made from Python: {min(over_python.values()):+.2f} "
-            f"to {over_python[worst]:+.2f} µs ({worst})"
+            f"launch host cost over the driver's call made from Python (a grid fn called first, where there "
+            f"is one): {min(over_python.values()):+.2f} to {over_python[worst]:+.2f} µs ({worst})"
         )
     return 0
 
