@@ -271,10 +271,12 @@ class _Launches:
         gx, gy, gz = _grid3(grid)
         return self._fast.time_parts(count, gx, gy, gz, None, *args)  # type: ignore[no-any-return]
 
-    def driver_call(self, grid: Any, args: Sequence[Any]) -> Callable[[], None] | None:
+    def driver_call(self, grid: Any, args: Sequence[Any]) -> Callable[..., None] | None:
         """A function making the driver's ``cuLaunchKernelEx`` alone, the arguments packed once,
         on the current stream; None where Triton's launcher launches this kernel. For
-        benchmarks: the floor of any launch made from Python."""
+        benchmarks: the floor of any launch made from Python. Called as ``call(grid_function,
+        meta)``, it calls ``grid_function(meta)`` first, from C (the floor of a launch through a
+        grid function)."""
         if self._fast is None:
             return None
         gx, gy, gz = _grid3(grid)

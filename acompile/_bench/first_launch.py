@@ -25,10 +25,13 @@ benchmark has them; compiled after the clock): after a warm-up, ``--launches`` l
 of 50 written out line by line, as a library writes a launch (no loop or function call around
 each), with a synchronize between batches (outside the clock); the median batch's time per
 launch, on each side. On acompile's side, each batch is followed by a batch of the driver's
-``cuLaunchKernelEx`` alone (a C loop with the arguments packed once: what any launcher must pay)
-and of packing the arguments alone; acompile's cost over the driver's, the median of the
-differences batch by batch, is the target's figure (grid functions, the library's own code that
-both sides run at every launch, left out).
+``cuLaunchKernelEx`` alone (a C loop with the arguments packed once: what any launcher must pay),
+of packing the arguments alone, of the same driver's call made by a C function called from Python
+(the floor of any launch from Python; for a kernel with a grid function, that C function calls the
+grid function first, so that the floor holds it as it runs in a launch, between two driver calls)
+and of the grid function alone; acompile's cost over the driver's, the median of the differences
+batch by batch, is the target's figure (grid functions, the library's own code that both sides run
+at every launch, left out); its cost over the floor from Python is printed beside it.
 
 ``--profile`` adds a run of each side under cProfile (not measured) and prints the functions that
 took the most time between the clock's start and stop (in that process; workers are not profiled).
