@@ -515,6 +515,14 @@ def _warmup(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.target is not None and specs and all(s.target is not None for s in specs):
+        # Not an error (a script may pass --target for manifests of either kind), but never silent.
+        named = sorted({str(s.target) for s in specs})
+        print(
+            f"acompile warmup: note: --target {args.target} is not used: every kernel in "
+            f"{args.manifest} names its targets ({', '.join(named)}); --target is for entries that name none",
+            file=sys.stderr,
+        )
     try:
         return anyio.run(_warmup_async, specs, args)
     except (ValueError, UntrustedFolderError) as exc:  # the pool's own arguments; another's folder

@@ -10,7 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from conftest import ROOT, subprocess_env
+from conftest import ROOT, gpu_available, run_python, subprocess_env
 
 
 def acompile_cmd(
@@ -49,10 +49,20 @@ def test_warmup_compiles_the_example_manifest_then_finds_it_cached(tmp_path: Pat
     header = first.stdout.splitlines()[0].split()
     assert header[-4:] == ["wait", "s", "compile", "s"], first.stdout
     assert all(r["wait_seconds"] >= 0 and r["compile_seconds"] > 0 for r in rows), rows
+    # Every entry of this manifest names its targets: a --target is not used, and the run says so.
     second = acompile_cmd(
-        "warmup", str(ROOT / "examples" / "manifest.toml"), "--cache-dir", str(cache), "--json", str(report)
+        "warmup",
+        str(ROOT / "examples" / "manifest.toml"),
+        "--cache-dir",
+        str(cache),
+        "--json",
+        str(report),
+        "--target",
+        "cuda:86",
     )
     assert second.returncode == 0, second.stderr
+    assert "note: --target cuda:86 is not used: every kernel" in second.stderr, second.stderr
+    assert "cuda:86" not in second.stdout
     assert "14 kernels: 0 compiled, 14 cached, 0 failed" in second.stdout
     assert "cached (disk)" in second.stdout
     rows = json.loads(report.read_text())["kernels"]
@@ -267,6 +277,30 @@ def test_bench_help_names_the_command() -> None:
     assert "_bench" not in out.stdout
     bad = acompile_cmd("bench", "--no-such-option")
     assert bad.returncode == 2 and "acompile bench: error:" in bad.stderr
+
+
+def test_bench_names_a_bad_target_and_what_a_section_needs_before_running_anything(tmp_path: Path) -> None:
+    bad = acompile_cmd("bench", "--target", "cuda:999", cwd=tmp_path, timeout=60)
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    assert "acompile bench: error: --target: unknown CUDA architecture in 'cuda:999'" in bad.stderr, (
+        bad.stderr
+    )
+    assert not (tmp_path / "bench-results").exists() and "[bench] " not in bad.stderr
+    # A package missing (psutil, blocked in this process as if not installed): one named line.
+    for args in (["bench", "--only", "lifecycle"], ["bench", "--storm"], ["bench"]):
+        blocked = run_python(
+            f"import sys; sys.modules['psutil'] = None; from acompile.cli import main; sys.exit(main({args!r}))"
+        )
+        assert blocked.returncode == 2, (args, blocked.stdout, blocked.stderr)
+        assert "psutil (pip install 'acompile[bench]')" in blocked.stderr, blocked.stderr
+        assert "Traceback" not in blocked.stderr and "[bench] " not in blocked.stderr  # no row started
+    if gpu_available():
+        return  # the GPU sections would run: tests/test_gpu.py runs --first-launch
+    for section in ("--first-launch", "--autotune"):
+        out = acompile_cmd("bench", section, cwd=tmp_path, timeout=120)
+        assert out.returncode == 2, (section, out.stdout, out.stderr)
+        assert f"acompile bench {section}: needs an NVIDIA GPU that PyTorch can use" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
 
 
 def test_a_bad_shared_cache_url_says_what_a_good_one_looks_like() -> None:

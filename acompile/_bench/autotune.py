@@ -223,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.size % 16:
         parser.error("--size must be a multiple of 16 (the kernel's divisibility hints assume it)")
+    if need := harness.missing(gpu=True):
+        print(f"acompile bench --autotune: needs {need}", file=sys.stderr)
+        return 2
     folder = Path(tempfile.mkdtemp(prefix="acompile-bench-autotune-"))
     options = {**vars(args), "cache": str(folder / "acompile")}
     results: dict[str, dict[str, Any]] = {}

@@ -381,6 +381,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--redis-server", default=None, help="the redis-server to run (default: on PATH)")
     parser.add_argument("--row-timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
+    if need := harness.missing(torch=True):
+        print(f"acompile bench --torch: needs {need}", file=sys.stderr)
+        return 2
     document = run(args)
     text = report(document)
     document["report"] = text

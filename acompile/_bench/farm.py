@@ -228,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--noops", type=int, default=200, help="no-op jobs a measurement (default 200)")
     parser.add_argument("--json", default="bench-results/farm.json", help="default: %(default)s")
     args = parser.parse_args(argv)
+    if need := harness.missing(ray=True, psutil=True):
+        print(f"acompile bench --farm: needs {need}", file=sys.stderr)
+        return 2
     harness.quiet_warnings()
     started = time.perf_counter()
     cluster: Any = None  # ray.cluster_utils.Cluster, untyped

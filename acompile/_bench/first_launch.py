@@ -319,12 +319,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="acompile bench --first-launch", description=" ".join(__doc__.split("\n\n")[0].split())
     )
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--launches", type=int, default=1000, help="per kernel, for the host cost")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=5,
+        help="runs of each side, taking turns, at least 1 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--launches",
+        type=int,
+        default=1000,
+        help=f"launches of each kernel for the host cost, at least {_BATCH} (default: %(default)s)",
+    )
     parser.add_argument("--profile", action="store_true", help="add a profiled run of each side")
     args = parser.parse_args(argv)
-    if args.repeat < 1 or args.launches < _BATCH:
-        parser.error(f"--repeat must be at least 1 and --launches at least {_BATCH}")
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1, got {args.repeat}")
+    if args.launches < _BATCH:
+        parser.error(f"--launches must be at least {_BATCH} (one batch), got {args.launches}")
+    if need := harness.missing(gpu=True):
+        print(f"acompile bench --first-launch: needs {need}", file=sys.stderr)
+        return 2
     folder = Path(tempfile.mkdtemp(prefix="acompile-first-launch-"))
     names = [s.name for s in library.specs()] + ["nop", "nop_19_args"]
     print(

@@ -33,6 +33,38 @@ from typing import Any
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
+def missing(*, psutil: bool = False, torch: bool = False, gpu: bool = False, ray: bool = False) -> str | None:
+    """What a section needs and this environment lacks, as a user would fix it (None: nothing).
+
+    Checked before a section runs anything, so that a missing package is one named line, not a
+    row's traceback minutes in. ``gpu`` imports PyTorch (a few seconds) to ask it for a device."""
+    lacking = []
+    if psutil and not _importable("psutil"):
+        lacking.append("psutil (pip install 'acompile[bench]')")
+    if ray and not _importable("ray"):
+        lacking.append("Ray (pip install 'acompile[ray]')")
+    if (torch or gpu) and not _importable("torch"):
+        lacking.append("PyTorch (pip install 'acompile[torch]')")
+    elif gpu:
+        import torch as torch_module
+
+        if not torch_module.cuda.is_available():
+            build = (
+                f"PyTorch {torch_module.__version__}, CUDA {torch_module.version.cuda or 'none: a CPU build'}"
+            )
+            lacking.append(
+                f"an NVIDIA GPU that PyTorch can use (torch.cuda.is_available() is False; {build})"
+            )
+    return " and ".join(lacking) or None
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a None in sys.modules (import blocked), a broken parent
+        return False
+
+
 def quiet_warnings() -> None:
     """Silence Triton's UserWarnings (``TRITON_DEFAULT_FP_FUSION`` is unset ...) in this process."""
     warnings.filterwarnings("ignore", category=UserWarning, module=r"triton(\..*)?$")

@@ -538,10 +538,15 @@ def main(argv: list[str] | None = None) -> int:
         "--warm-repeat",
         type=int,
         default=5,
-        help="runs of each warm row, taking turns; the report sets their medians side by side "
-        "(default: %(default)s)",
+        help="runs of each warm row, taking turns; the report sets their medians side by side (for an "
+        "even count, the lower of the two middle runs) (default: %(default)s)",
     )
-    parser.add_argument("--row-timeout", type=float, default=900.0, help="seconds before a row is killed")
+    parser.add_argument(
+        "--row-timeout",
+        type=float,
+        default=900.0,
+        help="seconds before a row is killed (default: %(default)s)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the rows' cache folders and logs")
     parser.add_argument(
         "--lifecycle", action="store_true", help="round trip, quiesce/wake-up/shutdown, memory"
@@ -562,6 +567,13 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if value is not None and value < 1:
             parser.error(f"{option} must be at least 1, got {value}")
+    from acompile._errors import UnknownTargetError
+    from acompile._targets import parse_target
+
+    try:
+        parse_target(args.target)
+    except UnknownTargetError as exc:
+        parser.error(f"--target: {exc}")
     # A module of the user's is imported and checked here, before any row; the rows get a file
     # as its absolute path.
     args.corpus_given = args.corpus
@@ -578,6 +590,13 @@ def main(argv: list[str] | None = None) -> int:
     run_sections = {s for s in sections if getattr(args, s) or s in wanted}
     if not wanted and not run_sections:
         wanted, run_sections = list(ROWS), {"lifecycle"}
+    if "lifecycle" in run_sections and (need := harness.missing(psutil=True)):
+        print(
+            f"acompile bench: error: the lifecycle rows need {need}; or leave them out: --only with the "
+            "storm and warm rows",
+            file=sys.stderr,
+        )
+        return 2
     wanted += [_NEEDS[w] for w in wanted if w in _NEEDS]
     selected = [r for r in ROWS if r in wanted]
 

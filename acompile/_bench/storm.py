@@ -37,6 +37,8 @@ from typing import Any
 
 import anyio
 
+from acompile._bench import harness
+
 # How long no job may be queued or running, with jobs still waiting for their outcome, before those
 # are counted lost: far longer than a job spends in the pool's front end (its key, the cache
 # tiers) before it is queued.
@@ -230,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default="cuda:90")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
+    if need := harness.missing(psutil=True):
+        print(f"acompile bench --storm: needs {need}", file=sys.stderr)
+        return 2
     result = anyio.run(storm, args.jobs, args.workers, args.kills, args.target, args.seed)
     json.dump(result, sys.stdout, indent=2)
     print()
