@@ -369,7 +369,7 @@ def _run(args: argparse.Namespace) -> int:
         options["host_pool"] = True
     if args.shared_cache:
         if problem := _shared_url_problem(args.shared_cache):
-            print(f"acompile run: --shared-cache {_shown(args.shared_cache)!r}: {problem}", file=sys.stderr)
+            print(f"acompile run: --shared-cache: {problem}", file=sys.stderr)
             return 2
         try:
             key = signing_key_from(None)
@@ -482,7 +482,7 @@ def _warmup(args: argparse.Namespace) -> int:
     from acompile._manifest import load_manifest, load_torch_entries
 
     if args.shared_cache is not None and (problem := _shared_url_problem(args.shared_cache)):
-        print(f"acompile warmup: --shared-cache {_shown(args.shared_cache)!r}: {problem}", file=sys.stderr)
+        print(f"acompile warmup: --shared-cache: {problem}", file=sys.stderr)
         return 2
     if args.shared_cache is not None and (problem := _signing_key_error()):
         # Set but empty (a secret that failed to mount) is never "no key": refused before any work.
@@ -582,13 +582,15 @@ _SHARED_URL_FORMS = (
 
 def _shared_url_problem(url: str) -> str | None:
     """What is wrong with a shared-cache URL, before any client is imported; None if nothing.
-    The pool's own check (its constructor makes it), with the forms a good URL takes."""
+    The pool's own check (its constructor makes it; its message names the URL, its secret hidden),
+    with the forms a good URL takes where that message gives none."""
     from acompile._cache import check_target
 
     try:
         check_target(url)
     except ValueError as exc:
-        return f"{exc}; use {_SHARED_URL_FORMS}"
+        text = str(exc)
+        return text if ": use " in text or ": write " in text else f"{text}; use {_SHARED_URL_FORMS}"
     return None
 
 
