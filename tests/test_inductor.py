@@ -127,8 +127,13 @@ def test_a_second_machine_is_served_from_the_first_ones_shared_tier(
     assert second["inductor"].get("fxgraph_cache_hit") == 1 and "fxgraph_cache_miss" not in second["inductor"]
     assert second["aot_autograd"].get("autograd_cache_hit") == 1
     assert fx(second)["hits"]["shared"] == 1
+    # Nothing compiled: no C++ build on the pool or here, and each output a build asked for
+    # (the graph's kernel library at least) came from the shared tier. How many outputs that is
+    # depends on the CPU (one vector-ISA probe or two; the precompiled header only where a build
+    # needs it), so it is not counted.
     cpp = second["served"]["cpp"]
-    assert cpp["builds"] == 0 and cpp["local_builds"] == 0 and cpp["hits"]["shared"] >= 3
+    assert cpp["builds"] == 0 and cpp["local_builds"] == 0
+    assert cpp["hits"]["shared"] >= 1 and sum(cpp["hits"].values()) == cpp["hits"]["shared"]
     assert second["served"]["pool"]["workers"]["started"] == 0 or second["served"]["jobs"]["sent"] == 0
 
 

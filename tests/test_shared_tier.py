@@ -75,6 +75,35 @@ async def test_a_burst_of_500_publications_all_arrive_within_the_pool(redis_serv
         assert sorted(got, key=str) == sorted((b"entry %d" % i for i in range(500)), key=str)
 
 
+async def test_a_publication_waits_its_turn_however_long_the_queue(redis_server: RedisServer) -> None:
+    """One connection and a queue wait far shorter than the queue: every publication still
+    arrives (one skipped would be an entry the fleet never gets, and how long a burst queues
+    depends on the machine), while a read that gets no turn in time is a miss, as bounded."""
+    async with tier(redis_server, query="?max_connections=1", queue_wait=0.001) as shared:
+        assert shared.max_in_flight == 1
+        results: list[bool] = []
+
+        async def publish(i: int) -> None:
+            results.append(await shared.set(cache_key(i), b"entry %d" % i))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(200):
+                tg.start_soon(publish, i)
+        assert results.count(True) == 200 and shared.counts["skipped"] == 0
+        assert len(entry_keys(redis_server, signing_key_id(KEY))) == 200
+        got: list[bytes | None] = []
+
+        async def read(i: int) -> None:
+            got.append(await shared.get(cache_key(i)))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(200):
+                tg.start_soon(read, i)
+        # Reads have a caller waiting: those that got no turn within queue_wait were skipped.
+        assert len(got) == 200 and shared.counts["full"] >= 1
+        assert got.count(None) == shared.counts["skipped"] and shared.available
+
+
 async def test_500_concurrent_misses_of_a_pool_are_all_published(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:

@@ -31,7 +31,8 @@ run on a worker thread for values of 256 KiB and more, never on the event loop.
 
 **Faults are misses.** The tier never fails a compile. At most ``max_in_flight`` operations run
 at once (the client's connection pool size: a burst queues instead of exhausting the pool), and
-an operation waits at most ``queue_wait`` for its turn. Every operation has a short deadline; an
+a read or a lease waits at most ``queue_wait`` for its turn (a publication waits as long as its
+starter lets it: skipped, it would be lost to the fleet). Every operation has a short deadline; an
 error or a timeout counts as a miss and, the first time, declares an outage: one warning, and
 the tier is skipped for a back-off (0.25 s, doubling to 30 s each time a probe fails). Back-off is
 per outage, not per failed operation: operations that were already under way when it began
@@ -364,7 +365,8 @@ class SharedTier:
             unsigned namespace.
         timeout: each operation's deadline, in seconds.
         max_in_flight: operations at once (default: the client's connection pool size).
-        queue_wait: how long an operation waits for its turn before it is skipped.
+        queue_wait: how long a read or a lease waits for its turn before it is skipped
+            (publications wait their turn, however long the queue).
         max_value: the largest value read or written, in bytes; a larger one is a miss.
         unsafe_unsigned_host_code: without a signing key, serve entries that hold code this
             host runs (libraries, object files) too: whoever can write to the tier can run code
@@ -480,8 +482,12 @@ class SharedTier:
             return False, None
         # A burst queues here rather than in (or past) the client's connection pool. The wait is
         # not the server's fault: it neither counts against the operation's deadline nor turns
-        # the tier off.
-        with anyio.move_on_after(self.queue_wait) as queued:
+        # the tier off. A read or a lease has a caller waiting, so its wait is bounded; a
+        # publication is not bounded here: one skipped for a long queue is an entry the fleet
+        # never gets, and how long a burst of them queues depends on the machine and its load,
+        # not on the server. Whoever started it bounds it (the pool's drain at exit, a caller's
+        # deadline).
+        with anyio.move_on_after(math.inf if what == "set" else self.queue_wait) as queued:
             await self._turns.acquire()
         if queued.cancelled_caught:
             self.counts["skipped"] += 1
