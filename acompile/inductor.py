@@ -40,6 +40,7 @@ import logging
 import threading
 import time
 import warnings
+from collections.abc import Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,7 @@ from acompile._torch import SUPPORTED, serve_with
 
 if TYPE_CHECKING:
     from acompile._compiler import CompilePool
+    from acompile._jit import JitServing
     from acompile._torch import Host, Patches, Served
 
 __all__ = ("SUPPORTED", "Serving", "UnsupportedTorchWarning", "load_artifacts", "save_artifacts", "serve")
@@ -74,6 +76,7 @@ def serve(
     *,
     host_pool: bool = False,
     unsafe_unsigned_shared_cache: bool = False,
+    jits: Iterable[str] | None = None,
     **options: Any,
 ) -> Serving:
     """Serve torch.compile in this process while the returned context is active (``with``, or
@@ -90,6 +93,10 @@ def serve(
             for it (a model server's ranks), instead of workers of this process's own: the
             first such process starts it (``workers`` sizes it), and it stops a minute after the
             last one left. Each process keeps its own cache tiers.
+        jits: the other JIT libraries served beside torch.compile, each from the moment the
+            program imports it (docs/jit.md): ``None`` (the default) for every one acompile
+            serves (``"flashinfer"``, ``"cpp_extension"``: torch's C++/CUDA extensions), ``()``
+            for none, or the names of some.
         unsafe_unsigned_shared_cache: serve from a shared tier without a signing key. Inductor's
             cache entries hold code this process runs (a graph's Python, its C++ libraries):
             without a key, whoever can write to the shared tier can run code here. Refused unless
@@ -117,9 +124,12 @@ def serve(
             raise TypeError(
                 "serve(pool) serves through that pool: host_pool applies to serve's own pool only"
             )
+    from acompile._jit import check_names
+
+    names = check_names(jits)
     if pool is None:
         options = _own_pool_options(options, unsafe_unsigned_shared_cache)
-    return Serving(pool, options, unsafe_unsigned_shared_cache, host_pool)
+    return Serving(pool, options, unsafe_unsigned_shared_cache, host_pool, names)
 
 
 def _own_pool_options(options: dict[str, Any], unsafe: bool) -> dict[str, Any]:
@@ -154,9 +164,16 @@ class Serving:
     """
 
     def __init__(
-        self, pool: CompilePool | None, options: dict[str, Any], unsafe: bool, host_pool: bool
+        self,
+        pool: CompilePool | None,
+        options: dict[str, Any],
+        unsafe: bool,
+        host_pool: bool,
+        jits: tuple[str, ...] = (),
     ) -> None:
         self._given = pool
+        self._jit_names = jits
+        self._jits: JitServing | None = None
         self._options = options
         self._unsafe = unsafe
         self._host_pool = host_pool
@@ -221,6 +238,7 @@ class Serving:
                 'serving torch.compile needs torch: pip install "acompile[torch]"'
             ) from exc
         except Unsupported as exc:
+            # Nothing is served: the other JITs served here build with this torch too.
             _warn_unsupported(str(exc))
             return
         host = self._host()
@@ -229,6 +247,11 @@ class Serving:
         served = Served(host)
         self._patches = install_seams(seams, served)
         self._served = served
+        if self._jit_names:
+            from acompile._jit import JitServing, ServedBuilds
+
+            self._jits = JitServing(ServedBuilds(served), self._jit_names)
+            self._jits.start()
         self.active = True
 
         def ready(done: Any) -> None:
@@ -254,6 +277,8 @@ class Serving:
         return host
 
     def _stop(self, *, drain: bool) -> None:
+        if self._jits is not None:
+            self._jits.stop()  # its counts stay readable below
         patches, self._patches = self._patches, None
         if patches is not None:
             patches.undo()
@@ -267,12 +292,20 @@ class Serving:
         if served is not None:
             self._last_stats = self.stats()
         self._served = None
+        self._jits = None
         own, self._own = self._own, None
         if own is not None:
             own.stop()
             if self._last_stats is not None:
                 self._last_stats["pool"] = own.pool.stats()  # closed now: its final state
         self.active = False
+
+    def mark_ready(self) -> None:
+        """Say that the server is ready: from now on every build of a served JIT library is
+        counted (``stats()["jit"][lib]["after_ready"]``) and named in a warning, and still
+        published to the fleet's tiers so that the next replica has it."""
+        if self._jits is not None:
+            self._jits.builds.mark_ready()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until the serving pool's workers are ready (from a thread other than the pool's
@@ -336,6 +369,10 @@ class Serving:
         if served is None:
             return self._last_stats or {"active": False}
         stats = served.stats()
+        if self._jits is not None:
+            stats["jit"] = self._jits.builds.stats()
+            if self._jits.unsupported:
+                stats["jit_unsupported"] = dict(self._jits.unsupported)
         remote = self._own.host_pool if self._own is not None else None
         if remote is not None:
             stats["host_pool"] = {"pid": remote.server_pid, "workers": remote.size}
@@ -489,4 +526,10 @@ class _OwnPool:
 
 # torch's extension entry point (``acompile run``) serves through this module's ``serve``, handed
 # to it here: it sits below this module and does not import it.
-serve_with(serve)
+def _triggers() -> tuple[str, ...]:
+    from acompile._jit import TRIGGERS
+
+    return TRIGGERS
+
+
+serve_with(serve, _triggers())

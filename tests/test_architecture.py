@@ -51,6 +51,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("acompile._backends",),
     ("acompile._farm",),
     ("acompile._torch",),
+    ("acompile._jit",),
     ("acompile._autotune", "acompile._progressive", "acompile._manifest"),
     ("acompile._compiler",),
     ("acompile.inductor",),

@@ -172,6 +172,8 @@ def signing_key_from(value: str | bytes | None) -> bytes | None:
 # (the blob named for the request's output), whatever backend the entry's header names.
 _HOST_BLOBS = {"so": "a shared library", "o": "an object file"}
 TORCH_BACKEND = "torch"
+# Modules built for another JIT library (FlashInfer, torch's C++ extensions): always host code.
+JIT_BACKEND = "jit"
 
 
 def native_host_code(header: dict[str, Any]) -> str | None:
@@ -187,6 +189,8 @@ def native_host_code(header: dict[str, Any]) -> str | None:
     for name, what in _HOST_BLOBS.items():
         if name in names:
             return what
+    if header.get("backend") == JIT_BACKEND:
+        return "a JIT library's module"
     return "a shared library" if header.get("backend") == "cpp" else None
 
 

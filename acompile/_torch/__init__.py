@@ -31,10 +31,10 @@ from acompile import _lazy
 
 if TYPE_CHECKING:
     from acompile._torch._autoload import ENV as SERVE_ENV
-    from acompile._torch._autoload import serve_with
+    from acompile._torch._autoload import after_import, serve_with
     from acompile._torch._host import Host
     from acompile._torch._hostpool import HostPoolClient, HostPoolError
-    from acompile._torch._portal import Portal
+    from acompile._torch._portal import LoopThreadError, Portal, PortalTimeout
     from acompile._torch._seams import SUPPORTED, Patches, Unsupported
     from acompile._torch._seams import find as find_seams
     from acompile._torch._seams import install as install_seams
@@ -47,10 +47,13 @@ if TYPE_CHECKING:
 _NAMES: dict[str, str | tuple[str, str]] = {
     "SERVE_ENV": ("_autoload", "ENV"),
     "serve_with": ("_autoload", "serve_with"),
+    "after_import": ("_autoload", "after_import"),
     "Host": ("_host", "Host"),
     "HostPoolClient": ("_hostpool", "HostPoolClient"),
     "HostPoolError": ("_hostpool", "HostPoolError"),
     "Portal": ("_portal", "Portal"),
+    "PortalTimeout": ("_portal", "PortalTimeout"),
+    "LoopThreadError": ("_portal", "LoopThreadError"),
     "SUPPORTED": ("_seams", "SUPPORTED"),
     "Patches": ("_seams", "Patches"),
     "Unsupported": ("_seams", "Unsupported"),
@@ -67,10 +70,13 @@ __all__ = [
     "Host",
     "HostPoolClient",
     "HostPoolError",
+    "LoopThreadError",
     "Patches",
     "Portal",
+    "PortalTimeout",
     "Served",
     "Unsupported",
+    "after_import",
     "find_seams",
     "install_seams",
     "serve_with",

@@ -38,12 +38,16 @@ _started = threading.Event()
 # import. It is always here by the time torch calls ``autoload``: torch imports this module by
 # its name, and that imports acompile's package first, which imports ``acompile.inductor``.
 _serve_torch: Callable[..., Any] | None = None
+_triggers: tuple[str, ...] = ()
 
 
-def serve_with(serve: Callable[..., Any]) -> None:
-    """Serve torch.compile with ``serve`` (``acompile.inductor.serve``) once the variable asks."""
-    global _serve_torch
+def serve_with(serve: Callable[..., Any], triggers: Sequence[str] = ()) -> None:
+    """Serve torch.compile with ``serve`` (``acompile.inductor.serve``) once the variable asks;
+    ``triggers``: further modules whose import starts serving (other JIT libraries' build
+    modules: a program may build a FlashInfer module before Inductor's compiler is imported)."""
+    global _serve_torch, _triggers
     _serve_torch = serve
+    _triggers = tuple(triggers)
 
 
 def autoload() -> None:
@@ -55,7 +59,8 @@ def autoload() -> None:
         options = json.loads(text)
         if not isinstance(options, dict):
             raise ValueError(f"{ENV} must hold a JSON object of serve() options, got {text[:80]!r}")
-        after_import(TRIGGER, lambda: _serve(options))
+        for name in (TRIGGER, *_triggers):
+            after_import(name, lambda: _serve(options))
     except Exception as exc:
         logger.warning("acompile: not serving torch.compile in this process (%s)", exc)
 

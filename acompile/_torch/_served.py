@@ -155,6 +155,21 @@ class Served:
                 "error", "the pool serving torch.compile failed (%s: %s); going on", type(exc).__name__, exc
             )
 
+    # What other served JITs (``acompile._jit``) use of this object: the same calls into the
+    # pool, the same outage handling, the same writes waited for by ``drain()``.
+
+    def call(self, fn: Callable[..., Awaitable[_T]], *args: Any, timeout: float | None) -> _T:
+        """A coroutine function run on the pool's loop, its result here (see ``_call``)."""
+        return self._call(fn, *args, timeout=timeout)
+
+    def unreachable(self, exc: BaseException) -> None:
+        """A call into the pool that did not happen: counted, and said once."""
+        self._unreachable(exc)
+
+    def keep(self, future: concurrent.futures.Future[Any], what: str) -> None:
+        """A write on its way: counted when it fails, waited for by ``drain()``."""
+        self._keep(future, what)
+
     def _keep(self, future: concurrent.futures.Future[Any], what: str) -> None:
         """A write on its way: counted when it fails, waited for by ``drain()``."""
         with self._lock:

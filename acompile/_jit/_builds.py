@@ -1,0 +1,348 @@
+"""Ninja builds of JIT libraries, served: from the tiers where any replica built them, else
+built once on the pool's workers and published.
+
+Called on the library's thread (the engine's, a model's import) in place of the library's own
+``ninja`` run, through a ``ServedBuilds`` that a ``serve()`` context owns. Nothing here raises
+into the library for a fault of acompile's (a tier away, the pool gone, a build file ninja
+cannot read): the library's own build then runs, as without acompile. Only the compiler's own
+failure (the module does not compile) reaches the library, as the error it would have raised.
+
+A build's path (keys: ``_ninja``'s docstring):
+
+1. read what ninja would run; the direct key; its **manifest** (the files the compilers read, as
+   the first build recorded them) from the tiers; the full key from the files on this machine;
+   the module's entry from the tiers: a hit writes the products where the library loads them
+   (whole, in a folder of this user's alone), and ninja never runs;
+2. a miss takes the fleet's lease on the direct key (a replica that holds it is waited for, up
+   to the pool's ``fleet_wait``, and its manifest then read as in 1);
+3. else the build runs on a pool worker (ninja in the library's folder, the library's
+   environment), its products are checked and published under the full key, then its manifest
+   under the direct key (which gives the lease back).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from acompile._cache import make_key
+from acompile._errors import AcompileError, CompileError
+from acompile._jit._ninja import (
+    Build,
+    BuildUnreadable,
+    Graph,
+    direct_parts,
+    full_parts,
+    read_deps,
+    read_graph,
+    relative_name,
+)
+from acompile._torch import LoopThreadError, PortalTimeout
+from acompile._workers import URGENT, Job
+
+if TYPE_CHECKING:
+    from acompile._torch import Served
+
+logger = logging.getLogger("acompile")
+
+WORKER_MODULE = "acompile._jit._worker"
+BACKEND = "jit"
+MODULE = "module"
+MANIFEST = "manifest"
+# How long a build waits for the pool's workers to be ready before it runs where the library
+# would run it: a pool starts in a second or two, and a module builds for tens of seconds.
+_READY_WAIT = 60.0
+# A tier read: the disk (bounded), the shared tier (0.5 s an operation, up to 5 s queued).
+_GET_TIMEOUT = 10.0
+
+
+class ServedBuilds:
+    """The ninja builds of every served JIT library of one ``serve()``; thread-safe.
+
+    ``counts`` per library: ``<lib>:hits_<tier>`` (the module from the tiers: ``disk``,
+    ``shared``, ``fleet`` for one another replica built while this one waited), ``<lib>:builds``
+    (on the pool), ``<lib>:local_builds`` (where the library runs it: the pool was not
+    reachable, or the build file could not be read), ``<lib>:failed`` (the compiler refused),
+    ``<lib>:puts``, ``<lib>:after_ready`` (builds once the server said it was ready)."""
+
+    def __init__(self, served: Served) -> None:
+        self.served = served
+        self.counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self.ready_at: float | None = None  # when the server said it was ready (mark_ready)
+        self.after_ready: list[str] = []
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[name] += n
+
+    def stats(self) -> dict[str, Any]:
+        """Per library: ``hits`` by tier, ``builds``, ``local_builds``, ``failed``, ``puts``,
+        ``after_ready`` (and which modules)."""
+        with self._lock:
+            counts = dict(self.counts)
+            late = list(self.after_ready)
+        libraries = sorted({name.split(":", 1)[0] for name in (*counts, *late)})
+        out: dict[str, Any] = {}
+        for lib in libraries:
+            out[lib] = {
+                "hits": {t: counts.get(f"{lib}:hits_{t}", 0) for t in ("disk", "shared", "fleet")},
+                **{
+                    what: counts.get(f"{lib}:{what}", 0)
+                    for what in ("builds", "local_builds", "failed", "puts", "after_ready")
+                },
+                "built_after_ready": [n.split(":", 1)[1] for n in late if n.startswith(lib + ":")],
+            }
+        return out
+
+    def mark_ready(self) -> None:
+        """From now on, every build is counted and named as one after ready."""
+        self.ready_at = time.monotonic()
+
+    # -- the build --------------------------------------------------------------------------------
+
+    def run(self, build: Build, run_here: Callable[[], None], failed: Callable[[str], Exception]) -> None:
+        """Serve ``build``: its products from the tiers, or built on the pool and published.
+        ``run_here`` runs the library's own ninja (where acompile cannot help); ``failed(log)``
+        makes the error the library raises for a build that fails."""
+        lib = build.library
+        try:
+            graph = read_graph(build)
+            direct_key = make_key(direct_parts(build, graph))
+        except (BuildUnreadable, OSError) as exc:
+            self.served.warn_once(
+                f"{lib}-unreadable",
+                "acompile: a %s build is not served (%s); built as without acompile",
+                lib,
+                exc,
+            )
+            self._late(build)
+            self._run_here(build, run_here)
+            return
+        if self._fetch(build, graph, direct_key, fleet=False):
+            return
+        try:
+            holder = self.served.call(
+                self.served.host.claim, direct_key, timeout=self.served.host.fleet_wait + _GET_TIMEOUT
+            )
+        except Exception as exc:
+            self.served.unreachable(exc)
+            holder = None
+        if holder is not None and self._fetch(build, graph, direct_key, fleet=True):
+            return
+        self._late(build)
+        try:
+            if not self._wait_ready():
+                self._run_here(build, run_here)
+            else:
+                try:
+                    self._run_on_pool(build, graph, failed)
+                except (AcompileError, PortalTimeout, LoopThreadError) as exc:
+                    if isinstance(exc, CompileError):
+                        raise
+                    # The pool's fault (it left, a worker died twice, its loop did not answer):
+                    # the library builds as it would without acompile.
+                    self.served.unreachable(exc)
+                    self._run_here(build, run_here)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.served.host.portal.spawn(_release, self.served.host.release, direct_key)
+            raise
+        self._publish(build, graph, direct_key)
+
+    def _fetch(self, build: Build, graph: Graph, direct_key: str, *, fleet: bool) -> bool:
+        """Write the module's products from the tiers; False on a miss or any fault."""
+        lib = build.library
+        host = self.served.host
+        try:
+            manifest, _ = self.served.call(host.find, direct_key, timeout=_GET_TIMEOUT)
+            if manifest is None or manifest.backend != BACKEND or manifest.name != MANIFEST:
+                return False
+            deps = json.loads(manifest.blobs["deps"])
+            parts = full_parts(direct_key, build, deps) if isinstance(deps, list) else None
+            if parts is None:
+                return False
+            entry, tier = self.served.call(host.find, make_key(parts), timeout=_GET_TIMEOUT)
+        except Exception as exc:
+            if not isinstance(exc, (KeyError, ValueError)):
+                self.served.unreachable(exc)
+            return False
+        if entry is None or entry.backend != BACKEND or entry.name != MODULE:
+            return False
+        if host.shared and not host.signed and tier not in ("disk", ""):
+            return False  # host code from a tier anyone could write: never loaded
+        names = entry.meta.get("products")
+        if not isinstance(names, list) or len(names) != len(graph.products):
+            return False
+        try:
+            for index, path in enumerate(graph.products):
+                if names[index] != relative_name(path, build.roots):
+                    return False
+                data = entry.blobs[f"product{index}"]
+                if problem := output_problem(path, data):
+                    raise ValueError(problem)
+                write_product(path, data)
+        except (KeyError, OSError, ValueError) as exc:
+            self.served.warn_once(
+                f"{lib}-output", "acompile: a served %s module is not used (%s); it is built", lib, exc
+            )
+            return False
+        self.count(f"{lib}:hits_{'fleet' if fleet else tier}")
+        logger.info("acompile: %s module %s from the %s tier", lib, build.name, "fleet" if fleet else tier)
+        return True
+
+    def _wait_ready(self) -> bool:
+        served = self.served
+        portal = served.host.portal
+        if portal.closed or portal.on_loop_thread():
+            return False
+        deadline = time.monotonic() + _READY_WAIT
+        while not served.ready.wait(0.1):
+            if portal.closed or time.monotonic() >= deadline:
+                return False
+        return served.parallel()
+
+    def _run_on_pool(self, build: Build, graph: Graph, failed: Callable[[str], Exception]) -> None:
+        payload = json.dumps(
+            {
+                "name": build.name,
+                "folder": build.folder,
+                "build_file": build.build_file,
+                "ninja": build.ninja,
+                "env": dict(build.env),
+                "products": list(graph.products),
+            }
+        ).encode()
+        job = Job(WORKER_MODULE, payload, f"{build.name} ({build.library})", URGENT)
+        started = threading.Event()
+        future = self.served.host.portal.spawn(self.served.host.run, job, started=started)
+        if not started.wait(5.0) and not future.done():
+            future.cancel()
+            raise PortalTimeout("the pool's event loop did not take the build", True)
+        try:
+            future.result()
+        except CompileError as exc:
+            self.count(f"{build.library}:failed")
+            raise failed(exc.log or str(exc)) from None
+        self.count(f"{build.library}:builds")
+
+    def _run_here(self, build: Build, run_here: Callable[[], None]) -> None:
+        run_here()
+        self.count(f"{build.library}:local_builds")
+
+    def _late(self, build: Build) -> None:
+        if self.ready_at is None:
+            return
+        with self._lock:
+            self.counts[f"{build.library}:after_ready"] += 1
+            self.after_ready.append(f"{build.library}:{build.name}")
+        self.served.warn_once(
+            f"late-{build.library}-{build.name}",
+            "acompile: %s built module %s after the server said it was ready",
+            build.library,
+            build.name,
+        )
+
+    def _publish(self, build: Build, graph: Graph, direct_key: str) -> None:
+        """The products under the full key, then the manifest under the direct key (a replica
+        that reads the manifest finds the module)."""
+        lib = build.library
+        try:
+            deps = [relative_name(p, build.roots) for p in read_deps(build, graph)]
+            parts = full_parts(direct_key, build, deps)
+            if parts is None:
+                raise ValueError("a file the build read is gone")
+            blobs: dict[str, bytes] = {}
+            for index, path in enumerate(graph.products):
+                with open(path, "rb") as f:
+                    data = f.read()
+                if problem := output_problem(path, data):
+                    raise ValueError(problem)
+                blobs[f"product{index}"] = data
+        except (BuildUnreadable, OSError, ValueError) as exc:
+            self.served.warn_once(f"{lib}-publish", "acompile: a %s module is not published (%s)", lib, exc)
+            self.served.host.portal.spawn(_release, self.served.host.release, direct_key)
+            return
+        key = make_key(parts)
+        meta = {
+            "library": lib,
+            "module": build.name,
+            "products": [relative_name(p, build.roots) for p in graph.products],
+        }
+        host = self.served.host
+        self.count(f"{lib}:puts")
+        self.served.keep(host.portal.spawn(_store_both, host.store, key, blobs, meta, direct_key, deps), lib)
+
+
+async def _store_both(
+    store: Callable[..., Any],
+    key: str,
+    blobs: dict[str, bytes],
+    meta: dict[str, Any],
+    direct_key: str,
+    deps: list[str],
+) -> None:
+    await store(key, MODULE, blobs, meta, backend=BACKEND)
+    await store(
+        direct_key, MANIFEST, {"deps": json.dumps(deps).encode()}, {"module": meta["module"]}, backend=BACKEND
+    )
+
+
+async def _release(release: Callable[[str], None], key: str) -> None:
+    release(key)
+
+
+# What a whole module starts with (an ELF object or library).
+_ELF = b"\x7fELF"
+
+
+def output_problem(path: str, data: bytes) -> str | None:
+    """Why ``data`` is not a whole product for ``path``, or None."""
+    import struct
+
+    name = os.path.basename(path)
+    if not data:
+        return f"{name} is empty"
+    if path.endswith((".so", ".o")) and not data.startswith(_ELF):
+        return f"{name} is not an ELF file"
+    if data.startswith(_ELF) and len(data) >= 64 and data[4] == 2:
+        order = "<" if data[5] == 1 else ">"
+        (shoff,) = struct.unpack_from(order + "Q", data, 0x28)
+        shentsize, shnum = struct.unpack_from(order + "HH", data, 0x3A)
+        if shoff + shentsize * shnum > len(data):
+            return f"{name} is cut short (its section table lies past its end)"
+    return None
+
+
+def write_product(path: str, data: bytes) -> None:
+    """Put a product where the library loads it: whole or not at all, in a folder of this
+    user's that nobody else may write (else ``PermissionError``: the library builds it). An
+    identical file already there is left alone (a library that loaded it keeps its mapping)."""
+    from acompile import _files
+
+    folder, name = os.path.split(path)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        info = os.fstat(dfd)
+        if info.st_uid != os.getuid() or info.st_mode & 0o002:
+            raise PermissionError(
+                f"{folder} is not this user's alone (uid {info.st_uid}): nothing is put there"
+            )
+        with contextlib.suppress(OSError):
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            with os.fdopen(fd, "rb") as existing:
+                if os.fstat(fd).st_size == len(data) and existing.read() == data:
+                    return
+        _files.write_whole(name, data, mode=0o755, dir_fd=dfd)
+    finally:
+        os.close(dfd)

@@ -1,0 +1,326 @@
+"""A JIT library's ninja build, read through ninja itself, and the keys that name its result.
+
+FlashInfer and torch's C++/CUDA extensions both write a ``build.ninja`` into a folder and run
+ninja there. What decides the binary is what ninja would run: the commands (compilers, flags,
+sources) and the files the compilers read (every header included). Neither the folder's path,
+the virtual environment's, nor ``$HOME`` does, nor any mtime. So a build is keyed in two steps,
+as ccache's direct mode keys a compile:
+
+* **The direct key** (``direct_parts``): the commands ninja would run, in order, with each path
+  under a named root (the build folder, the environment's site-packages, Python's prefix, the
+  CUDA toolkit, the home folder: ``Build.roots``) written relative to that root, each file a
+  command names (a source) by its content, each compiler by what it says of its version, and
+  the library's own parts (its version, the arch list).
+* **The full key** (``full_parts``): the direct key and every file the compilers read, by its
+  root-relative path and content, from the list a first build recorded (``ninja -t deps``: the
+  compilers' own dependency output, which both libraries' build files ask for). A second
+  machine reads that list (the build's *manifest*, stored under the direct key), hashes the
+  files it names in its own folders, and looks the output up: no preprocessor runs. A header that
+  changed gives another full key: a miss, a build, and a new manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import itertools
+import os
+import platform
+import re
+import shlex
+import shutil
+import subprocess
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# The key's format: a change to how keys are made changes this.
+FORMAT = 1
+# ninja's own queries are quick (milliseconds); this bounds a hung one.
+_QUERY_TIMEOUT = 60.0
+
+
+class BuildUnreadable(Exception):
+    """The build file cannot be read through ninja (no ninja, a file it rejects): the build is
+    left to the library."""
+
+
+@dataclass(frozen=True)
+class Build:
+    """One build a JIT library asked ninja for.
+
+    Attributes:
+        library: the library's name in acompile (``"flashinfer"``, ``"cpp_extension"``).
+        name: the module's name (traces, errors, counts).
+        folder: where ninja runs (its working folder).
+        build_file: the build file, as ninja is given it (relative to ``folder`` or absolute).
+        parts: the library's own key parts (its version, the arch list it builds for, ...).
+        roots: (name, folder) pairs whose paths differ between machines but not what is built
+            in them; a path inside one is keyed relative to it.
+        env: the environment the library's ninja would run with (the job runs with it).
+        ninja: the ninja program the library would run.
+    """
+
+    library: str
+    name: str
+    folder: str
+    build_file: str
+    parts: Mapping[str, Any]
+    roots: tuple[tuple[str, str], ...]
+    env: Mapping[str, str] = field(repr=False, default_factory=dict)
+    ninja: str = "ninja"
+
+    def ninja_command(self, *args: str) -> list[str]:
+        return [self.ninja, "-C", self.folder, "-f", self.build_file, *args]
+
+
+@dataclass(frozen=True)
+class Graph:
+    """What ninja would do: its commands in order, every output, and the products (outputs no
+    other step reads: what the library loads), all as absolute paths."""
+
+    commands: tuple[str, ...]
+    outputs: frozenset[str]
+    products: tuple[str, ...]
+
+
+def standard_roots(build_folder: str, *extra: tuple[str, str]) -> tuple[tuple[str, str], ...]:
+    """The roots every build has: its own folder, the ones a library adds, this Python's
+    environment and prefix, the CUDA toolkit, the home folder, the temporary folder. Longest
+    first (one may hold another); each by its real path."""
+    import sysconfig
+    import tempfile
+
+    named: list[tuple[str, str]] = [("build", build_folder), *extra]
+    for scheme in ("purelib", "platlib"):
+        with contextlib.suppress(KeyError):
+            named.append(("site", sysconfig.get_paths()[scheme]))
+    import sys
+
+    named += [("prefix", sys.prefix), ("python", sys.base_prefix)]
+    cuda = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    nvcc = shutil.which("nvcc")
+    if not cuda and nvcc:
+        cuda = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    if cuda:
+        named.append(("cuda", cuda))
+    named += [("home", os.path.expanduser("~")), ("tmp", tempfile.gettempdir())]
+    seen: dict[str, str] = {}
+    for name, path in named:
+        if path and os.path.isabs(path):
+            seen.setdefault(os.path.realpath(path), name)
+    # A root that is "/" (a home of "/", a prefix of "/usr" is fine) would swallow every path.
+    roots = [(name, path) for path, name in seen.items() if path != os.sep]
+    return tuple(sorted(roots, key=lambda r: len(r[1]), reverse=True))
+
+
+def read_graph(build: Build) -> Graph:
+    """The build as ninja sees it (ninja expands its own variables). Raises ``BuildUnreadable``."""
+    commands = _ninja_out(build, "-t", "commands").splitlines()
+    outputs: set[str] = set()
+    for line in _ninja_out(build, "-t", "targets", "all").splitlines():
+        path, sep, _rule = line.rpartition(": ")
+        if sep and path:
+            outputs.add(_absolute(build.folder, path))
+    products = []
+    # "targets depth 1": each root target (no step reads it) at the start of a line, the
+    # inputs of its step indented below it.
+    for line in _ninja_out(build, "-t", "targets", "depth", "1").splitlines():
+        if line and not line[0].isspace():
+            path, sep, _rule = line.rpartition(": ")
+            if sep and path:
+                products.append(_absolute(build.folder, path))
+    if not products:
+        raise BuildUnreadable(f"{build.build_file} names nothing to build")
+    return Graph(tuple(commands), frozenset(outputs), tuple(sorted(products)))
+
+
+def read_deps(build: Build, graph: Graph) -> list[str]:
+    """Every file the compilers read, as ninja recorded it from their dependency output, as
+    absolute paths; outputs of the build itself left out."""
+    text = _ninja_out(build, "-t", "deps")
+    files: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith((" ", "\t")):
+            path = line.strip()
+            if path:
+                files.add(_absolute(build.folder, path))
+    return sorted(files - graph.outputs)
+
+
+def direct_parts(build: Build, graph: Graph) -> dict[str, Any]:
+    """What the direct key is made of (see the module's docstring)."""
+    commands = []
+    compilers: set[str] = set()
+    for command in graph.commands:
+        try:
+            tokens = shlex.split(command)
+        except ValueError as exc:
+            raise BuildUnreadable(f"a command ninja would run cannot be read: {exc}") from exc
+        if not tokens:
+            continue
+        compilers.update(_compilers(tokens))
+        commands.append([_token(t, build, graph) for t in tokens])
+    return {
+        "jit": build.library,
+        "library": dict(build.parts),
+        "commands": commands,
+        "compilers": sorted(_identity(c) for c in compilers),
+        "machine": platform.machine(),
+        "format": FORMAT,
+    }
+
+
+def full_parts(direct_key: str, build: Build, deps: Sequence[str]) -> dict[str, Any] | None:
+    """The full key's parts from a manifest's list of files (root-relative names, see
+    ``relative_name``), each hashed where it lies on this machine; None where one is missing or
+    unreadable (then the build runs, and records a new list)."""
+    files = []
+    for name in deps:
+        path = resolve_name(name, build.roots)
+        if path is None:
+            return None
+        try:
+            files.append([name, file_digest(path)])
+        except OSError:
+            return None
+    return {"direct": direct_key, "files": files, "format": FORMAT}
+
+
+def relative_name(path: str, roots: Iterable[tuple[str, str]]) -> str:
+    """``<root>/rest`` for a path inside a root, else the real path itself."""
+    real = os.path.realpath(path)
+    for name, folder in roots:
+        if real == folder:
+            return f"<{name}>"
+        if real.startswith(folder + os.sep):
+            return f"<{name}>{real[len(folder) :]}"
+    return real
+
+
+_ROOTED = re.compile(r"^<([a-z_]+)>(/.*)?$")
+
+
+def resolve_name(name: str, roots: Iterable[tuple[str, str]]) -> str | None:
+    """The path a ``relative_name`` names on this machine; None for a root it does not have."""
+    match = _ROOTED.match(name)
+    if match is None:
+        return name if os.path.isabs(name) else None
+    folders = dict(roots)
+    folder = folders.get(match.group(1))
+    if folder is None:
+        return None
+    rest = match.group(2) or ""
+    if ".." in rest.split("/"):
+        return None  # a manifest never names a path that climbs out of its root
+    return folder + rest
+
+
+def file_digest(path: str) -> str:
+    """SHA-256 of a file's content, memoized by (path, size, mtime, inode): a process that keys
+    several builds reads each header once."""
+    info = os.stat(path)
+    return _digest(path, info.st_size, info.st_mtime_ns, info.st_ino)
+
+
+@functools.lru_cache(maxsize=65536)
+def _digest(path: str, size: int, mtime_ns: int, inode: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _ninja_out(build: Build, *args: str) -> str:
+    try:
+        done = subprocess.run(
+            build.ninja_command(*args),
+            capture_output=True,
+            text=True,
+            timeout=_QUERY_TIMEOUT,
+            check=False,
+            env=dict(build.env) or None,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise BuildUnreadable(f"ninja cannot read {build.build_file}: {exc}") from exc
+    if done.returncode != 0:
+        raise BuildUnreadable(
+            f"ninja cannot read {build.build_file}: {(done.stderr or done.stdout).strip()[-500:]}"
+        )
+    return done.stdout
+
+
+def _absolute(folder: str, path: str) -> str:
+    return os.path.realpath(os.path.join(folder, path))
+
+
+# Flags whose value is glued to them (-I/path, --flag=/path, -Wl,-rpath,/path).
+_GLUED = re.compile(
+    r"^(-I|-L|-isystem|-iquote|-idirafter|-include|-o|--?[A-Za-z][\w-]*=|-Wl,(?:[^,]*,)*)(/.+)$"
+)
+
+
+def _token(token: str, build: Build, graph: Graph) -> str:
+    """One token of a command, without what ties it to this machine: an output by its name in
+    the build folder, an input file by its content, another path relative to its root."""
+    prefix, path = "", token
+    if not os.path.isabs(token):
+        match = _GLUED.match(token)
+        if match is None:
+            relative = os.path.join(build.folder, token)
+            # A relative path ninja's working folder holds: an input by its content.
+            if "/" in token or "." in token:
+                real = os.path.realpath(relative)
+                output = real in graph.outputs or (real.endswith(".d") and real[:-2] in graph.outputs)
+                if not output and os.path.isfile(real):
+                    return f"<file {file_digest(real)}>"
+            return token
+        prefix, path = match.group(1), match.group(2)
+    real = os.path.realpath(path)
+    if real in graph.outputs or (real.endswith(".d") and real[:-2] in graph.outputs):
+        # An output, or a compiler's dependency file beside one: named, never read.
+        return prefix + relative_name(real, build.roots)
+    if os.path.isfile(real):
+        return f"{prefix}<file {file_digest(real)}>"
+    return prefix + relative_name(real, build.roots)
+
+
+# Programs that are compilers or linkers: their version is part of the key.
+_COMPILERS = re.compile(r"(?:^|[-/])(?:nvcc|c\+\+|g\+\+|gcc|cc|clang\+\+|clang|ld|hipcc)(?:-[\d.]+)?$")
+
+
+def _compilers(tokens: Sequence[str]) -> set[str]:
+    """The programs a command runs that compile or link: its first program (past a launcher
+    such as ccache), nvcc's host compiler (``-ccbin``), and the system C++ compiler under nvcc."""
+    found: set[str] = set()
+    for token in tokens:
+        if token.startswith("-"):
+            break
+        if _COMPILERS.search(token):
+            found.add(token)
+    for flag, value in itertools.pairwise(tokens):
+        if flag in ("-ccbin", "--compiler-bindir"):
+            found.add(value)
+    for token in tokens:
+        if token.startswith("--compiler-bindir="):
+            found.add(token.split("=", 1)[1])
+    if any(t.endswith("nvcc") for t in found):
+        found.add("c++")  # nvcc's default host compiler
+    return found
+
+
+@functools.cache
+def _identity(program: str) -> str:
+    """What a compiler says of itself (``--version``), once per process; its name where it
+    says nothing."""
+    path = shutil.which(program) or program
+    try:
+        done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return os.path.basename(program)
+    # The first lines name the release; later ones are licence text, and the program's own path
+    # (which differs between machines) appears in some.
+    text = (done.stdout.strip() or done.stderr.strip()).splitlines()
+    return "\n".join(line for line in text[:4] if path not in line) or os.path.basename(program)

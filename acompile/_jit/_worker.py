@@ -1,0 +1,58 @@
+"""The worker half of a served JIT library's build: ninja, run in the library's build folder with
+the library's environment, on a pool worker instead of the library's own thread.
+
+A payload is JSON made by ``_builds.ServedBuilds`` (the folder, the build file, the ninja
+program, the environment, the products); the reply is JSON (how long it took). A build that fails
+raises ``CompileError`` carrying ninja's output. ninja and the
+compilers it starts belong to the worker's process group: stopping the job's worker (a cancel, a
+time limit, the pool's exit) stops them too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import time
+from typing import Any
+
+from acompile._errors import CompileError
+
+# ninja's output kept for the error of a failed build (the compiler's message is at its end).
+_LOG_TAIL = 64 * 1024
+
+
+def setup(config: Any) -> None:
+    """Nothing to set up: ninja is a program of its own."""
+
+
+def preload(config: Any) -> None:
+    """Nothing to preload: ninja is a program of its own."""
+
+
+def compile(payload: bytes) -> bytes:
+    job = json.loads(payload)
+    # Each product is built anew: this job may be the retry of one whose worker was killed while
+    # a compiler wrote it in place, and ninja takes a product newer than its inputs as built.
+    for path in job["products"]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    started = time.perf_counter()
+    done = subprocess.run(
+        [job["ninja"], "-v", "-C", job["folder"], "-f", job["build_file"]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=job["env"] or None,
+        check=False,
+    )
+    output = done.stdout.decode(errors="replace")
+    if done.returncode != 0:
+        raise CompileError(
+            f"ninja failed to build {job['name']!r} (exit status {done.returncode})",
+            kernel=job["name"],
+            backend="jit",
+            log=output[-_LOG_TAIL:],
+        )
+    return json.dumps({"seconds": time.perf_counter() - started}).encode()

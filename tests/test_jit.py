@@ -1,0 +1,275 @@
+"""Other JIT libraries served by acompile, for real: torch's C++ extensions
+(``torch.utils.cpp_extension.load``) built by ninja and the system compiler on the pool's
+workers, a real redis-server as the fleet's tier.
+
+Each "machine" is a process of its own (``tests/jit_machine.py``) with its own home, torch
+extensions folder and acompile cache folder: what it finds, it found in the shared tier. The
+extension's source includes nothing of torch, so that a build takes a second, not the half
+minute ``torch/extension.h`` costs; torch's build file, flags and loading are the real ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ROOT, RedisServer, subprocess_env
+
+pytestmark = pytest.mark.slow
+KEY = "j" * 32
+MACHINE = str(ROOT / "tests" / "jit_machine.py")
+SOURCE = '#include "answer.h"\nextern "C" int answer() { return ANSWER + OFFSET; }\n'
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> tuple[Path, Path]:
+    """The extension's source and its include folder (``answer.h`` defines OFFSET)."""
+    include = tmp_path / "include"
+    include.mkdir()
+    (include / "answer.h").write_text("#define OFFSET 0\n")
+    path = tmp_path / "answer.cpp"
+    path.write_text(SOURCE)
+    return path, include
+
+
+def machine(root: Path, name: str) -> dict[str, str]:
+    home = root / name
+    (home / "home").mkdir(parents=True, exist_ok=True)
+    return {
+        "HOME": str(home / "home"),
+        "TORCH_EXTENSIONS_DIR": str(home / "extensions"),
+        "ACOMPILE_CACHE_DIR": str(home / "acompile"),
+    }
+
+
+def build_in(
+    env: dict[str, str],
+    options: dict[str, Any],
+    source: tuple[Path, Path],
+    answer: int = 42,
+    timeout: float = 240,
+) -> dict[str, Any]:
+    path, include = source
+    done = subprocess.run(
+        [sys.executable, MACHINE, json.dumps(options), str(path), str(answer), str(include)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=subprocess_env(**env),
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    report["stderr"] = done.stderr
+    return report
+
+
+def served(url: str, **more: Any) -> dict[str, Any]:
+    return {"workers": 1, "shared_cache": url, "signing_key": KEY, "jits": ["cpp_extension"], **more}
+
+
+def test_a_second_machine_loads_the_extension_from_the_fleet_without_building(
+    tmp_path: Path, redis_server: RedisServer, source: tuple[Path, Path]
+) -> None:
+    first = build_in(machine(tmp_path, "first"), served(redis_server.url), source)
+    assert first.get("answer") == 42, first
+    assert first["jit"]["builds"] == 1 and first["jit"]["puts"] == 1 and first["jit"]["local_builds"] == 0
+    second = build_in(machine(tmp_path, "second"), served(redis_server.url), source)
+    assert second.get("answer") == 42, second
+    jit = second["jit"]
+    # Nothing built: not on the pool, not here; the library came from the shared tier.
+    assert jit["builds"] == 0 and jit["local_builds"] == 0 and jit["hits"]["shared"] == 1
+    # A third process of the second machine finds it on its own disk.
+    third = build_in(machine(tmp_path, "second"), served(redis_server.url), source)
+    assert third["jit"]["hits"]["disk"] == 1 and third["jit"]["builds"] == 0
+
+
+def test_the_key_holds_the_options_and_every_header_the_compiler_read(
+    tmp_path: Path, redis_server: RedisServer, source: tuple[Path, Path]
+) -> None:
+    first = build_in(machine(tmp_path, "first"), served(redis_server.url), source, answer=1)
+    assert first.get("answer") == 1
+    # Another -D: another library (served the first one's, it would answer 1).
+    other = build_in(machine(tmp_path, "other"), served(redis_server.url), source, answer=2)
+    assert other.get("answer") == 2 and other["jit"]["builds"] == 1
+    # The header changed where every machine reads it: a miss, and a build.
+    source[1].joinpath("answer.h").write_text("#define OFFSET 100\n")
+    changed = build_in(machine(tmp_path, "changed"), served(redis_server.url), source, answer=1)
+    assert changed.get("answer") == 101 and changed["jit"]["builds"] == 1
+    assert changed["jit"]["hits"]["shared"] == 0
+
+
+def test_four_machines_at_once_on_an_empty_tier_build_it_once(
+    tmp_path: Path, redis_server: RedisServer, source: tuple[Path, Path]
+) -> None:
+    reports: list[dict[str, Any]] = []
+    errors: list[BaseException] = []
+
+    def one(name: str) -> None:
+        try:
+            reports.append(build_in(machine(tmp_path, name), served(redis_server.url), source))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(f"m{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert [r.get("answer") for r in reports] == [42] * 4, reports
+    assert sum(r["jit"]["builds"] + r["jit"]["local_builds"] for r in reports) == 1
+    # The three others waited for the builder's entry (or found it once it was there).
+    assert sum(r["jit"]["hits"]["fleet"] + r["jit"]["hits"]["shared"] for r in reports) == 3
+
+
+def test_a_forged_module_is_refused_counted_and_built_again(
+    tmp_path: Path, redis_server: RedisServer, source: tuple[Path, Path]
+) -> None:
+    build_in(machine(tmp_path, "first"), served(redis_server.url), source)
+    client: Any = redis_server.client()
+    names = client.keys("acompile:*")
+    assert names
+    for name in names:  # every value's signature no longer verifies
+        value = client.get(name)
+        client.set(name, value[:-1] + bytes([value[-1] ^ 1]))
+    second = build_in(machine(tmp_path, "second"), served(redis_server.url), source)
+    assert second.get("answer") == 42
+    assert second["cache"]["shared_rejected"] >= 1
+    assert second["jit"]["hits"]["shared"] == 0 and second["jit"]["builds"] == 1
+
+
+def test_an_unsigned_tier_never_serves_a_library(
+    tmp_path: Path, redis_server: RedisServer, source: tuple[Path, Path]
+) -> None:
+    """A library is host code: from a tier anyone may write, it is never loaded."""
+    unsigned = {"workers": 1, "shared_cache": redis_server.url, "jits": ["cpp_extension"]}
+    unsigned["unsafe_unsigned_shared_cache"] = True
+    first = build_in(machine(tmp_path, "first"), unsigned, source)
+    assert first["jit"]["builds"] == 1
+    second = build_in(machine(tmp_path, "second"), unsigned, source)
+    assert second.get("answer") == 42 and second["jit"]["hits"]["shared"] == 0
+    assert second["jit"]["builds"] == 1
+
+
+def test_an_unreachable_tier_is_a_miss_and_the_build_goes_on(
+    tmp_path: Path, source: tuple[Path, Path]
+) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    report = build_in(machine(tmp_path, "alone"), served(f"redis://127.0.0.1:{port}/0"), source)
+    assert report.get("answer") == 42 and report["jit"]["builds"] == 1
+
+
+def test_a_lock_left_by_a_killed_builder_holds_nobody(tmp_path: Path, source: tuple[Path, Path]) -> None:
+    """torch's lock is a file its builder removes: one killed mid-build leaves it, and torch
+    alone then waits for it forever. Served, the lock is the kernel's, and the file is none."""
+    env = machine(tmp_path, "m")
+    folder = Path(env["TORCH_EXTENSIONS_DIR"]) / "answer_ext"
+    folder.mkdir(parents=True)
+    (folder / "lock").write_text("")  # what a builder killed mid-build leaves
+    report = build_in(env, {"workers": 1, "jits": ["cpp_extension"]}, source, timeout=120)
+    assert report.get("answer") == 42 and report["jit"]["builds"] == 1
+
+
+def test_a_build_that_fails_raises_torchs_own_error_with_the_compilers_message(
+    tmp_path: Path, source: tuple[Path, Path]
+) -> None:
+    source[0].write_text('extern "C" int answer() { return ANSWER + ; }\n')
+    report = build_in(machine(tmp_path, "m"), {"workers": 1, "jits": ["cpp_extension"]}, source)
+    assert report["error"].startswith("RuntimeError: Error building extension 'answer_ext'")
+    assert "expected primary-expression" in report["error"]
+    assert report["jit"]["failed"] == 1 and report["jit"]["puts"] == 0
+
+
+def test_builds_after_ready_are_counted_and_named(tmp_path: Path, source: tuple[Path, Path]) -> None:
+    code = f"""
+import json, sys
+sys.argv = ["x", json.dumps({{"workers": 1, "jits": ["cpp_extension"]}}), {str(source[0])!r}, "42", {str(source[1])!r}]
+from acompile import inductor
+import jit_machine
+real_serve = inductor.serve
+def serve(**options):
+    serving = real_serve(**options)
+    enter = serving.__enter__
+    def entered():
+        enter()
+        serving.mark_ready()
+        return serving
+    serving.__enter__ = entered
+    return serving
+inductor.serve = serve
+jit_machine.main()
+"""
+    env = subprocess_env(**machine(tmp_path, "m"))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["answer"] == 42
+    assert report["jit"]["after_ready"] == 1 and report["jit"]["built_after_ready"] == ["answer_ext"]
+    assert "built module answer_ext after the server said it was ready" in done.stderr
+
+
+def test_an_unsupported_release_is_one_warning_and_the_library_left_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+    import torch.utils.cpp_extension as ext
+
+    from acompile._jit import _library
+
+    monkeypatch.setattr(torch, "__version__", "2.99.0")
+    monkeypatch.setattr(_library, "_warned", set())
+    original = ext._run_ninja_build
+    jits = _library.JitServing(builds=None, names=("cpp_extension",))  # type: ignore[arg-type]
+    with pytest.warns(_library.UnsupportedJitWarning, match=r"torch 2\.99\.0 is outside"):
+        jits.start()
+    assert ext._run_ninja_build is original and "cpp_extension" in jits.unsupported
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _library._warn_once("cpp_extension", "again")  # once a process
+    jits.stop()
+
+
+def test_each_library_is_triggered_by_its_own_module() -> None:
+    from acompile._jit import _library
+
+    modules = [_library.library(name).MODULE for name in _library.LIBRARIES]
+    assert tuple(modules) == _library.TRIGGERS
+
+
+def test_keys_are_the_same_for_a_build_at_other_paths_and_differ_for_a_changed_header(tmp_path: Path) -> None:
+    """The full key names files by root and content: the same headers under another
+    environment's path give the same key; a changed one gives another."""
+    from acompile._jit._ninja import Build, full_parts, relative_name
+
+    copies = []
+    for name in ("venv-a", "venv-b"):
+        site = tmp_path / name / "site-packages"
+        (site / "lib").mkdir(parents=True)
+        (site / "lib" / "x.h").write_text("int x;\n")
+        copies.append(site)
+
+    def build(site: Path) -> Build:
+        return Build("lib", "m", str(tmp_path), "build.ninja", {}, (("site", str(site.resolve())),))
+
+    deps = [relative_name(str(copies[0] / "lib" / "x.h"), build(copies[0]).roots)]
+    assert deps == ["<site>/lib/x.h"]
+    one = full_parts("direct", build(copies[0]), deps)
+    two = full_parts("direct", build(copies[1]), deps)
+    assert one == two and one is not None
+    (copies[1] / "lib" / "x.h").write_text("int y;\n")
+    os.utime(copies[1] / "lib" / "x.h", ns=(1, 1))
+    assert full_parts("direct", build(copies[1]), deps) != one
+    # A manifest naming a path that climbs out of its root, or a root this machine lacks: no key.
+    assert full_parts("direct", build(copies[0]), ["<site>/../../etc/passwd"]) is None
+    assert full_parts("direct", build(copies[0]), ["<elsewhere>/x.h"]) is None
