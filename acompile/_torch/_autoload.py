@@ -115,28 +115,35 @@ def _serve(options: dict[str, Any]) -> None:
 
 
 def after_import(name: str, callback: Callable[[], None]) -> None:
-    """Call ``callback`` once module ``name`` has been imported (now, if it has been)."""
-    if name in sys.modules:
-        callback()
-        return
-    sys.meta_path.insert(0, _AfterImport(name, callback))
+    """Call ``callback`` once module ``name`` has been imported (now, if it has been). Several
+    callbacks may wait for one module (torch.compile's serving and a JIT library's): one finder
+    serves them all, in the order they came."""
+    with _waiting_lock:
+        if name not in sys.modules:
+            _waiting.setdefault(name, []).append(callback)
+            if _FINDER not in sys.meta_path:
+                sys.meta_path.insert(0, _FINDER)
+            return
+    callback()
+
+
+# Callbacks waiting for a module's import, by the module's name.
+_waiting: dict[str, list[Callable[[], None]]] = {}
+_waiting_lock = threading.Lock()
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: lends the real spec of one module a loader that calls back once
-    the module has run."""
-
-    def __init__(self, name: str, callback: Callable[[], None]) -> None:
-        self.name = name
-        self.callback = callback
+    """Finds nothing itself: lends the real spec of a module that callbacks wait for a loader
+    that calls them back once the module has run."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != self.name:
-            return None
+        with _waiting_lock:
+            if fullname not in _waiting:
+                return None
         for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
+            if isinstance(finder, _AfterImport) or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
@@ -147,16 +154,21 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
         run = loader.exec_module
-        finder_self = self
 
         def exec_module(module: ModuleType) -> None:
             run(module)
-            if finder_self in sys.meta_path:
-                sys.meta_path.remove(finder_self)
-            try:
-                finder_self.callback()
-            except Exception as exc:  # never into the import
-                logger.warning("acompile: not serving torch.compile in this process (%s)", exc)
+            with _waiting_lock:
+                callbacks = _waiting.pop(fullname, [])
+                if not _waiting and _FINDER in sys.meta_path:
+                    sys.meta_path.remove(_FINDER)
+            for callback in callbacks:
+                try:
+                    callback()
+                except Exception as exc:  # never into the import
+                    logger.warning("acompile: not serving in this process (%s)", exc)
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
+
+
+_FINDER = _AfterImport()
