@@ -273,3 +273,40 @@ def test_keys_are_the_same_for_a_build_at_other_paths_and_differ_for_a_changed_h
     # A manifest naming a path that climbs out of its root, or a root this machine lacks: no key.
     assert full_parts("direct", build(copies[0]), ["<site>/../../etc/passwd"]) is None
     assert full_parts("direct", build(copies[0]), ["<elsewhere>/x.h"]) is None
+
+
+def test_the_direct_key_holds_the_compilers_version_and_flags_but_no_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compiler named as torch's build files name it (``c++``, found on PATH) that says
+    another version gives another key; the same build in another folder gives the same one."""
+    import stat
+
+    from acompile._jit import _ninja
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    compiler = bin_dir / "g++"
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+    def say(version: str) -> None:
+        compiler.write_text(f"#!/bin/sh\necho 'g++ (Test) {version}'\n")
+        compiler.chmod(compiler.stat().st_mode | stat.S_IEXEC)
+        _ninja._identity.cache_clear()
+
+    def key(folder: Path, flags: str = "-O2") -> dict[str, Any]:
+        folder.mkdir(exist_ok=True)
+        (folder / "a.cpp").write_text("int a;\n")
+        (folder / "build.ninja").write_text(
+            f"rule cc\n  command = g++ {flags} -c $in -o $out\nbuild a.o: cc {folder}/a.cpp\n"
+        )
+        build = _ninja.Build("lib", "m", str(folder), "build.ninja", {}, _ninja.standard_roots(str(folder)))
+        return _ninja.direct_parts(build, _ninja.read_graph(build))
+
+    say("12.2.0")
+    first = key(tmp_path / "one")
+    assert key(tmp_path / "two") == first  # another folder, the same build
+    assert key(tmp_path / "two", "-O3") != first  # another flag
+    say("13.1.0")
+    assert key(tmp_path / "one") != first  # another compiler release
+    _ninja._identity.cache_clear()
