@@ -310,3 +310,40 @@ def test_the_direct_key_holds_the_compilers_version_and_flags_but_no_folder(
     say("13.1.0")
     assert key(tmp_path / "one") != first  # another compiler release
     _ninja._identity.cache_clear()
+
+
+def test_a_program_that_knows_nothing_of_acompile_is_served_through_acompile_run(
+    tmp_path: Path, source: tuple[Path, Path]
+) -> None:
+    """``acompile run -- python script.py``: the script builds a torch extension and never names
+    acompile; a second machine (another extensions folder, another home) sharing the cache
+    folder builds nothing."""
+    cache = tmp_path / "acompile"
+    command = [
+        sys.executable,
+        "-m",
+        "acompile",
+        "run",
+        "-v",
+        "--cache-dir",
+        str(cache),
+        "--workers",
+        "1",
+        "--",
+    ]
+    lines = []
+    for name in ("first", "second"):
+        env = machine(tmp_path, name)
+        env.pop("ACOMPILE_CACHE_DIR")
+        done = subprocess.run(
+            [*command, sys.executable, MACHINE, "{}", str(source[0]), "42", str(source[1])],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=subprocess_env(**env),
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert json.loads(done.stdout.strip().splitlines()[-1])["answer"] == 42
+        lines.append([line for line in done.stderr.splitlines() if "served cpp_extension" in line])
+    assert lines[0] and "from the tiers 0, built on the pool 1" in lines[0][0], lines
+    assert lines[1] and "from the tiers 1, built on the pool 0, built here 0" in lines[1][0], lines

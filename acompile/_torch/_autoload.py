@@ -110,6 +110,14 @@ def _serve(options: dict[str, Any]) -> None:
                 stats.get("cpp", {}).get("builds", 0),
                 stats.get("jobs", {}).get("sent", 0),
             )
+            for library, counts in sorted(stats.get("jit", {}).items()):
+                logger.info(
+                    "served %s: modules from the tiers %s, built on the pool %s, built here %s",
+                    library,
+                    sum(counts.get("hits", {}).values()),
+                    counts.get("builds", 0),
+                    counts.get("local_builds", 0),
+                )
 
     atexit.register(leave)
 

@@ -1,0 +1,179 @@
+"""FlashInfer served by acompile, for real: ``flashinfer-python`` builds its ``silu_and_mul``
+module for sm_90a with this machine's nvcc (no GPU is needed to build), ninja runs on the pool's
+workers, a real redis-server is the fleet's tier, and FlashInfer loads what acompile wrote.
+
+Each "machine" is a process of its own (``tests/flashinfer_machine.py``) with its own home,
+FlashInfer workspace (at another path each time) and acompile cache folder. nvcc runs are counted
+by the launcher FlashInfer puts before nvcc (``FLASHINFER_NVCC_LAUNCHER``): every machine has the
+same one, so it is part of every key alike.
+
+What FlashInfer needs to build without a GPU, made here as a machine would have it: the cuBLAS
+and cuRAND headers it includes (the ``nvidia-cublas`` and ``nvidia-curand`` wheels of the test
+environment, on ``CPATH``), libcudart for the link (the CUDA toolkit's, on ``LIBRARY_PATH``) and a
+``libcuda.so`` stub for the link (there is no driver: the module does not record it as needed).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ROOT, RedisServer, subprocess_env
+
+pytestmark = pytest.mark.slow
+KEY = "f" * 32
+MACHINE = str(ROOT / "tests" / "flashinfer_machine.py")
+REQUIRE = os.environ.get("ACOMPILE_REQUIRE_FLASHINFER") == "1"
+
+
+def _missing(what: str) -> None:
+    if REQUIRE:
+        pytest.fail(f"{what} ($ACOMPILE_REQUIRE_FLASHINFER is set)")
+    pytest.skip(what)
+
+
+@pytest.fixture(scope="module")
+def toolchain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment every machine builds FlashInfer with (see the module's docstring)."""
+    try:
+        import flashinfer.jit.core  # noqa: F401
+    except ImportError as exc:
+        _missing(f"flashinfer-python is not installed ({exc})")
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        _missing("no nvcc on PATH")
+    assert nvcc is not None
+    headers = glob.glob(
+        os.path.join(sysconfig.get_paths()["purelib"], "nvidia", "cu*", "include", "cublas_v2.h")
+    )
+    if not headers:
+        _missing("the nvidia-cublas wheel's headers are not installed")
+    cudart = [
+        os.path.dirname(p)
+        for p in glob.glob("/usr/local/cuda*/lib64/libcudart.so")
+        + glob.glob("/usr/local/cuda*/targets/*/lib/libcudart.so")
+    ]
+    if not cudart:
+        _missing("no CUDA toolkit's libcudart.so under /usr/local")
+    folder = tmp_path_factory.mktemp("toolchain")
+    (folder / "stub.c").write_text("void cuInit(void) {}\n")
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-o", str(folder / "libcuda.so"), str(folder / "stub.c")], check=True
+    )
+    launcher = folder / "launch-and-count"
+    launcher.write_text('#!/bin/sh\necho "$$ $*" >> "$NVCC_COUNT"\nexec "$@"\n')
+    launcher.chmod(0o755)
+    return {
+        "CPATH": os.path.dirname(headers[0]),
+        "LIBRARY_PATH": os.pathsep.join([cudart[0], str(folder)]),
+        "FLASHINFER_CUDA_ARCH_LIST": "9.0",
+        "FLASHINFER_NVCC_LAUNCHER": str(launcher),
+    }
+
+
+def machine(root: Path, name: str, toolchain: dict[str, str]) -> dict[str, str]:
+    home = root / name
+    (home / "home").mkdir(parents=True, exist_ok=True)
+    return {
+        **toolchain,
+        "HOME": str(home / "home"),
+        "FLASHINFER_WORKSPACE_BASE": str(home / "workspace"),
+        "ACOMPILE_CACHE_DIR": str(home / "acompile"),
+        "NVCC_COUNT": str(home / "nvcc-runs"),
+    }
+
+
+def nvcc_runs(env: dict[str, str]) -> int:
+    path = Path(env["NVCC_COUNT"])
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def build_in(env: dict[str, str], options: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, MACHINE, json.dumps(options)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=subprocess_env(**env),
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    report["nvcc"] = nvcc_runs(env)
+    report["stderr"] = done.stderr
+    return report
+
+
+def served(url: str) -> dict[str, Any]:
+    return {"workers": 1, "shared_cache": url, "signing_key": KEY, "jits": ["flashinfer"]}
+
+
+def test_a_second_machine_loads_the_module_from_the_fleet_with_no_nvcc_run(
+    tmp_path: Path, redis_server: RedisServer, toolchain: dict[str, str]
+) -> None:
+    first = build_in(machine(tmp_path, "first", toolchain), served(redis_server.url))
+    assert first.get("loaded") is True, first
+    assert first["jit"]["builds"] == 1 and first["jit"]["puts"] == 1 and first["nvcc"] >= 1
+    second_env = machine(tmp_path, "second", toolchain)
+    second = build_in(second_env, served(redis_server.url))
+    assert second.get("loaded") is True, second
+    # Nothing built: no nvcc run, the module from the shared tier, where FlashInfer loads it.
+    assert second["nvcc"] == 0 and second["jit"]["builds"] == 0 and second["jit"]["local_builds"] == 0
+    assert second["jit"]["hits"]["shared"] == 1
+    assert second["library"].startswith(second_env["FLASHINFER_WORKSPACE_BASE"])
+    assert Path(second["library"]).read_bytes() == Path(first["library"]).read_bytes()
+
+
+def test_four_machines_booting_together_build_the_module_once(
+    tmp_path: Path, redis_server: RedisServer, toolchain: dict[str, str]
+) -> None:
+    envs = [machine(tmp_path, f"m{i}", toolchain) for i in range(4)]
+    reports: list[dict[str, Any]] = []
+    errors: list[BaseException] = []
+
+    def one(env: dict[str, str]) -> None:
+        try:
+            reports.append(build_in(env, served(redis_server.url)))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(env,)) for env in envs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert [r.get("loaded") for r in reports] == [True] * 4, reports
+    assert sum(r["jit"]["builds"] + r["jit"]["local_builds"] for r in reports) == 1
+    compiles = sum(r["nvcc"] for r in reports)
+    builder = next(r for r in reports if r["jit"]["builds"])
+    assert compiles == builder["nvcc"] >= 1  # the others ran no nvcc at all
+
+
+def test_an_unsupported_flashinfer_is_one_warning_and_left_as_it_was(
+    monkeypatch: pytest.MonkeyPatch, toolchain: dict[str, str]
+) -> None:
+    import flashinfer.jit.core as core
+    import flashinfer.version
+
+    from acompile._jit import _library
+
+    monkeypatch.setattr(flashinfer.version, "__version__", "0.99.0")
+    monkeypatch.setattr(_library, "_warned", set())
+    original = core.run_ninja
+    jits = _library.JitServing(builds=None, names=("flashinfer",))  # type: ignore[arg-type]
+    with pytest.warns(_library.UnsupportedJitWarning, match=r"flashinfer 0\.99\.0 is outside"):
+        jits.start()
+    assert core.run_ninja is original and "flashinfer" in jits.unsupported
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jits.stop()
