@@ -23,6 +23,16 @@ the shared tier), and saves torch's Mega-Cache artifacts under ``artifacts`` whe
     callable = "models.py:warm_llama"    # a file (relative to the manifest) or a module, ':' name
     artifacts = "llama-8b"               # optional: inductor.load_artifacts("llama-8b") reads them
 
+And FlashInfer's kernel modules (``[[flashinfer]]``): each names a generator of FlashInfer's
+and its arguments; warm-up builds the module it makes with FlashInfer served by its pool, for the
+manifest's arch list (one a run: FlashInfer reads it once a process), into the cache and the
+shared tier::
+
+    [[flashinfer]]
+    generator = "flashinfer.jit.activation:gen_act_and_mul_module"
+    args = ["silu"]                      # and kwargs = { ... }
+    arch_list = "9.0"                    # $FLASHINFER_CUDA_ARCH_LIST where left out
+
 The format is read here (``load_manifest``) and written here: ``Recorder`` appends every kernel
 request a pool served (``CompilePool(record=...)``), once per distinct request, across runs, so
 that replaying the file on the next deploy compiles what production used.
@@ -39,7 +49,7 @@ import re
 import sys
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -85,10 +95,11 @@ def load_manifest(path: str | Path) -> list[TritonSpec]:
         raise InvalidSpecError(f"cannot read the manifest {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise InvalidSpecError(f"{path} is not valid TOML: {exc}") from None
-    unknown_top = set(data) - {"defaults", "kernel", "torch"}
+    unknown_top = set(data) - {"defaults", "kernel", "torch", "flashinfer"}
     if unknown_top:
         raise InvalidSpecError(
-            f"{path}: unknown section(s) {sorted(unknown_top)}; use [defaults], [[kernel]] and [[torch]]"
+            f"{path}: unknown section(s) {sorted(unknown_top)}; use [defaults], [[kernel]], [[torch]] "
+            "and [[flashinfer]]"
         )
     defaults = data.get("defaults", {})
     if not isinstance(defaults, Mapping):
@@ -99,8 +110,8 @@ def load_manifest(path: str | Path) -> list[TritonSpec]:
             f"{path} [defaults]: unknown field(s) {sorted(unknown)}; known: {sorted(_KERNEL_FIELDS)}"
         )
     kernels = data.get("kernel", [])
-    if not isinstance(kernels, list) or not (kernels or data.get("torch")):
-        raise InvalidSpecError(f"{path} lists no [[kernel]] (or [[torch]]) entries")
+    if not isinstance(kernels, list) or not (kernels or data.get("torch") or data.get("flashinfer")):
+        raise InvalidSpecError(f"{path} lists no [[kernel]] (or [[torch]], [[flashinfer]]) entries")
     specs: list[TritonSpec] = []
     for index, raw in enumerate(kernels, 1):
         entry = {**defaults, **raw}
@@ -181,6 +192,88 @@ def load_torch_entries(path: str | Path) -> list[TorchWarmup]:
         if not callable(fn):
             raise InvalidSpecError(f"{where}: {ref!r} is not callable")
         found.append(TorchWarmup(ref, fn, artifacts))
+    return found
+
+
+@dataclass(frozen=True)
+class FlashInferWarmup:
+    """A ``[[flashinfer]]`` entry: ``generator(*args, **kwargs)`` makes a FlashInfer ``JitSpec``
+    (``ref`` names it) that warm-up builds, for the manifest's arch list."""
+
+    ref: str
+    generator: Any
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+_FLASHINFER_FIELDS = {"generator", "args", "kwargs", "arch_list"}
+FLASHINFER_ARCH_ENV = "FLASHINFER_CUDA_ARCH_LIST"
+
+
+def load_flashinfer_entries(path: str | Path) -> list[FlashInferWarmup]:
+    """The ``[[flashinfer]]`` entries of a manifest, their generators imported (blocking).
+
+    FlashInfer reads its arch list (``$FLASHINFER_CUDA_ARCH_LIST``) once, as it is imported:
+    every entry's ``arch_list`` must be the same (one warm-up run builds for one list), and it
+    is set in the environment before FlashInfer is imported. Raises ``InvalidSpecError`` naming
+    the entry at fault; ``[]`` where there are none."""
+    import sys
+
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        load_manifest(path)  # raises the error that names the problem
+        raise
+    entries = data.get("flashinfer", [])
+    if not isinstance(entries, list):
+        raise InvalidSpecError(
+            f"{path}: [[flashinfer]] must be a list of tables (write [[flashinfer]], twice brackets)"
+        )
+    lists = set()
+    for index, raw in enumerate(entries, 1):
+        if not isinstance(raw, Mapping):
+            raise InvalidSpecError(f"{path} flashinfer #{index}: must be a table, got {raw!r}")
+        where = f"{path} flashinfer #{index} ({raw.get('generator', '?')})"
+        if unknown := set(raw) - _FLASHINFER_FIELDS:
+            raise InvalidSpecError(
+                f"{where}: unknown field(s) {sorted(unknown)}; known: {sorted(_FLASHINFER_FIELDS)}"
+            )
+        if not isinstance(raw.get("generator"), str):
+            raise InvalidSpecError(f'{where}: needs generator = "flashinfer.jit.norm:gen_norm_module"')
+        if not isinstance(raw.get("args", []), list) or not isinstance(raw.get("kwargs", {}), Mapping):
+            raise InvalidSpecError(f"{where}: args must be a list and kwargs a table")
+        arch = raw.get("arch_list", os.environ.get(FLASHINFER_ARCH_ENV))
+        if not isinstance(arch, str) or not arch.strip():
+            raise InvalidSpecError(
+                f'{where}: needs arch_list = "9.0" (the CUDA archs to build for: a machine without a '
+                f"GPU has none to detect), or ${FLASHINFER_ARCH_ENV}"
+            )
+        lists.add(" ".join(arch.split()))
+    if not entries:
+        return []
+    if len(lists) > 1:
+        raise InvalidSpecError(
+            f"{path}: [[flashinfer]] entries name different arch lists {sorted(lists)}: FlashInfer reads "
+            "its arch list once a process, so one warm-up run builds for one (split the manifest)"
+        )
+    (arch_list,) = lists
+    current = os.environ.get(FLASHINFER_ARCH_ENV)
+    if current is not None and " ".join(current.split()) != arch_list and "flashinfer" in sys.modules:
+        raise InvalidSpecError(
+            f"{path}: FlashInfer was imported with ${FLASHINFER_ARCH_ENV}={current!r}, not the manifest's "
+            f"{arch_list!r}"
+        )
+    os.environ[FLASHINFER_ARCH_ENV] = arch_list
+    found = []
+    for index, raw in enumerate(entries, 1):
+        ref = raw["generator"]
+        where = f"{path} flashinfer #{index} ({ref})"
+        generator = _import_kernel(ref, path.parent, where, what="generator")
+        if not callable(generator):
+            raise InvalidSpecError(f"{where}: {ref!r} is not callable")
+        args, kwargs = tuple(raw.get("args", [])), dict(raw.get("kwargs", {}))
+        found.append(FlashInferWarmup(ref, generator, args, kwargs))
     return found
 
 

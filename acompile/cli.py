@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import heapq
 import json
 import logging
@@ -479,7 +480,7 @@ def _autoload_registered() -> bool:
 
 
 def _warmup(args: argparse.Namespace) -> int:
-    from acompile._manifest import load_manifest, load_torch_entries
+    from acompile._manifest import load_flashinfer_entries, load_manifest, load_torch_entries
 
     if args.shared_cache is not None and (problem := _shared_url_problem(args.shared_cache)):
         print(f"acompile warmup: --shared-cache: {problem}", file=sys.stderr)
@@ -497,6 +498,7 @@ def _warmup(args: argparse.Namespace) -> int:
     try:
         specs = load_manifest(args.manifest)
         models = load_torch_entries(args.manifest)
+        jits = load_flashinfer_entries(args.manifest)
     except AcompileError as exc:
         print(f"acompile warmup: {exc}", file=sys.stderr)
         return 2
@@ -507,7 +509,15 @@ def _warmup(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if jits and args.shared_cache is not None and _signing_key_problem():
+        print(
+            "acompile warmup: [[flashinfer]] entries with --shared-cache need $ACOMPILE_SIGNING_KEY: "
+            "a FlashInfer module is host code, which replicas load from a signed tier only",
+            file=sys.stderr,
+        )
+        return 2
     args.models = models
+    args.jits = jits
     if args.target is None and any(s.target is None for s in specs):
         print(
             'acompile warmup: some kernels name no target: add targets = ["cuda:90"] to the manifest '
@@ -600,7 +610,8 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
 
     rows: list[dict[str, Any]] = []
     models: list[dict[str, Any]] = []
-    progress = _Progress(len(specs) + len(args.models), sys.stderr)
+    modules: list[dict[str, Any]] = []
+    progress = _Progress(len(specs) + len(args.models) + len(args.jits), sys.stderr)
     t0 = time.perf_counter()
     shared: dict[str, int] = {}
     preload = (("triton",) if specs else ()) + (("inductor",) if args.models else ())
@@ -645,6 +656,8 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
                     for spec in specs:
                         tg.start_soon(one, spec)
             torch_keys = await _warm_models(pool, args.models, models, progress) if args.models else set()
+            if args.jits:
+                torch_keys |= await _warm_flashinfer(pool, args.jits, modules, progress)
             if args.shared_cache is not None:
                 shared["confirmed"] = await _confirm_local_hits(pool, rows)
                 if torch_keys:
@@ -660,7 +673,9 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
         _print_summary(rows, elapsed, pool.cache_dir, sys.stdout)
     if models:
         _print_models(models, sys.stdout)
-    ok = not any(r["result"] == "failed" for r in rows + models)
+    if modules:
+        _print_modules(modules, sys.stdout)
+    ok = not any(r["result"] == "failed" for r in rows + models + modules)
     # Filling the cache folder is this command's job: kernels that are not there now (a folder
     # it could not write to, a disk that filled up) fail it, as the shared tier's do below.
     keys = {r["key"] for r in rows if "key" in r}
@@ -788,6 +803,57 @@ async def _warm_models(
             models.append(row)
             progress.advance(row["result"])
         return serving.written()
+
+
+async def _warm_flashinfer(
+    pool: Any, entries: list[Any], modules: list[dict[str, Any]], progress: Any
+) -> set[str]:
+    """Build each ``[[flashinfer]]`` entry's module with FlashInfer served by the pool, one after
+    the other (FlashInfer's build runs on a thread; ninja on the pool). Returns the keys of the
+    entries the modules were stored or found under."""
+    from acompile import inductor
+
+    unsigned = _signing_key_problem() is not None  # refused before any work where a shared tier needs one
+    async with inductor.serve(pool, jits=("flashinfer",), unsafe_unsigned_shared_cache=unsigned) as serving:
+
+        def counts() -> dict[str, Any]:
+            stats: dict[str, Any] = serving.stats().get("jit", {}).get("flashinfer", {})
+            return stats
+
+        for entry in entries:
+            before = await anyio.to_thread.run_sync(counts)
+            start = time.perf_counter()
+            row: dict[str, Any] = {"flashinfer": entry.ref, "args": list(entry.args)}
+            try:
+                spec = await anyio.to_thread.run_sync(
+                    functools.partial(entry.generator, *entry.args, **entry.kwargs)
+                )
+                row["module"] = str(getattr(spec, "name", "?"))
+                await anyio.to_thread.run_sync(spec.build)
+            except Exception as exc:  # the generator or the build: this entry's failure
+                row.update(result="failed", error=f"{type(exc).__name__}: {exc}")
+            else:
+                after = await anyio.to_thread.run_sync(counts)
+                unsupported = serving.stats().get("jit_unsupported", {}).get("flashinfer")
+                built = sum(after.get(k, 0) - before.get(k, 0) for k in ("builds", "local_builds"))
+                if unsupported:
+                    row.update(result="failed", error=f"FlashInfer is not served: {unsupported}")
+                else:
+                    row.update(result="compiled" if built else "cached")
+            row["seconds"] = time.perf_counter() - start
+            modules.append(row)
+            progress.advance(row["result"])
+        return serving.written()
+
+
+def _print_modules(modules: list[dict[str, Any]], out: TextIO) -> None:
+    print("\nFlashInfer modules:", file=out)
+    for m in modules:
+        name = m.get("module") or m["flashinfer"]
+        if m["result"] == "failed":
+            print(f"  {name}: FAILED: {m['error']}", file=out)
+        else:
+            print(f"  {name}: {m['result']} in {m['seconds']:.2f} s", file=out)
 
 
 def _print_models(models: list[dict[str, Any]], out: TextIO) -> None:

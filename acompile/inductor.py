@@ -327,7 +327,10 @@ class Serving:
         """The keys of the cache entries written while serving (``CompilePool.share`` makes
         sure a shared tier holds them)."""
         served = self._served
-        return served.written() if served is not None else set()
+        keys = served.written() if served is not None else set()
+        if self._jits is not None:
+            keys |= self._jits.builds.keys
+        return keys
 
     def save_artifacts(self, name: str) -> dict[str, int] | None:
         """``acompile.inductor.save_artifacts`` through this context."""

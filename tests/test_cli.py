@@ -166,7 +166,7 @@ def test_warmup_explains_a_bad_manifest(tmp_path: Path) -> None:
         "[defaults]\nnum_warp = 4\n[[kernel]]\nkernel = 'x.py:k'\n": "[defaults]: unknown field(s) ['num_warp']",
         "defaults = 3\n[[kernel]]\nkernel = 'x.py:k'\n": "[defaults] must be a table",
         "not toml [": "is not valid TOML",
-        "[defaults]\n": "lists no [[kernel]] (or [[torch]]) entries",
+        "[defaults]\n": "lists no [[kernel]] (or [[torch]], [[flashinfer]]) entries",
     }
     for text, message in cases.items():
         manifest = tmp_path / "m.toml"

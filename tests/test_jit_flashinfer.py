@@ -177,3 +177,82 @@ def test_an_unsupported_flashinfer_is_one_warning_and_left_as_it_was(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jits.stop()
+
+
+def test_warmup_builds_a_module_into_the_fleet_tier_from_a_box_without_a_gpu(
+    tmp_path: Path, redis_server: RedisServer, toolchain: dict[str, str]
+) -> None:
+    """``acompile warmup`` with a ``[[flashinfer]]`` entry fills the shared tier; a replica then
+    loads the module from it with no nvcc run."""
+    manifest = tmp_path / "manifest.toml"
+    manifest.write_text(
+        "[[flashinfer]]\n"
+        'generator = "flashinfer.jit.activation:gen_act_and_mul_module"\n'
+        'args = ["silu"]\n'
+        'arch_list = "9.0"\n'
+    )
+    env = {
+        k: v for k, v in machine(tmp_path, "builder", toolchain).items() if k != "FLASHINFER_CUDA_ARCH_LIST"
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "acompile",
+            "warmup",
+            str(manifest),
+            "--shared-cache",
+            redis_server.url,
+            "--workers",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=subprocess_env(**env, ACOMPILE_SIGNING_KEY=KEY),
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "silu_and_mul: compiled" in done.stdout, done.stdout
+    assert nvcc_runs(env) >= 1
+    replica = machine(tmp_path, "replica", toolchain)
+    report = build_in(replica, served(redis_server.url))
+    assert report.get("loaded") is True and report["nvcc"] == 0, report
+    assert report["jit"]["hits"]["shared"] == 1 and report["jit"]["builds"] == 0
+    # Again: the module is in the builder's cache folder now, and in the shared tier.
+    again = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "acompile",
+            "warmup",
+            str(manifest),
+            "--shared-cache",
+            redis_server.url,
+            "--workers",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=subprocess_env(**env, ACOMPILE_SIGNING_KEY=KEY),
+    )
+    assert again.returncode == 0 and "silu_and_mul: cached" in again.stdout, (
+        again.stdout + again.stderr[-2000:]
+    )
+
+
+def test_a_manifest_with_two_arch_lists_is_refused_before_any_work(tmp_path: Path) -> None:
+    manifest = tmp_path / "manifest.toml"
+    manifest.write_text(
+        '[[flashinfer]]\ngenerator = "flashinfer.jit.norm:gen_norm_module"\narch_list = "9.0"\n'
+        '[[flashinfer]]\ngenerator = "flashinfer.jit.norm:gen_norm_module"\narch_list = "8.0"\n'
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "acompile", "warmup", str(manifest)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=subprocess_env(),
+    )
+    assert done.returncode == 2
+    assert "different arch lists ['8.0', '9.0']" in done.stderr, done.stderr

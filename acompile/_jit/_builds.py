@@ -78,6 +78,9 @@ class ServedBuilds:
         self._lock = threading.Lock()
         self.ready_at: float | None = None  # when the server said it was ready (mark_ready)
         self.after_ready: list[str] = []
+        # The keys of the entries (modules and manifests) this process found or stored: what a
+        # warm-up makes sure the shared tier holds.
+        self.keys: set[str] = set()
 
     # -- bookkeeping ------------------------------------------------------------------------------
 
@@ -178,6 +181,7 @@ class ServedBuilds:
             return False
         if entry is None or entry.backend != BACKEND or entry.name != MODULE:
             return False
+        module_key = make_key(parts)
         if host.shared and not host.signed and tier not in ("disk", ""):
             return False  # host code from a tier anyone could write: never loaded
         names = entry.meta.get("products")
@@ -197,6 +201,8 @@ class ServedBuilds:
             )
             return False
         self.count(f"{lib}:hits_{'fleet' if fleet else tier}")
+        with self._lock:
+            self.keys.update((direct_key, module_key))
         logger.info("acompile: %s module %s from the %s tier", lib, build.name, "fleet" if fleet else tier)
         return True
 
@@ -280,6 +286,8 @@ class ServedBuilds:
         }
         host = self.served.host
         self.count(f"{lib}:puts")
+        with self._lock:
+            self.keys.update((direct_key, key))
         self.served.keep(host.portal.spawn(_store_both, host.store, key, blobs, meta, direct_key, deps), lib)
 
 
