@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from acompile._jit._library import Unsupported
-from acompile._jit._ninja import Build, standard_roots
+from acompile._jit._ninja import Build, package_roots, standard_roots
 
 if TYPE_CHECKING:
     from acompile._jit._builds import ServedBuilds
@@ -67,7 +67,9 @@ def install(builds: ServedBuilds) -> Callable[[], None]:
             run_here()
             return
         folder = os.path.realpath(build_directory)
-        roots = (("extensions", extensions_root),) if extensions_root else ()
+        roots: tuple[tuple[str, str], ...] = package_roots("torch")
+        if extensions_root:
+            roots += (("extensions", extensions_root),)
         build = Build(
             library=NAME,
             name=os.path.basename(folder),

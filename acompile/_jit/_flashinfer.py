@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from acompile._jit._library import Unsupported
-from acompile._jit._ninja import Build, standard_roots
+from acompile._jit._ninja import Build, package_roots, standard_roots
 
 if TYPE_CHECKING:
     from acompile._jit._builds import ServedBuilds
@@ -65,6 +65,9 @@ def install(builds: ServedBuilds) -> Callable[[], None]:
     original: Callable[..., None] = found
     if getattr(core, "run_ninja", None) is not original:
         raise Unsupported(f"flashinfer {release}'s jit.core does not build through jit.cpp_ext.run_ninja")
+    # The packages whose headers the builds include, each a root of its own: the same files at
+    # another install path (another venv, a --target folder, PYTHONPATH) give the same key.
+    packages = package_roots("flashinfer", "tvm_ffi")
     workspace = getattr(fi_env, "FLASHINFER_WORKSPACE_DIR", None)
     if workspace is None:
         raise Unsupported(f"flashinfer {release} has no FLASHINFER_WORKSPACE_DIR")
@@ -81,7 +84,7 @@ def install(builds: ServedBuilds) -> Callable[[], None]:
             folder=folder,
             build_file=os.path.realpath(ninja_file),
             parts={"flashinfer": release},
-            roots=standard_roots(folder, ("flashinfer_workspace", str(workspace))),
+            roots=standard_roots(folder, ("flashinfer_workspace", str(workspace)), *packages),
             env=dict(os.environ),
             ninja=shutil.which("ninja") or "ninja",
         )

@@ -115,6 +115,21 @@ def standard_roots(build_folder: str, *extra: tuple[str, str]) -> tuple[tuple[st
     return tuple(sorted(roots, key=lambda r: len(r[1]), reverse=True))
 
 
+def package_roots(*names: str) -> tuple[tuple[str, str], ...]:
+    """A root for each installed package of ``names`` (its folder, named ``pkg_<name>``), for
+    the packages whose headers a library's builds include: the same files at another install
+    path give the same key. A package that is not installed gives none."""
+    import importlib.util
+
+    roots = []
+    for name in names:
+        with contextlib.suppress(ImportError, ValueError):
+            spec = importlib.util.find_spec(name)
+            if spec is not None and spec.submodule_search_locations:
+                roots.append((f"pkg_{name}", os.path.realpath(next(iter(spec.submodule_search_locations)))))
+    return tuple(roots)
+
+
 def read_graph(build: Build) -> Graph:
     """The build as ninja sees it (ninja expands its own variables). Raises ``BuildUnreadable``."""
     commands = _ninja_out(build, "-t", "commands").splitlines()
