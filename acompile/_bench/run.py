@@ -101,6 +101,7 @@ _PASSTHROUGH = {
     "--autotune": "autotune",
     "--farm": "farm",
     "--torch": "compile_torch",
+    "--jit": "jit",
 }
 
 
