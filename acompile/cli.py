@@ -833,11 +833,17 @@ async def _warm_flashinfer(
             except Exception as exc:  # the generator or the build: this entry's failure
                 row.update(result="failed", error=f"{type(exc).__name__}: {exc}")
             else:
-                after = await anyio.to_thread.run_sync(counts)
-                unsupported = serving.stats().get("jit_unsupported", {}).get("flashinfer")
+                stats = await anyio.to_thread.run_sync(serving.stats)
+                after = stats.get("jit", {}).get("flashinfer", {})
+                unsupported = stats.get("jit_unsupported", {}).get("flashinfer")
                 built = sum(after.get(k, 0) - before.get(k, 0) for k in ("builds", "local_builds"))
-                if unsupported:
-                    row.update(result="failed", error=f"FlashInfer is not served: {unsupported}")
+                hits = sum(after.get("hits", {}).values()) - sum(before.get("hits", {}).values())
+                if unsupported or "jit" not in stats:
+                    # Built by FlashInfer alone: nothing of it is in the cache or the shared tier.
+                    why = unsupported or "this torch is not served"
+                    row.update(result="failed", error=f"FlashInfer is not served ({why})")
+                elif not built and not hits:
+                    row.update(result="failed", error="FlashInfer built nothing through acompile")
                 else:
                     row.update(result="compiled" if built else "cached")
             row["seconds"] = time.perf_counter() - start

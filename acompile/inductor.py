@@ -260,6 +260,7 @@ class Serving:
             if done.exception() is None:
                 served.ready.set()
             else:
+                served.not_ready.set()
                 logger.warning(
                     "the pool serving torch.compile has no workers (%s); Inductor compiles in this process",
                     done.exception(),

@@ -44,6 +44,7 @@ from acompile._jit._ninja import (
     read_graph,
     relative_name,
 )
+from acompile._jit._worker import NINJA_FAILED
 from acompile._torch import LoopThreadError, PortalTimeout
 from acompile._workers import URGENT, Job
 
@@ -81,6 +82,7 @@ class ServedBuilds:
         # The keys of the entries (modules and manifests) this process found or stored: what a
         # warm-up makes sure the shared tier holds.
         self.keys: set[str] = set()
+        self._building: dict[str, threading.Lock] = {}
 
     # -- bookkeeping ------------------------------------------------------------------------------
 
@@ -131,6 +133,21 @@ class ServedBuilds:
             self._late(build)
             self._run_here(build, run_here)
             return
+        # One build of a module at a time in this process (two threads asking for one module:
+        # the second finds the first one's result); other modules go on.
+        with self._lock:
+            key_lock = self._building.setdefault(direct_key, threading.Lock())
+        with key_lock:
+            self._run_keyed(build, graph, direct_key, run_here, failed)
+
+    def _run_keyed(
+        self,
+        build: Build,
+        graph: Graph,
+        direct_key: str,
+        run_here: Callable[[], None],
+        failed: Callable[[str], Exception],
+    ) -> None:
         if self._fetch(build, graph, direct_key, fleet=False):
             return
         try:
@@ -150,10 +167,9 @@ class ServedBuilds:
                 try:
                     self._run_on_pool(build, graph, failed)
                 except (AcompileError, PortalTimeout, LoopThreadError) as exc:
-                    if isinstance(exc, CompileError):
-                        raise
-                    # The pool's fault (it left, a worker died twice, its loop did not answer):
-                    # the library builds as it would without acompile.
+                    # Not the compiler's (``_run_on_pool`` raised that as the library's error):
+                    # the pool's fault (it left, a worker died twice, a limit of the pool's, its
+                    # loop did not answer): the library builds as it would without acompile.
                     self.served.unreachable(exc)
                     self._run_here(build, run_here)
         except BaseException:
@@ -213,18 +229,22 @@ class ServedBuilds:
             return False
         deadline = time.monotonic() + _READY_WAIT
         while not served.ready.wait(0.1):
-            if portal.closed or time.monotonic() >= deadline:
+            if portal.closed or served.not_ready.is_set() or time.monotonic() >= deadline:
                 return False
         return served.parallel()
 
     def _run_on_pool(self, build: Build, graph: Graph, failed: Callable[[str], Exception]) -> None:
+        # The library's environment, less acompile's own: the signing key stays in this process,
+        # and a Python the build starts (FlashInfer embeds cubins with one) is never served.
+        env = {k: v for k, v in build.env.items() if not k.startswith("ACOMPILE_")}
         payload = json.dumps(
             {
                 "name": build.name,
                 "folder": build.folder,
                 "build_file": build.build_file,
                 "ninja": build.ninja,
-                "env": dict(build.env),
+                "jobs": build.jobs,
+                "env": env,
                 "products": list(graph.products),
             }
         ).encode()
@@ -237,8 +257,13 @@ class ServedBuilds:
         try:
             future.result()
         except CompileError as exc:
+            if exc.backend != NINJA_FAILED:
+                raise  # the pool's fault (a time or memory limit, a worker lost): the caller's
             self.count(f"{build.library}:failed")
             raise failed(exc.log or str(exc)) from None
+        except BaseException:
+            future.cancel()  # this thread is interrupted: the build stops with it
+            raise
         self.count(f"{build.library}:builds")
 
     def _run_here(self, build: Build, run_here: Callable[[], None]) -> None:

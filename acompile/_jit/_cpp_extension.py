@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from acompile._jit._library import Unsupported
-from acompile._jit._ninja import Build, package_roots, standard_roots
+from acompile._jit._ninja import Build, package_roots, package_versions, standard_roots
 
 if TYPE_CHECKING:
     from acompile._jit._builds import ServedBuilds
@@ -75,10 +75,11 @@ def install(builds: ServedBuilds) -> Callable[[], None]:
             name=os.path.basename(folder),
             folder=folder,
             build_file="build.ninja",
-            parts={"torch": str(torch.__version__)},
+            parts={"torch": str(torch.__version__), **package_versions("torch")},
             roots=standard_roots(folder, *roots),
             env=dict(os.environ),
             ninja=shutil.which("ninja") or "ninja",
+            jobs=ext._get_num_workers(verbose) if hasattr(ext, "_get_num_workers") else None,
         )
 
         def failed(log: str) -> Exception:
@@ -109,14 +110,26 @@ class KernelBaton:
         self.fd: int | None = None
 
     def try_acquire(self) -> bool:
-        fd = os.open(self.lock_file_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        self.fd = fd
-        return True
+        while True:
+            fd = os.open(self.lock_file_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return False
+            # The holder before may have removed the file between our open and our lock: this
+            # lock is then on a file nobody else will open. Only the file at the path counts.
+            try:
+                here = os.stat(self.lock_file_path, follow_symlinks=False)
+            except FileNotFoundError:
+                os.close(fd)
+                continue
+            mine = os.fstat(fd)
+            if (here.st_dev, here.st_ino) != (mine.st_dev, mine.st_ino):
+                os.close(fd)
+                continue
+            self.fd = fd
+            return True
 
     def wait(self) -> None:
         """Until the holder lets go (or dies): then its library is built, or the next one

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from acompile._jit._library import Unsupported
-from acompile._jit._ninja import Build, package_roots, standard_roots
+from acompile._jit._ninja import Build, package_roots, package_versions, standard_roots
 
 if TYPE_CHECKING:
     from acompile._jit._builds import ServedBuilds
@@ -68,6 +68,7 @@ def install(builds: ServedBuilds) -> Callable[[], None]:
     # The packages whose headers the builds include, each a root of its own: the same files at
     # another install path (another venv, a --target folder, PYTHONPATH) give the same key.
     packages = package_roots("flashinfer", "tvm_ffi")
+    jobs: Callable[[], int | None] | None = getattr(cpp_ext, "_get_num_workers", None)  # MAX_JOBS
     workspace = getattr(fi_env, "FLASHINFER_WORKSPACE_DIR", None)
     if workspace is None:
         raise Unsupported(f"flashinfer {release} has no FLASHINFER_WORKSPACE_DIR")
@@ -76,6 +77,11 @@ def install(builds: ServedBuilds) -> Callable[[], None]:
         def run_here() -> None:
             original(workdir, ninja_file, verbose, *args, **kwargs)
 
+        if args or kwargs:
+            # A call JitSpec.build() does not make: build_jit_specs' one ninja over every module
+            # (ahead of time, max_jobs given), which is FlashInfer's own.
+            run_here()
+            return
         Path(workdir).mkdir(parents=True, exist_ok=True)
         folder = os.path.realpath(workdir)
         build = Build(
@@ -83,10 +89,11 @@ def install(builds: ServedBuilds) -> Callable[[], None]:
             name=os.path.basename(folder),
             folder=folder,
             build_file=os.path.realpath(ninja_file),
-            parts={"flashinfer": release},
+            parts=package_versions("flashinfer-python", "apache-tvm-ffi"),
             roots=standard_roots(folder, ("flashinfer_workspace", str(workspace)), *packages),
             env=dict(os.environ),
             ninja=shutil.which("ninja") or "ninja",
+            jobs=jobs() if jobs is not None else None,
         )
 
         def failed(log: str) -> Exception:

@@ -30,6 +30,7 @@ import platform
 import re
 import shlex
 import shutil
+import stat
 import subprocess
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ class Build:
             in them; a path inside one is keyed relative to it.
         env: the environment the library's ninja would run with (the job runs with it).
         ninja: the ninja program the library would run.
+        jobs: ninja's ``-j`` as the library would give it (its ``MAX_JOBS``), or None.
     """
 
     library: str
@@ -70,6 +72,7 @@ class Build:
     roots: tuple[tuple[str, str], ...]
     env: Mapping[str, str] = field(repr=False, default_factory=dict)
     ninja: str = "ninja"
+    jobs: int | None = None
 
     def ninja_command(self, *args: str) -> list[str]:
         return [self.ninja, "-C", self.folder, "-f", self.build_file, *args]
@@ -93,9 +96,10 @@ def standard_roots(build_folder: str, *extra: tuple[str, str]) -> tuple[tuple[st
     import tempfile
 
     named: list[tuple[str, str]] = [("build", build_folder), *extra]
-    for scheme in ("purelib", "platlib"):
+    # Two names: on some systems the two differ (lib, lib64), and a name must say one folder.
+    for scheme, name in (("purelib", "site"), ("platlib", "platsite")):
         with contextlib.suppress(KeyError):
-            named.append(("site", sysconfig.get_paths()[scheme]))
+            named.append((name, sysconfig.get_paths()[scheme]))
     import sys
 
     named += [("prefix", sys.prefix), ("python", sys.base_prefix)]
@@ -130,6 +134,20 @@ def package_roots(*names: str) -> tuple[tuple[str, str], ...]:
     return tuple(roots)
 
 
+def package_versions(*distributions: str) -> dict[str, str]:
+    """The installed versions of ``distributions`` (a key part: headers a compile reads without
+    the compiler listing them, from ``-isystem`` folders, are these packages' own)."""
+    from importlib import metadata
+
+    versions = {}
+    for name in distributions:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "absent"
+    return versions
+
+
 def read_graph(build: Build) -> Graph:
     """The build as ninja sees it (ninja expands its own variables). Raises ``BuildUnreadable``."""
     commands = _ninja_out(build, "-t", "commands").splitlines()
@@ -153,14 +171,27 @@ def read_graph(build: Build) -> Graph:
 
 def read_deps(build: Build, graph: Graph) -> list[str]:
     """Every file the compilers read, as ninja recorded it from their dependency output, as
-    absolute paths; outputs of the build itself left out."""
+    absolute paths; outputs of the build itself left out.
+
+    Raises ``BuildUnreadable`` where a compile step recorded none (a build file without
+    ``deps = gcc``, nvcc told not to write them): its key would not hold its headers, and a
+    changed header would be served the old module."""
     text = _ninja_out(build, "-t", "deps")
     files: set[str] = set()
+    recorded: set[str] = set()
     for line in text.splitlines():
         if line.startswith((" ", "\t")):
             path = line.strip()
             if path:
                 files.add(_absolute(build.folder, path))
+        elif line.strip():
+            target, _, counts = line.partition(": #deps ")
+            if counts and not counts.startswith("0,"):
+                recorded.add(_absolute(build.folder, target))
+    # Every step whose output another step reads (an object the link takes) compiled something.
+    for step in sorted(graph.outputs - set(graph.products)):
+        if step.endswith((".o", ".obj")) and step not in recorded:
+            raise BuildUnreadable(f"ninja recorded no headers for {os.path.basename(step)}")
     return sorted(files - graph.outputs)
 
 
@@ -182,9 +213,40 @@ def direct_parts(build: Build, graph: Graph) -> dict[str, Any]:
         "library": dict(build.parts),
         "commands": commands,
         "compilers": sorted(_identity(c) for c in compilers),
+        "environment": _keyed_environment(build),
+        "python": platform.python_version(),
         "machine": platform.machine(),
         "format": FORMAT,
     }
+
+
+# What the compilers and the linker read from the environment that changes what they make:
+# nvcc's extra flags and host compiler, the header and library search paths (their order decides
+# which of two same-named files is used; the manifest names the headers found, not the link's
+# libraries).
+_KEYED_ENVIRONMENT = (
+    "NVCC_PREPEND_FLAGS",
+    "NVCC_APPEND_FLAGS",
+    "NVCC_CCBIN",
+    "CPATH",
+    "C_INCLUDE_PATH",
+    "CPLUS_INCLUDE_PATH",
+    "LIBRARY_PATH",
+)
+
+
+def _keyed_environment(build: Build) -> dict[str, str]:
+    env = build.env
+    keyed = {}
+    for name in _KEYED_ENVIRONMENT:
+        value = env.get(name)
+        if value:
+            if name.endswith("PATH"):
+                value = os.pathsep.join(
+                    relative_name(p, build.roots) if os.path.isabs(p) else p for p in value.split(os.pathsep)
+                )
+            keyed[name] = value
+    return keyed
 
 
 def full_parts(direct_key: str, build: Build, deps: Sequence[str]) -> dict[str, Any] | None:
@@ -232,17 +294,31 @@ def resolve_name(name: str, roots: Iterable[tuple[str, str]]) -> str | None:
     return folder + rest
 
 
+# A header larger than this is not one: such a name is not keyed (a miss, and a build).
+_MAX_KEYED_FILE = 256 << 20
+
+
 def file_digest(path: str) -> str:
-    """SHA-256 of a file's content, memoized by (path, size, mtime, inode): a process that keys
-    several builds reads each header once."""
+    """SHA-256 of a regular file's content, memoized by (path, size, mtime, inode): a process
+    that keys several builds reads each header once. Raises ``OSError`` for anything else (a
+    FIFO or a device would block or never end) and for a file over 256 MiB."""
     info = os.stat(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise OSError(f"{path} is not a regular file")
+    if info.st_size > _MAX_KEYED_FILE:
+        raise OSError(f"{path} is over {_MAX_KEYED_FILE >> 20} MiB")
     return _digest(path, info.st_size, info.st_mtime_ns, info.st_ino)
 
 
 @functools.lru_cache(maxsize=65536)
 def _digest(path: str, size: int, mtime_ns: int, inode: int) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    # Non-blocking: a file swapped for a FIFO since the stat above fails instead of hanging.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    with open(fd, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
@@ -322,7 +398,7 @@ def _compilers(tokens: Sequence[str]) -> set[str]:
         if token.startswith("--compiler-bindir="):
             found.add(token.split("=", 1)[1])
     if any(t.endswith("nvcc") for t in found):
-        found.add("c++")  # nvcc's default host compiler
+        found.update(("gcc", "g++"))  # nvcc's default host compilers, from PATH
     return found
 
 

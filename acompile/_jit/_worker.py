@@ -19,6 +19,8 @@ from typing import Any
 
 from acompile._errors import CompileError
 
+# The backend a CompileError names where ninja itself failed (the compiler refused the module).
+NINJA_FAILED = "ninja"
 # ninja's output kept for the error of a failed build (the compiler's message is at its end).
 _LOG_TAIL = 64 * 1024
 
@@ -39,8 +41,11 @@ def compile(payload: bytes) -> bytes:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
     started = time.perf_counter()
+    command = [job["ninja"], "-v", "-C", job["folder"], "-f", job["build_file"]]
+    if job.get("jobs"):
+        command += ["-j", str(int(job["jobs"]))]
     done = subprocess.run(
-        [job["ninja"], "-v", "-C", job["folder"], "-f", job["build_file"]],
+        command,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
@@ -49,10 +54,12 @@ def compile(payload: bytes) -> bytes:
     )
     output = done.stdout.decode(errors="replace")
     if done.returncode != 0:
+        # backend "ninja": the build itself failed (the compiler's message is in the log); any
+        # other error of this job is the pool's or the worker's, and the library then builds.
         raise CompileError(
             f"ninja failed to build {job['name']!r} (exit status {done.returncode})",
             kernel=job["name"],
-            backend="jit",
+            backend=NINJA_FAILED,
             log=output[-_LOG_TAIL:],
         )
     return json.dumps({"seconds": time.perf_counter() - started}).encode()

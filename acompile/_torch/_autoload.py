@@ -33,6 +33,7 @@ TRIGGER = "torch._inductor.compile_fx"
 
 logger = logging.getLogger("acompile")
 _started = threading.Event()
+_start_lock = threading.Lock()
 # What serves torch.compile: ``acompile.inductor.serve``, which ``acompile.inductor`` hands in
 # as it is imported (``serve_with``): it is the layer above this one, which this module does not
 # import. It is always here by the time torch calls ``autoload``: torch imports this module by
@@ -72,9 +73,12 @@ def _in_inductor_worker() -> bool:
 
 
 def _serve(options: dict[str, Any]) -> None:
-    if _started.is_set():
-        return
-    _started.set()
+    # Several imports may start serving (Inductor's compiler, a JIT library's), on two threads
+    # at once: one serves.
+    with _start_lock:
+        if _started.is_set():
+            return
+        _started.set()
     verbose = os.environ.get("ACOMPILE_RUN_VERBOSE") == "1"
     if verbose and not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
@@ -168,7 +172,8 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             with _waiting_lock:
                 callbacks = _waiting.pop(fullname, [])
                 if not _waiting and _FINDER in sys.meta_path:
-                    sys.meta_path.remove(_FINDER)
+                    # A new list, not one changed in place under another thread's import.
+                    sys.meta_path = [f for f in sys.meta_path if f is not _FINDER]
             for callback in callbacks:
                 try:
                     callback()

@@ -108,6 +108,7 @@ class Served:
         self.host = host
         self.counts: Counter[str] = Counter()
         self.ready = threading.Event()  # the pool had every worker ready once
+        self.not_ready = threading.Event()  # its workers failed to start: it will not be ready
         self._lock = threading.Lock()
         self._warned: set[str] = set()
         self._pending: set[concurrent.futures.Future[Any]] = set()
