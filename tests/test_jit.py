@@ -347,3 +347,75 @@ def test_a_program_that_knows_nothing_of_acompile_is_served_through_acompile_run
         lines.append([line for line in done.stderr.splitlines() if "served cpp_extension" in line])
     assert lines[0] and "from the tiers 0, built on the pool 1" in lines[0][0], lines
     assert lines[1] and "from the tiers 1, built on the pool 0, built here 0" in lines[1][0], lines
+
+
+def test_a_pool_limit_is_not_the_librarys_error_the_library_builds_it(
+    tmp_path: Path, source: tuple[Path, Path]
+) -> None:
+    """A job the pool stops (here its time limit, 0.05 s: shorter than any build) is the pool's
+    fault, not the compiler's: torch builds the extension itself, and it works."""
+    options = {"workers": 1, "jits": ["cpp_extension"], "max_compile_seconds": 0.05}
+    report = build_in(machine(tmp_path, "m"), options, source)
+    assert report.get("answer") == 42, report
+    assert report["jit"]["local_builds"] == 1 and report["jit"]["failed"] == 0
+    assert report["jit"]["puts"] == 1  # built here, and still published
+
+
+def test_headers_are_read_only_as_regular_files(tmp_path: Path) -> None:
+    """A manifest naming a FIFO (or one swapped in for a header) is a miss, never a read that
+    blocks the library's thread."""
+    from acompile._jit._ninja import Build, full_parts
+
+    fifo = tmp_path / "header.h"
+    os.mkfifo(fifo)
+    build = Build("lib", "m", str(tmp_path), "build.ninja", {}, (("build", str(tmp_path.resolve())),))
+    assert full_parts("direct", build, ["<build>/header.h"]) is None
+    assert full_parts("direct", build, ["/dev/zero"]) is None
+
+
+def test_a_build_that_records_no_headers_is_not_published(tmp_path: Path) -> None:
+    """Without the compilers' dependency output the key would not hold the headers: such a build
+    is not keyed for the fleet (a changed header would be served the old module)."""
+    import subprocess as sp
+
+    from acompile._jit._ninja import Build, BuildUnreadable, read_deps, read_graph, standard_roots
+
+    (tmp_path / "a.c").write_text('#include "a.h"\nint a(void) { return A; }\n')
+    (tmp_path / "a.h").write_text("#define A 1\n")
+    rules = {
+        "with": "rule cc\n  command = gcc -MMD -MF $out.d -fPIC -c $in -o $out\n  depfile = $out.d\n  deps = gcc\n",
+        "without": "rule cc\n  command = gcc -fPIC -c $in -o $out\n",
+    }
+    for name, rule in rules.items():
+        (tmp_path / "build.ninja").write_text(
+            rule + "rule link\n  command = gcc -shared $in -o $out\n"
+            f"build {name}.o: cc {tmp_path}/a.c\nbuild {name}.so: link {name}.o\n"
+        )
+        sp.run(["ninja", "-C", str(tmp_path)], check=True, capture_output=True)
+        build = Build("lib", name, str(tmp_path), "build.ninja", {}, standard_roots(str(tmp_path)))
+        graph = read_graph(build)
+        if name == "with":
+            assert str((tmp_path / "a.h").resolve()) in read_deps(build, graph)
+        else:
+            with pytest.raises(BuildUnreadable, match="recorded no headers"):
+                read_deps(build, graph)
+
+
+def test_the_environment_the_compilers_read_is_in_the_key(tmp_path: Path) -> None:
+    from acompile._jit import _ninja
+
+    (tmp_path / "a.cpp").write_text("int a;\n")
+    (tmp_path / "build.ninja").write_text(
+        f"rule cc\n  command = g++ -c $in -o $out\nbuild a.o: cc {tmp_path}/a.cpp\n"
+    )
+
+    def key(**env: str) -> dict[str, Any]:
+        build = _ninja.Build(
+            "lib", "m", str(tmp_path), "build.ninja", {}, _ninja.standard_roots(str(tmp_path)), env
+        )
+        return _ninja.direct_parts(build, _ninja.read_graph(build))
+
+    plain = key()
+    assert key(NVCC_APPEND_FLAGS="-G") != plain
+    assert key(CPATH="/opt/a:/opt/b") != key(CPATH="/opt/b:/opt/a")
+    assert key(UNRELATED="x") == plain
