@@ -409,9 +409,18 @@ def test_the_environment_the_compilers_read_is_in_the_key(tmp_path: Path) -> Non
         f"rule cc\n  command = g++ -c $in -o $out\nbuild a.o: cc {tmp_path}/a.cpp\n"
     )
 
+    # The library's environment (ninja found on its PATH), less the variables tried here.
+    base = {k: v for k, v in os.environ.items() if k not in ("NVCC_APPEND_FLAGS", "CPATH")}
+
     def key(**env: str) -> dict[str, Any]:
         build = _ninja.Build(
-            "lib", "m", str(tmp_path), "build.ninja", {}, _ninja.standard_roots(str(tmp_path)), env
+            "lib",
+            "m",
+            str(tmp_path),
+            "build.ninja",
+            {},
+            _ninja.standard_roots(str(tmp_path)),
+            {**base, **env},
         )
         return _ninja.direct_parts(build, _ninja.read_graph(build))
 
