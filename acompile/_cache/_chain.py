@@ -55,8 +55,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("acompile")
 
-# Entries at least this large are verified on a thread: hashing them would stall the loop
-# (SHA-256 runs at about 1 GB/s: 256 KiB is some 0.25 ms). Verified all the same.
+# Entries at least this large are verified (and records encoded) on a thread: hashing them would
+# stall the loop (SHA-256 runs at about 1 GB/s: 256 KiB is some 0.25 ms). Verified all the same.
 _VERIFY_INLINE_MAX = 256 * 1024
 
 # What stats()["cache"] says of a tier that is not configured (CacheStats's keys).
@@ -375,7 +375,11 @@ class TierChain:
         background; a lease ``claim(key)`` holds is given back once they have it. Raises
         ``PoolClosedError`` outside the pool's life."""
         self._check_accepting()
-        data = Entry(key=key, backend=backend, name=name, blobs=blobs, meta=meta).encode()
+        entry = Entry(key=key, backend=backend, name=name, blobs=blobs, meta=meta)
+        # A record of megabytes (a JIT library's module, torch's Mega-Cache) is hashed as it is
+        # encoded: on a thread, not the loop.
+        big = sum(len(b) for b in blobs.values()) >= _VERIFY_INLINE_MAX
+        data = await anyio.to_thread.run_sync(entry.encode) if big else entry.encode()
         await self.local.set(key, data)
         claimed = self._claims.pop(key, None)
         if claimed is not None:
