@@ -127,7 +127,9 @@ def _main(argv: list[str]) -> int:
         epilog=WARMUP_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    warm.add_argument("manifest", type=Path, help="a TOML file of [[kernel]] (and [[torch]]) entries")
+    warm.add_argument(
+        "manifest", type=Path, help="a TOML file of [[kernel]] (and [[torch]], [[flashinfer]]) entries"
+    )
     warm.add_argument(
         "--workers", type=_positive_int, default=None, help="worker processes (default: usable CPUs)"
     )
@@ -154,7 +156,8 @@ def _main(argv: list[str]) -> int:
         "--shared-cache",
         default=os.environ.get("ACOMPILE_SHARED_CACHE"),
         help="also fill a shared tier, e.g. redis://host:6379/0 (default: $ACOMPILE_SHARED_CACHE); "
-        "entries are signed with $ACOMPILE_SIGNING_KEY when it is set",
+        "entries are signed with $ACOMPILE_SIGNING_KEY when it is set (required for [[torch]] and "
+        "[[flashinfer]] entries: they hold code)",
     )
     warm.add_argument(
         "--require-shared",
@@ -228,11 +231,12 @@ def _main(argv: list[str]) -> int:
 
     run = sub.add_parser(
         "run",
-        help="run a command with its torch.compile served by acompile",
+        help="run a command with its torch.compile, FlashInfer and torch extensions served by acompile",
         description="Run COMMAND with torch.compile served by acompile in each of its Python "
         "processes that compiles (docs/torch.md): Inductor's caches on acompile's tiers, its "
-        "compiles on a pool's workers. The program needs no change; acompile must be installed "
-        "in the Python environment it runs in.",
+        "compiles on a pool's workers; and FlashInfer's modules and torch's C++/CUDA extensions "
+        "from the tiers or built once on the pool (docs/jit.md). The program needs no change; "
+        "acompile must be installed in the Python environment it runs in.",
         epilog="example: acompile run --shared-cache redis://cache:6379/0 -- vllm serve MODEL",
     )
     run.add_argument(
@@ -692,12 +696,12 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
         there = shared.get("torch_entries", 0) - shared.get("torch_missing", 0)
         print(
             f"shared tier {_shown(args.shared_cache)}: {there} of {shared.get('torch_entries', 0)} "
-            "torch.compile entries there",
+            f"{_served_what(args)} entries there",
             file=sys.stdout,
         )
         if shared.get("torch_missing") and args.require_shared:
             print(
-                f"acompile warmup: {shared['torch_missing']} torch.compile entries did not reach the "
+                f"acompile warmup: {shared['torch_missing']} {_served_what(args)} entries did not reach the "
                 f"shared tier {_shown(args.shared_cache)}",
                 file=sys.stderr,
             )
@@ -730,11 +734,14 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
             print(f"  signed: namespace {namespace} (the id of $ACOMPILE_SIGNING_KEY)", file=sys.stdout)
         if shared.get("torch_entries"):
             there = shared["torch_entries"] - shared["torch_missing"]
-            print(f"  and {there} of {shared['torch_entries']} torch.compile entries there", file=sys.stdout)
+            print(
+                f"  and {there} of {shared['torch_entries']} {_served_what(args)} entries there",
+                file=sys.stdout,
+            )
         if shared.get("torch_missing") and args.require_shared:
             print(
-                f"acompile warmup: {shared['torch_missing']} of {shared['torch_entries']} torch.compile "
-                f"entries did not reach the shared tier {_shown(args.shared_cache)}",
+                f"acompile warmup: {shared['torch_missing']} of {shared['torch_entries']} "
+                f"{_served_what(args)} entries did not reach the shared tier {_shown(args.shared_cache)}",
                 file=sys.stderr,
             )
             ok = False
@@ -803,6 +810,12 @@ async def _warm_models(
             models.append(row)
             progress.advance(row["result"])
         return serving.written()
+
+
+def _served_what(args: argparse.Namespace) -> str:
+    """What the entries warm-up checks in the shared tier (besides kernels) are of."""
+    kinds = [what for what, there in (("torch.compile", args.models), ("FlashInfer", args.jits)) if there]
+    return " and ".join(kinds) or "served"
 
 
 async def _warm_flashinfer(

@@ -124,6 +124,10 @@ def test_a_second_machine_loads_the_module_from_the_fleet_with_no_nvcc_run(
     assert first.get("loaded") is True, first
     assert first["jit"]["builds"] == 1 and first["jit"]["puts"] == 1 and first["nvcc"] >= 1
     second_env = machine(tmp_path, "second", toolchain)
+    # Its own search paths (a GPU replica has no wheel headers or stub where the builder had):
+    # not part of the key, the headers found through them are.
+    second_env["CPATH"] = os.pathsep.join([str(tmp_path / "elsewhere"), toolchain["CPATH"]])
+    second_env["LIBRARY_PATH"] = os.pathsep.join(reversed(toolchain["LIBRARY_PATH"].split(os.pathsep)))
     second = build_in(second_env, served(redis_server.url))
     assert second.get("loaded") is True, second
     # Nothing built: no nvcc run, the module from the shared tier, where FlashInfer loads it.

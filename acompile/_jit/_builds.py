@@ -122,7 +122,8 @@ class ServedBuilds:
         lib = build.library
         try:
             graph = read_graph(build)
-            direct_key = make_key(direct_parts(build, graph))
+            direct = direct_parts(build, graph)
+            direct_key = make_key(direct)
         except (BuildUnreadable, OSError) as exc:
             self.served.warn_once(
                 f"{lib}-unreadable",
@@ -138,16 +139,17 @@ class ServedBuilds:
         with self._lock:
             key_lock = self._building.setdefault(direct_key, threading.Lock())
         with key_lock:
-            self._run_keyed(build, graph, direct_key, run_here, failed)
+            self._run_keyed(build, graph, direct, run_here, failed)
 
     def _run_keyed(
         self,
         build: Build,
         graph: Graph,
-        direct_key: str,
+        direct: dict[str, Any],
         run_here: Callable[[], None],
         failed: Callable[[str], Exception],
     ) -> None:
+        direct_key = make_key(direct)
         if self._fetch(build, graph, direct_key, fleet=False):
             return
         try:
@@ -176,7 +178,7 @@ class ServedBuilds:
             with contextlib.suppress(Exception):
                 self.served.host.portal.spawn(_release, self.served.host.release, direct_key)
             raise
-        self._publish(build, graph, direct_key)
+        self._publish(build, graph, direct)
 
     def _fetch(self, build: Build, graph: Graph, direct_key: str, *, fleet: bool) -> bool:
         """Write the module's products from the tiers; False on a miss or any fault."""
@@ -254,6 +256,7 @@ class ServedBuilds:
         if not started.wait(5.0) and not future.done():
             future.cancel()
             raise PortalTimeout("the pool's event loop did not take the build", True)
+        started_at = time.perf_counter()
         try:
             future.result()
         except CompileError as exc:
@@ -265,6 +268,12 @@ class ServedBuilds:
             future.cancel()  # this thread is interrupted: the build stops with it
             raise
         self.count(f"{build.library}:builds")
+        logger.info(
+            "acompile: %s module %s built on the pool in %.1f s",
+            build.library,
+            build.name,
+            time.perf_counter() - started_at,
+        )
 
     def _run_here(self, build: Build, run_here: Callable[[], None]) -> None:
         run_here()
@@ -283,10 +292,11 @@ class ServedBuilds:
             build.name,
         )
 
-    def _publish(self, build: Build, graph: Graph, direct_key: str) -> None:
+    def _publish(self, build: Build, graph: Graph, direct: dict[str, Any]) -> None:
         """The products under the full key, then the manifest under the direct key (a replica
         that reads the manifest finds the module)."""
         lib = build.library
+        direct_key = make_key(direct)
         try:
             deps = [relative_name(p, build.roots) for p in read_deps(build, graph)]
             parts = full_parts(direct_key, build, deps)
@@ -308,12 +318,17 @@ class ServedBuilds:
             "library": lib,
             "module": build.name,
             "products": [relative_name(p, build.roots) for p in graph.products],
+            # What the key was made of (acompile cache explain): the direct key and every file.
+            "key_parts": parts,
         }
         host = self.served.host
         self.count(f"{lib}:puts")
         with self._lock:
             self.keys.update((direct_key, key))
-        self.served.keep(host.portal.spawn(_store_both, host.store, key, blobs, meta, direct_key, deps), lib)
+        manifest_meta = {"module": build.name, "key_parts": direct}
+        self.served.keep(
+            host.portal.spawn(_store_both, host.store, key, blobs, meta, direct_key, deps, manifest_meta), lib
+        )
 
 
 async def _store_both(
@@ -323,11 +338,10 @@ async def _store_both(
     meta: dict[str, Any],
     direct_key: str,
     deps: list[str],
+    manifest_meta: dict[str, Any],
 ) -> None:
     await store(key, MODULE, blobs, meta, backend=BACKEND)
-    await store(
-        direct_key, MANIFEST, {"deps": json.dumps(deps).encode()}, {"module": meta["module"]}, backend=BACKEND
-    )
+    await store(direct_key, MANIFEST, {"deps": json.dumps(deps).encode()}, manifest_meta, backend=BACKEND)
 
 
 async def _release(release: Callable[[str], None], key: str) -> None:

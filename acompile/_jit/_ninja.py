@@ -220,32 +220,21 @@ def direct_parts(build: Build, graph: Graph) -> dict[str, Any]:
     }
 
 
-# What the compilers and the linker read from the environment that changes what they make:
-# nvcc's extra flags and host compiler, the header and library search paths (their order decides
-# which of two same-named files is used; the manifest names the headers found, not the link's
-# libraries).
-_KEYED_ENVIRONMENT = (
-    "NVCC_PREPEND_FLAGS",
-    "NVCC_APPEND_FLAGS",
-    "NVCC_CCBIN",
-    "CPATH",
-    "C_INCLUDE_PATH",
-    "CPLUS_INCLUDE_PATH",
-    "LIBRARY_PATH",
-)
+# What the compilers read from the environment that changes what they make: nvcc's extra flags
+# and host compiler. Not the search paths (CPATH, LIBRARY_PATH ...): a box without a GPU that
+# warms a fleet up has its own (the headers of wheels, a libcuda stub), and what they change is
+# keyed already: the headers found through them are in the manifest by content, and the CUDA
+# runtime a module links follows the nvcc release, which is in the key.
+_KEYED_ENVIRONMENT = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "NVCC_CCBIN")
 
 
 def _keyed_environment(build: Build) -> dict[str, str]:
-    env = build.env
     keyed = {}
     for name in _KEYED_ENVIRONMENT:
-        value = env.get(name)
+        value = build.env.get(name)
         if value:
-            if name.endswith("PATH"):
-                value = os.pathsep.join(
-                    relative_name(p, build.roots) if os.path.isabs(p) else p for p in value.split(os.pathsep)
-                )
-            keyed[name] = value
+            # A host compiler named by path: the compiler's identity is what counts.
+            keyed[name] = _identity(value) if name == "NVCC_CCBIN" else value
     return keyed
 
 
