@@ -430,3 +430,142 @@ def test_the_environment_the_compilers_read_is_in_the_key(tmp_path: Path) -> Non
     # found through them are keyed by content, in the manifest).
     assert key(CPATH="/opt/a:/opt/b") == key(CPATH="/opt/b") == plain
     assert key(UNRELATED="x") == plain
+
+
+SLOW_SOURCE = """
+#include "answer.h"
+constexpr long f() { long s = 0; for (long i = 0; i < 60000000L; i++) s += (i * i) % 7; return s; }
+constexpr long v = f();
+extern "C" int answer() { return ANSWER + OFFSET + (int)(v % 1); }
+"""
+
+
+def _processes_naming(text: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline and int(pid) != os.getpid() and " -m pytest" not in cmdline:
+            found.append(f"{pid}: {cmdline[:200]}")
+    return found
+
+
+def test_a_server_killed_mid_build_leaves_no_compiler_running(
+    tmp_path: Path, source: tuple[Path, Path]
+) -> None:
+    """ninja runs each command in a process group of its own: a served process SIGKILLed while
+    its pool builds must still take the compilers with it (one left would write an old object
+    into the folder under the next build)."""
+    import signal
+    import time
+
+    source[0].write_text(SLOW_SOURCE)
+    env = machine(tmp_path, "m")
+    options = {"workers": 1, "jits": ["cpp_extension"]}
+    options_json = json.dumps(options)
+    flags = ["-fconstexpr-loop-limit=2000000000", "-fconstexpr-ops-limit=100000000000"]
+    code = (
+        "import sys, jit_machine\n"
+        f"sys.argv = ['x', {options_json!r}, {str(source[0])!r}, '42 {' '.join(flags)}', {str(source[1])!r}]\n"
+        "jit_machine.main()\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=subprocess_env(**env),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not any("cc1plus" in p for p in _processes_naming(str(source[0]))):
+            assert child.poll() is None, "the build ended before it could be killed"
+            assert time.monotonic() < deadline, "no compiler started"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        deadline = time.monotonic() + 10
+        while (left := _processes_naming(str(tmp_path))) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, left
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        for line in _processes_naming(str(tmp_path)):
+            os.kill(int(line.split(":", 1)[0]), signal.SIGKILL)
+
+
+def test_a_build_folder_of_another_user_is_neither_built_on_the_pool_nor_published(
+    tmp_path: Path, source: tuple[Path, Path]
+) -> None:
+    """What comes out of a folder another user may write (objects, a build file they put there)
+    is theirs: the library builds as without acompile, and nothing reaches the fleet's tiers."""
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    env = machine(tmp_path, "m")
+    folder = Path(env["TORCH_EXTENSIONS_DIR"]) / "answer_ext"
+    folder.mkdir(parents=True)
+    os.chown(folder, nobody.pw_uid, nobody.pw_gid)
+    folder.chmod(0o777)
+    report = build_in(env, {"workers": 1, "jits": ["cpp_extension"]}, source)
+    assert report.get("answer") == 42
+    assert report["jit"]["local_builds"] == 1 and report["jit"]["builds"] == 0 and report["jit"]["puts"] == 0
+    assert "belongs to another user" in report["stderr"]
+
+
+def test_a_lock_of_another_user_is_an_error_not_a_wait(tmp_path: Path, source: tuple[Path, Path]) -> None:
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    env = machine(tmp_path, "m")
+    folder = Path(env["TORCH_EXTENSIONS_DIR"]) / "answer_ext"
+    folder.mkdir(parents=True)
+    (folder / "lock").write_text("")
+    os.chown(folder / "lock", nobody.pw_uid, nobody.pw_gid)
+    report = build_in(env, {"workers": 1, "jits": ["cpp_extension"]}, source, timeout=60)
+    assert "belongs to another user" in report.get("error", ""), report
+
+
+def test_a_static_library_the_link_takes_is_in_the_key(
+    tmp_path: Path, redis_server: RedisServer, source: tuple[Path, Path]
+) -> None:
+    lib = tmp_path / "lib"
+    lib.mkdir()
+
+    def archive(value: int) -> None:
+        (lib / "helper.c").write_text(f"int helper(void) {{ return {value}; }}\n")
+        subprocess.run(["gcc", "-fPIC", "-c", str(lib / "helper.c"), "-o", str(lib / "helper.o")], check=True)
+        (lib / "libhelper.a").unlink(missing_ok=True)
+        subprocess.run(["ar", "rcs", str(lib / "libhelper.a"), str(lib / "helper.o")], check=True)
+
+    source[0].write_text(
+        'extern "C" int helper(void);\nextern "C" int answer() { return helper() + ANSWER; }\n'
+    )
+    code = (
+        "import sys, jit_machine\n"
+        "from torch.utils import cpp_extension\n"
+        "real = cpp_extension.load\n"
+        f"cpp_extension.load = lambda *a, **k: real(*a, extra_ldflags=['-L{lib}', '-lhelper'], **k)\n"
+        f"sys.argv = ['x', {json.dumps(served(redis_server.url))!r}, {str(source[0])!r}, '0', '']\n"
+        "jit_machine.main()\n"
+    )
+    answers = []
+    for name, value in (("first", 100), ("second", 200)):
+        archive(value)
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=subprocess_env(**machine(tmp_path, name)),
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        answers.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert [a.get("answer") for a in answers] == [100, 200], answers
+    assert answers[1]["jit"]["builds"] == 1 and answers[1]["jit"]["hits"]["shared"] == 0

@@ -120,6 +120,18 @@ class ServedBuilds:
         ``run_here`` runs the library's own ninja (where acompile cannot help); ``failed(log)``
         makes the error the library raises for a build that fails."""
         lib = build.library
+        if problem := folder_problem(build.folder):
+            # Another user could have put objects, a build file or links there that ninja takes
+            # as built: what comes out is theirs, and is neither built on the pool nor published.
+            self.served.warn_once(
+                f"{lib}-folder-{build.folder}",
+                "acompile: a %s build is not served: %s; built as without acompile",
+                lib,
+                problem,
+            )
+            self._late(build)
+            self._run_here(build, run_here)
+            return
         try:
             graph = read_graph(build)
             direct = direct_parts(build, graph)
@@ -367,6 +379,31 @@ def output_problem(path: str, data: bytes) -> str | None:
         shentsize, shnum = struct.unpack_from(order + "HH", data, 0x3A)
         if shoff + shentsize * shnum > len(data):
             return f"{name} is cut short (its section table lies past its end)"
+    return None
+
+
+def folder_problem(folder: str) -> str | None:
+    """Why a library's build folder is not one acompile builds in or publishes from (it, or a
+    folder it is in, belongs to another user or may be written by others), or None. A missing
+    folder is none: the library makes it (as this user)."""
+    path = os.path.realpath(folder)
+    while True:
+        try:
+            info = os.stat(path)
+        except FileNotFoundError:
+            parent = os.path.dirname(path)
+            if parent == path:
+                return None
+            path = parent
+            continue
+        except OSError as exc:
+            return f"{path} cannot be read ({exc})"
+        break
+    # The folder itself (or its nearest existing ancestor, which the library will make it in).
+    if info.st_uid != os.getuid():
+        return f"{path} belongs to another user (uid {info.st_uid})"
+    if info.st_mode & 0o002:
+        return f"{path} may be written by any user"
     return None
 
 

@@ -112,6 +112,15 @@ class KernelBaton:
     def try_acquire(self) -> bool:
         while True:
             fd = os.open(self.lock_file_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            mine = os.fstat(fd)
+            if mine.st_uid != os.getuid():
+                # Another user's lock in a folder they may write: waiting for it could be forever,
+                # and what they hold the folder for is theirs to decide.
+                os.close(fd)
+                raise PermissionError(
+                    f"the lock {self.lock_file_path} belongs to another user (uid {mine.st_uid}): the "
+                    "extensions folder is not this user's alone (set TORCH_EXTENSIONS_DIR to one that is)"
+                )
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -124,7 +133,6 @@ class KernelBaton:
             except FileNotFoundError:
                 os.close(fd)
                 continue
-            mine = os.fstat(fd)
             if (here.st_dev, here.st_ino) != (mine.st_dev, mine.st_ino):
                 os.close(fd)
                 continue

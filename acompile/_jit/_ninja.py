@@ -196,9 +196,11 @@ def read_deps(build: Build, graph: Graph) -> list[str]:
 
 
 def direct_parts(build: Build, graph: Graph) -> dict[str, Any]:
-    """What the direct key is made of (see the module's docstring)."""
+    """What the direct key is made of (see the module's docstring), and the static archives a
+    link takes, and the CPU where a command compiles for the one that builds (``-march=native``)."""
     commands = []
     compilers: set[str] = set()
+    archives: list[list[str]] = []
     for command in graph.commands:
         try:
             tokens = shlex.split(command)
@@ -208,7 +210,8 @@ def direct_parts(build: Build, graph: Graph) -> dict[str, Any]:
             continue
         compilers.update(_compilers(tokens))
         commands.append([_token(t, build, graph) for t in tokens])
-    return {
+        archives += _static_libraries(tokens, build)
+    parts = {
         "jit": build.library,
         "library": dict(build.parts),
         "commands": commands,
@@ -218,6 +221,47 @@ def direct_parts(build: Build, graph: Graph) -> dict[str, Any]:
         "machine": platform.machine(),
         "format": FORMAT,
     }
+    if archives:
+        parts["static_libraries"] = archives
+    if any("native" in token for command in commands for token in command):
+        # -march=native and its like compile for the CPU that builds: another CPU needs its own.
+        parts["cpu"] = _cpu_identity()
+    return parts
+
+
+def _static_libraries(tokens: Sequence[str], build: Build) -> list[list[str]]:
+    """The static archives a link takes by ``-lNAME`` from its ``-L`` folders (their code is
+    copied into the module: a changed archive is another module). Shared libraries are not
+    keyed: they are found again where the module is loaded (a GPU replica's driver ``libcuda``,
+    not the stub a box without a GPU links)."""
+    folders = [t[2:] for t in tokens if t.startswith("-L") and len(t) > 2]
+    folders += [b for a, b in itertools.pairwise(tokens) if a == "-L"]
+    found = []
+    for token in tokens:
+        if not token.startswith("-l") or len(token) <= 2 or token.startswith("-l:"):
+            continue
+        name = token[2:]
+        for folder in folders:
+            shared = os.path.join(folder, f"lib{name}.so")
+            static = os.path.join(folder, f"lib{name}.a")
+            if os.path.exists(shared):
+                break  # the linker takes the shared one first
+            if os.path.isfile(static):
+                with contextlib.suppress(OSError):
+                    found.append([relative_name(static, build.roots), file_digest(static)])
+                break
+    return found
+
+
+@functools.cache
+def _cpu_identity() -> str:
+    """This CPU's model and instruction-set flags, as the kernel reports them (a digest)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))]
+    except OSError:
+        lines = [platform.processor()]
+    return hashlib.sha256("".join(sorted(set(lines))).encode()).hexdigest()
 
 
 # What the compilers read from the environment that changes what they make: nvcc's extra flags

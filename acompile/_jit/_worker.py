@@ -3,9 +3,13 @@ the library's environment, on a pool worker instead of the library's own thread.
 
 A payload is JSON made by ``_builds.ServedBuilds`` (the folder, the build file, the ninja
 program, the environment, the products); the reply is JSON (how long it took). A build that fails
-raises ``CompileError`` carrying ninja's output. ninja and the
-compilers it starts belong to the worker's process group: stopping the job's worker (a cancel, a
-time limit, the pool's exit) stops them too.
+raises ``CompileError`` carrying ninja's output.
+
+ninja puts each command it runs in a process group of its own, so killing the worker's group (a
+cancel, a time limit, the pool's exit, the pool's process killed) would not reach the compilers:
+they would run on and write into the library's folder under the next build. So ninja runs in a
+session of its own, and is sent SIGTERM by the kernel when its worker dies, however it dies
+(``PR_SET_PDEATHSIG``); on SIGTERM ninja stops every command it runs (their groups) and exits.
 """
 
 from __future__ import annotations
@@ -13,16 +17,31 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import time
+from collections.abc import Callable
 from typing import Any
 
+from acompile import _linux
 from acompile._errors import CompileError
 
 # The backend a CompileError names where ninja itself failed (the compiler refused the module).
 NINJA_FAILED = "ninja"
 # ninja's output kept for the error of a failed build (the compiler's message is at its end).
 _LOG_TAIL = 64 * 1024
+
+
+def _dies_with(worker: int) -> Callable[[], None]:
+    """What ninja's process runs before ninja: SIGTERM at its worker's death (then ninja stops
+    its commands); a worker that died already is noticed at once."""
+
+    def arrange() -> None:
+        _linux.signal_at_parent_death(signal.SIGTERM)
+        if os.getppid() != worker:
+            os._exit(1)
+
+    return arrange
 
 
 def setup(config: Any) -> None:
@@ -51,6 +70,8 @@ def compile(payload: bytes) -> bytes:
         stdin=subprocess.DEVNULL,
         env=job["env"] or None,
         check=False,
+        start_new_session=True,  # out of the worker's group: a group kill must not SIGKILL it
+        preexec_fn=_dies_with(os.getpid()),  # the worker runs one job at a time: no thread forks
     )
     output = done.stdout.decode(errors="replace")
     if done.returncode != 0:
