@@ -1,4 +1,4 @@
-"""FlashInfer's JIT modules (``flashinfer-python`` 0.6 and 0.7), served.
+"""FlashInfer's JIT modules (``flashinfer-python`` 0.7), served.
 
 Each FlashInfer kernel module is a ``JitSpec``; an nvcc module's ``build()`` writes the module's
 ``build.ninja`` into ``<workspace>/cached_ops/<name>/`` (generated sources into
@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 
 NAME = "flashinfer"
 MODULE = "flashinfer.jit.core"
-SUPPORTED = "flashinfer-python 0.6 and 0.7"
-_RELEASES = ((0, 6), (0, 7))
+SUPPORTED = "flashinfer-python 0.7"
+_RELEASES = ((0, 7), (0, 7))
 
 
 def install(builds: ServedBuilds) -> Callable[[], None]:
