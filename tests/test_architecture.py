@@ -37,6 +37,7 @@ BASE = (
     "acompile._version",
     "acompile._lazy",
     "acompile._files",
+    "acompile._outputs",
     "acompile._linux",
     "acompile._sizing",
     "acompile._targets",

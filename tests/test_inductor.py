@@ -647,7 +647,7 @@ def test_a_served_output_is_never_written_into_a_folder_another_user_owns(tmp_pa
     nobody else may write; elsewhere Inductor builds it as it would without acompile."""
     import pwd
 
-    from acompile._torch._served import _write_output
+    from acompile._outputs import write_output as _write_output
 
     nobody = pwd.getpwnam("nobody")
     theirs = tmp_path / "theirs"
@@ -681,7 +681,8 @@ def test_a_build_killed_part_way_is_built_again_and_never_published(tmp_path: Pa
     published the stub to every machine), and a stub is never published nor served."""
     from torch._inductor.cpp_builder import CppBuilder, CppOptions
 
-    from acompile._torch._served import _output_problem, _worker_build
+    from acompile._outputs import output_problem as _output_problem
+    from acompile._torch._served import _worker_build
 
     source = tmp_path / "k.cpp"
     source.write_text('extern "C" int answer() { return 42; }\n')

@@ -45,6 +45,7 @@ from acompile._jit._ninja import (
     relative_name,
 )
 from acompile._jit._worker import NINJA_FAILED
+from acompile._outputs import output_problem, write_output
 from acompile._torch import LoopThreadError, PortalTimeout
 from acompile._workers import URGENT, Job
 
@@ -224,7 +225,7 @@ class ServedBuilds:
                 data = entry.blobs[f"product{index}"]
                 if problem := output_problem(path, data):
                     raise ValueError(problem)
-                write_product(path, data)
+                write_output(path, data)
         except (KeyError, OSError, ValueError) as exc:
             self.served.warn_once(
                 f"{lib}-output", "acompile: a served %s module is not used (%s); it is built", lib, exc
@@ -360,28 +361,6 @@ async def _release(release: Callable[[str], None], key: str) -> None:
     release(key)
 
 
-# What a whole module starts with (an ELF object or library).
-_ELF = b"\x7fELF"
-
-
-def output_problem(path: str, data: bytes) -> str | None:
-    """Why ``data`` is not a whole product for ``path``, or None."""
-    import struct
-
-    name = os.path.basename(path)
-    if not data:
-        return f"{name} is empty"
-    if path.endswith((".so", ".o")) and not data.startswith(_ELF):
-        return f"{name} is not an ELF file"
-    if data.startswith(_ELF) and len(data) >= 64 and data[4] == 2:
-        order = "<" if data[5] == 1 else ">"
-        (shoff,) = struct.unpack_from(order + "Q", data, 0x28)
-        shentsize, shnum = struct.unpack_from(order + "HH", data, 0x3A)
-        if shoff + shentsize * shnum > len(data):
-            return f"{name} is cut short (its section table lies past its end)"
-    return None
-
-
 def folder_problem(folder: str) -> str | None:
     """Why a library's build folder is not one acompile builds in or publishes from (it, or a
     folder it is in, belongs to another user or may be written by others), or None. A missing
@@ -405,28 +384,3 @@ def folder_problem(folder: str) -> str | None:
     if info.st_mode & 0o002:
         return f"{path} may be written by any user"
     return None
-
-
-def write_product(path: str, data: bytes) -> None:
-    """Put a product where the library loads it: whole or not at all, in a folder of this
-    user's that nobody else may write (else ``PermissionError``: the library builds it). An
-    identical file already there is left alone (a library that loaded it keeps its mapping)."""
-    from acompile import _files
-
-    folder, name = os.path.split(path)
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        info = os.fstat(dfd)
-        if info.st_uid != os.getuid() or info.st_mode & 0o002:
-            raise PermissionError(
-                f"{folder} is not this user's alone (uid {info.st_uid}): nothing is put there"
-            )
-        with contextlib.suppress(OSError):
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-            with os.fdopen(fd, "rb") as existing:
-                if os.fstat(fd).st_size == len(data) and existing.read() == data:
-                    return
-        _files.write_whole(name, data, mode=0o755, dir_fd=dfd)
-    finally:
-        os.close(dfd)

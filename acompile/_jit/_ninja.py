@@ -36,6 +36,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from acompile._outputs import cpu_identity
+
 # The key's format: a change to how keys are made changes this.
 FORMAT = 1
 # ninja's own queries are quick (milliseconds); this bounds a hung one.
@@ -225,7 +227,7 @@ def direct_parts(build: Build, graph: Graph) -> dict[str, Any]:
         parts["static_libraries"] = archives
     if any("native" in token for command in commands for token in command):
         # -march=native and its like compile for the CPU that builds: another CPU needs its own.
-        parts["cpu"] = _cpu_identity()
+        parts["cpu"] = cpu_identity()
     return parts
 
 
@@ -251,17 +253,6 @@ def _static_libraries(tokens: Sequence[str], build: Build) -> list[list[str]]:
                     found.append([relative_name(static, build.roots), file_digest(static)])
                 break
     return found
-
-
-@functools.cache
-def _cpu_identity() -> str:
-    """This CPU's model and instruction-set flags, as the kernel reports them (a digest)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))]
-    except OSError:
-        lines = [platform.processor()]
-    return hashlib.sha256("".join(sorted(set(lines))).encode()).hexdigest()
 
 
 # What the compilers read from the environment that changes what they make: nvcc's extra flags

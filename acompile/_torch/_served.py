@@ -43,9 +43,9 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from acompile import _files
 from acompile._cache import make_key
 from acompile._errors import PoolClosedError, PoolError
+from acompile._outputs import cpu_identity, output_problem, write_output
 from acompile._torch._caches import ENTRY_BACKEND, KINDS, cache_key, cache_parts
 from acompile._torch._host import Host
 from acompile._torch._portal import START_TIMEOUT, LoopThreadError, PortalTimeout
@@ -336,9 +336,9 @@ class Served:
         target = builders[-1].get_target_file_path()
         try:
             data = _unpacked(entry.blobs["output"], entry.meta)
-            if problem := _output_problem(target, data):
+            if problem := output_problem(target, data):
                 raise ValueError(problem)
-            _write_output(target, data)
+            write_output(target, data)
         except (KeyError, OSError, ValueError, zlib.error) as exc:
             self.warn_once("output", "a served C++ output is not used (%s); Inductor builds it", exc)
             return False
@@ -357,7 +357,7 @@ class Served:
                 data = f.read()
         except OSError:
             return
-        if problem := _output_problem(target, data):
+        if problem := output_problem(target, data):
             self.warn_once("bad-output", "a C++ build's output is not published: %s", problem)
             return
         data, meta = _packed(data, {"file": os.path.basename(target), "key_parts": parts})
@@ -657,62 +657,6 @@ def _unpacked(data: bytes, meta: dict[str, Any]) -> bytes:
     return zlib.decompress(data) if meta.get("encoding") == "zlib" else data
 
 
-# What a whole output of each kind starts with (an ELF object or library; GCC's precompiled
-# header; clang's).
-_OUTPUT_MAGIC = {".so": (b"\x7fELF",), ".o": (b"\x7fELF",), ".gch": (b"gpch",), ".pch": (b"CPCH",)}
-
-
-def _output_problem(path: str, data: bytes) -> str | None:
-    """Why ``data`` is not a whole output for ``path``, or None. A compiler writes its output in
-    place: one killed part-way leaves a start of it (or nothing), which is never served."""
-    if not data:
-        return f"{os.path.basename(path)} is empty"
-    suffix = os.path.splitext(path)[1]
-    magic = _OUTPUT_MAGIC.get(suffix)
-    if magic is not None and not data.startswith(magic):
-        return f"{os.path.basename(path)} does not start as a {suffix} file does"
-    if data.startswith(b"\x7fELF") and not _whole_elf(data):
-        return f"{os.path.basename(path)} is cut short (its section table lies past its end)"
-    return None
-
-
-def _whole_elf(data: bytes) -> bool:
-    """Whether an ELF file holds the section header table its header points to (the linker
-    writes it last): a file cut short does not."""
-    import struct
-
-    if len(data) < 16 or data[4] not in (1, 2):
-        return len(data) >= 16  # not a class this reads: taken as it is
-    order = "<" if data[5] == 1 else ">"
-    wide = data[4] == 2  # ELFCLASS64: 8-byte offsets, a 64-byte header
-    if len(data) < (64 if wide else 52):
-        return False
-    shoff: int = struct.unpack_from(order + ("Q" if wide else "I"), data, 0x28 if wide else 0x20)[0]
-    shentsize, shnum = struct.unpack_from(order + "HH", data, 0x3A if wide else 0x2E)
-    return bool(shoff + shentsize * shnum <= len(data))
-
-
-def _write_output(path: str, data: bytes) -> None:
-    """Publish a build output where Inductor looks for it: whole, or not at all, and only in a
-    folder of this user's that nobody else may write (Inductor's default cache folder is in the
-    shared /tmp, where another user may have made it, or a folder in it, first). Raises
-    ``OSError`` otherwise: the caller leaves the build to Inductor."""
-    folder, name = os.path.split(path)
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        info = os.fstat(dfd)
-        # Group-writable is allowed: a umask of 002 (a user's private group, a team's folder)
-        # makes Inductor's folders so, and Inductor writes its own builds there all the same.
-        if info.st_uid != os.getuid() or info.st_mode & 0o002:
-            raise PermissionError(
-                f"{folder} is not this user's alone (uid {info.st_uid}): nothing is put there"
-            )
-        _files.write_whole(name, data, mode=0o755, dir_fd=dfd)
-    finally:
-        os.close(dfd)
-
-
 def _build_name(builders: Sequence[Any]) -> str:
     return os.path.basename(str(builders[-1].get_target_file_path()))
 
@@ -799,19 +743,8 @@ def build_parts(builders: Sequence[Any]) -> dict[str, Any] | None:
     }
     if any("native" in token for command in commands for token in command):
         # -march=native and its like compile for the CPU that builds: another CPU needs its own.
-        parts["cpu"] = _cpu_identity()
+        parts["cpu"] = cpu_identity()
     return parts
-
-
-@functools.cache
-def _cpu_identity() -> str:
-    """This CPU's model and instruction-set flags, as the kernel reports them (a digest)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))]
-    except OSError:
-        lines = [platform.processor()]
-    return hashlib.sha256("".join(sorted(set(lines))).encode()).hexdigest()
 
 
 def _normalized(token: str, targets: list[str], folders: list[tuple[str, str]]) -> str:
