@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -147,3 +149,65 @@ def redis_server() -> object:
     server.start()
     yield server
     server.stop()
+
+
+# --- faults of the disk, made for real (root: mounts) ---------------------------------------------
+
+
+class Mounts:
+    """Mounts a test makes, all undone at its end (a busy one lazily, so none outlives it)."""
+
+    def __init__(self) -> None:
+        self.points: list[Path] = []
+
+    def _run(self, *args: str) -> None:
+        out = subprocess.run(args, capture_output=True, text=True, timeout=30)
+        if out.returncode != 0:
+            pytest.skip(f"cannot mount here ({' '.join(args)}: {out.stderr.strip()})")
+
+    def tmpfs(self, where: Path, size: str) -> None:
+        where.mkdir(parents=True, exist_ok=True)
+        self._run("mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where))
+        self.points.append(where)
+
+    def read_only(self, source: Path, where: Path) -> None:
+        where.mkdir(parents=True, exist_ok=True)
+        self._run("mount", "--bind", str(source), str(where))
+        self.points.append(where)
+        self._run("mount", "-o", "remount,bind,ro", str(where))
+
+    def undo(self) -> None:
+        for point in reversed(self.points):
+            if subprocess.run(["umount", str(point)], capture_output=True, timeout=30).returncode != 0:
+                subprocess.run(["umount", "-l", str(point)], capture_output=True, timeout=30)
+        mounted = Path("/proc/self/mounts").read_text()
+        assert not [p for p in self.points if f" {p} " in mounted], "a mount outlived its test"
+
+
+@pytest.fixture
+def mounts() -> Iterator[Mounts]:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only folder or a small tmpfs needs root")
+    made = Mounts()
+    try:
+        yield made
+    finally:
+        made.undo()
+
+
+def fill(folder: Path, leave: int) -> None:
+    """Fill the filesystem of folder, then give back `leave` bytes of room."""
+    filler = folder / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        chunk = b"\0" * 65536
+        size = 0
+        while True:
+            try:
+                size += os.write(fd, chunk)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+                break
+        os.ftruncate(fd, max(0, size - leave))
+    finally:
+        os.close(fd)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, RedisServer, subprocess_env
+from conftest import ROOT, Mounts, RedisServer, fill, subprocess_env
 
 pytestmark = pytest.mark.slow
 KEY = "j" * 32
@@ -170,6 +170,29 @@ def test_an_unreachable_tier_is_a_miss_and_the_build_goes_on(
     assert report.get("answer") == 42 and report["jit"]["builds"] == 1
 
 
+def test_a_full_cache_disk_costs_the_cache_not_the_library(
+    tmp_path: Path, redis_server: RedisServer, source: tuple[Path, Path], mounts: Mounts
+) -> None:
+    """acompile's cache folder on a disk with no room (a tmpfs filled up, for real): a module
+    found in the fleet's tier is still written where the library loads it, and one that is not
+    there is still built on the pool and loaded; only the disk tier's copies are lost."""
+    first = build_in(machine(tmp_path, "first"), served(redis_server.url), source)
+    assert first.get("answer") == 42 and first["jit"]["builds"] == 1
+    for name, options in (("full-hit", served(redis_server.url)), ("full-build", served(None))):
+        env = machine(tmp_path, name)
+        cache = Path(env["ACOMPILE_CACHE_DIR"])
+        mounts.tmpfs(cache, "1m")
+        fill(cache, leave=4096)
+        report = build_in(env, options, source)
+        assert report.get("answer") == 42, report
+        jit = report["jit"]
+        if name == "full-hit":
+            assert jit["hits"]["shared"] == 1 and jit["builds"] == 0, jit
+        else:
+            assert jit["builds"] == 1 and jit["local_builds"] == 0, jit
+        assert "No space left" in report["stderr"], report["stderr"][-3000:]
+
+
 def test_a_lock_left_by_a_killed_builder_holds_nobody(tmp_path: Path, source: tuple[Path, Path]) -> None:
     """torch's lock is a file its builder removes: one killed mid-build leaves it, and torch
     alone then waits for it forever. Served, the lock is the kernel's, and the file is none."""
@@ -245,6 +268,43 @@ def test_each_library_is_triggered_by_its_own_module() -> None:
 
     modules = [_library.library(name).MODULE for name in _library.LIBRARIES]
     assert tuple(modules) == _library.TRIGGERS
+
+
+def test_serving_that_starts_inside_the_import_of_its_trigger_waits_for_that_import_to_end(
+    tmp_path: Path,
+) -> None:
+    """FlashInfer's ``jit.core`` imports torch (through tvm_ffi), and torch's import is where
+    ``acompile run`` starts serving: the trigger module is half made then, its import lock held.
+    Serving begins once that import has ended (it patches what the module defines at its end),
+    and what it starts on other threads may import (a pool's thread imports its backends): it
+    used to hang there for good. Here ``pkg.core`` plays ``jit.core``, ``fakelib`` torch, and
+    ``user`` a module of the pool's that imports torch."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from . import core\nfrom . import after\n")
+    (pkg / "core.py").write_text("import fakelib\nDEFINED_LAST = True\n")
+    (pkg / "after.py").write_text("")
+    (tmp_path / "user.py").write_text("import fakelib\n")
+    (tmp_path / "fakelib.py").write_text(
+        "import sys, threading\n"
+        "from acompile._torch._autoload import after_import\n"
+        "def serve():\n"
+        "    seen = getattr(sys.modules['pkg.core'], 'DEFINED_LAST', False)\n"
+        "    t = threading.Thread(target=lambda: __import__('user'))\n"  # the pool's thread
+        "    t.start(); t.join(10)\n"
+        "    print('served', seen, not t.is_alive(), flush=True)\n"
+        "after_import('pkg.core', serve)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", "import pkg; print('imported', flush=True)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=subprocess_env(),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["served", "True", "True", "imported"], done.stdout
 
 
 def test_keys_are_the_same_for_a_build_at_other_paths_and_differ_for_a_changed_header(tmp_path: Path) -> None:

@@ -131,16 +131,45 @@ def after_import(name: str, callback: Callable[[], None]) -> None:
     callbacks may wait for one module (torch.compile's serving and a JIT library's): one finder
     serves them all, in the order they came."""
     with _waiting_lock:
-        if name not in sys.modules:
-            _waiting.setdefault(name, []).append(callback)
+        module = sys.modules.get(name)
+        if module is None or _initializing(module):
+            # Not imported yet; or being imported right now, further up this very stack (FlashInfer's
+            # ``jit.core`` imports torch, whose import calls ``autoload``): a callback now would
+            # find it half made, and start a pool whose threads wait for the imports this thread
+            # holds. It is called at the first import after that one has finished.
+            (_waiting if module is None else _finishing).setdefault(name, []).append(callback)
             if _FINDER not in sys.meta_path:
                 sys.meta_path.insert(0, _FINDER)
             return
     callback()
 
 
-# Callbacks waiting for a module's import, by the module's name.
+def _initializing(module: ModuleType) -> bool:
+    """Whether the module's code is still running (an import under way). One whose code has
+    run, and whose loader is calling the callbacks, is not (importlib says so a moment later)."""
+    spec = getattr(module, "__spec__", None)
+    return bool(getattr(spec, "_initializing", False)) and getattr(spec, "name", None) not in _ran
+
+
+def _call(callbacks: list[Callable[[], None]]) -> None:
+    for callback in callbacks:
+        try:
+            callback()
+        except Exception as exc:  # never into the import
+            logger.warning("acompile: not serving in this process (%s)", exc)
+
+
+def _leave_if_done() -> None:
+    """Take the finder out once nothing waits (a new list: another thread may be importing)."""
+    if not _waiting and not _finishing and _FINDER in sys.meta_path:
+        sys.meta_path = [f for f in sys.meta_path if f is not _FINDER]
+
+
+# Callbacks waiting for a module's import, by the module's name; and for the end of an import
+# under way when they came.
 _waiting: dict[str, list[Callable[[], None]]] = {}
+_finishing: dict[str, list[Callable[[], None]]] = {}
+_ran: set[str] = set()  # modules whose code has run under the finder's loader
 _waiting_lock = threading.Lock()
 
 
@@ -151,8 +180,15 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
+        # (The import system holds its global lock while it asks finders: callbacks, which start
+        # threads that import, run after the module's own code, as its loader ends.)
         with _waiting_lock:
-            if fullname not in _waiting:
+            finished = [
+                n
+                for n, m in ((n, sys.modules.get(n)) for n in _finishing)
+                if m is None or not _initializing(m)
+            ]
+            if fullname not in _waiting and not finished:
                 return None
         for finder in sys.meta_path:
             if isinstance(finder, _AfterImport) or not hasattr(finder, "find_spec"):
@@ -170,15 +206,11 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         def exec_module(module: ModuleType) -> None:
             run(module)
             with _waiting_lock:
-                callbacks = _waiting.pop(fullname, [])
-                if not _waiting and _FINDER in sys.meta_path:
-                    # A new list, not one changed in place under another thread's import.
-                    sys.meta_path = [f for f in sys.meta_path if f is not _FINDER]
-            for callback in callbacks:
-                try:
-                    callback()
-                except Exception as exc:  # never into the import
-                    logger.warning("acompile: not serving in this process (%s)", exc)
+                _ran.add(fullname)
+                callbacks = [c for n in finished for c in _finishing.pop(n, [])]
+                callbacks += _waiting.pop(fullname, [])
+                _leave_if_done()
+            _call(callbacks)
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
