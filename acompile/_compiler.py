@@ -213,7 +213,9 @@ class CompilePool:
         fleet_wait: how long a pool waits for another replica that is compiling the same kernel
             (it holds the key's lease in the shared tier) before compiling it itself.
         record: append every Triton kernel request the pool serves to this warm-up manifest
-            (once per distinct request, across runs); ``acompile warmup PATH`` replays it.
+            (once per distinct request, across runs and across the processes that share the
+            file), and every FlashInfer module it serves (``acompile.inductor.serve``);
+            ``acompile warmup PATH`` replays it.
         trace: write a Chrome/Perfetto trace of the pool's work to this file when the pool
             closes (see also ``trace()``).
         farm: an ``acompile.RayFarm``: compile jobs run on its Ray cluster, and no local worker
@@ -880,6 +882,23 @@ class CompilePool:
                     exc,
                 )
 
+    def _record_module(self, key: str, library: str, fields: dict[str, Any]) -> None:
+        """Add a JIT library's module to the warm-up record (blocking: called on the library's
+        thread). As for kernels, a record that cannot be written costs the record only."""
+        recorder = self._recorder
+        if recorder is None:
+            return
+        try:
+            recorder.add_module(key, library, fields)
+        except OSError as exc:
+            if self._recorder is recorder:
+                self._recorder = None
+                logger.warning(
+                    "cannot write the warm-up record %s (%s); this pool records nothing more",
+                    recorder.path,
+                    exc,
+                )
+
     async def _look_locally(
         self, flight: _Flight, backend: ParentBackend[Any, Any, Any], request: Request
     ) -> None:
@@ -1162,6 +1181,7 @@ class CompilePool:
             signed=getattr(shared, "signing_key", None) is not None,
             cache_root=self._cache.root,
             fleet_wait=self._cache.fleet_wait,
+            record=self._record_module if self._recorder is not None else None,
         )
 
     async def _run_traced(self, job: Job) -> Any:

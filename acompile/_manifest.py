@@ -198,12 +198,14 @@ def load_torch_entries(path: str | Path) -> list[TorchWarmup]:
 @dataclass(frozen=True)
 class FlashInferWarmup:
     """A ``[[flashinfer]]`` entry: ``generator(*args, **kwargs)`` makes a FlashInfer ``JitSpec``
-    (``ref`` names it) that warm-up builds, for the manifest's arch list."""
+    (``ref`` names it) that warm-up builds, for the manifest's arch list. A recorded entry
+    (``CompilePool(record=...)``) has the key its module was served under: ``key``."""
 
     ref: str
     generator: Any
     args: tuple[Any, ...] = ()
     kwargs: Mapping[str, Any] = field(default_factory=dict)
+    key: str | None = None
 
 
 _FLASHINFER_FIELDS = {"generator", "args", "kwargs", "arch_list"}
@@ -234,12 +236,14 @@ def load_flashinfer_entries(path: str | Path) -> list[FlashInferWarmup]:
     for index, raw in enumerate(entries, 1):
         if not isinstance(raw, Mapping):
             raise InvalidSpecError(f"{path} flashinfer #{index}: must be a table, got {raw!r}")
-        where = f"{path} flashinfer #{index} ({raw.get('generator', '?')})"
-        if unknown := set(raw) - _FLASHINFER_FIELDS:
+        where = f"{path} flashinfer #{index} ({raw.get('generator') or raw.get('module', '?')})"
+        if "module" in raw:
+            _check_recorded(raw, where)
+        elif unknown := set(raw) - _FLASHINFER_FIELDS:
             raise InvalidSpecError(
                 f"{where}: unknown field(s) {sorted(unknown)}; known: {sorted(_FLASHINFER_FIELDS)}"
             )
-        if not isinstance(raw.get("generator"), str):
+        if "module" not in raw and not isinstance(raw.get("generator"), str):
             raise InvalidSpecError(f'{where}: needs generator = "flashinfer.jit.norm:gen_norm_module"')
         if not isinstance(raw.get("args", []), list) or not isinstance(raw.get("kwargs", {}), Mapping):
             raise InvalidSpecError(f"{where}: args must be a list and kwargs a table")
@@ -267,6 +271,14 @@ def load_flashinfer_entries(path: str | Path) -> list[FlashInferWarmup]:
     os.environ[FLASHINFER_ARCH_ENV] = arch_list
     found = []
     for index, raw in enumerate(entries, 1):
+        if "module" in raw:
+            from acompile._jit._flashinfer import remake_spec
+
+            fields = {k: v for k, v in raw.items() if k != "key"}
+            found.append(
+                FlashInferWarmup(f"recorded {raw['module']}", remake_spec, (fields,), key=raw["key"])
+            )
+            continue
         ref = raw["generator"]
         where = f"{path} flashinfer #{index} ({ref})"
         generator = _import_kernel(ref, path.parent, where, what="generator")
@@ -275,6 +287,29 @@ def load_flashinfer_entries(path: str | Path) -> list[FlashInferWarmup]:
         args, kwargs = tuple(raw.get("args", [])), dict(raw.get("kwargs", {}))
         found.append(FlashInferWarmup(ref, generator, args, kwargs))
     return found
+
+
+def _check_recorded(raw: Mapping[str, Any], where: str) -> None:
+    """A recorded ``[[flashinfer]]`` entry (what a serving process built): its fields' shapes."""
+    from acompile._jit._flashinfer import RECORD_FIELDS
+
+    if unknown := set(raw) - RECORD_FIELDS - {"key"}:
+        raise InvalidSpecError(f"{where}: unknown field(s) {sorted(unknown)} in a recorded module entry")
+    strings = ("module", "release", "arch_list", "key")
+    lists = ("sources", "cflags", "cuda_cflags", "ldflags", "include_dirs")
+    if not all(isinstance(raw.get(k), str) for k in strings):
+        raise InvalidSpecError(f"{where}: a recorded module entry needs {', '.join(strings)} (strings)")
+    if not re.fullmatch(r"[0-9a-f]{64}", raw["key"]):
+        raise InvalidSpecError(f"{where}: key must be 64 hex digits")
+    for k in lists:
+        value = raw.get(k, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise InvalidSpecError(f"{where}: {k} must be a list of strings")
+    tables = (raw.get("files", {}), raw.get("cuda_cflags_by_source", {}))
+    if not all(isinstance(t, Mapping) for t in tables) or not all(
+        isinstance(v, str) for v in tables[0].values()
+    ):
+        raise InvalidSpecError(f"{where}: files must be a table of texts, cuda_cflags_by_source of lists")
 
 
 def _import_kernel(ref: str, base: Path, where: str, what: str = "kernel") -> Any:
@@ -318,24 +353,21 @@ def _import_kernel(ref: str, base: Path, where: str, what: str = "kernel") -> An
 
 # --- writing: the record of what a pool served -------------------------------------------------
 
-_KEY_LINE = re.compile(r"^# key: ([0-9a-f]{64})$", re.MULTILINE)
+# A kernel's key is a comment above its fields; a module's, a field of its own (warm-up checks it).
+_KEY_LINE = re.compile(r'^(?:# key: |key = ")([0-9a-f]{64})"?$', re.MULTILINE)
 
 
 class Recorder:
-    """Appends served Triton requests to a manifest; blocking (the pool calls it from a thread)."""
+    """Appends what a pool served to a manifest: Triton requests, JIT libraries' modules.
+    Blocking (the pool calls it from a thread). Several processes may share one file (the
+    ranks of a server under ``acompile run --record``): each append holds a lock on the file,
+    and an entry another process recorded meanwhile is not recorded twice."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
         self._seen: set[str] | None = None
-
-    def _known(self) -> set[str]:
-        if self._seen is None:
-            try:
-                self._seen = set(_KEY_LINE.findall(self.path.read_text()))
-            except FileNotFoundError:
-                self._seen = set()
-        return self._seen
+        self._read_to = 0  # how far this process has read the file for keys
 
     def recorded(self, key: str) -> bool:
         """Whether ``key`` is known to be recorded already (cheap, without reading the file: a
@@ -344,22 +376,49 @@ class Recorder:
         return seen is not None and key in seen
 
     def add(self, request: Any, spec: Any) -> bool:
-        """Record one request (once per key); False if it cannot be written as a manifest entry."""
-        with self._lock:
-            if request.key in self._known():
-                return False
-            text = _manifest_entry(request, spec)
+        """Record one Triton request (once per key); False if it cannot be written as a
+        manifest entry, or was recorded already."""
+        text = _manifest_entry(request, spec)
+        return text is not None and self._append(request.key, text)
+
+    def add_module(self, key: str, library: str, fields: Mapping[str, Any]) -> bool:
+        """Record one JIT library's module (``[[<library>]]``, once per direct key); False if
+        it was recorded already. ``ValueError`` where a field is not plain data."""
+        lines = [f'\n[[{library}]]\nkey = "{key}"\n']
+        for name, value in fields.items():
+            text = _toml(value)
             if text is None:
+                raise ValueError(f"a {library} record's field {name} is not plain data")
+            lines.append(f"{name} = {text}\n")
+        return self._append(key, "".join(lines))
+
+    def _append(self, key: str, text: str) -> bool:
+        import fcntl
+
+        with self._lock:
+            if self._seen is not None and key in self._seen:
                 return False
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as f:
-                if f.tell() == 0:
-                    f.write(
-                        "# Kernels served by an acompile pool; replay with `acompile warmup <this file>`,\n"
-                        "# with the folders that hold their modules on PYTHONPATH.\n"
-                    )
-                f.write(text)
-            self._known().add(request.key)
+            with open(self.path, "ab+") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)  # released as the file closes
+                size = f.seek(0, os.SEEK_END)
+                if self._seen is None or size < self._read_to:  # a first look, or a new file
+                    self._seen, self._read_to = set(), 0
+                if size > self._read_to:  # what others appended since: their keys too
+                    f.seek(self._read_to)
+                    self._seen.update(_KEY_LINE.findall(f.read().decode("utf-8", "replace")))
+                    self._read_to = size
+                if key in self._seen:
+                    return False
+                if size == 0:
+                    text = (
+                        "# What an acompile pool served; replay with `acompile warmup <this file>`,\n"
+                        "# with the folders that hold its kernels' modules on PYTHONPATH.\n"
+                    ) + text
+                f.write(text.encode("utf-8"))
+                f.flush()
+                self._read_to = f.tell()
+                self._seen.add(key)
             return True
 
 
@@ -369,7 +428,9 @@ def _toml(value: Any) -> str | None:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return json.dumps(value)
+        # JSON's escapes are TOML's, but for a character outside the BMP (JSON writes it as a
+        # surrogate pair, which TOML refuses) and DEL (TOML wants it escaped).
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, (list, tuple)):
         items = [_toml(v) for v in value]
         return None if any(i is None for i in items) else "[" + ", ".join(items) + "]"  # type: ignore[arg-type]

@@ -261,6 +261,13 @@ def _main(argv: list[str]) -> int:
         help="one pool for every process of this host (the program's ranks share its workers)",
     )
     run.add_argument(
+        "--record",
+        type=Path,
+        default=None,
+        help="append what the program's processes were served (Triton kernels, FlashInfer modules) to "
+        "this warm-up manifest: `acompile warmup FILE` replays it on a box without a GPU",
+    )
+    run.add_argument(
         "-v",
         "--verbose",
         action="store_true",
@@ -370,6 +377,8 @@ def _run(args: argparse.Namespace) -> int:
         # Said now, not by each served process as it starts (and then runs unserved).
         print(f"acompile run: {problem}", file=sys.stderr)
         return 2
+    if args.record is not None:
+        options["record"] = str(args.record.absolute())
     if args.host_pool:
         options["host_pool"] = True
     if args.shared_cache:
@@ -836,7 +845,11 @@ async def _warm_flashinfer(
         for entry in entries:
             before = await anyio.to_thread.run_sync(counts)
             start = time.perf_counter()
-            row: dict[str, Any] = {"flashinfer": entry.ref, "args": list(entry.args)}
+            row: dict[str, Any] = {"flashinfer": entry.ref}
+            if entry.key is None:
+                row["args"] = list(entry.args)
+            else:  # its args are the record's fields, sources and all
+                row["key"] = entry.key
             try:
                 spec = await anyio.to_thread.run_sync(
                     functools.partial(entry.generator, *entry.args, **entry.kwargs)
@@ -857,6 +870,16 @@ async def _warm_flashinfer(
                     row.update(result="failed", error=f"FlashInfer is not served ({why})")
                 elif not built and not hits:
                     row.update(result="failed", error="FlashInfer built nothing through acompile")
+                elif entry.key is not None and entry.key not in await anyio.to_thread.run_sync(
+                    serving.written
+                ):
+                    # The servers look the module up under the recorded key: this one is another.
+                    row.update(
+                        result="failed",
+                        error="built here under another key than the one recorded (another nvcc, host "
+                        "compiler or header here: the servers would not find it; acompile cache "
+                        "explain compares the keys' parts)",
+                    )
                 else:
                     row.update(result="compiled" if built else "cached")
             row["seconds"] = time.perf_counter() - start

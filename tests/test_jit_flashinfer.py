@@ -18,6 +18,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -277,3 +278,63 @@ def test_a_manifest_with_two_arch_lists_is_refused_before_any_work(tmp_path: Pat
     )
     assert done.returncode == 2
     assert "different arch lists ['8.0', '9.0']" in done.stderr, done.stderr
+
+
+def test_a_record_of_what_a_server_was_served_warms_the_fleet_from_a_box_without_a_gpu(
+    tmp_path: Path, redis_server: RedisServer, toolchain: dict[str, str]
+) -> None:
+    """A server's pool records each FlashInfer module it was served (``record=``, ``acompile
+    run --record``): the module's spec, its paths rooted, the generated sources it compiled.
+    ``acompile warmup`` remakes each on another box (another workspace path, another home) and
+    builds it with FlashInfer served: the same key the server used, here found in the fleet's
+    tier with no nvcc run. A record that does not match this box is that entry's failure."""
+    record = tmp_path / "served.toml"
+    server_env = machine(tmp_path, "server", toolchain)
+    # The server knows nothing of acompile: it is served (and recorded) through `acompile run`.
+    server = subprocess.run(
+        [sys.executable, "-m", "acompile", "run", "-v", "--record", str(record), "--shared-cache",
+         redis_server.url, "--workers", "1", "--", sys.executable, MACHINE, "{}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=subprocess_env(**server_env, ACOMPILE_SIGNING_KEY=KEY),
+    )  # fmt: skip
+    assert server.returncode == 0, server.stderr[-3000:]
+    assert json.loads(server.stdout.strip().splitlines()[-1]).get("loaded") is True, server.stdout
+    assert "served flashinfer: modules from the tiers 0, built on the pool 1" in server.stderr, server.stderr
+    text = record.read_text()
+    assert text.count("[[flashinfer]]") == 1 and 'module = "silu_and_mul"' in text, text
+    assert 'arch_list = "9.0a"' in text
+    # The generated source rides along; no path of the server's machine does.
+    assert "<flashinfer_workspace>/generated/silu_and_mul.cu" in text and "silu" in text
+    assert server_env["HOME"] not in text and server_env["FLASHINFER_WORKSPACE_BASE"] not in text
+
+    box = {k: v for k, v in machine(tmp_path, "box", toolchain).items() if k != "FLASHINFER_CUDA_ARCH_LIST"}
+
+    def warmup(manifest: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "acompile", "warmup", str(manifest), "--shared-cache", redis_server.url,
+             "--workers", "1"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=subprocess_env(**box, ACOMPILE_SIGNING_KEY=KEY),
+        )  # fmt: skip
+
+    done = warmup(record)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "silu_and_mul: cached" in done.stdout, done.stdout
+    assert nvcc_runs(box) == 0
+    assert Path(box["FLASHINFER_WORKSPACE_BASE"]).rglob("generated/silu_and_mul.cu"), "not written"
+    # A record of another release, or under a key this box does not make: failed, said why.
+    for wrong_text, why in (
+        (text.replace('release = "', 'release = "0.0.', 1), "recorded with flashinfer 0.0."),
+        (
+            re.sub(r'key = "[0-9a-f]{64}"', 'key = "' + "0" * 64 + '"', text),
+            "under another key than the one recorded",
+        ),
+    ):
+        wrong = tmp_path / "wrong.toml"
+        wrong.write_text(wrong_text)
+        done = warmup(wrong)
+        assert done.returncode == 1 and why in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]

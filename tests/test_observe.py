@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import anyio
@@ -82,3 +83,40 @@ async def test_a_trace_holds_a_span_per_request_and_opens_as_chrome_json(
     tracks = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M"}
     assert "requests" in tracks and any(t.startswith("worker pid") for t in tracks)
     assert not any(e["args"].get("constexprs") == {"BLOCK": 32} for e in spans)
+
+
+def test_processes_recording_into_one_file_record_each_entry_once(tmp_path: Path) -> None:
+    """A server's ranks under ``acompile run --record`` share one record: each append holds a
+    lock on the file, and what another process recorded meanwhile is not recorded again (each
+    process alone would record it: it has not seen the other's)."""
+    import subprocess
+
+    record = tmp_path / "served.toml"
+    start = tmp_path / "go"
+    code = """
+import os, sys, time
+from pathlib import Path
+from acompile._manifest import Recorder
+r = Recorder(Path(sys.argv[1]))
+while not os.path.exists(sys.argv[2]):  # all at once: the same keys at the same moments
+    time.sleep(0.001)
+for i in range(400):
+    r.add_module(f"{i:064x}", "flashinfer", {"module": f"m{i}", "files": {"<w>/a.cu": "x\\x7f\\U0001f600"}})
+"""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(record), str(start)], env=subprocess_env())
+        for _ in range(4)
+    ]
+    try:
+        time.sleep(1.0)
+        start.write_text("")
+        assert [p.wait(timeout=120) for p in procs] == [0] * 4
+    finally:
+        for p in procs:
+            p.kill()
+    import tomllib
+
+    entries = tomllib.loads(record.read_text())["flashinfer"]
+    assert sorted(e["module"] for e in entries) == sorted(f"m{i}" for i in range(400))
+    # Text that TOML escapes otherwise than JSON (DEL, a character outside the BMP) reads back.
+    assert {e["files"]["<w>/a.cu"] for e in entries} == {"x\x7f\U0001f600"}

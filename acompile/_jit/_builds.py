@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections import Counter
@@ -38,11 +39,13 @@ from acompile._jit._ninja import (
     Build,
     BuildUnreadable,
     Graph,
+    Unrecordable,
     direct_parts,
     full_parts,
     read_deps,
     read_graph,
     relative_name,
+    resolve_name,
 )
 from acompile._jit._worker import NINJA_FAILED
 from acompile._outputs import output_problem, write_output
@@ -84,6 +87,7 @@ class ServedBuilds:
         # warm-up makes sure the shared tier holds.
         self.keys: set[str] = set()
         self._building: dict[str, threading.Lock] = {}
+        self._recorded: set[str] = set()  # direct keys in the warm-up record
 
     # -- bookkeeping ------------------------------------------------------------------------------
 
@@ -163,7 +167,8 @@ class ServedBuilds:
         failed: Callable[[str], Exception],
     ) -> None:
         direct_key = make_key(direct)
-        if self._fetch(build, graph, direct_key, fleet=False):
+        if (deps := self._fetch(build, graph, direct_key, fleet=False)) is not None:
+            self._record(build, direct_key, deps)
             return
         try:
             holder = self.served.call(
@@ -172,7 +177,8 @@ class ServedBuilds:
         except Exception as exc:
             self.served.unreachable(exc)
             holder = None
-        if holder is not None and self._fetch(build, graph, direct_key, fleet=True):
+        if holder is not None and (deps := self._fetch(build, graph, direct_key, fleet=True)) is not None:
+            self._record(build, direct_key, deps)
             return
         self._late(build)
         try:
@@ -193,35 +199,38 @@ class ServedBuilds:
             raise
         self._publish(build, graph, direct)
 
-    def _fetch(self, build: Build, graph: Graph, direct_key: str, *, fleet: bool) -> bool:
-        """Write the module's products from the tiers; False on a miss or any fault."""
+    def _fetch(self, build: Build, graph: Graph, direct_key: str, *, fleet: bool) -> list[str] | None:
+        """Write the module's products from the tiers; the files its compilers read (as the
+        manifest names them), or None on a miss or any fault."""
         lib = build.library
         host = self.served.host
         try:
             manifest, _ = self.served.call(host.find, direct_key, timeout=_GET_TIMEOUT)
             if manifest is None or manifest.backend != BACKEND or manifest.name != MANIFEST:
-                return False
+                return None
             deps = json.loads(manifest.blobs["deps"])
-            parts = full_parts(direct_key, build, deps) if isinstance(deps, list) else None
+            if not isinstance(deps, list) or not all(isinstance(d, str) for d in deps):
+                return None
+            parts = full_parts(direct_key, build, deps)
             if parts is None:
-                return False
+                return None
             entry, tier = self.served.call(host.find, make_key(parts), timeout=_GET_TIMEOUT)
         except Exception as exc:
             if not isinstance(exc, (KeyError, ValueError)):
                 self.served.unreachable(exc)
-            return False
+            return None
         if entry is None or entry.backend != BACKEND or entry.name != MODULE:
-            return False
+            return None
         module_key = make_key(parts)
         if host.shared and not host.signed and tier not in ("disk", ""):
-            return False  # host code from a tier anyone could write: never loaded
+            return None  # host code from a tier anyone could write: never loaded
         names = entry.meta.get("products")
         if not isinstance(names, list) or len(names) != len(graph.products):
-            return False
+            return None
         try:
             for index, path in enumerate(graph.products):
                 if names[index] != relative_name(path, build.roots):
-                    return False
+                    return None
                 data = entry.blobs[f"product{index}"]
                 if problem := output_problem(path, data):
                     raise ValueError(problem)
@@ -230,12 +239,12 @@ class ServedBuilds:
             self.served.warn_once(
                 f"{lib}-output", "acompile: a served %s module is not used (%s); it is built", lib, exc
             )
-            return False
+            return None
         self.count(f"{lib}:hits_{'fleet' if fleet else tier}")
         with self._lock:
             self.keys.update((direct_key, module_key))
         logger.info("acompile: %s module %s from the %s tier", lib, build.name, "fleet" if fleet else tier)
-        return True
+        return deps
 
     def _wait_ready(self) -> bool:
         served = self.served
@@ -342,6 +351,33 @@ class ServedBuilds:
         self.served.keep(
             host.portal.spawn(_store_both, host.store, key, blobs, meta, direct_key, deps, manifest_meta), lib
         )
+        self._record(build, direct_key, deps)
+
+    def _record(self, build: Build, direct_key: str, deps: list[str]) -> None:
+        """Add the module to the pool's warm-up record (``CompilePool(record=...)``), once per
+        direct key: how to remake its build (the library's ``describe``) and the generated files
+        its compilers read, which a warm-up box cannot make. Blocking (a few small files read,
+        one append), on the library's thread. A build that cannot be recorded is said once."""
+        record = self.served.host.record
+        if record is None or build.describe is None:
+            return
+        with self._lock:
+            if direct_key in self._recorded:
+                return
+            self._recorded.add(direct_key)
+        try:
+            fields = dict(build.describe())
+            embed = tuple(fields.pop("embed", ()))
+            fields["files"] = _embedded(build, deps, fields.get("sources", ()), embed)
+            record(direct_key, build.library, fields)
+        except Unrecordable as exc:
+            self.served.warn_once(
+                f"{build.library}-record-{build.name}",
+                "acompile: %s module %s is served but not recorded for warm-up (%s)",
+                build.library,
+                build.name,
+                exc,
+            )
 
 
 async def _store_both(
@@ -359,6 +395,38 @@ async def _store_both(
 
 async def _release(release: Callable[[str], None], key: str) -> None:
     release(key)
+
+
+# What one record entry may carry of generated files: a generator's sources are kilobytes.
+_EMBED_LIMIT = 8 << 20
+
+
+def _embedded(build: Build, deps: list[str], sources: Any, embed: tuple[str, ...]) -> dict[str, str]:
+    """The files under the ``embed`` roots that the build read (its compilers' dependency list,
+    and its sources), by rooted name: their text."""
+    wanted = sorted({*deps, *(s for s in sources if isinstance(s, str))})
+    files: dict[str, str] = {}
+    total = 0
+    for name in wanted:
+        match = re.match(r"^<([a-z_]+)>/", name)
+        if match is None or match.group(1) not in embed:
+            continue
+        path = resolve_name(name, build.roots)
+        if path is None:
+            raise Unrecordable(f"{name} is not a file of this machine's")
+        try:
+            with open(path, "rb") as f:
+                data = f.read(_EMBED_LIMIT + 1 - total)
+        except OSError as exc:
+            raise Unrecordable(f"{name} cannot be read ({exc})") from None
+        total += len(data)
+        if total > _EMBED_LIMIT:
+            raise Unrecordable(f"its generated files are over {_EMBED_LIMIT >> 20} MiB")
+        try:
+            files[name] = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise Unrecordable(f"{name} is not text") from None
+    return files
 
 
 def folder_problem(folder: str) -> str | None:

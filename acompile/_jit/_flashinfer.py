@@ -16,6 +16,7 @@ bytes of the symbol table differ (``strip -s`` makes them equal); the code is th
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import shutil
@@ -24,7 +25,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from acompile._jit._library import Unsupported
-from acompile._jit._ninja import Build, package_roots, package_versions, standard_roots
+from acompile._jit._ninja import (
+    Build,
+    Unrecordable,
+    package_roots,
+    package_versions,
+    relative_name,
+    resolve_name,
+    rooted_text,
+    standard_roots,
+    unrooted_text,
+)
 
 if TYPE_CHECKING:
     from acompile._jit._builds import ServedBuilds
@@ -65,12 +76,8 @@ def install(builds: ServedBuilds) -> Callable[[], None]:
     original: Callable[..., None] = found
     if getattr(core, "run_ninja", None) is not original:
         raise Unsupported(f"flashinfer {release}'s jit.core does not build through jit.cpp_ext.run_ninja")
-    # The packages whose headers the builds include, each a root of its own: the same files at
-    # another install path (another venv, a --target folder, PYTHONPATH) give the same key.
-    packages = package_roots("flashinfer", "tvm_ffi")
     jobs: Callable[[], int | None] | None = getattr(cpp_ext, "_get_num_workers", None)  # MAX_JOBS
-    workspace = getattr(fi_env, "FLASHINFER_WORKSPACE_DIR", None)
-    if workspace is None:
+    if getattr(fi_env, "FLASHINFER_WORKSPACE_DIR", None) is None:
         raise Unsupported(f"flashinfer {release} has no FLASHINFER_WORKSPACE_DIR")
 
     def served_run(workdir: Path, ninja_file: Path, verbose: bool, *args: Any, **kwargs: Any) -> None:
@@ -90,11 +97,12 @@ def install(builds: ServedBuilds) -> Callable[[], None]:
             folder=folder,
             build_file=os.path.realpath(ninja_file),
             parts=package_versions("flashinfer-python", "apache-tvm-ffi"),
-            roots=standard_roots(folder, ("flashinfer_workspace", str(workspace)), *packages),
+            roots=_roots(fi_env, folder),
             env=dict(os.environ),
             ninja=shutil.which("ninja") or "ninja",
             jobs=jobs() if jobs is not None else None,
         )
+        build = dataclasses.replace(build, describe=lambda: _describe(core, build, release))
 
         def failed(log: str) -> Exception:
             return RuntimeError("Ninja build failed. Ninja output:\n" + log)
@@ -111,3 +119,126 @@ def install(builds: ServedBuilds) -> Callable[[], None]:
             cpp_ext.run_ninja = original
 
     return undo
+
+
+def _roots(fi_env: Any, folder: str) -> tuple[tuple[str, str], ...]:
+    """A module's roots: its build folder, FlashInfer's workspace, and the packages whose
+    headers the builds include, each a root of its own (the same files at another install path,
+    another venv, a ``--target`` folder, give the same key)."""
+    workspace = ("flashinfer_workspace", str(fi_env.FLASHINFER_WORKSPACE_DIR))
+    return standard_roots(folder, workspace, *package_roots("flashinfer", "tvm_ffi"))
+
+
+# --- the warm-up record: what a serving process built, remade on a box without a GPU ----------
+
+_EMBED = ("flashinfer_workspace",)  # generated sources: made by a generator the record lacks
+
+
+def _describe(core: Any, build: Build, release: str) -> dict[str, Any]:
+    """A record entry's fields for the module ``build`` makes: its ``JitSpec`` as FlashInfer's
+    registry holds it, every path rooted; the warm-up remakes the spec from them
+    (``remake_spec``)."""
+    registry = getattr(core, "jit_spec_registry", None)
+    spec = registry.get_all_specs().get(build.name) if registry is not None else None
+    if spec is None or type(spec).__name__ != "JitSpecNvcc":
+        raise Unrecordable("FlashInfer's registry has no nvcc spec of that name")
+    if os.path.realpath(spec.build_dir) != build.folder:
+        raise Unrecordable(f"the spec of that name builds in {spec.build_dir}")
+    if getattr(spec, "embedded_cubin_factory", None) is not None:
+        raise Unrecordable("part of its build file is written by a callback of its generator's")
+    roots = build.roots
+
+    def path(p: Any) -> str:
+        name = relative_name(str(p), roots)
+        if not name.startswith("<"):
+            raise Unrecordable(f"{p} is in no folder a warm-up box has")
+        return name
+
+    def flags(values: Any) -> list[str] | None:
+        return None if values is None else [rooted_text(str(v), roots) for v in values]
+
+    arch = sorted(getattr(core.current_compilation_context, "TARGET_CUDA_ARCHS", ()))
+    fields: dict[str, Any] = {
+        "module": spec.name,
+        "release": release,
+        "arch_list": " ".join(f"{major}.{minor}" for major, minor in arch),
+        "sources": [path(p) for p in spec.sources],
+        "cflags": flags(spec.extra_cflags),
+        "cuda_cflags": flags(spec.extra_cuda_cflags),
+        "ldflags": flags(spec.extra_ldflags),
+        "include_dirs": None
+        if spec.extra_include_dirs is None
+        else [path(p) for p in spec.extra_include_dirs],
+        "device_linking": bool(spec.needs_device_linking),
+        "cuda_cflags_by_source": None
+        if spec.extra_cuda_cflags_by_source is None
+        else {path(k): flags(v) for k, v in spec.extra_cuda_cflags_by_source.items()},
+        "embed": _EMBED,
+    }
+    if not fields["arch_list"]:
+        raise Unrecordable("FlashInfer has no arch list")
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+RECORD_FIELDS = frozenset(
+    {"module", "release", "arch_list", "sources", "cflags", "cuda_cflags", "ldflags", "include_dirs",
+     "device_linking", "cuda_cflags_by_source", "files"}
+)  # fmt: skip
+
+
+def remake_spec(fields: dict[str, Any]) -> Any:
+    """The ``JitSpec`` a record entry describes, on this machine (blocking: imports FlashInfer,
+    writes the entry's generated files into this FlashInfer's workspace). ``ValueError`` where
+    it cannot be the recorded module here: another FlashInfer release, another arch list, a
+    folder this machine has not."""
+    import importlib
+
+    core: Any = importlib.import_module(MODULE)
+    fi_env: Any = importlib.import_module("flashinfer.jit.env")
+    release = str(importlib.import_module("flashinfer.version").__version__)
+    if fields.get("release") != release:
+        raise ValueError(
+            f"recorded with flashinfer {fields.get('release')}, this is {release}: the module built "
+            "here would not be the one the servers load"
+        )
+    arch = sorted(core.current_compilation_context.TARGET_CUDA_ARCHS)
+    here = " ".join(f"{major}.{minor}" for major, minor in arch)
+    if here != fields.get("arch_list"):
+        raise ValueError(
+            f"recorded for the arch list {fields.get('arch_list')!r}, FlashInfer builds for {here!r} here"
+        )
+    name = fields["module"]
+    roots = _roots(fi_env, os.path.realpath(fi_env.FLASHINFER_JIT_DIR / name))
+
+    def path(rooted: str) -> Path:
+        found = resolve_name(rooted, roots)
+        if found is None:
+            raise ValueError(f"{rooted} names a folder this machine has not")
+        return Path(found)
+
+    def flags(values: list[str] | None) -> list[str] | None:
+        return None if values is None else [unrooted_text(v, roots) for v in values]
+
+    for rooted, text in sorted(fields.get("files", {}).items()):
+        if not rooted.startswith(tuple(f"<{r}>/" for r in _EMBED)):
+            raise ValueError(f"{rooted}: a record writes generated files into FlashInfer's workspace only")
+        target = path(rooted)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        core.write_if_different(target, text)
+    by_source = fields.get("cuda_cflags_by_source")
+    spec = core.JitSpecNvcc(
+        name=name,
+        sources=[path(p) for p in fields["sources"]],
+        extra_cflags=flags(fields.get("cflags")),
+        extra_cuda_cflags=flags(fields.get("cuda_cflags")),
+        extra_ldflags=flags(fields.get("ldflags")),
+        extra_include_dirs=None
+        if fields.get("include_dirs") is None
+        else [path(p) for p in fields["include_dirs"]],
+        needs_device_linking=bool(fields.get("device_linking", False)),
+        extra_cuda_cflags_by_source=None
+        if by_source is None
+        else {path(k).resolve(): flags(v) for k, v in by_source.items()},
+    )
+    core.jit_spec_registry.register(spec)
+    return spec

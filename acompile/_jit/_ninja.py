@@ -32,7 +32,7 @@ import shlex
 import shutil
 import stat
 import subprocess
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,11 @@ from acompile._outputs import cpu_identity
 FORMAT = 1
 # ninja's own queries are quick (milliseconds); this bounds a hung one.
 _QUERY_TIMEOUT = 60.0
+
+
+class Unrecordable(Exception):
+    """A build a warm-up record cannot hold (a path outside every root, a library's callback
+    that writes part of the build file): it is served, not recorded."""
 
 
 class BuildUnreadable(Exception):
@@ -64,6 +69,10 @@ class Build:
         env: the environment the library's ninja would run with (the job runs with it).
         ninja: the ninja program the library would run.
         jobs: ninja's ``-j`` as the library would give it (its ``MAX_JOBS``), or None.
+        describe: how a warm-up remakes this build elsewhere: returns the library's fields of a
+            warm-up record entry, every path in them rooted (``rooted_text``), with ``"embed"``
+            the roots whose files the entry carries (generated sources: the warm-up box has no
+            generator run to make them); raises ``Unrecordable``. None: not recorded.
     """
 
     library: str
@@ -75,6 +84,7 @@ class Build:
     env: Mapping[str, str] = field(repr=False, default_factory=dict)
     ninja: str = "ninja"
     jobs: int | None = None
+    describe: Callable[[], dict[str, Any]] | None = field(default=None, repr=False, compare=False)
 
     def ninja_command(self, *args: str) -> list[str]:
         return [self.ninja, "-C", self.folder, "-f", self.build_file, *args]
@@ -301,6 +311,32 @@ def relative_name(path: str, roots: Iterable[tuple[str, str]]) -> str:
 
 
 _ROOTED = re.compile(r"^<([a-z_]+)>(/.*)?$")
+# A folder in a text starts a word (or follows a short flag: -I/path) and ends one.
+_START = r"(?:(?<![\w.~/-])|(?<=^-[A-Za-z]))"
+_END = r"(?=/|$|[\s:;,=\"'])"
+_ROOT_TOKEN = re.compile(_START + r"<([a-z_]+)>" + _END)
+
+
+def rooted_text(text: str, roots: Iterable[tuple[str, str]]) -> str:
+    """``text`` (a path, a flag holding paths) with each root's folder written ``<root>``,
+    longest root first; where a root's folder is followed by a separator or ends a word."""
+    for name, folder in roots:
+        # A replacement string, its backslashes escaped: a name is [a-z_], but be exact.
+        text = re.sub(_START + re.escape(folder) + _END, f"<{name}>".replace("\\", "\\\\"), text)
+    return text
+
+
+def unrooted_text(text: str, roots: Iterable[tuple[str, str]]) -> str:
+    """``rooted_text`` undone with this machine's roots; ``ValueError`` naming a root it lacks."""
+    folders = dict(roots)
+
+    def folder(match: re.Match[str]) -> str:
+        found = folders.get(match.group(1))
+        if found is None:
+            raise ValueError(f"{text!r} names the folder <{match.group(1)}>, which this machine has not")
+        return found
+
+    return _ROOT_TOKEN.sub(folder, text)
 
 
 def resolve_name(name: str, roots: Iterable[tuple[str, str]]) -> str | None:

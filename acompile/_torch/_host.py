@@ -35,6 +35,9 @@ class Host:
             can reach it).
         cache_root: the pool's cache folder (its workers read the disk tier's entries there).
         fleet_wait: how long ``claim`` may wait for another replica.
+        record: ``record(key, library, fields)``: add a JIT library's module to the pool's
+            warm-up record (blocking; a record that cannot be written is the pool's to say), or
+            None where the pool keeps no record.
     """
 
     portal: Portal
@@ -49,3 +52,4 @@ class Host:
     signed: bool
     cache_root: Path
     fleet_wait: float
+    record: Callable[[str, str, dict[str, Any]], None] | None = None
