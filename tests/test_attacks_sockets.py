@@ -25,13 +25,14 @@ from typing import Any
 import anyio
 import psutil
 import pytest
-from attacker import Background, as_nobody, nobody
+from attacker import Background, as_nobody, nobody, shared_folder
 from conftest import ROOT, TARGET
 from fake_backend import local_executor, run_job
 from processes import forked_and_fresh, until
 
 import acompile
 from acompile._workers import Job, WorkerPool, encode_frame
+from acompile._workers._protocol import HELLO, peer_uid
 
 pytestmark = pytest.mark.anyio
 FAKE = "fake_backend"
@@ -211,6 +212,78 @@ async def test_a_stranger_on_the_template_socket_is_never_unpickled(
             while second == first:
                 second = await run_job(p, FAKE, {"name": "b", "action": "pid"}, "b")
         assert p.stats()["workers"]["forked"] >= 2
+
+
+async def test_the_workers_socket_closes_another_users_connection_unread(
+    theirs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The workers' socket takes a connection of this user only (``SO_PEERCRED``), before a byte
+    of it is read: here its folder lets anyone reach it, and nobody connects first with what a
+    forked worker would send. The pool never sees that connection (the token check behind it
+    never runs); it sees this user's, which came after."""
+    from acompile._workers._template import UnixListener
+
+    with shared_folder() as folder:
+        address = folder / "workers.sock"
+        listener = UnixListener(str(address))
+        os.chmod(address, 0o777)
+        report = theirs / "report"
+        accepted: list[Any] = []
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def accept() -> None:
+                    accepted.append(await listener.accept())
+
+                tg.start_soon(accept)
+                with Background(_send_first, str(address), b"\0" * HELLO.size, str(report)) as attacker:
+                    await until(lambda: not attacker.alive(), 30)
+                assert report.read_text() == "closed" and not accepted
+                mine = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                mine.connect(str(address))
+                try:
+                    await until(lambda: bool(accepted), 10)
+                finally:
+                    mine.close()
+        finally:
+            await listener.aclose()
+    (incoming,) = accepted
+    assert peer_uid(incoming.socket) == os.getuid()
+    incoming.socket.close()
+    assert "from a process of uid" in caplog.text
+
+
+async def test_the_host_pools_socket_closes_another_users_connection_unread(
+    tmp_path: Path, theirs: Path
+) -> None:
+    """The host pool's server (``inductor.serve(host_pool=True)``) runs the jobs its clients
+    send, pickles and all: it serves a process of this user only (``SO_PEERCRED``), before a
+    byte is read or sent. Here its socket is made reachable: nobody connects and is closed on,
+    never greeted; a process of this user is greeted."""
+    from acompile._torch import _hostpool
+
+    def open_pool(workers: int | None, **kw: Any) -> acompile.CompilePool:
+        return acompile.CompilePool(1, target=TARGET, cache_dir=kw["cache_dir"], preload=())
+
+    report = theirs / "report"
+    with shared_folder() as folder:
+        path = folder / "pool.sock"
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_hostpool.serve, open_pool, tmp_path / "c", path, 1, 600.0)
+            await until(lambda: path.exists() and stat.S_IMODE(path.stat().st_mode) == 0o600, 60)
+            os.chmod(path, 0o777)
+            with Background(_send_first, str(path), b"\0" * 64, str(report)) as attacker:
+                await until(lambda: not attacker.alive(), 30)
+            assert report.read_text() == "closed"
+
+            def greeted() -> bytes:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                    sock.settimeout(20)
+                    sock.connect(str(path))
+                    return sock.recv(4096)
+
+            assert b"hello" in await anyio.to_thread.run_sync(greeted)
+            tg.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize("where", ["their folder", "moved into ours"])

@@ -337,3 +337,69 @@ def test_four_processes_racing_on_one_key_compile_it_once(tmp_path: Path, redis_
     assert len({r["cubin"] for r in results}) == 1
     for i in range(4):
         decode_entry(DiskTier(tmp_path / f"cache{i}").path(key).read_bytes(), key)
+
+
+# --- C++ and CUDA: the options and the compiler -----------------------------------------------------
+
+ANSWER_CPP = 'extern "C" int answer() { return ANSWER; }\n'
+
+
+async def test_a_cpp_library_is_keyed_with_its_compile_options(tmp_path: Path) -> None:
+    """``-DANSWER=1`` and ``-DANSWER=2`` are two libraries: the second is compiled, not served
+    the first one's (and a CUDA source's options are in its key alike)."""
+    async with pool(tmp_path / "c") as p:
+        one = await p.cpp(ANSWER_CPP, options=["-DANSWER=1"])
+        two, tier = await p.compile_with_tier(acompile.CppSpec(ANSWER_CPP, ("-DANSWER=2",)))
+        cuda = 'extern "C" __global__ void k(int *x) { *x = ANSWER; }\n'
+        first = await p.cuda(cuda, options=["-DANSWER=1"], arch="sm_90")
+        second, cuda_tier = await p.compile_with_tier(
+            acompile.CudaSpec(cuda, options=("-DANSWER=2",), arch="sm_90")
+        )
+    assert tier == "compile" and (one.answer(), two.answer()) == (1, 2)
+    assert cuda_tier == "compile" and first.key != second.key
+
+
+def test_a_cpp_library_is_keyed_with_its_compilers_version(tmp_path: Path) -> None:
+    """The same source and options through a compiler that says another version (``$CXX``: a
+    wrapper around the same g++, as an upgraded compiler would be): compiled again, not served
+    from the cache folder the first one filled."""
+    wrapper = tmp_path / "cxx"
+    wrapper.write_text(
+        '#!/bin/sh\nif [ "$1" = --version ]; then echo "g++ (acompile test) 99.1.0"; exit 0; fi\nexec g++ "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    code = f"""
+import anyio, acompile
+async def main():
+    async with acompile.CompilePool(1, target="cuda:90", cache_dir={str(tmp_path / "c")!r}) as p:
+        lib, tier = await p.compile_with_tier(acompile.CppSpec({ANSWER_CPP!r}, ("-DANSWER=3",)))
+        print(tier, lib.answer())
+anyio.run(main)
+"""
+    tiers = []
+    for cxx in ("g++", str(wrapper), str(wrapper)):
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=subprocess_env(CXX=cxx),
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        tiers.append(done.stdout.split())
+    assert tiers == [["compile", "3"], ["compile", "3"], ["disk", "3"]]
+
+
+async def test_triton_settings_outside_triton_star_that_change_a_compile_are_in_the_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Triton reads ``PTXAS_OPTIONS`` (and lists it, with the others it reads outside
+    ``TRITON_*``, as changing a compile): a kernel compiled with it set is another entry."""
+    spec = acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 64})
+    async with pool(tmp_path / "c") as p:
+        _, plain = await p.compile_with_tier(spec)
+        monkeypatch.setenv("PTXAS_OPTIONS", "--warn-on-spills")
+        _, with_options = await p.compile_with_tier(spec)
+        monkeypatch.delenv("PTXAS_OPTIONS")
+        _, again = await p.compile_with_tier(spec)
+    assert (plain, with_options, again) == ("compile", "compile", "memory")

@@ -405,6 +405,8 @@ async def serve(
                 tg.start_soon(server.idle_watch, tg.cancel_scope)
                 tg.start_soon(listener.serve, server.handle)
         finally:
+            with anyio.CancelScope(shield=True):
+                await listener.aclose()
             with contextlib.suppress(OSError):
                 os.unlink(path)  # ours (a process that finds none starts a server)
 
