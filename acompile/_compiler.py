@@ -874,13 +874,7 @@ class CompilePool:
         try:
             await anyio.to_thread.run_sync(recorder.add, request, spec)
         except OSError as exc:
-            if self._recorder is recorder:
-                self._recorder = None
-                logger.warning(
-                    "cannot write the warm-up record %s (%s); this pool records nothing more",
-                    recorder.path,
-                    exc,
-                )
+            self._record_lost(recorder, exc)
 
     def _record_module(self, key: str, library: str, fields: dict[str, Any]) -> None:
         """Add a JIT library's module to the warm-up record (blocking: called on the library's
@@ -891,13 +885,14 @@ class CompilePool:
         try:
             recorder.add_module(key, library, fields)
         except OSError as exc:
-            if self._recorder is recorder:
-                self._recorder = None
-                logger.warning(
-                    "cannot write the warm-up record %s (%s); this pool records nothing more",
-                    recorder.path,
-                    exc,
-                )
+            self._record_lost(recorder, exc)
+
+    def _record_lost(self, recorder: Recorder, exc: OSError) -> None:
+        if self._recorder is recorder:
+            self._recorder = None
+            logger.warning(
+                "cannot write the warm-up record %s (%s); this pool records nothing more", recorder.path, exc
+            )
 
     async def _look_locally(
         self, flight: _Flight, backend: ParentBackend[Any, Any, Any], request: Request
