@@ -132,16 +132,69 @@ def after_import(name: str, callback: Callable[[], None]) -> None:
     serves them all, in the order they came."""
     with _waiting_lock:
         module = sys.modules.get(name)
-        if module is None or _initializing(module):
-            # Not imported yet; or being imported right now, further up this very stack (FlashInfer's
-            # ``jit.core`` imports torch, whose import calls ``autoload``): a callback now would
-            # find it half made, and start a pool whose threads wait for the imports this thread
-            # holds. It is called at the first import after that one has finished.
-            (_waiting if module is None else _finishing).setdefault(name, []).append(callback)
-            if _FINDER not in sys.meta_path:
-                sys.meta_path.insert(0, _FINDER)
+        if module is None:
+            _waiting.setdefault(name, []).append(callback)
+            _enter_finder()
+            return
+        if _initializing(module):
+            # Being imported right now, further up this very stack (FlashInfer's ``jit.core``
+            # imports torch, whose import calls ``autoload``): a callback now would find it half
+            # made, and start a pool whose threads wait for imports this thread holds. It is
+            # called as the outermost import under way in this thread ends (``import flashinfer``
+            # has finished, and every module it imported with it).
+            if _after_outermost_import(name, callback):
+                return
+            # Under way in another thread: at the first import after it has finished.
+            _finishing.setdefault(name, []).append(callback)
+            _enter_finder()
             return
     callback()
+
+
+class _EndOfImport(importlib.machinery.ModuleSpec):
+    """The spec of the outermost import under way in a thread, while callbacks wait for its end:
+    importlib marks a spec done (``_initializing = False``) as the last thing it does to import
+    it, the module in ``sys.modules`` (or taken out again, where its code raised)."""
+
+    def __setattr__(self, attr: str, value: object) -> None:
+        object.__setattr__(self, attr, value)
+        if attr != "_initializing" or value:
+            return
+        waiting: list[tuple[str, Callable[[], None]]] = self.__dict__.pop("_acompile_waiting", [])
+        object.__setattr__(self, "__class__", importlib.machinery.ModuleSpec)
+        # Each callback whose module was imported whole (one whose import raised has none).
+        _call([callback for name, callback in waiting if _whole(sys.modules.get(name))])
+
+
+def _whole(module: ModuleType | None) -> bool:
+    return module is not None and not _initializing(module)
+
+
+def _after_outermost_import(name: str, callback: Callable[[], None]) -> bool:
+    """Call ``callback`` as the outermost import under way in this thread ends; False where no
+    import of ``name`` is under way in this thread (the caller waits another way)."""
+    frame: Any = sys._getframe(1)
+    outermost = None
+    importing = False
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_load_unlocked" and code.co_filename == "<frozen importlib._bootstrap>":
+            spec = frame.f_locals.get("spec")
+            if isinstance(spec, importlib.machinery.ModuleSpec):
+                outermost = spec
+                importing = importing or spec.name == name
+        frame = frame.f_back
+    if outermost is None or not importing:
+        return False
+    if type(outermost) is importlib.machinery.ModuleSpec:
+        try:
+            outermost.__class__ = _EndOfImport
+        except TypeError:
+            return False
+    elif type(outermost) is not _EndOfImport:
+        return False  # a spec class of another finder's: not one to change
+    outermost.__dict__.setdefault("_acompile_waiting", []).append((name, callback))
+    return True
 
 
 def _initializing(module: ModuleType) -> bool:
@@ -157,6 +210,11 @@ def _call(callbacks: list[Callable[[], None]]) -> None:
             callback()
         except Exception as exc:  # never into the import
             logger.warning("acompile: not serving in this process (%s)", exc)
+
+
+def _enter_finder() -> None:
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
 
 
 def _leave_if_done() -> None:
@@ -199,8 +257,10 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         else:
             return None
         loader = spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
+        if not isinstance(loader, _FILE_LOADERS):
+            # A loader of many modules (builtin, frozen, a zip's): not one to change. A module
+            # waited for is a file's; the end of another import is waited for at the next one.
+            return spec if fullname in _waiting else None
         run = loader.exec_module
 
         def exec_module(module: ModuleType) -> None:
@@ -210,10 +270,20 @@ class _AfterImport(importlib.abc.MetaPathFinder):
                 callbacks = [c for n in finished for c in _finishing.pop(n, [])]
                 callbacks += _waiting.pop(fullname, [])
                 _leave_if_done()
-            _call(callbacks)
+            try:
+                _call(callbacks)
+            finally:
+                with _waiting_lock:
+                    _ran.discard(fullname)
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 
 _FINDER = _AfterImport()
+# Loaders of one module each, which a wrapped exec_module changes for that module alone.
+_FILE_LOADERS = (
+    importlib.machinery.SourceFileLoader,
+    importlib.machinery.SourcelessFileLoader,
+    importlib.machinery.ExtensionFileLoader,
+)
