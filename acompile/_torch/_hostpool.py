@@ -53,6 +53,11 @@ from acompile._workers import URGENT, Job
 logger = logging.getLogger("acompile")
 
 RUN_FOLDER = "run"
+# The jobs a client sends, by the worker module that runs them: torch.compile's (Inductor's Triton
+# compiles, C++ builds) and the JIT libraries' ninja builds (``acompile._jit``, the layer above,
+# names its own; only these run here).
+TORCH_JOBS = "acompile._torch._worker"
+JOB_MODULES = frozenset({TORCH_JOBS, "acompile._jit._worker"})
 # How long the server stays up with no process connected.
 IDLE_EXIT = 60.0
 # How long a process waits for a server it started to listen.
@@ -121,7 +126,12 @@ async def receive_frame(reader: BufferedByteReceiveStream) -> tuple[dict[str, An
 
 
 def _error_frame(job_id: int, exc: BaseException) -> dict[str, Any]:
-    return {"op": "error", "id": job_id, "error": type(exc).__name__, "message": str(exc)}
+    frame = {"op": "error", "id": job_id, "error": type(exc).__name__, "message": str(exc)}
+    if isinstance(exc, _errors.CompileError):
+        # Whose failure it is (a JIT library's build tells its compiler's from the pool's by
+        # it) and what the compiler said.
+        frame.update(backend=exc.backend, log=exc.log)
+    return frame
 
 
 def _rebuilt(header: dict[str, Any], name: str) -> AcompileError:
@@ -129,9 +139,10 @@ def _rebuilt(header: dict[str, Any], name: str) -> AcompileError:
     cls = getattr(_errors, str(header.get("error")), None)
     message = str(header.get("message", "the host pool failed the job"))
     if isinstance(cls, type) and issubclass(cls, _errors.CompileError):
+        backend = str(header.get("backend") or "inductor")
         if issubclass(cls, _errors.WorkerCrashedError):
-            return cls(message, exit_code=None, kernel=name, backend="inductor")
-        return cls(message, kernel=name, backend="inductor")
+            return cls(message, exit_code=None, kernel=name, backend=backend)
+        return cls(message, kernel=name, backend=backend, log=str(header.get("log") or ""))
     if isinstance(cls, type) and issubclass(cls, AcompileError):
         return cls(message)
     return PoolError(message)
@@ -339,7 +350,9 @@ class HostPoolClient:
             slot: list[Any] = []
             self._waiting[job_id] = (event, slot)
             try:
-                await self._send({"op": "run", "id": job_id, "name": job.name}, job.payload)
+                await self._send(
+                    {"op": "run", "id": job_id, "name": job.name, "module": job.backend}, job.payload
+                )
                 await event.wait()
             except BaseException:
                 with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
@@ -477,8 +490,9 @@ class _Server:
                     if header.get("op") == "run":
                         scope = anyio.CancelScope()
                         jobs[job_id] = scope
+                        module = str(header.get("module", TORCH_JOBS))
                         tg.start_soon(
-                            self._run, send, job_id, str(header.get("name", "job")), body, scope, jobs
+                            self._run, send, job_id, module, str(header.get("name", "job")), body, scope, jobs
                         )
                     elif header.get("op") == "cancel" and job_id in jobs:
                         jobs[job_id].cancel()
@@ -501,17 +515,18 @@ class _Server:
         self,
         send: Any,
         job_id: int,
+        module: str,
         name: str,
         payload: bytes,
         scope: anyio.CancelScope,
         jobs: dict[int, Any],
     ) -> None:
-        from acompile._torch._served import WORKER_MODULE
-
         try:
             with scope:
                 try:
-                    result = await self.pool.executor.run(Job(WORKER_MODULE, payload, name, URGENT))
+                    if module not in JOB_MODULES:
+                        raise PoolError(f"the host pool runs no jobs of {module!r}")
+                    result = await self.pool.executor.run(Job(module, payload, name, URGENT))
                 except AcompileError as exc:
                     await send(_error_frame(job_id, exc))
                     return
