@@ -40,12 +40,14 @@ that replaying the file on the next deploy compiles what production used.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
 import logging
 import os
 import re
+import stat
 import sys
 import threading
 from collections.abc import Mapping
@@ -259,7 +261,8 @@ def load_flashinfer_entries(path: str | Path) -> list[FlashInferWarmup]:
     if len(lists) > 1:
         raise InvalidSpecError(
             f"{path}: [[flashinfer]] entries name different arch lists {sorted(lists)}: FlashInfer reads "
-            "its arch list once a process, so one warm-up run builds for one (split the manifest)"
+            "its arch list once a process, so one warm-up run builds for one (split the manifest; a "
+            'recorded entry spells it as FlashInfer does, "9.0a": write a hand-written one the same way)'
         )
     (arch_list,) = lists
     current = os.environ.get(FLASHINFER_ARCH_ENV)
@@ -272,7 +275,7 @@ def load_flashinfer_entries(path: str | Path) -> list[FlashInferWarmup]:
     found = []
     for index, raw in enumerate(entries, 1):
         if "module" in raw:
-            from acompile._jit._flashinfer import remake_spec
+            from acompile._jit import remake_flashinfer_spec as remake_spec
 
             fields = {k: v for k, v in raw.items() if k != "key"}
             found.append(
@@ -291,7 +294,7 @@ def load_flashinfer_entries(path: str | Path) -> list[FlashInferWarmup]:
 
 def _check_recorded(raw: Mapping[str, Any], where: str) -> None:
     """A recorded ``[[flashinfer]]`` entry (what a serving process built): its fields' shapes."""
-    from acompile._jit._flashinfer import RECORD_FIELDS
+    from acompile._jit import FLASHINFER_RECORD_FIELDS as RECORD_FIELDS
 
     if unknown := set(raw) - RECORD_FIELDS - {"key"}:
         raise InvalidSpecError(f"{where}: unknown field(s) {sorted(unknown)} in a recorded module entry")
@@ -301,15 +304,24 @@ def _check_recorded(raw: Mapping[str, Any], where: str) -> None:
         raise InvalidSpecError(f"{where}: a recorded module entry needs {', '.join(strings)} (strings)")
     if not re.fullmatch(r"[0-9a-f]{64}", raw["key"]):
         raise InvalidSpecError(f"{where}: key must be 64 hex digits")
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", raw["module"]) or ".." in raw["module"]:
+        # It names the module's build folder in FlashInfer's workspace: a name, never a path.
+        raise InvalidSpecError(f"{where}: module must be a module's name, got {raw['module']!r}")
+    if not raw.get("sources"):
+        raise InvalidSpecError(f"{where}: a recorded module entry needs its sources")
     for k in lists:
         value = raw.get(k, [])
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise InvalidSpecError(f"{where}: {k} must be a list of strings")
-    tables = (raw.get("files", {}), raw.get("cuda_cflags_by_source", {}))
-    if not all(isinstance(t, Mapping) for t in tables) or not all(
-        isinstance(v, str) for v in tables[0].values()
+    if not isinstance(raw.get("device_linking", False), bool):
+        raise InvalidSpecError(f"{where}: device_linking must be true or false")
+    files, by_source = raw.get("files", {}), raw.get("cuda_cflags_by_source", {})
+    if not isinstance(files, Mapping) or not all(isinstance(v, str) for v in files.values()):
+        raise InvalidSpecError(f"{where}: files must be a table of texts")
+    if not isinstance(by_source, Mapping) or not all(
+        isinstance(v, list) and all(isinstance(f, str) for f in v) for v in by_source.values()
     ):
-        raise InvalidSpecError(f"{where}: files must be a table of texts, cuda_cflags_by_source of lists")
+        raise InvalidSpecError(f"{where}: cuda_cflags_by_source must be a table of lists of strings")
 
 
 def _import_kernel(ref: str, base: Path, where: str, what: str = "kernel") -> Any:
@@ -368,6 +380,7 @@ class Recorder:
         self._lock = threading.Lock()
         self._seen: set[str] | None = None
         self._read_to = 0  # how far this process has read the file for keys
+        self._identity: tuple[int, int] | None = None  # the file read (device, inode)
 
     def recorded(self, key: str) -> bool:
         """Whether ``key`` is known to be recorded already (cheap, without reading the file: a
@@ -393,17 +406,26 @@ class Recorder:
         return self._append(key, "".join(lines))
 
     def _append(self, key: str, text: str) -> bool:
-        import fcntl
-
+        """Append one entry under the file's lock. ``OSError`` where the record cannot be
+        written: the file is not this user's regular file (a link, another user's), its lock
+        stays held by another process past ``_LOCK_WAIT``, the disk refuses the entry (which is
+        then cut off again: a record is never left with half an entry)."""
         with self._lock:
-            if self._seen is not None and key in self._seen:
+            if self._seen is not None and key in self._seen and self._same_file():
                 return False
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "ab+") as f:
-                fcntl.flock(f, fcntl.LOCK_EX)  # released as the file closes
+            flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+            fd = os.open(self.path, flags, 0o600)
+            with open(fd, "ab+") as f:
+                info = os.fstat(fd)
+                if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+                    raise PermissionError(f"{self.path} is not a file of this user's")
+                _lock_file(fd, self.path)  # released as the file closes
                 size = f.seek(0, os.SEEK_END)
-                if self._seen is None or size < self._read_to:  # a first look, or a new file
-                    self._seen, self._read_to = set(), 0
+                identity = (info.st_dev, info.st_ino)
+                if self._seen is None or size < self._read_to or identity != self._identity:
+                    # A first look, or another file now (replaced, cut short): read it whole.
+                    self._seen, self._read_to, self._identity = set(), 0, identity
                 if size > self._read_to:  # what others appended since: their keys too
                     f.seek(self._read_to)
                     self._seen.update(_KEY_LINE.findall(f.read().decode("utf-8", "replace")))
@@ -412,14 +434,52 @@ class Recorder:
                     return False
                 if size == 0:
                     text = (
-                        "# What an acompile pool served; replay with `acompile warmup <this file>`,\n"
-                        "# with the folders that hold its kernels' modules on PYTHONPATH.\n"
+                        "# What an acompile pool served; replay with `acompile warmup <this file>`.\n"
                     ) + text
-                f.write(text.encode("utf-8"))
-                f.flush()
+                try:
+                    f.write(text.encode("utf-8"))
+                    f.flush()
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        f.truncate(size)
+                    raise
                 self._read_to = f.tell()
                 self._seen.add(key)
             return True
+
+    def _same_file(self) -> bool:
+        """Whether the record is still the file last read, and no shorter (not replaced by an
+        edited copy, not cut): what was read of it still holds."""
+        try:
+            info = os.lstat(self.path)
+        except OSError:
+            return False
+        return (info.st_dev, info.st_ino) == self._identity and info.st_size >= self._read_to
+
+
+# How long an append waits for another process's lock on the record.
+_LOCK_WAIT = 10.0
+
+
+def _lock_file(fd: int, path: Path) -> None:
+    import fcntl
+    import time
+
+    deadline = time.monotonic() + _LOCK_WAIT
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{path} stayed locked by another process for {_LOCK_WAIT:g} s") from None
+            time.sleep(0.01)
+
+
+def _toml_string(value: str) -> str:
+    # JSON's escapes are TOML's, but for a character outside the BMP (JSON writes it as a
+    # surrogate pair, which TOML refuses) and DEL (TOML wants it escaped).
+    return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def _toml(value: Any) -> str | None:
@@ -428,9 +488,7 @@ def _toml(value: Any) -> str | None:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        # JSON's escapes are TOML's, but for a character outside the BMP (JSON writes it as a
-        # surrogate pair, which TOML refuses) and DEL (TOML wants it escaped).
-        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+        return _toml_string(value)
     if isinstance(value, (list, tuple)):
         items = [_toml(v) for v in value]
         return None if any(i is None for i in items) else "[" + ", ".join(items) + "]"  # type: ignore[arg-type]
@@ -440,7 +498,7 @@ def _toml(value: Any) -> str | None:
             text = _toml(v)
             if text is None:
                 return None
-            pairs.append(f"{json.dumps(str(k))} = {text}")
+            pairs.append(f"{_toml_string(str(k))} = {text}")
         return "{ " + ", ".join(pairs) + " }"
     return None
 

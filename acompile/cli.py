@@ -378,6 +378,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"acompile run: {problem}", file=sys.stderr)
         return 2
     if args.record is not None:
+        if problem := _output_path_problem(args.record):
+            print(f"acompile run: --record {args.record}: {problem}", file=sys.stderr)
+            return 2
         options["record"] = str(args.record.absolute())
     if args.host_pool:
         options["host_pool"] = True
@@ -393,7 +396,8 @@ def _run(args: argparse.Namespace) -> int:
         if key is None and not args.unsafe_unsigned_shared_cache:
             print(
                 "acompile run: --shared-cache needs $ACOMPILE_SIGNING_KEY: torch.compile's cache entries "
-                "hold code the program runs (or pass --unsafe-unsigned-shared-cache)",
+                "and the JIT libraries' modules hold code the program runs (or pass "
+                "--unsafe-unsigned-shared-cache)",
                 file=sys.stderr,
             )
             return 2
@@ -874,11 +878,12 @@ async def _warm_flashinfer(
                     serving.written
                 ):
                     # The servers look the module up under the recorded key: this one is another.
+                    here = after.get("keys", {}).get(row["module"], "?")
                     row.update(
                         result="failed",
-                        error="built here under another key than the one recorded (another nvcc, host "
-                        "compiler or header here: the servers would not find it; acompile cache "
-                        "explain compares the keys' parts)",
+                        error=f"built here under the key {here}, not the recorded {entry.key} (another "
+                        "nvcc, host compiler or header here: the servers would not find it); `acompile "
+                        "cache explain KEY` of each, here and beside the server's entry, shows its parts",
                     )
                 else:
                     row.update(result="compiled" if built else "cached")

@@ -170,6 +170,39 @@ def test_an_unreachable_tier_is_a_miss_and_the_build_goes_on(
     assert report.get("answer") == 42 and report["jit"]["builds"] == 1
 
 
+def test_the_hosts_pool_builds_a_library_for_every_process_of_the_host(
+    tmp_path: Path, source: tuple[Path, Path]
+) -> None:
+    """``serve(host_pool=True)`` (``acompile run --host-pool``): a build runs on the host's pool
+    (a process of its own, which the server's ranks share), not in the process that asked; and
+    a build that fails there is the library's own error, with the compiler's message."""
+    import psutil
+
+    options = {"host_pool": True, "workers": 1, "jits": ["cpp_extension"]}
+    env = machine(tmp_path, "host")
+    try:
+        report = build_in(env, options, source)
+        assert report.get("answer") == 42, report
+        assert report["jit"]["builds"] == 1 and report["jit"]["local_builds"] == 0, report
+        broken = tmp_path / "broken.cpp"
+        broken.write_text('extern "C" int answer() { return nope; }\n')
+        again = machine(tmp_path, "host-again")
+        again["ACOMPILE_CACHE_DIR"] = env["ACOMPILE_CACHE_DIR"]  # the same host pool
+        failed = build_in(again, options, (broken, source[1]))
+        assert "nope" in failed.get("error", "") and failed["jit"]["failed"] == 1, failed
+        assert failed["jit"]["local_builds"] == 0, failed
+    finally:
+        # The host's pool would stop a minute after its last process left: now.
+        for server in psutil.process_iter(["cmdline"]):
+            if "acompile._torch._hostpool" in " ".join(server.info["cmdline"] or ()) and str(
+                tmp_path
+            ) in " ".join(server.info["cmdline"]):
+                workers = server.children(recursive=True)
+                server.terminate()
+                server.wait(30)
+                psutil.wait_procs(workers, timeout=10)
+
+
 def test_a_full_cache_disk_costs_the_cache_not_the_library(
     tmp_path: Path, redis_server: RedisServer, source: tuple[Path, Path], mounts: Mounts
 ) -> None:
@@ -277,22 +310,28 @@ def test_serving_that_starts_inside_the_import_of_its_trigger_waits_for_that_imp
     ``acompile run`` starts serving: the trigger module is half made then, its import lock held.
     Serving begins once that import has ended (it patches what the module defines at its end),
     and what it starts on other threads may import (a pool's thread imports its backends): it
-    used to hang there for good. Here ``pkg.core`` plays ``jit.core``, ``fakelib`` torch, and
-    ``user`` a module of the pool's that imports torch."""
+    used to hang there for good. Here ``pkg.core`` plays ``jit.core``, ``fakelib`` torch,
+    ``lib2`` a package the program's package imports after it (FlashInfer's: jinja2), and the
+    pool's thread imports both ``user`` (which imports ``fakelib``) and ``lib2``: serving
+    starts once ``import pkg`` has ended, on the thread that imported it."""
     pkg = tmp_path / "pkg"
     pkg.mkdir()
-    (pkg / "__init__.py").write_text("from . import core\nfrom . import after\n")
+    (pkg / "__init__.py").write_text("from . import core\nimport lib2\nfrom . import after\n")
     (pkg / "core.py").write_text("import fakelib\nDEFINED_LAST = True\n")
     (pkg / "after.py").write_text("")
+    (tmp_path / "lib2").mkdir()
+    (tmp_path / "lib2" / "__init__.py").write_text("from . import sub\n")
+    (tmp_path / "lib2" / "sub.py").write_text("")
     (tmp_path / "user.py").write_text("import fakelib\n")
     (tmp_path / "fakelib.py").write_text(
         "import sys, threading\n"
         "from acompile._torch._autoload import after_import\n"
         "def serve():\n"
         "    seen = getattr(sys.modules['pkg.core'], 'DEFINED_LAST', False)\n"
-        "    t = threading.Thread(target=lambda: __import__('user'))\n"  # the pool's thread
+        "    whole = hasattr(sys.modules['pkg'], 'after')\n"
+        "    t = threading.Thread(target=lambda: (__import__('user'), __import__('lib2')))\n"  # the pool's
         "    t.start(); t.join(10)\n"
-        "    print('served', seen, not t.is_alive(), flush=True)\n"
+        "    print('served', seen, whole, not t.is_alive(), threading.current_thread().name, flush=True)\n"
         "after_import('pkg.core', serve)\n"
     )
     done = subprocess.run(
@@ -304,7 +343,7 @@ def test_serving_that_starts_inside_the_import_of_its_trigger_waits_for_that_imp
         env=subprocess_env(),
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["served", "True", "True", "imported"], done.stdout
+    assert done.stdout.split() == ["served", "True", "True", "True", "MainThread", "imported"], done.stdout
 
 
 def test_keys_are_the_same_for_a_build_at_other_paths_and_differ_for_a_changed_header(tmp_path: Path) -> None:

@@ -331,10 +331,48 @@ def test_a_record_of_what_a_server_was_served_warms_the_fleet_from_a_box_without
         (text.replace('release = "', 'release = "0.0.', 1), "recorded with flashinfer 0.0."),
         (
             re.sub(r'key = "[0-9a-f]{64}"', 'key = "' + "0" * 64 + '"', text),
-            "under another key than the one recorded",
+            "not the recorded " + "0" * 64,
         ),
     ):
         wrong = tmp_path / "wrong.toml"
         wrong.write_text(wrong_text)
         done = warmup(wrong)
         assert done.returncode == 1 and why in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        (('module = "m"', 'module = "../../../tmp/escaped"'), "module must be a module's name"),
+        (('module = "m"', 'module = "/tmp/absolute"'), "module must be a module's name"),
+        (("device_linking = false", 'device_linking = "false"'), "device_linking must be true or false"),
+        (("sources = [", "cflags = ["), "needs its sources"),
+        (('cuda_cflags_by_source = { "<pkg_flashinfer>/a.cu" = ["-O3"] }', 'cuda_cflags_by_source = { "a" = "-O3" }'),
+         "cuda_cflags_by_source must be a table of lists"),
+    ],
+)  # fmt: skip
+def test_a_hand_edited_record_is_refused_before_any_work(
+    tmp_path: Path, change: tuple[str, str], why: str
+) -> None:
+    """A record names a module's build folder by the module's name: one that is a path (that
+    would build outside FlashInfer's workspace), or fields of the wrong shape, refuse the whole
+    manifest with exit 2, naming the entry, before anything is imported or built."""
+    record = (
+        "[[flashinfer]]\n"
+        f'key = "{"a" * 64}"\n'
+        'module = "m"\nrelease = "0.7.4"\narch_list = "9.0a"\n'
+        'sources = ["<pkg_flashinfer>/a.cu"]\n'
+        "device_linking = false\n"
+        'cuda_cflags_by_source = { "<pkg_flashinfer>/a.cu" = ["-O3"] }\n'
+    )
+    manifest = tmp_path / "served.toml"
+    manifest.write_text(record.replace(*change))
+    done = subprocess.run(
+        [sys.executable, "-m", "acompile", "warmup", str(manifest)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=subprocess_env(),
+    )
+    assert done.returncode == 2 and why in done.stderr, done.stderr[-2000:]
+    assert not Path("/tmp/escaped").exists() and not Path("/tmp/absolute").exists()

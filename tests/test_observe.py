@@ -9,7 +9,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from conftest import TARGET, subprocess_env
+from conftest import TARGET, Mounts, fill, subprocess_env
 from kernels_for_tests import ADD_SIG, add_kernel, scale_add_kernel
 
 import acompile
@@ -120,3 +120,70 @@ for i in range(400):
     assert sorted(e["module"] for e in entries) == sorted(f"m{i}" for i in range(400))
     # Text that TOML escapes otherwise than JSON (DEL, a character outside the BMP) reads back.
     assert {e["files"]["<w>/a.cu"] for e in entries} == {"x\x7f\U0001f600"}
+
+
+def test_a_record_is_this_users_file_and_never_left_with_half_an_entry(
+    tmp_path: Path, mounts: Mounts
+) -> None:
+    """The record is appended only to a regular file of this user's (a link planted where it
+    goes is refused, not followed); an entry the disk refuses halfway (a real tmpfs, full) is
+    cut off again, so the record still parses and the entry is recorded at the next try; a
+    record replaced by another file is read anew (an entry the user removed is recorded again)."""
+    import tomllib
+
+    from acompile._manifest import Recorder
+
+    victim = tmp_path / "victim"
+    victim.write_text("mine\n")
+    link = tmp_path / "linked.toml"
+    link.symlink_to(victim)
+    with pytest.raises(OSError):
+        Recorder(link).add_module("a" * 64, "flashinfer", {"module": "m"})
+    assert victim.read_text() == "mine\n"
+
+    disk = tmp_path / "disk"
+    mounts.tmpfs(disk, "1m")
+    record = disk / "served.toml"
+    recorder = Recorder(record)
+    assert recorder.add_module("a" * 64, "flashinfer", {"module": "first"})
+    size = record.stat().st_size
+    fill(disk, leave=4096)
+    big = {"module": "second", "files": {"<w>/x.cu": "x" * 20000}}
+    with pytest.raises(OSError, match="No space left"):
+        recorder.add_module("b" * 64, "flashinfer", big)
+    assert record.stat().st_size == size
+    (disk / "filler").unlink()
+    assert recorder.add_module("b" * 64, "flashinfer", big)
+    assert [e["module"] for e in tomllib.loads(record.read_text())["flashinfer"]] == ["first", "second"]
+
+    # Replaced by an edited copy without the second entry: the next add reads it anew.
+    edited = disk / "edited.toml"
+    edited.write_text(record.read_text().split('\n[[flashinfer]]\nkey = "' + "b" * 64)[0] + "\n" * 40)
+    edited.replace(record)
+    assert recorder.add_module("b" * 64, "flashinfer", big)
+    assert [e["module"] for e in tomllib.loads(record.read_text())["flashinfer"]] == ["first", "second"]
+
+
+def test_a_record_locked_by_another_process_for_long_costs_the_entry_not_a_hang(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that holds the record's lock and does not let go (stopped, stuck on a network
+    filesystem): an append waits a bounded time, then fails (the pool then records nothing
+    more, and says so once), instead of holding the build that asked, and the pool's exit."""
+    import subprocess
+
+    from acompile import _manifest
+
+    record = tmp_path / "served.toml"
+    record.write_text("")
+    holder = subprocess.Popen(["flock", str(record), "sleep", "60"])
+    try:
+        time.sleep(0.3)
+        monkeypatch.setattr(_manifest, "_LOCK_WAIT", 0.5)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="stayed locked"):
+            _manifest.Recorder(record).add_module("a" * 64, "flashinfer", {"module": "m"})
+        assert time.monotonic() - started < 30
+    finally:
+        holder.kill()
+        holder.wait()

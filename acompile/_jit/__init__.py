@@ -23,6 +23,8 @@ from acompile import _lazy
 
 if TYPE_CHECKING:
     from acompile._jit._builds import ServedBuilds
+    from acompile._jit._flashinfer import RECORD_FIELDS as FLASHINFER_RECORD_FIELDS
+    from acompile._jit._flashinfer import remake_spec as remake_flashinfer_spec
     from acompile._jit._library import LIBRARIES, TRIGGERS, JitServing, UnsupportedJitWarning, check_names
 
 _NAMES: dict[str, str | tuple[str, str]] = {
@@ -32,7 +34,18 @@ _NAMES: dict[str, str | tuple[str, str]] = {
     "JitServing": "_library",
     "UnsupportedJitWarning": "_library",
     "check_names": "_library",
+    "FLASHINFER_RECORD_FIELDS": ("_flashinfer", "RECORD_FIELDS"),
+    "remake_flashinfer_spec": ("_flashinfer", "remake_spec"),
 }
 __getattr__, __dir__ = _lazy.face(__name__, _NAMES, eager=False)
 
-__all__ = ["LIBRARIES", "TRIGGERS", "JitServing", "ServedBuilds", "UnsupportedJitWarning", "check_names"]
+__all__ = [
+    "FLASHINFER_RECORD_FIELDS",
+    "LIBRARIES",
+    "TRIGGERS",
+    "JitServing",
+    "ServedBuilds",
+    "UnsupportedJitWarning",
+    "check_names",
+    "remake_flashinfer_spec",
+]

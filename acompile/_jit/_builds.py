@@ -88,6 +88,8 @@ class ServedBuilds:
         self.keys: set[str] = set()
         self._building: dict[str, threading.Lock] = {}
         self._recorded: set[str] = set()  # direct keys in the warm-up record
+        # Each module's direct key, by library and module name (the last build of that name).
+        self.direct_keys: dict[str, str] = {}
 
     # -- bookkeeping ------------------------------------------------------------------------------
 
@@ -97,11 +99,12 @@ class ServedBuilds:
 
     def stats(self) -> dict[str, Any]:
         """Per library: ``hits`` by tier, ``builds``, ``local_builds``, ``failed``, ``puts``,
-        ``after_ready`` (and which modules)."""
+        ``after_ready`` (and which modules), ``keys`` (each module's direct key)."""
         with self._lock:
             counts = dict(self.counts)
             late = list(self.after_ready)
-        libraries = sorted({name.split(":", 1)[0] for name in (*counts, *late)})
+            keys = dict(self.direct_keys)
+        libraries = sorted({name.split(":", 1)[0] for name in (*counts, *late, *keys)})
         out: dict[str, Any] = {}
         for lib in libraries:
             out[lib] = {
@@ -111,6 +114,8 @@ class ServedBuilds:
                     for what in ("builds", "local_builds", "failed", "puts", "after_ready")
                 },
                 "built_after_ready": [n.split(":", 1)[1] for n in late if n.startswith(lib + ":")],
+                # The key each module was looked up under (a warm-up record names it).
+                "keys": {n.split(":", 1)[1]: k for n, k in keys.items() if n.startswith(lib + ":")},
             }
         return out
 
@@ -155,6 +160,7 @@ class ServedBuilds:
         # the second finds the first one's result); other modules go on.
         with self._lock:
             key_lock = self._building.setdefault(direct_key, threading.Lock())
+            self.direct_keys[f"{lib}:{build.name}"] = direct_key
         with key_lock:
             self._run_keyed(build, graph, direct, run_here, failed)
 
@@ -370,7 +376,7 @@ class ServedBuilds:
             embed = tuple(fields.pop("embed", ()))
             fields["files"] = _embedded(build, deps, fields.get("sources", ()), embed)
             record(direct_key, build.library, fields)
-        except Unrecordable as exc:
+        except Exception as exc:  # Unrecordable, or a fault of acompile's: never the library's
             self.served.warn_once(
                 f"{build.library}-record-{build.name}",
                 "acompile: %s module %s is served but not recorded for warm-up (%s)",

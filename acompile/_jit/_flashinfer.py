@@ -28,6 +28,7 @@ from acompile._jit._library import Unsupported
 from acompile._jit._ninja import (
     Build,
     Unrecordable,
+    looks_rooted,
     package_roots,
     package_versions,
     relative_name,
@@ -155,7 +156,11 @@ def _describe(core: Any, build: Build, release: str) -> dict[str, Any]:
         return name
 
     def flags(values: Any) -> list[str] | None:
-        return None if values is None else [rooted_text(str(v), roots) for v in values]
+        if values is None:
+            return None
+        if odd := [str(v) for v in values if looks_rooted(str(v))]:
+            raise Unrecordable(f"a flag reads as a rooted path: {odd[0]!r}")
+        return [rooted_text(str(v), roots) for v in values]
 
     arch = sorted(getattr(core.current_compilation_context, "TARGET_CUDA_ARCHS", ()))
     fields: dict[str, Any] = {
@@ -208,7 +213,11 @@ def remake_spec(fields: dict[str, Any]) -> Any:
             f"recorded for the arch list {fields.get('arch_list')!r}, FlashInfer builds for {here!r} here"
         )
     name = fields["module"]
-    roots = _roots(fi_env, os.path.realpath(fi_env.FLASHINFER_JIT_DIR / name))
+    jit_dir = os.path.realpath(fi_env.FLASHINFER_JIT_DIR)
+    folder = os.path.realpath(os.path.join(jit_dir, name))
+    if os.path.dirname(folder) != jit_dir:
+        raise ValueError(f"{name!r} is not a module's name: its build folder would be {folder}")
+    roots = _roots(fi_env, folder)
 
     def path(rooted: str) -> Path:
         found = resolve_name(rooted, roots)
@@ -223,6 +232,8 @@ def remake_spec(fields: dict[str, Any]) -> Any:
         if not rooted.startswith(tuple(f"<{r}>/" for r in _EMBED)):
             raise ValueError(f"{rooted}: a record writes generated files into FlashInfer's workspace only")
         target = path(rooted)
+        if rooted.endswith("/") or target.is_dir():
+            raise ValueError(f"{rooted} names a folder, not a file")
         target.parent.mkdir(parents=True, exist_ok=True)
         core.write_if_different(target, text)
     by_source = fields.get("cuda_cflags_by_source")

@@ -326,6 +326,12 @@ def rooted_text(text: str, roots: Iterable[tuple[str, str]]) -> str:
     return text
 
 
+def looks_rooted(text: str) -> bool:
+    """Whether ``text`` holds what ``unrooted_text`` would take for a root (``<home>``): such a
+    text cannot be told from a rooted one."""
+    return _ROOT_TOKEN.search(text) is not None
+
+
 def unrooted_text(text: str, roots: Iterable[tuple[str, str]]) -> str:
     """``rooted_text`` undone with this machine's roots; ``ValueError`` naming a root it lacks."""
     folders = dict(roots)
