@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from acompile._errors import AcompileError, BackendUnavailableError, PoolClosedError
+from acompile._errors import AcompileError, BackendUnavailableError, PoolClosedError, PoolError
 from acompile._torch import SUPPORTED, serve_with
 
 if TYPE_CHECKING:
@@ -436,6 +436,11 @@ def _warn_unsupported(reason: str) -> None:
         )
 
 
+# How long serve() waits for its own pool to start: a pool enters in about a second, a host
+# pool's server starts within a minute.
+_START_WAIT = 180.0
+
+
 class _OwnPool:
     """The pool ``serve(**options)`` starts: on an event loop of its own, in a thread of its own,
     entered before ``serve`` returns and left when it ends."""
@@ -464,7 +469,10 @@ class _OwnPool:
 
     def start(self) -> Host:
         self._thread.start()
-        self._entered.wait()
+        if not self._entered.wait(_START_WAIT):
+            # A hang, never a wait for ever: a start that waits for what this thread holds (an
+            # import lock of a program's own, a lock around its imports) ends unserved.
+            raise PoolError(f"the pool serving torch.compile did not start within {_START_WAIT:g} s")
         if self._error is not None:
             raise self._error
         assert self._host is not None

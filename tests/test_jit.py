@@ -346,6 +346,56 @@ def test_serving_that_starts_inside_the_import_of_its_trigger_waits_for_that_imp
     assert done.stdout.split() == ["served", "True", "True", "True", "MainThread", "imported"], done.stdout
 
 
+def test_serving_waits_for_the_imports_around_its_trigger_and_for_a_trigger_that_failed_once(
+    tmp_path: Path,
+) -> None:
+    """A trigger imported the usual way (its package imports it, then a package of its own):
+    serving starts once the program's ``import`` has ended, never inside it. A trigger whose
+    import raised is waited for again: the import that succeeds later starts serving, once."""
+    (tmp_path / "outer").mkdir()
+    (tmp_path / "outer" / "__init__.py").write_text("from . import trig\nimport lib3\nLATE = True\n")
+    (tmp_path / "outer" / "trig.py").write_text("")
+    (tmp_path / "lib3").mkdir()
+    (tmp_path / "lib3" / "__init__.py").write_text("from . import sub\n")
+    (tmp_path / "lib3" / "sub.py").write_text("")
+    (tmp_path / "flaky.py").write_text(
+        "import os\nif not os.path.exists('ok'):\n    raise ImportError('not yet')\n"
+    )
+    code = """
+import sys, threading
+from acompile._torch._autoload import after_import
+
+def serve():
+    whole = getattr(sys.modules['outer'], 'LATE', False)
+    t = threading.Thread(target=lambda: __import__('lib3'))  # the pool's thread
+    t.start(); t.join(10)
+    print('served', whole, not t.is_alive(), flush=True)
+
+after_import('outer.trig', serve)
+after_import('flaky', lambda: print('flaky served', flush=True))
+import outer
+print('imported', flush=True)
+try:
+    import flaky
+except ImportError:
+    print('flaky failed', flush=True)
+open('ok', 'w').close()
+import flaky
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=subprocess_env(),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["served True True", "imported", "flaky failed", "flaky served"], (
+        done.stdout
+    )
+
+
 def test_keys_are_the_same_for_a_build_at_other_paths_and_differ_for_a_changed_header(tmp_path: Path) -> None:
     """The full key names files by root and content: the same headers under another
     environment's path give the same key; a changed one gives another."""

@@ -127,9 +127,12 @@ def _serve(options: dict[str, Any]) -> None:
 
 
 def after_import(name: str, callback: Callable[[], None]) -> None:
-    """Call ``callback`` once module ``name`` has been imported (now, if it has been). Several
-    callbacks may wait for one module (torch.compile's serving and a JIT library's): one finder
-    serves them all, in the order they came."""
+    """Call ``callback`` once module ``name`` has been imported (now, if it has been), and once
+    every import under way in that thread has ended: on that thread, as the outermost import
+    ends (``import flashinfer`` has finished, and everything it imported with it). Never while
+    a module is half made: the callbacks start a pool whose threads import, and the caller waits
+    for them. Several callbacks may wait for one module (torch.compile's serving and a JIT
+    library's), called in the order they came."""
     with _waiting_lock:
         module = sys.modules.get(name)
         if module is None:
@@ -138,17 +141,14 @@ def after_import(name: str, callback: Callable[[], None]) -> None:
             return
         if _initializing(module):
             # Being imported right now, further up this very stack (FlashInfer's ``jit.core``
-            # imports torch, whose import calls ``autoload``): a callback now would find it half
-            # made, and start a pool whose threads wait for imports this thread holds. It is
-            # called as the outermost import under way in this thread ends (``import flashinfer``
-            # has finished, and every module it imported with it).
-            if _after_outermost_import(name, callback):
+            # imports torch, whose import calls ``autoload``), or in another thread.
+            if _at_end_of_imports([(name, callback)], name):
                 return
-            # Under way in another thread: at the first import after it has finished.
+            # In another thread: at the end of the first import after it has finished.
             _finishing.setdefault(name, []).append(callback)
             _enter_finder()
             return
-    callback()
+    _call([callback])
 
 
 class _EndOfImport(importlib.machinery.ModuleSpec):
@@ -162,29 +162,41 @@ class _EndOfImport(importlib.machinery.ModuleSpec):
             return
         waiting: list[tuple[str, Callable[[], None]]] = self.__dict__.pop("_acompile_waiting", [])
         object.__setattr__(self, "__class__", importlib.machinery.ModuleSpec)
-        # Each callback whose module was imported whole (one whose import raised has none).
-        _call([callback for name, callback in waiting if _whole(sys.modules.get(name))])
+        leaving = sys.exc_info()[1]
+        if leaving is not None and not isinstance(leaving, Exception):
+            return  # Ctrl-C, SystemExit: the process is leaving, nothing is started
+        ready = []
+        for name, callback in waiting:
+            module = sys.modules.get(name)
+            if module is not None and not _initializing(module):
+                ready.append(callback)
+            elif module is None:  # its import raised: served if a later one succeeds
+                with _waiting_lock:
+                    _waiting.setdefault(name, []).append(callback)
+                    _enter_finder()
+        _call(ready)
 
 
-def _whole(module: ModuleType | None) -> bool:
-    return module is not None and not _initializing(module)
-
-
-def _after_outermost_import(name: str, callback: Callable[[], None]) -> bool:
-    """Call ``callback`` as the outermost import under way in this thread ends; False where no
-    import of ``name`` is under way in this thread (the caller waits another way)."""
+def _at_end_of_imports(callbacks: list[tuple[str, Callable[[], None]]], under_way: str | None) -> bool:
+    """Queue ``callbacks`` (each with the module it waits for) for the end of the outermost
+    import under way in this thread; False where there is none (or, with ``under_way``, where
+    no import of that module is under way in this thread)."""
     frame: Any = sys._getframe(1)
     outermost = None
-    importing = False
+    found = under_way is None
     while frame is not None:
         code = frame.f_code
         if code.co_name == "_load_unlocked" and code.co_filename == "<frozen importlib._bootstrap>":
             spec = frame.f_locals.get("spec")
-            if isinstance(spec, importlib.machinery.ModuleSpec):
+            # An import still running (not one in its last steps, not a legacy loader's).
+            if (
+                isinstance(spec, importlib.machinery.ModuleSpec)
+                and getattr(spec, "_initializing", False) is True
+            ):
                 outermost = spec
-                importing = importing or spec.name == name
+                found = found or spec.name == under_way
         frame = frame.f_back
-    if outermost is None or not importing:
+    if outermost is None or not found:
         return False
     if type(outermost) is importlib.machinery.ModuleSpec:
         try:
@@ -193,15 +205,13 @@ def _after_outermost_import(name: str, callback: Callable[[], None]) -> bool:
             return False
     elif type(outermost) is not _EndOfImport:
         return False  # a spec class of another finder's: not one to change
-    outermost.__dict__.setdefault("_acompile_waiting", []).append((name, callback))
+    outermost.__dict__.setdefault("_acompile_waiting", []).extend(callbacks)
     return True
 
 
 def _initializing(module: ModuleType) -> bool:
-    """Whether the module's code is still running (an import under way). One whose code has
-    run, and whose loader is calling the callbacks, is not (importlib says so a moment later)."""
-    spec = getattr(module, "__spec__", None)
-    return bool(getattr(spec, "_initializing", False)) and getattr(spec, "name", None) not in _ran
+    """Whether the module's code is still running (an import under way)."""
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
 
 def _call(callbacks: list[Callable[[], None]]) -> None:
@@ -224,22 +234,21 @@ def _leave_if_done() -> None:
 
 
 # Callbacks waiting for a module's import, by the module's name; and for the end of an import
-# under way when they came.
+# under way in another thread when they came.
 _waiting: dict[str, list[Callable[[], None]]] = {}
 _finishing: dict[str, list[Callable[[], None]]] = {}
-_ran: set[str] = set()  # modules whose code has run under the finder's loader
 _waiting_lock = threading.Lock()
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: lends the real spec of a module that callbacks wait for a loader
-    that calls them back once the module has run."""
+    that queues them, once the module has run, for the end of the imports under way."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
         # (The import system holds its global lock while it asks finders: callbacks, which start
-        # threads that import, run after the module's own code, as its loader ends.)
+        # threads that import, never run here.)
         with _waiting_lock:
             finished = [
                 n
@@ -266,15 +275,13 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         def exec_module(module: ModuleType) -> None:
             run(module)
             with _waiting_lock:
-                _ran.add(fullname)
-                callbacks = [c for n in finished for c in _finishing.pop(n, [])]
-                callbacks += _waiting.pop(fullname, [])
+                callbacks = [(n, c) for n in finished for c in _finishing.pop(n, [])]
+                callbacks += [(fullname, c) for c in _waiting.pop(fullname, [])]
                 _leave_if_done()
-            try:
-                _call(callbacks)
-            finally:
-                with _waiting_lock:
-                    _ran.discard(fullname)
+            # This module's own import is under way (its spec is the outermost one where nothing
+            # else is): the callbacks run as the outermost one ends.
+            if callbacks and not _at_end_of_imports(callbacks, None):
+                _call([c for _, c in callbacks])
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
