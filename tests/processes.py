@@ -3,8 +3,11 @@ bounded wait for a state that has no event (processes, counters)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+import subprocess
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import anyio
 import psutil
@@ -13,6 +16,35 @@ import pytest
 # Every test of a fault runs with workers forked from the template and with fresh interpreters:
 # the two start, stop and die differently.
 forked_and_fresh = pytest.mark.parametrize("fork_workers", [True, False], ids=["forked", "fresh"])
+
+
+@contextlib.contextmanager
+def reaped(processes: Sequence[subprocess.Popen[str]], folder: Path | None = None) -> Iterator[None]:
+    """However the test ends (an assertion, a timeout), every process it started ends with it,
+    with what they started: each one's own children, and a host pool's server (a process of
+    its own, started by one of them) whose command line names ``folder``."""
+    try:
+        yield
+    finally:
+        doomed: list[psutil.Process] = []
+        for process in processes:
+            with contextlib.suppress(psutil.Error):
+                if process.poll() is None:
+                    doomed += psutil.Process(process.pid).children(recursive=True)
+                    process.kill()
+        if folder is not None:
+            for proc in psutil.process_iter(["cmdline"]):
+                command = " ".join(proc.info["cmdline"] or ())
+                if "acompile._torch._hostpool" in command and str(folder) in command:
+                    with contextlib.suppress(psutil.Error):
+                        doomed += [proc, *proc.children(recursive=True)]
+        for proc in doomed:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(doomed, timeout=10)
+        for process in processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.communicate(timeout=10)
 
 
 def children_running(marker: str) -> list[psutil.Process]:

@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 import pytest
 from conftest import ROOT, RedisServer, asyncio_only, subprocess_env
-from processes import pool_processes
+from processes import pool_processes, reaped
 
 import acompile
 
@@ -225,10 +225,11 @@ def test_eight_machines_booting_together_on_an_empty_shared_tier_compile_the_gra
         for i in range(8)
     ]
     reports = []
-    for process in processes:
-        out, err = process.communicate(timeout=600)
-        assert process.returncode == 0, err[-3000:]
-        reports.append(json.loads(out.strip().splitlines()[-1]))
+    with reaped(processes):
+        for process in processes:
+            out, err = process.communicate(timeout=600)
+            assert process.returncode == 0, err[-3000:]
+            reports.append(json.loads(out.strip().splitlines()[-1]))
     assert all(r["ok"] for r in reports)
     compiled = sum(r["inductor"].get("fxgraph_cache_miss", 0) for r in reports)
     assert compiled == 1, [r["inductor"] for r in reports]
@@ -314,13 +315,14 @@ def test_a_stall_of_the_shared_tier_during_a_served_compile_fails_nothing(
         text=True,
         env=subprocess_env(**env),
     )
-    time.sleep(0.5)  # the process imports torch (seconds): the stall covers its first reads
-    server.process.send_signal(signal.SIGSTOP)
-    try:
-        time.sleep(1.0)
-    finally:
-        server.process.send_signal(signal.SIGCONT)
-    out, err = process.communicate(timeout=300)
+    with reaped([process]):
+        time.sleep(0.5)  # the process imports torch (seconds): the stall covers its first reads
+        server.process.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(1.0)
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        out, err = process.communicate(timeout=300)
     assert process.returncode == 0, err[-3000:]
     report = json.loads(out.strip().splitlines()[-1])
     assert report["ok"]
@@ -514,21 +516,23 @@ def test_four_processes_of_a_host_share_one_pool(tmp_path: Path, headers: Path) 
         for i in range(4)
     ]
     reports = []
-    try:
-        for process in processes:
-            out, err = process.communicate(timeout=600)
-            assert process.returncode == 0, err[-3000:]
-            reports.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        servers = {r["served"].get("host_pool", {}).get("pid") for r in reports} - {None}
-        for pid in servers:  # it would stop a minute after its last process left
-            server = psutil.Process(pid)
-            assert "acompile._torch._hostpool" in " ".join(server.cmdline())
-            workers = server.children(recursive=True)
-            server.terminate()
-            server.wait(30)
-            psutil.wait_procs(workers, timeout=10)  # they go with it (their parent's death signal)
-            assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+    # A failing rank: the others, and the host's pool (whichever rank started it), end too.
+    with reaped(processes, tmp_path):
+        try:
+            for process in processes:
+                out, err = process.communicate(timeout=600)
+                assert process.returncode == 0, err[-3000:]
+                reports.append(json.loads(out.strip().splitlines()[-1]))
+        finally:
+            servers = {r["served"].get("host_pool", {}).get("pid") for r in reports} - {None}
+            for pid in servers:  # it would stop a minute after its last process left
+                server = psutil.Process(pid)
+                assert "acompile._torch._hostpool" in " ".join(server.cmdline())
+                workers = server.children(recursive=True)
+                server.terminate()
+                server.wait(30)
+                psutil.wait_procs(workers, timeout=10)  # they go with it (their parent's death signal)
+                assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
     assert all(r["ok"] for r in reports)
     assert len(servers) == 1
     for report in reports:
