@@ -97,4 +97,23 @@ def write_whole(
         file.write(data)
 
 
-__all__ = ["is_temporary", "temporary_name", "write_whole", "writing"]
+def lock_within(fd: int, seconds: float) -> bool:
+    """Take an exclusive ``flock`` on ``fd``, waiting at most ``seconds`` for another process
+    that holds it: False where it stayed held. Polled (``LOCK_NB``), never a blocking ``flock``,
+    which could not be given up. Another ``OSError`` (a filesystem without locks) is raised.
+    The lock goes as the file is closed, or as its holder dies."""
+    import fcntl
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+
+__all__ = ["is_temporary", "lock_within", "temporary_name", "write_whole", "writing"]

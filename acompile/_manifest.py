@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from acompile import _files
 from acompile._backends import TritonSpec
 from acompile._errors import InvalidSpecError
 
@@ -420,7 +421,8 @@ class Recorder:
                 info = os.fstat(fd)
                 if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
                     raise PermissionError(f"{self.path} is not a file of this user's")
-                _lock_file(fd, self.path)  # released as the file closes
+                if not _files.lock_within(fd, _LOCK_WAIT):  # released as the file closes
+                    raise TimeoutError(f"{self.path} stayed locked by another process for {_LOCK_WAIT:g} s")
                 size = f.seek(0, os.SEEK_END)
                 identity = (info.st_dev, info.st_ino)
                 if self._seen is None or size < self._read_to or identity != self._identity:
@@ -459,21 +461,6 @@ class Recorder:
 
 # How long an append waits for another process's lock on the record.
 _LOCK_WAIT = 10.0
-
-
-def _lock_file(fd: int, path: Path) -> None:
-    import fcntl
-    import time
-
-    deadline = time.monotonic() + _LOCK_WAIT
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"{path} stayed locked by another process for {_LOCK_WAIT:g} s") from None
-            time.sleep(0.01)
 
 
 def _toml_string(value: str) -> str:

@@ -85,10 +85,15 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_python(code: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+def run_python(code: str, timeout: float = 180, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """Run Python code in a fresh interpreter (blocking: from async tests, use a thread)."""
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=subprocess_env()
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=subprocess_env(),
+        cwd=cwd,
     )
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Mounts, RedisServer, fill, subprocess_env
+from conftest import ROOT, Mounts, RedisServer, fill, run_python, subprocess_env
 
 pytestmark = pytest.mark.slow
 KEY = "j" * 32
@@ -334,14 +334,7 @@ def test_serving_that_starts_inside_the_import_of_its_trigger_waits_for_that_imp
         "    print('served', seen, whole, not t.is_alive(), threading.current_thread().name, flush=True)\n"
         "after_import('pkg.core', serve)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", "import pkg; print('imported', flush=True)"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env=subprocess_env(),
-    )
+    done = run_python("import pkg; print('imported', flush=True)", timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["served", "True", "True", "True", "MainThread", "imported"], done.stdout
 
@@ -382,14 +375,7 @@ except ImportError:
 open('ok', 'w').close()
 import flaky
 """
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env=subprocess_env(),
-    )
+    done = run_python(code, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == ["served True True", "imported", "flaky failed", "flaky served"], (
         done.stdout

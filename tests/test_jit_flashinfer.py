@@ -115,6 +115,17 @@ def build_in(env: dict[str, str], options: dict[str, Any], timeout: float = 300)
     return report
 
 
+def warmup_alone(manifest: Path) -> subprocess.CompletedProcess[str]:
+    """``acompile warmup MANIFEST`` on its defaults: a manifest it refuses before any work."""
+    return subprocess.run(
+        [sys.executable, "-m", "acompile", "warmup", str(manifest)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=subprocess_env(),
+    )
+
+
 def served(url: str) -> dict[str, Any]:
     return {"workers": 1, "shared_cache": url, "signing_key": KEY, "jits": ["flashinfer"]}
 
@@ -269,13 +280,7 @@ def test_a_manifest_with_two_arch_lists_is_refused_before_any_work(tmp_path: Pat
         '[[flashinfer]]\ngenerator = "flashinfer.jit.norm:gen_norm_module"\narch_list = "9.0"\n'
         '[[flashinfer]]\ngenerator = "flashinfer.jit.norm:gen_norm_module"\narch_list = "8.0"\n'
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "acompile", "warmup", str(manifest)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=subprocess_env(),
-    )
+    done = warmup_alone(manifest)
     assert done.returncode == 2
     assert "different arch lists ['8.0', '9.0']" in done.stderr, done.stderr
 
@@ -367,12 +372,6 @@ def test_a_hand_edited_record_is_refused_before_any_work(
     )
     manifest = tmp_path / "served.toml"
     manifest.write_text(record.replace(*change))
-    done = subprocess.run(
-        [sys.executable, "-m", "acompile", "warmup", str(manifest)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=subprocess_env(),
-    )
+    done = warmup_alone(manifest)
     assert done.returncode == 2 and why in done.stderr, done.stderr[-2000:]
     assert not Path("/tmp/escaped").exists() and not Path("/tmp/absolute").exists()

@@ -98,6 +98,7 @@ import os, sys, time
 from pathlib import Path
 from acompile._manifest import Recorder
 r = Recorder(Path(sys.argv[1]))
+Path(sys.argv[2] + f".ready-{os.getpid()}").touch()
 while not os.path.exists(sys.argv[2]):  # all at once: the same keys at the same moments
     time.sleep(0.001)
 for i in range(400):
@@ -108,7 +109,10 @@ for i in range(400):
         for _ in range(4)
     ]
     try:
-        time.sleep(1.0)
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("go.ready-*"))) < len(procs):  # each one imported and waiting
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.01)
         start.write_text("")
         assert [p.wait(timeout=120) for p in procs] == [0] * 4
     finally:
@@ -176,9 +180,13 @@ def test_a_record_locked_by_another_process_for_long_costs_the_entry_not_a_hang(
 
     record = tmp_path / "served.toml"
     record.write_text("")
-    holder = subprocess.Popen(["flock", str(record), "sleep", "60"])
+    held = tmp_path / "held"
+    holder = subprocess.Popen(["flock", str(record), "sh", "-c", f"touch {held}; sleep 60"])
     try:
-        time.sleep(0.3)
+        deadline = time.monotonic() + 30
+        while not held.exists():  # the lock is taken
+            assert time.monotonic() < deadline and holder.poll() is None
+            time.sleep(0.01)
         monkeypatch.setattr(_manifest, "_LOCK_WAIT", 0.5)
         started = time.monotonic()
         with pytest.raises(TimeoutError, match="stayed locked"):

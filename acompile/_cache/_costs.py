@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import functools
 import hashlib
 import json
@@ -96,6 +95,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.to_thread
 
+from acompile import _files
 from acompile._cache._layout import clear_way, read_state, write_state
 from acompile._cache._shared import SharedTier
 
@@ -399,23 +399,13 @@ def _locked(path: Path) -> Iterator[bool]:
         yield False
         return
     try:
-        deadline = time.monotonic() + _LOCK_WAIT
-        while True:
-            try:
-                # LOCK_NB and a poll, not a blocking flock: that could not be given up.
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                held = True
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    logger.debug("%s is held too long: saving without it", path)
-                    held = False
-                    break
-                time.sleep(0.01)
-            except OSError as exc:  # a filesystem without locks
-                logger.debug("cannot lock %s: %s", path, exc)
-                held = False
-                break
+        try:
+            held = _files.lock_within(fd, _LOCK_WAIT)
+            if not held:
+                logger.debug("%s is held too long: saving without it", path)
+        except OSError as exc:  # a filesystem without locks
+            logger.debug("cannot lock %s: %s", path, exc)
+            held = False
         yield held
     finally:
         os.close(fd)

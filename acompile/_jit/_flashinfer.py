@@ -162,11 +162,10 @@ def _describe(core: Any, build: Build, release: str) -> dict[str, Any]:
             raise Unrecordable(f"a flag reads as a rooted path: {odd[0]!r}")
         return [rooted_text(str(v), roots) for v in values]
 
-    arch = sorted(getattr(core.current_compilation_context, "TARGET_CUDA_ARCHS", ()))
     fields: dict[str, Any] = {
         "module": spec.name,
         "release": release,
-        "arch_list": " ".join(f"{major}.{minor}" for major, minor in arch),
+        "arch_list": _arch_list(core),
         "sources": [path(p) for p in spec.sources],
         "cflags": flags(spec.extra_cflags),
         "cuda_cflags": flags(spec.extra_cuda_cflags),
@@ -183,6 +182,12 @@ def _describe(core: Any, build: Build, release: str) -> dict[str, Any]:
     if not fields["arch_list"]:
         raise Unrecordable("FlashInfer has no arch list")
     return {k: v for k, v in fields.items() if v is not None}
+
+
+def _arch_list(core: Any) -> str:
+    """The arch list FlashInfer builds for in this process, in its own spelling (``9.0a``)."""
+    arch = sorted(getattr(core.current_compilation_context, "TARGET_CUDA_ARCHS", ()))
+    return " ".join(f"{major}.{minor}" for major, minor in arch)
 
 
 RECORD_FIELDS = frozenset(
@@ -206,8 +211,7 @@ def remake_spec(fields: dict[str, Any]) -> Any:
             f"recorded with flashinfer {fields.get('release')}, this is {release}: the module built "
             "here would not be the one the servers load"
         )
-    arch = sorted(core.current_compilation_context.TARGET_CUDA_ARCHS)
-    here = " ".join(f"{major}.{minor}" for major, minor in arch)
+    here = _arch_list(core)
     if here != fields.get("arch_list"):
         raise ValueError(
             f"recorded for the arch list {fields.get('arch_list')!r}, FlashInfer builds for {here!r} here"

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import hashlib
 import itertools
 import json
@@ -44,7 +43,7 @@ import anyio
 import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from acompile import _errors
+from acompile import _errors, _files
 from acompile._errors import AcompileError, PoolClosedError, PoolError
 from acompile._trust import own_folder
 from acompile._version import __version__
@@ -227,14 +226,8 @@ class HostPoolClient:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             deadline = time.monotonic() + START_TIMEOUT
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise HostPoolError(f"{lock_path} stayed locked for {START_TIMEOUT:g} s") from None
-                    time.sleep(0.05)
+            if not _files.lock_within(fd, START_TIMEOUT):
+                raise HostPoolError(f"{lock_path} stayed locked for {START_TIMEOUT:g} s")
             if _listening(path):
                 return str(path)
             with contextlib.suppress(FileNotFoundError):
