@@ -201,7 +201,8 @@ def load_torch_entries(path: str | Path) -> list[TorchWarmup]:
 @dataclass(frozen=True)
 class FlashInferWarmup:
     """A ``[[flashinfer]]`` entry: ``generator(*args, **kwargs)`` makes a FlashInfer ``JitSpec``
-    (``ref`` names it) that warm-up builds, for the manifest's arch list. A recorded entry
+    (``ref`` names it) that warm-up builds, for the manifest's arch list, or builds a kernel
+    itself (a CuTe DSL kernel's builder, which returns the kernel). A recorded entry
     (``CompilePool(record=...)``) has the key its module was served under: ``key``."""
 
     ref: str
@@ -211,7 +212,9 @@ class FlashInferWarmup:
     key: str | None = None
 
 
-_FLASHINFER_FIELDS = {"generator", "args", "kwargs", "arch_list"}
+_FLASHINFER_FIELDS = {"generator", "args", "kwargs", "arch_list", "cute_dsl_arch"}
+# The CuTe DSL's target (``sm_90a``): what a CuTe DSL kernel is compiled for where no GPU says.
+CUTE_DSL_ARCH_ENV = "CUTE_DSL_ARCH"
 FLASHINFER_ARCH_ENV = "FLASHINFER_CUDA_ARCH_LIST"
 
 
@@ -235,7 +238,8 @@ def load_flashinfer_entries(path: str | Path) -> list[FlashInferWarmup]:
         raise InvalidSpecError(
             f"{path}: [[flashinfer]] must be a list of tables (write [[flashinfer]], twice brackets)"
         )
-    lists = set()
+    lists: set[str] = set()
+    cute_archs: set[str] = set()
     for index, raw in enumerate(entries, 1):
         if not isinstance(raw, Mapping):
             raise InvalidSpecError(f"{path} flashinfer #{index}: must be a table, got {raw!r}")
@@ -251,28 +255,43 @@ def load_flashinfer_entries(path: str | Path) -> list[FlashInferWarmup]:
         if not isinstance(raw.get("args", []), list) or not isinstance(raw.get("kwargs", {}), Mapping):
             raise InvalidSpecError(f"{where}: args must be a list and kwargs a table")
         arch = raw.get("arch_list", os.environ.get(FLASHINFER_ARCH_ENV))
-        if not isinstance(arch, str) or not arch.strip():
+        cute = raw.get("cute_dsl_arch", os.environ.get(CUTE_DSL_ARCH_ENV))
+        if "cute_dsl_arch" in raw and not (isinstance(cute, str) and re.fullmatch(r"sm_?\d+[a-z]?", cute)):
+            raise InvalidSpecError(f'{where}: cute_dsl_arch must read like "sm_90a", got {cute!r}')
+        if isinstance(cute, str) and cute:
+            cute_archs.add(cute)
+        if isinstance(arch, str) and arch.strip():
+            lists.add(" ".join(arch.split()))
+        elif not cute_archs:
             raise InvalidSpecError(
                 f'{where}: needs arch_list = "9.0" (the CUDA archs to build for: a machine without a '
-                f"GPU has none to detect), or ${FLASHINFER_ARCH_ENV}"
+                f"GPU has none to detect), or ${FLASHINFER_ARCH_ENV}; a CuTe DSL kernel's builder "
+                'needs cute_dsl_arch = "sm_90a" instead'
             )
-        lists.add(" ".join(arch.split()))
     if not entries:
         return []
+    if len(cute_archs) > 1:
+        raise InvalidSpecError(
+            f"{path}: [[flashinfer]] entries name different CuTe DSL archs {sorted(cute_archs)}: one "
+            "warm-up run compiles for one (split the manifest)"
+        )
+    if cute_archs:
+        os.environ[CUTE_DSL_ARCH_ENV] = cute_archs.pop()
     if len(lists) > 1:
         raise InvalidSpecError(
             f"{path}: [[flashinfer]] entries name different arch lists {sorted(lists)}: FlashInfer reads "
             "its arch list once a process, so one warm-up run builds for one (split the manifest; a "
             'recorded entry spells it as FlashInfer does, "9.0a": write a hand-written one the same way)'
         )
-    (arch_list,) = lists
-    current = os.environ.get(FLASHINFER_ARCH_ENV)
-    if current is not None and " ".join(current.split()) != arch_list and "flashinfer" in sys.modules:
-        raise InvalidSpecError(
-            f"{path}: FlashInfer was imported with ${FLASHINFER_ARCH_ENV}={current!r}, not the manifest's "
-            f"{arch_list!r}"
-        )
-    os.environ[FLASHINFER_ARCH_ENV] = arch_list
+    if lists:
+        (arch_list,) = lists
+        current = os.environ.get(FLASHINFER_ARCH_ENV)
+        if current is not None and " ".join(current.split()) != arch_list and "flashinfer" in sys.modules:
+            raise InvalidSpecError(
+                f"{path}: FlashInfer was imported with ${FLASHINFER_ARCH_ENV}={current!r}, not the "
+                f"manifest's {arch_list!r}"
+            )
+        os.environ[FLASHINFER_ARCH_ENV] = arch_list
     found = []
     for index, raw in enumerate(entries, 1):
         if "module" in raw:

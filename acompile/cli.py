@@ -855,18 +855,23 @@ async def _warm_flashinfer(
             else:  # its args are the record's fields, sources and all
                 row["key"] = entry.key
             try:
-                spec = await anyio.to_thread.run_sync(
+                made = await anyio.to_thread.run_sync(
                     functools.partial(entry.generator, *entry.args, **entry.kwargs)
                 )
-                row["module"] = str(getattr(spec, "name", "?"))
-                await anyio.to_thread.run_sync(spec.build)
+                if _is_jit_spec(made):
+                    row["module"] = str(getattr(made, "name", "?"))
+                    await anyio.to_thread.run_sync(made.build)
+                # Else the generator built what it makes itself, served (a CuTe DSL kernel's
+                # builder returns the kernel: FlashInfer compiles it in this process).
             except Exception as exc:  # the generator or the build: this entry's failure
                 row.update(result="failed", error=f"{type(exc).__name__}: {exc}")
             else:
                 stats = await anyio.to_thread.run_sync(serving.stats)
                 after = stats.get("jit", {}).get("flashinfer", {})
                 unsupported = stats.get("jit_unsupported", {}).get("flashinfer")
-                built = sum(after.get(k, 0) - before.get(k, 0) for k in ("builds", "local_builds"))
+                built = sum(
+                    after.get(k, 0) - before.get(k, 0) for k in ("builds", "in_process", "local_builds")
+                )
                 hits = sum(after.get("hits", {}).values()) - sum(before.get("hits", {}).values())
                 if unsupported or "jit" not in stats:
                     # Built by FlashInfer alone: nothing of it is in the cache or the shared tier.
@@ -891,6 +896,14 @@ async def _warm_flashinfer(
             modules.append(row)
             progress.advance(row["result"])
         return serving.written()
+
+
+def _is_jit_spec(made: Any) -> bool:
+    """Whether a ``[[flashinfer]]`` generator made a FlashInfer ``JitSpec`` (to build), rather
+    than building its kernel itself."""
+    core = sys.modules.get("flashinfer.jit.core")
+    spec_class = getattr(core, "JitSpec", None)
+    return isinstance(spec_class, type) and isinstance(made, spec_class)
 
 
 def _print_modules(modules: list[dict[str, Any]], out: TextIO) -> None:

@@ -292,7 +292,7 @@ def test_an_unsupported_release_is_one_warning_and_the_library_left_as_it_was(
     assert ext._run_ninja_build is original and "cpp_extension" in jits.unsupported
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _library._warn_once("cpp_extension", "again")  # once a process
+        _library.warn_once("cpp_extension", "again")  # once a process
     jits.stop()
 
 

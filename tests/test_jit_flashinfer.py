@@ -191,7 +191,7 @@ jits = _library.JitServing(builds=None, names=("flashinfer",))
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     jits.start()
-    _library._warn_once("flashinfer", "again")  # once a process
+    _library.warn_once("flashinfer", "again")  # once a process
 jits.stop()
 print(json.dumps({
     "warned": [str(w.message) for w in caught if issubclass(w.category, _library.UnsupportedJitWarning)],

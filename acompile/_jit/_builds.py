@@ -18,6 +18,12 @@ A build's path (keys: ``_ninja``'s docstring):
 3. else the build runs on a pool worker (ninja in the library's folder, the library's
    environment), its products are checked and published under the full key, then its manifest
    under the direct key (which gives the lease back).
+
+A library may also compile a kernel in the program's own process, where its compile function is
+code of the program's (a closure over the caller's objects, as FlashInfer's CuTe DSL kernels are):
+no other process can run it. Such a ``Kernel`` is keyed by what the library keys its own cache
+by (made portable by the library's module), looked up in the tiers and waited for across the
+fleet as a module is; on a miss it is compiled where the library compiles it, and published.
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from acompile._cache import make_key
 from acompile._errors import AcompileError, CompileError
@@ -61,11 +68,41 @@ WORKER_MODULE = "acompile._jit._worker"
 BACKEND = "jit"
 MODULE = "module"
 MANIFEST = "manifest"
+KERNEL = "kernel"
 # How long a build waits for the pool's workers to be ready before it runs where the library
 # would run it: a pool starts in a second or two, and a module builds for tens of seconds.
 _READY_WAIT = 60.0
 # A tier read: the disk (bounded), the shared tier (0.5 s an operation, up to 5 s queued).
 _GET_TIMEOUT = 10.0
+
+
+class _Named(Protocol):
+    @property
+    def library(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A kernel a library compiles in the program's process (see the module's docstring).
+
+    ``parts``: its key's parts (nothing of this machine's: no path, no home), or None where the
+    library's module cannot key it (``unkeyed`` says why: it is then compiled as without
+    acompile). ``folder``: where its files go (checked as a module's build folder is).
+    ``build()``: the library's own compile and write, here. ``products()``: the files it wrote,
+    by name, to publish (``OSError``/``ValueError`` where it wrote none whole). ``put(blobs)``:
+    write published files where the library loads them (``OSError``/``ValueError``/``KeyError``
+    where they cannot be: it is then compiled here)."""
+
+    library: str
+    name: str
+    folder: str
+    parts: Mapping[str, Any] | None
+    build: Callable[[], None]
+    products: Callable[[], dict[str, bytes]]
+    put: Callable[[dict[str, bytes]], None]
+    unkeyed: str = ""
 
 
 class ServedBuilds:
@@ -75,7 +112,8 @@ class ServedBuilds:
     ``shared``, ``fleet`` for one another replica built while this one waited), ``<lib>:builds``
     (on the pool), ``<lib>:local_builds`` (where the library runs it: the pool was not
     reachable, or the build file could not be read), ``<lib>:failed`` (the compiler refused),
-    ``<lib>:puts``, ``<lib>:after_ready`` (builds once the server said it was ready)."""
+    ``<lib>:puts``, ``<lib>:after_ready`` (builds once the server said it was ready),
+    ``<lib>:in_process`` (kernels compiled in the program's process: ``run_kernel``)."""
 
     def __init__(self, served: Served) -> None:
         self.served = served
@@ -111,7 +149,7 @@ class ServedBuilds:
                 "hits": {t: counts.get(f"{lib}:hits_{t}", 0) for t in ("disk", "shared", "fleet")},
                 **{
                     what: counts.get(f"{lib}:{what}", 0)
-                    for what in ("builds", "local_builds", "failed", "puts", "after_ready")
+                    for what in ("builds", "in_process", "local_builds", "failed", "puts", "after_ready")
                 },
                 "built_after_ready": [n.split(":", 1)[1] for n in late if n.startswith(lib + ":")],
                 # The key each module was looked up under (a warm-up record names it).
@@ -204,6 +242,109 @@ class ServedBuilds:
                 self.served.host.portal.spawn(_release, self.served.host.release, direct_key)
             raise
         self._publish(build, graph, direct)
+
+    # -- a kernel compiled in the program's process -----------------------------------------------
+
+    def run_kernel(self, kernel: Kernel) -> None:
+        """Serve ``kernel``: its files from the tiers (or from the replica that held the fleet's
+        lease while this one waited), else compiled here by the library and published."""
+        lib = kernel.library
+        problem = kernel.unkeyed if kernel.parts is None else folder_problem(kernel.folder)
+        if kernel.parts is None or problem:
+            self.served.warn_once(
+                f"{lib}-kernel-{problem}",
+                "acompile: a %s kernel is not served (%s); compiled as without acompile",
+                lib,
+                problem,
+            )
+            self._late(kernel)
+            kernel.build()
+            self.count(f"{lib}:local_builds")
+            return
+        parts = dict(kernel.parts)
+        key = make_key(parts)
+        with self._lock:
+            key_lock = self._building.setdefault(key, threading.Lock())
+            self.direct_keys[f"{lib}:{kernel.name}"] = key
+        with key_lock:
+            if self._fetch_kernel(kernel, key, fleet=False):
+                return
+            try:
+                holder = self.served.call(
+                    self.served.host.claim, key, timeout=self.served.host.fleet_wait + _GET_TIMEOUT
+                )
+            except Exception as exc:
+                self.served.unreachable(exc)
+                holder = None
+            if holder is not None and self._fetch_kernel(kernel, key, fleet=True):
+                return
+            self._late(kernel)
+            try:
+                kernel.build()
+            except BaseException as exc:
+                with contextlib.suppress(Exception):
+                    self.served.host.portal.spawn(_release, self.served.host.release, key)
+                if isinstance(exc, Exception):
+                    self.count(f"{lib}:failed")
+                raise
+            self.count(f"{lib}:in_process")
+            try:
+                self._publish_kernel(kernel, key, parts)
+            except Exception as exc:  # acompile's fault (its loop gone): never the library's
+                self.served.unreachable(exc)
+
+    def _fetch_kernel(self, kernel: Kernel, key: str, *, fleet: bool) -> bool:
+        lib = kernel.library
+        host = self.served.host
+        try:
+            entry, tier = self.served.call(host.find, key, timeout=_GET_TIMEOUT)
+        except Exception as exc:
+            self.served.unreachable(exc)
+            return False
+        if entry is None or entry.backend != BACKEND or entry.name != KERNEL:
+            return False
+        if host.shared and not host.signed and tier not in ("disk", ""):
+            return False  # host code from a tier anyone could write: never loaded
+        try:
+            kernel.put(dict(entry.blobs))
+        except (KeyError, OSError, ValueError) as exc:
+            self.served.warn_once(
+                f"{lib}-kernel-output", "acompile: a served %s kernel is not used (%s); compiled", lib, exc
+            )
+            return False
+        self.count(f"{lib}:hits_{'fleet' if fleet else tier}")
+        with self._lock:
+            self.keys.add(key)
+        logger.info("acompile: %s kernel %s from the %s tier", lib, kernel.name, "fleet" if fleet else tier)
+        return True
+
+    def _publish_kernel(self, kernel: Kernel, key: str, parts: dict[str, Any]) -> None:
+        lib = kernel.library
+        host = self.served.host
+        try:
+            blobs = kernel.products()
+        except (OSError, ValueError) as exc:
+            # The library keeps the compiled kernel in memory where it could not write it (its
+            # own best effort): nothing to publish; the fleet's lease is given back.
+            self.served.warn_once(
+                f"{lib}-kernel-publish", "acompile: a %s kernel is not published (%s)", lib, exc
+            )
+            host.portal.spawn(_release, host.release, key)
+            return
+        meta = {"library": lib, "kernel": kernel.name, "key_parts": parts}
+        self.count(f"{lib}:puts")
+        with self._lock:
+            self.keys.add(key)
+        self.served.keep(host.portal.spawn(_store_kernel, host.store, key, blobs, meta), lib)
+        if host.record is not None:
+            self.served.warn_once(
+                f"{lib}-record-kernels",
+                "acompile: %s kernels compiled in the process (%s, and any after it) are served but not "
+                "recorded for warm-up: their compile function is the program's code, which a record "
+                "cannot hold (warm them up by a generator that builds them)",
+                lib,
+                kernel.name,
+            )
 
     def _fetch(self, build: Build, graph: Graph, direct_key: str, *, fleet: bool) -> list[str] | None:
         """Write the module's products from the tiers; the files its compilers read (as the
@@ -307,7 +448,7 @@ class ServedBuilds:
         run_here()
         self.count(f"{build.library}:local_builds")
 
-    def _late(self, build: Build) -> None:
+    def _late(self, build: _Named) -> None:
         if self.ready_at is None:
             return
         with self._lock:
@@ -397,6 +538,12 @@ async def _store_both(
 ) -> None:
     await store(key, MODULE, blobs, meta, backend=BACKEND)
     await store(direct_key, MANIFEST, {"deps": json.dumps(deps).encode()}, manifest_meta, backend=BACKEND)
+
+
+async def _store_kernel(
+    store: Callable[..., Any], key: str, blobs: dict[str, bytes], meta: dict[str, Any]
+) -> None:
+    await store(key, KERNEL, blobs, meta, backend=BACKEND)
 
 
 async def _release(release: Callable[[str], None], key: str) -> None:

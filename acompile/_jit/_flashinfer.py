@@ -12,19 +12,35 @@ The key holds FlashInfer's version beside what ninja runs (the arch list is in i
 never the workspace's path, the environment's or ``$HOME``. A module built twice is not
 bit-identical even by FlashInfer alone: nvcc names its temporary files by process id, and 12
 bytes of the symbol table differ (``strip -s`` makes them equal); the code is the same.
+
+CuTe DSL kernels (``JitSpecCuteDsl``, one kernel a spec): ``build()`` calls the spec's
+``compile_fn``, a closure over the caller's objects (the DSL function, its fake tensors, its
+constants), and exports the compiled kernel as ``<module>/<kernel>.o`` beside a ``meta.json``
+that FlashInfer's ``try_load`` compares with the spec's. No other process can run that closure,
+so served, ``build()`` is ``ServedBuilds.run_kernel``: the ``.o`` from the tiers (or from the
+replica that compiled it while this one waited), written with the ``meta.json`` FlashInfer
+expects, else compiled here as FlashInfer does and published. The key is FlashInfer's own cache
+identity (module, kernel, symbol, export format, arch, its fingerprint of the DSL stack) with
+the sources' digest made again without their paths: each key file named by where it is
+imported from.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import inspect
+import json
 import os
 import shutil
+import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from acompile._jit._library import Unsupported
+from acompile._jit._builds import Kernel
+from acompile._jit._library import Unsupported, warn_once
 from acompile._jit._ninja import (
     Build,
     Unrecordable,
@@ -37,6 +53,7 @@ from acompile._jit._ninja import (
     standard_roots,
     unrooted_text,
 )
+from acompile._outputs import output_problem, write_output
 
 if TYPE_CHECKING:
     from acompile._jit._builds import ServedBuilds
@@ -110,6 +127,13 @@ def install(builds: ServedBuilds) -> Callable[[], None]:
 
         builds.run(build, run_here, failed)
 
+    try:
+        undo_kernels = _serve_cute_dsl(builds, release, fi_env)
+    except Unsupported as exc:
+        # Its nvcc modules are served all the same.
+        warn_once("flashinfer.cute_dsl", str(exc))
+        undo_kernels = None
+
     core.run_ninja = served_run
     cpp_ext.run_ninja = served_run
 
@@ -118,6 +142,8 @@ def install(builds: ServedBuilds) -> Callable[[], None]:
             core.run_ninja = original
         if cpp_ext.run_ninja is served_run:
             cpp_ext.run_ninja = original
+        if undo_kernels is not None:
+            undo_kernels()
 
     return undo
 
@@ -257,3 +283,172 @@ def remake_spec(fields: dict[str, Any]) -> Any:
     )
     core.jit_spec_registry.register(spec)
     return spec
+
+
+# --- CuTe DSL kernels ---------------------------------------------------------------------------
+
+_CUTE_ATTRIBUTES = (
+    "module_name", "kernel_name", "module_dir_name", "module_dir", "object_path", "meta_path",
+    "symbol", "enable_tvm_ffi", "expected_meta", "lock_path",
+)  # fmt: skip
+# FlashInfer's digests of the kernels' sources this process made, and the files each was made
+# of: a kernel is keyed by its files' contents and import names, never their paths.
+_HASHED_LIMIT = 4096
+
+
+def _serve_cute_dsl(builds: ServedBuilds, release: str, fi_env: Any) -> Callable[[], None]:
+    """Serve FlashInfer's CuTe DSL kernels through ``builds.run_kernel``; returns the undo.
+    Raises ``Unsupported`` where a seam is missing."""
+    import importlib
+
+    try:
+        cute: Any = importlib.import_module("flashinfer.jit.cute_dsl_core")
+        source: Any = importlib.import_module("flashinfer.jit._cute_dsl_source")
+    except ImportError as exc:
+        raise Unsupported(f"flashinfer {release} has no CuTe DSL core acompile reads ({exc})") from None
+    spec_class = getattr(cute, "JitSpecCuteDsl", None)
+    original_build = getattr(spec_class, "build", None)
+    original_hash = getattr(source, "_hash_source_files", None)
+    missing = [
+        name
+        for name, there in (
+            ("JitSpecCuteDsl.build", callable(original_build)),
+            ("_cute_dsl_source._hash_source_files", callable(original_hash)),
+            ("_cute_dsl_source._key_sources", callable(getattr(source, "_key_sources", None))),
+            ("_cute_dsl_source._initializer_digest", callable(getattr(source, "_initializer_digest", None))),
+            ("cute_dsl_core._read_meta", callable(getattr(cute, "_read_meta", None))),
+        )
+        if not there
+    ]
+    if getattr(cute, "_hash_source_files", None) is not original_hash:
+        missing.append("cute_dsl_core._hash_source_files (not _cute_dsl_source's)")
+    if missing:
+        raise Unsupported(f"flashinfer {release}'s CuTe DSL seams changed (missing: {', '.join(missing)})")
+    assert spec_class is not None and original_build is not None and original_hash is not None
+    hashed: dict[str, tuple[str, ...]] = {}
+    lock = threading.Lock()
+
+    def hash_sources(paths: Any) -> str:
+        digest: str = original_hash(paths)
+        with lock:
+            if len(hashed) < _HASHED_LIMIT:
+                hashed.setdefault(digest, tuple(str(p) for p in paths))
+        return digest
+
+    def served_build(spec: Any) -> None:
+        if not all(hasattr(spec, a) for a in _CUTE_ATTRIBUTES):
+            original_build(spec)
+            return
+        files = hashed.get(str(spec.expected_meta.get("source_sha256")))
+        parts: dict[str, Any] | None = None
+        unkeyed = ""
+        if files is None:
+            unkeyed = "its sources were hashed before acompile served FlashInfer"
+        else:
+            try:
+                parts = _kernel_parts(spec, release, _portable_digest(source, files, str(spec.module_dir)))
+            except (OSError, SyntaxError, TypeError, ValueError) as exc:
+                unkeyed = f"its sources cannot be read again ({exc})"
+        kernel = Kernel(
+            library=NAME,
+            name=str(spec.name),
+            folder=os.path.realpath(spec.module_dir),
+            parts=parts,
+            build=lambda: original_build(spec),
+            products=lambda: _kernel_products(spec),
+            put=lambda blobs: _put_kernel(cute, spec, blobs),
+            unkeyed=unkeyed,
+        )
+        builds.run_kernel(kernel)
+
+    spec_class.build = served_build
+    source._hash_source_files = hash_sources
+    cute._hash_source_files = hash_sources
+
+    def undo() -> None:
+        if spec_class.__dict__.get("build") is served_build:
+            spec_class.build = original_build
+        if source._hash_source_files is hash_sources:
+            source._hash_source_files = original_hash
+        if cute._hash_source_files is hash_sources:
+            cute._hash_source_files = original_hash
+
+    return undo
+
+
+def _kernel_parts(spec: Any, release: str, sources: str) -> dict[str, Any]:
+    meta = {k: v for k, v in dict(spec.expected_meta).items() if k != "source_sha256"}
+    return {
+        "library": NAME,
+        "kind": "cute_dsl",
+        "flashinfer": release,
+        "module": str(spec.module_dir_name),
+        "kernel": str(spec.kernel_name),
+        "symbol": str(spec.symbol),
+        "tvm_ffi": bool(spec.enable_tvm_ffi),
+        # Its arch, and FlashInfer's fingerprint of the DSL stack (Python's ABI, torch, TVM-FFI,
+        # every nvidia-cutlass-dsl distribution, each by its version and its files' hashes).
+        "meta": meta,
+        "sources": sources,
+    }
+
+
+def _portable_digest(source: Any, paths: tuple[str, ...], folder: str) -> str:
+    """FlashInfer's digest of a kernel's sources (``_hash_source_files``) made again with each
+    file named by where it is imported from (``<import>/pkg/mod.py``), not by its path."""
+    files, initializers = source._key_sources(tuple(paths))
+    names = _import_names(folder)
+    sha = hashlib.sha256()
+    for name, path in sorted((names(p), p) for p in files):
+        sha.update(name.encode() + b"\0")
+        with open(path, "rb") as f:
+            sha.update(f.read())
+    for name, path in sorted((names(p), p) for p in initializers):
+        sha.update(f"{name} (initializer)".encode() + b"\0")
+        sha.update(str(source._initializer_digest(Path(path), initializers[path])).encode())
+    return sha.hexdigest()
+
+
+def _import_names(folder: str) -> Callable[[str], str]:
+    """A file's name as a key holds it: under the longest folder of ``sys.path`` that holds it,
+    ``<import>/`` and its path from there (a module's import name, the same at any install
+    path); else rooted as a build's files are."""
+    entries = sorted(
+        {os.path.realpath(p or os.getcwd()) for p in sys.path if isinstance(p, str)}, key=len, reverse=True
+    )
+    roots = standard_roots(folder)
+
+    def name(path: Any) -> str:
+        real = os.path.realpath(str(path))
+        for entry in entries:
+            if real.startswith(entry + os.sep):
+                return "<import>" + real[len(entry) :]
+        return relative_name(real, roots)
+
+    return name
+
+
+def _kernel_products(spec: Any) -> dict[str, bytes]:
+    """The ``.o`` FlashInfer exported (it writes none where its export failed: it then keeps
+    the kernel in memory)."""
+    path = str(spec.object_path)
+    with open(path, "rb") as f:
+        data = f.read()
+    if problem := output_problem(path, data):
+        raise ValueError(problem)
+    return {"object": data}
+
+
+def _put_kernel(cute: Any, spec: Any, blobs: dict[str, bytes]) -> None:
+    """A published ``.o`` written where FlashInfer's ``try_load`` finds it, as its own export
+    writes one: a module of stale kernels (another DSL stack or sources) wiped first, the
+    object, then the module's ``meta.json`` (its commit marker) as this spec expects it."""
+    data = blobs["object"]
+    object_path = str(spec.object_path)
+    if problem := output_problem(object_path, data):
+        raise ValueError(problem)
+    if os.path.isdir(spec.module_dir) and cute._read_meta(spec.meta_path) != spec.expected_meta:
+        shutil.rmtree(spec.module_dir, ignore_errors=True)
+    write_output(object_path, data)
+    if cute._read_meta(spec.meta_path) != spec.expected_meta:
+        write_output(str(spec.meta_path), json.dumps(spec.expected_meta, indent=2).encode())

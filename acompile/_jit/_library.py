@@ -96,7 +96,7 @@ class JitServing:
                 self.installed[name] = library(name).install(self.builds)
             except Unsupported as exc:
                 self.unsupported[name] = str(exc)
-                _warn_once(name, str(exc))
+                warn_once(name, str(exc))
             except Exception as exc:  # never into the library's import
                 self.unsupported[name] = f"{type(exc).__name__}: {exc}"
                 logger.warning("acompile: %s is not served (%s: %s)", name, type(exc).__name__, exc)
@@ -115,7 +115,7 @@ _warned: set[str] = set()
 _warned_lock = threading.Lock()
 
 
-def _warn_once(name: str, reason: str) -> None:
+def warn_once(name: str, reason: str) -> None:
     with _warned_lock:
         if name in _warned:
             return

@@ -120,7 +120,7 @@ def _serve(options: dict[str, Any]) -> None:
                     library,
                     sum(counts.get("hits", {}).values()),
                     counts.get("builds", 0),
-                    counts.get("local_builds", 0),
+                    counts.get("local_builds", 0) + counts.get("in_process", 0),
                 )
 
     atexit.register(leave)
