@@ -29,6 +29,7 @@ _NAMES: dict[str, str | tuple[str, str]] = {
     "TritonSpec": "_backends",
     "BundleReport": "_cache",
     "PruneReport": "_cache",
+    "SharedCache": "_cache",
     "explain_key": "_cache",
     "export_bundle": "_cache",
     "import_bundle": "_cache",
@@ -73,6 +74,7 @@ if _typing.TYPE_CHECKING:
     from acompile._backends import TritonSpec as TritonSpec
     from acompile._cache import BundleReport as BundleReport
     from acompile._cache import PruneReport as PruneReport
+    from acompile._cache import SharedCache as SharedCache
     from acompile._cache import explain_key as explain_key
     from acompile._cache import export_bundle as export_bundle
     from acompile._cache import import_bundle as import_bundle
@@ -128,6 +130,7 @@ __all__ = (
     "ProgressiveKernel",
     "PruneReport",
     "RayFarm",
+    "SharedCache",
     "SharedLibrary",
     "StageUnavailableError",
     "Target",

@@ -27,15 +27,17 @@ from acompile import _autotune, _linux, _pacing, _progressive
 from acompile._autotune import TunedKernel
 from acompile._backends import BACKENDS, backend_of, load_parent, prepare_launcher, worker_module
 from acompile._cache import (
+    DEFAULT_FLEET_WAIT,
     CorruptEntry,
     CostFeatures,
     GuardedDisk,
     MemoryTier,
+    SharedCache,
     SharedTier,
     Tier,
     TierChain,
     default_cache_dir,
-    signing_key_from,
+    shared_cache_argument,
 )
 from acompile._errors import AcompileError, CompileError, DeviceUnavailableError, PoolClosedError, PoolError
 from acompile._farm import RayFarm
@@ -199,19 +201,15 @@ class CompilePool:
             failure in a row fails the waiting jobs with ``WorkerStartError``.
         fork_workers: fork workers from a preloaded template process (fast start and wake-up);
             ``False`` starts each worker as a fresh interpreter.
-        shared_cache: a tier a fleet shares, after memory and disk: an aiocache cache (its
-            serializer is set to pass bytes through) or a URL, ``"redis://host:6379/0"``.
-            A local hit never touches it; its faults are misses, never errors.
-        signing_key: sign what this pool publishes to the shared tier (HMAC-SHA256) and refuse
-            what does not verify; default ``$ACOMPILE_SIGNING_KEY``; None (and the variable
-            unset) to trust the tier with device code. An empty key, or one of whitespace only,
-            raises ``ValueError``: a key that is set is never "no key".
-        unsafe_unsigned_host_code: without a signing key, also load code that runs on this host
-            (C++ libraries, nvcc's ``.so`` and ``.o``) from the shared tier. Unsafe: whoever can
-            write to the tier can then run code in this process. Off, such entries of an
-            unsigned tier are refused (a miss: compiled here); cubins and PTX are served.
-        fleet_wait: how long a pool waits for another replica that is compiling the same kernel
-            (it holds the key's lease in the shared tier) before compiling it itself.
+        shared_cache: a tier a fleet shares, after memory and disk: an
+            ``acompile.SharedCache(where, signing_key=..., unsafe_trust_unsigned=...,
+            fleet_wait=...)``, or its ``where`` alone (a URL, ``"redis://host:6379/0"``, or an
+            aiocache cache), which is ``SharedCache(where)``: signed with
+            ``$ACOMPILE_SIGNING_KEY`` where it is set. A local hit never touches the tier; its
+            faults are misses, never errors.
+        signing_key, unsafe_unsigned_host_code, fleet_wait: ``SharedCache``'s ``signing_key``,
+            ``unsafe_trust_unsigned`` and ``fleet_wait``, given beside a URL: deprecated (a
+            ``DeprecationWarning``), removed in 0.3; give a ``SharedCache`` instead.
         record: append every Triton kernel request the pool serves to this warm-up manifest
             (once per distinct request, across runs and across the processes that share the
             file), and every FlashInfer module it serves (``acompile.inductor.serve``);
@@ -242,10 +240,10 @@ class CompilePool:
         max_compile_seconds: float | None = 600.0,
         preload_timeout: float = 120.0,
         fork_workers: bool = True,
-        shared_cache: Any = None,
+        shared_cache: SharedCache | Any = None,
         signing_key: str | bytes | None = None,
-        unsafe_unsigned_host_code: bool = False,
-        fleet_wait: float = 60.0,
+        unsafe_unsigned_host_code: bool | None = None,
+        fleet_wait: float | None = None,
         record: str | os.PathLike[str] | None = None,
         trace: str | os.PathLike[str] | None = None,
         farm: RayFarm | None = None,
@@ -267,11 +265,7 @@ class CompilePool:
                 f"workers={workers} is more than this machine can run ({usable_cpus()} usable CPUs; "
                 f"at most {most} workers)"
             )
-        for name, flag in (
-            ("prestart", prestart),
-            ("fork_workers", fork_workers),
-            ("unsafe_unsigned_host_code", unsafe_unsigned_host_code),
-        ):
+        for name, flag in (("prestart", prestart), ("fork_workers", fork_workers)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
         if (
@@ -282,18 +276,7 @@ class CompilePool:
             raise ValueError(f"memory_cache_size must be an integer >= 0, got {memory_cache_size!r}")
         if not isinstance(preload, (tuple, list)) or not all(isinstance(name, str) for name in preload):
             raise TypeError(f"preload must be a tuple of backend names such as ('triton',), got {preload!r}")
-        if signing_key is not None and not isinstance(signing_key, (str, bytes)):
-            raise TypeError(f"signing_key must be a string or bytes, got {type(signing_key).__name__}")
-        if (
-            shared_cache is not None
-            and not isinstance(shared_cache, str)
-            and not hasattr(shared_cache, "get")
-        ):
-            raise TypeError(
-                f"shared_cache must be a URL or an aiocache cache, got {type(shared_cache).__name__}"
-            )
-        if not _positive_seconds(fleet_wait):
-            raise ValueError(f"fleet_wait must be a positive number of seconds, got {fleet_wait!r}")
+        shared = shared_cache_argument(shared_cache, signing_key, unsafe_unsigned_host_code, fleet_wait)
         if farm is not None and not isinstance(farm, RayFarm):
             raise TypeError(f"farm must be an acompile.RayFarm or None, got {farm!r}")
         cache_dir = _path_argument("cache_dir", cache_dir)
@@ -313,23 +296,18 @@ class CompilePool:
         self._target: Target | None = parse_target(target) if target is not None else None
         # The tiers after memory, fastest first: adding a tier is adding it here.
         tiers: list[Tier] = []
-        # A key given is checked whether or not a tier uses it (an empty one is a mistake now);
-        # $ACOMPILE_SIGNING_KEY where a tier does.
-        uses_key = signing_key is not None or shared_cache is not None
-        key = signing_key_from(signing_key) if uses_key else None
-        if shared_cache is not None:
+        self._shared = shared
+        if shared is not None:
             tiers.append(
                 SharedTier.connect_later(
-                    shared_cache,
-                    key,
-                    unsafe_unsigned_host_code=unsafe_unsigned_host_code,
+                    shared.where, shared.signing_key, unsafe_unsigned_host_code=shared.unsafe_trust_unsigned
                 )
             )
         self._cache = TierChain(
             MemoryTier(memory_cache_size),
             GuardedDisk(Path(cache_dir) if cache_dir is not None else default_cache_dir()),
             tiers,
-            fleet_wait=fleet_wait,
+            fleet_wait=shared.fleet_wait if shared is not None else DEFAULT_FLEET_WAIT,
         )
         self._tuner = _autotune.Tuner(self._cache)
         self._prestart = prestart
@@ -1162,7 +1140,6 @@ class CompilePool:
 
         self._check_running()
         assert self._portal is not None and self._workers is not None
-        shared = self._cache.tier("shared")
         return Host(
             portal=self._portal,
             find=self._cache.find_record,
@@ -1172,8 +1149,8 @@ class CompilePool:
             run=self._run_traced,
             wait_ready=self.wait_ready,
             size=self._size,
-            shared=shared is not None,
-            signed=getattr(shared, "signing_key", None) is not None,
+            shared=self._shared is not None,
+            trusted=self._shared is not None and self._shared.trusted,
             cache_root=self._cache.root,
             fleet_wait=self._cache.fleet_wait,
             record=self._record_module if self._recorder is not None else None,
@@ -1301,6 +1278,12 @@ class CompilePool:
     @property
     def cache_dir(self) -> Path:
         return self._cache.root
+
+    @property
+    def shared_cache(self) -> SharedCache | None:
+        """The tier the pool shares with a fleet (where, signed or trusted, how long it waits for
+        another replica), or None."""
+        return self._shared
 
     def stats(self) -> Stats:
         """A snapshot of the pool, as plain data (cheap; nothing is measured on the call).

@@ -256,13 +256,13 @@ def load_flashinfer_entries(path: str | Path) -> list[FlashInferWarmup]:
             raise InvalidSpecError(f"{where}: args must be a list and kwargs a table")
         arch = raw.get("arch_list", os.environ.get(FLASHINFER_ARCH_ENV))
         cute = raw.get("cute_dsl_arch", os.environ.get(CUTE_DSL_ARCH_ENV))
-        if "cute_dsl_arch" in raw and not (isinstance(cute, str) and re.fullmatch(r"sm_?\d+[a-z]?", cute)):
+        if "cute_dsl_arch" in raw and not (isinstance(cute, str) and re.fullmatch(r"sm_\d{2,3}[a-z]?", cute)):
             raise InvalidSpecError(f'{where}: cute_dsl_arch must read like "sm_90a", got {cute!r}')
         if isinstance(cute, str) and cute:
             cute_archs.add(cute)
         if isinstance(arch, str) and arch.strip():
             lists.add(" ".join(arch.split()))
-        elif not cute_archs:
+        elif not (isinstance(cute, str) and cute):
             raise InvalidSpecError(
                 f'{where}: needs arch_list = "9.0" (the CUDA archs to build for: a machine without a '
                 f"GPU has none to detect), or ${FLASHINFER_ARCH_ENV}; a CuTe DSL kernel's builder "
@@ -355,15 +355,21 @@ def _import_kernel(ref: str, base: Path, where: str, what: str = "kernel") -> An
             file = (base / target).resolve()
             if not file.is_file():
                 raise InvalidSpecError(f"{where}: no file {file}")
-            # Import it as a module of its folder (added to sys.path), so that workers that must
-            # import it by name find it the same way.
-            folder = str(file.parent)
-            if folder not in sys.path:
-                sys.path.insert(0, folder)
-            module = importlib.import_module(file.stem)
+            # Import it by its module's name: a file in a package (folders with __init__.py) as
+            # a module of that package, the folder that holds the package added to sys.path, so
+            # that workers that must import it by name find it the same way, and it is the
+            # module a server imports (its kernels' keys name its module).
+            folder, dotted = file.parent, [file.stem]
+            while (folder / "__init__.py").is_file() and folder.parent != folder:
+                dotted.insert(0, folder.name)
+                folder = folder.parent
+            if str(folder) not in sys.path:
+                sys.path.insert(0, str(folder))
+            module = importlib.import_module(".".join(dotted))
             if Path(getattr(module, "__file__", "") or "").resolve() != file:
                 raise InvalidSpecError(
-                    f"{where}: importing {file.stem!r} found {module.__file__}, not {file}; rename the file"
+                    f"{where}: importing {'.'.join(dotted)!r} found {module.__file__}, not {file}; rename "
+                    "the file"
                 )
         else:
             module = importlib.import_module(target)

@@ -401,8 +401,11 @@ def _run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        options["shared_cache"] = args.shared_cache
-        options["unsafe_unsigned_shared_cache"] = args.unsafe_unsigned_shared_cache
+        # A SharedCache's fields (its key stays in the environment, read by each process).
+        options["shared_cache"] = {
+            "where": args.shared_cache,
+            "unsafe_trust_unsigned": args.unsafe_unsigned_shared_cache,
+        }
     if os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") != "1":
         print(
             "acompile run: TORCH_DEVICE_BACKEND_AUTOLOAD is off: torch loads no extension, and the "
@@ -797,7 +800,7 @@ async def _warm_models(
     from acompile import inductor
 
     unsigned = _signing_key_problem() is not None  # refused before any work where a shared tier needs one
-    async with inductor.serve(pool, unsafe_unsigned_shared_cache=unsigned) as serving:
+    async with inductor._serve_trusting(pool, trust_unsigned=unsigned) as serving:
         if not serving.active:
             for entry in entries:
                 models.append({"torch": entry.ref, "result": "failed", "error": "this torch is not served"})
@@ -840,7 +843,9 @@ async def _warm_flashinfer(
     from acompile import inductor
 
     unsigned = _signing_key_problem() is not None  # refused before any work where a shared tier needs one
-    async with inductor.serve(pool, jits=("flashinfer",), unsafe_unsigned_shared_cache=unsigned) as serving:
+    async with inductor._serve_trusting(
+        pool, trust_unsigned=unsigned, publish_library_hits=True, jits=("flashinfer",)
+    ) as serving:
 
         def counts() -> dict[str, Any]:
             stats: dict[str, Any] = serving.stats().get("jit", {}).get("flashinfer", {})
@@ -873,7 +878,15 @@ async def _warm_flashinfer(
                     after.get(k, 0) - before.get(k, 0) for k in ("builds", "in_process", "local_builds")
                 )
                 hits = sum(after.get("hits", {}).values()) - sum(before.get("hits", {}).values())
-                if unsupported or "jit" not in stats:
+                unserved = after.get("unserved", 0) - before.get("unserved", 0)
+                if unserved:
+                    # Built by FlashInfer as without acompile (its warning says why): nothing of
+                    # it is in the shared tier.
+                    row.update(
+                        result="failed",
+                        error="built, but acompile could not key it (see its warning): nothing published",
+                    )
+                elif unsupported or "jit" not in stats:
                     # Built by FlashInfer alone: nothing of it is in the cache or the shared tier.
                     why = unsupported or "this torch is not served"
                     row.update(result="failed", error=f"FlashInfer is not served ({why})")

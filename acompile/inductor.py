@@ -87,8 +87,8 @@ def serve(
             must then run off that loop's thread). Best made with ``preload=("inductor",)``: its
             workers then import torch once, in their template, rather than at their first job.
             Without one, ``serve`` starts its own pool on a thread of its own with ``options``
-            (``CompilePool``'s arguments: ``workers``, ``cache_dir``, ``shared_cache``,
-            ``signing_key``, ...), and stops it when the context ends.
+            (``CompilePool``'s arguments: ``workers``, ``cache_dir``,
+            ``shared_cache=SharedCache(...)``, ...), and stops it when the context ends.
         host_pool: compile on the host's pool, shared by every process of this host that asks
             for it (a model server's ranks), instead of workers of this process's own: the
             first such process starts it (``workers`` sizes it), and it stops a minute after the
@@ -97,17 +97,52 @@ def serve(
             program imports it (docs/jit.md): ``None`` (the default) for every one acompile
             serves (``"flashinfer"``, ``"cpp_extension"``: torch's C++/CUDA extensions), ``()``
             for none, or the names of some.
-        unsafe_unsigned_shared_cache: serve from a shared tier without a signing key. Inductor's
-            cache entries hold code this process runs (a graph's Python, its C++ libraries):
-            without a key, whoever can write to the shared tier can run code here. Refused unless
-            this says so.
+        unsafe_unsigned_shared_cache: deprecated (removed in 0.3): give
+            ``shared_cache=SharedCache(url, unsafe_trust_unsigned=True)``. Inductor's cache
+            entries hold code this process runs (a graph's Python, its C++ libraries): a shared
+            tier serving them must be signed, or trusted unsigned by its owner.
 
     Raises ``BackendUnavailableError`` where torch is not installed, ``ValueError`` for a shared
-    tier without a signing key (see above), ``AcompileError`` where torch.compile is served
+    tier neither signed nor trusted (see above), ``AcompileError`` where torch.compile is served
     already in this process, and what ``CompilePool(**options)`` raises for its arguments. On a
     torch it cannot serve, it warns once (``UnsupportedTorchWarning``) and serves nothing:
     ``Serving.active`` is False.
     """
+    if unsafe_unsigned_shared_cache:
+        from acompile._cache import SharedCache
+
+        if isinstance(options.get("shared_cache"), SharedCache):
+            raise TypeError(
+                "give unsafe_trust_unsigned=True to the SharedCache, not unsafe_unsigned_shared_cache "
+                "to serve()"
+            )
+        warnings.warn(
+            "serve(unsafe_unsigned_shared_cache=True) is deprecated and will be removed in 0.3: pass "
+            "shared_cache=acompile.SharedCache(url, unsafe_trust_unsigned=True)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    return _serve_trusting(
+        pool, trust_unsigned=unsafe_unsigned_shared_cache, host_pool=host_pool, jits=jits, **options
+    )
+
+
+def _serve_trusting(
+    pool: CompilePool | None,
+    /,
+    *,
+    trust_unsigned: bool,
+    publish_library_hits: bool = False,
+    host_pool: bool = False,
+    jits: Iterable[str] | None = None,
+    **options: Any,
+) -> Serving:
+    """``serve()``, where the caller may serve torch.compile through a given pool whose shared
+    tier is unsigned and untrusted (``acompile warmup`` filling a tier without a key: what it
+    writes goes to the tier's unsigned namespace, which keyed replicas never read), and have
+    what a JIT library's own cache answered published too (``publish_library_hits``: a
+    warm-up's)."""
+    unsafe_unsigned_shared_cache = trust_unsigned
     if pool is not None:
         from acompile._compiler import CompilePool
 
@@ -129,29 +164,42 @@ def serve(
     names = check_names(jits)
     if pool is None:
         options = _own_pool_options(options, unsafe_unsigned_shared_cache)
-    return Serving(pool, options, unsafe_unsigned_shared_cache, host_pool, names)
+    serving = Serving(pool, options, unsafe_unsigned_shared_cache, host_pool, names)
+    serving._publish_library_hits = publish_library_hits
+    return serving
 
 
 def _own_pool_options(options: dict[str, Any], unsafe: bool) -> dict[str, Any]:
-    from acompile._cache import signing_key_from
+    from acompile._cache import SharedCache, shared_cache_argument
 
     options = dict(options)
     preload = tuple(options.get("preload", ()))
     options["preload"] = preload if "inductor" in preload else (*preload, "inductor")
-    if (
-        options.get("shared_cache") is not None
-        and not unsafe
-        and signing_key_from(options.get("signing_key")) is None
-    ):
+    given = options.get("shared_cache")
+    legacy = {
+        k: options.pop(k) for k in ("signing_key", "unsafe_unsigned_host_code", "fleet_wait") if k in options
+    }
+    # serve() -> _serve_trusting -> here -> shared_cache_argument: the warning names serve()'s caller.
+    shared = shared_cache_argument(given, **legacy, stacklevel=5)
+    if unsafe and shared is not None and not shared.trusted:
+        # One trust: the tier's, for every kind of code (serve() warned of the old name).
+        shared = SharedCache(
+            shared.where,
+            signing_key=shared.signing_key,
+            unsafe_trust_unsigned=True,
+            fleet_wait=shared.fleet_wait,
+        )
+    if shared is not None and not shared.trusted:
         raise ValueError(_UNSIGNED)
+    options["shared_cache"] = shared
     return options
 
 
 _UNSIGNED = (
     "torch.compile's cache entries hold code this process runs (a graph's Python, its C++ "
-    "libraries): a shared tier serving them must be signed. Set signing_key= (or "
-    "ACOMPILE_SIGNING_KEY), or pass unsafe_unsigned_shared_cache=True to trust whoever can write "
-    "to the shared tier"
+    "libraries): a shared tier serving them must be signed. Give SharedCache(url, signing_key=...) "
+    "(or set ACOMPILE_SIGNING_KEY), or SharedCache(url, unsafe_trust_unsigned=True) to trust "
+    "whoever can write to the shared tier"
 )
 
 
@@ -173,6 +221,7 @@ class Serving:
     ) -> None:
         self._given = pool
         self._jit_names = jits
+        self._publish_library_hits = False
         self._jits: JitServing | None = None
         self._options = options
         self._unsafe = unsafe
@@ -242,7 +291,7 @@ class Serving:
             _warn_unsupported(str(exc))
             return
         host = self._host()
-        if host.shared and not host.signed and not self._unsafe:
+        if host.shared and not host.trusted and not self._unsafe:
             raise ValueError(_UNSIGNED)
         served = Served(host)
         self._patches = install_seams(seams, served)
@@ -250,7 +299,9 @@ class Serving:
         if self._jit_names:
             from acompile._jit import JitServing, ServedBuilds
 
-            self._jits = JitServing(ServedBuilds(served), self._jit_names)
+            builds = ServedBuilds(served)
+            builds.publish_library_hits = self._publish_library_hits
+            self._jits = JitServing(builds, self._jit_names)
             self._jits.start()
         self.active = True
 

@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -83,6 +84,36 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     env.update(extra)
     return env
+
+
+# A test's shorthand for a pool's shared tier: these keywords are SharedCache's (the names they
+# had beside shared_cache before SharedCache, read as its own).
+_SHARED_FIELDS = {
+    "signing_key": "signing_key",
+    "fleet_wait": "fleet_wait",
+    "unsafe_trust_unsigned": "unsafe_trust_unsigned",
+    "unsafe_unsigned_host_code": "unsafe_trust_unsigned",
+}
+
+
+def with_shared(where: Any, **kw: Any) -> dict[str, Any]:
+    """A pool's keyword arguments: ``shared_cache=SharedCache(where, ...)`` made of the keywords
+    that are SharedCache's, and the others as they are (``where`` None: no shared tier)."""
+    import acompile
+
+    if where is None:
+        return kw  # (a key given without a tier: CompilePool checks it, and says it is deprecated)
+    fields = {new: kw.pop(old) for old, new in _SHARED_FIELDS.items() if old in kw}
+    return {"shared_cache": acompile.SharedCache(where, **fields), **kw}
+
+
+def json_shared(**options: Any) -> dict[str, Any]:
+    """``serve()``'s options for a machine process (JSON: ``tests/served_options.py`` reads them):
+    ``shared_cache`` and the keywords that are SharedCache's folded into one table."""
+    fields = {new: options.pop(old) for old, new in _SHARED_FIELDS.items() if old in options}
+    if options.get("shared_cache") is not None:
+        options["shared_cache"] = {"where": options["shared_cache"], **fields}
+    return options  # (no tier: the fields are a test's defaults, of no use here)
 
 
 def run_python(code: str, timeout: float = 180, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

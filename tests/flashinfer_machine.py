@@ -13,9 +13,11 @@ import json
 import sys
 import time
 
+import served_options
+
 
 def main() -> None:
-    options = json.loads(sys.argv[1])
+    options = served_options.decode(sys.argv[1])
     from acompile import inductor
 
     serving = inductor.serve(**options) if options else None

@@ -15,9 +15,11 @@ import os
 import sys
 import time
 
+import served_options
+
 
 def main() -> None:
-    options = json.loads(sys.argv[1])
+    options = served_options.decode(sys.argv[1])
     source, answer, include = sys.argv[2], sys.argv[3], sys.argv[4]
     from acompile import inductor
 

@@ -187,13 +187,23 @@ CONSTRUCTOR_CASES: list[tuple[dict[str, Any], str]] = [
     ({"max_compile_seconds": "600"}, r"max_compile_seconds must be positive or None"),
     ({"preload_timeout": -1}, r"preload_timeout must be a positive number of seconds, got -1"),
     ({"fork_workers": 1}, r"fork_workers must be True or False, got 1"),
-    ({"shared_cache": 42}, r"shared_cache must be a URL or an aiocache cache, got int"),
+    (
+        {"shared_cache": 42},
+        r"shared_cache must be an acompile.SharedCache, a URL or an aiocache cache, got int",
+    ),
     ({"shared_cache": "redis:/bad"}, r"names no host"),
     ({"signing_key": ""}, r"signing_key.*empty"),
     ({"signing_key": 5}, r"signing_key must be a string or bytes"),
     ({"unsafe_unsigned_host_code": "no"}, r"unsafe_unsigned_host_code must be True or False, got 'no'"),
     ({"fleet_wait": 0}, r"fleet_wait must be a positive number of seconds, got 0"),
     ({"fleet_wait": "60"}, r"fleet_wait must be a positive number of seconds"),
+    (
+        {
+            "shared_cache": acompile.SharedCache("redis://h:6379/0", signing_key="k" * 16),
+            "signing_key": "k" * 16,
+        },
+        r"give signing_key to the SharedCache",
+    ),
     ({"record": 5}, r"record must be a path"),
     ({"trace": 5}, r"trace must be a path"),
     ({"farm": "ray://head:10001"}, r"farm must be an acompile.RayFarm or None, got 'ray://head:10001'"),
@@ -238,3 +248,49 @@ def test_a_farm_s_argument_errors_are_raised_by_its_constructor(arguments: dict[
     # RayFarm imports no Ray: these need none installed.
     with pytest.raises((ValueError, TypeError), match=says):
         acompile.RayFarm(**{"address": "auto", **arguments})
+
+
+SHARED_CACHE_CASES: list[tuple[tuple[Any, ...], dict[str, Any], str]] = [
+    ((42,), {}, r"SharedCache needs a URL or an aiocache cache, got int"),
+    ((None,), {}, r"SharedCache needs a URL or an aiocache cache, got NoneType"),
+    (("http://cache:6379",), {}, r"unknown shared cache URL"),
+    (("redis://h:6379/0",), {"signing_key": ""}, r"signing_key is set but empty"),
+    (("redis://h:6379/0",), {"signing_key": "short"}, r"at least 16 bytes"),
+    (("redis://h:6379/0",), {"signing_key": 5}, r"signing_key must be a string or bytes"),
+    (("redis://h:6379/0",), {"unsafe_trust_unsigned": "no"}, r"unsafe_trust_unsigned must be True or False"),
+    (("redis://h:6379/0",), {"fleet_wait": 0}, r"fleet_wait must be a positive number of seconds, got 0"),
+    (("redis://h:6379/0",), {"fleet_wait": float("inf")}, r"fleet_wait must be a positive number"),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "says"), SHARED_CACHE_CASES, ids=[c[2] for c in SHARED_CACHE_CASES]
+)
+def test_a_shared_cache_that_cannot_work_is_refused_as_it_is_made(
+    args: tuple[Any, ...], kwargs: dict[str, Any], says: str
+) -> None:
+    with pytest.raises((ValueError, TypeError), match=says):
+        acompile.SharedCache(*args, **kwargs)
+
+
+def test_a_shared_cache_keeps_its_key_out_of_sight_and_does_not_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import pickle
+
+    secret = "s3cr3t-signing-key-0123456789"
+    shared = acompile.SharedCache("redis://user:pw@cache:6379/0", signing_key=secret, fleet_wait=5)
+    assert secret not in repr(shared) and "pw" not in repr(shared), repr(shared)
+    assert shared.signed and shared.trusted and shared.fleet_wait == 5.0
+    with pytest.raises(AttributeError):
+        shared.fleet_wait = 1  # type: ignore[misc]
+    again = pickle.loads(pickle.dumps(shared))
+    assert again.signing_key == secret.encode() and again.where == shared.where and again.fleet_wait == 5.0
+    # The key from the environment, read as it is made; none there: unsigned, and untrusted
+    # unless its owner says so.
+    monkeypatch.setenv("ACOMPILE_SIGNING_KEY", secret)
+    assert acompile.SharedCache("redis://cache:6379/0").signing_key == secret.encode()
+    monkeypatch.delenv("ACOMPILE_SIGNING_KEY")
+    plain = acompile.SharedCache("redis://cache:6379/0")
+    assert not plain.signed and not plain.trusted
+    assert acompile.SharedCache("redis://cache:6379/0", unsafe_trust_unsigned=True).trusted

@@ -630,7 +630,7 @@ async def test_share_spreads_no_entry_whose_text_stages_are_damaged(
     here, there = tmp_path / "here", tmp_path / "there"
     intact.plant(here)
     damaged.plant(here, damaged_in(damaged.data, "llir"))
-    shared = {"shared_cache": redis_server.url, "signing_key": KEY, "prestart": False}
+    shared = {"shared_cache": acompile.SharedCache(redis_server.url, signing_key=KEY), "prestart": False}
     async with pool(here, **shared) as p:
         kernels = await p.gather(spec(64), spec(128))  # both disk hits
         assert await p.share([k.key for k in kernels]) == (0, 1)

@@ -25,7 +25,7 @@ from typing import Any
 
 import anyio
 import pytest
-from conftest import ROOT, TARGET, RedisServer, asyncio_only, subprocess_env
+from conftest import ROOT, TARGET, RedisServer, asyncio_only, subprocess_env, with_shared
 
 import acompile
 from acompile._backends import CppSpec, load_parent
@@ -58,7 +58,9 @@ def no_signing_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def pool(cache_dir: Path, **kw: Any) -> acompile.CompilePool:
-    return acompile.CompilePool(1, target=TARGET, cache_dir=cache_dir, preload=(), **kw)
+    return acompile.CompilePool(
+        1, target=TARGET, cache_dir=cache_dir, preload=(), **with_shared(kw.pop("shared_cache", None), **kw)
+    )
 
 
 def evil_library(folder: Path, marker: Path) -> bytes:

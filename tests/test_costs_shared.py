@@ -20,7 +20,7 @@ from typing import Any
 
 import anyio
 import pytest
-from conftest import TARGET, RedisServer
+from conftest import TARGET, RedisServer, with_shared
 from kernels_for_tests import ADD_SIG, add_kernel
 
 import acompile
@@ -85,7 +85,7 @@ def local_records(folder: Path) -> dict[str, Any]:
 
 
 def pool(folder: Path, redis: RedisServer, **kw: Any) -> acompile.CompilePool:
-    return acompile.CompilePool(2, target=TARGET, cache_dir=folder, shared_cache=redis.url, **kw)
+    return acompile.CompilePool(2, target=TARGET, cache_dir=folder, **with_shared(redis.url, **kw))
 
 
 async def test_a_fresh_replica_expects_what_the_fleet_measured(

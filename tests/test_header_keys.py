@@ -273,7 +273,9 @@ async def test_a_shared_entry_is_used_where_the_headers_hold_the_same_bytes(
     another time: the same bytes, so the shared entry is used. Where the bytes differ, the entry
     is stale there: compiled again, and the fresh entry replaces it in the shared tier."""
     include = tmp_path / "include"
-    shared = {"shared_cache": redis_server.url, "signing_key": b"a-signing-key-for-the-tests"}
+    shared = {
+        "shared_cache": acompile.SharedCache(redis_server.url, signing_key=b"a-signing-key-for-the-tests")
+    }
 
     async def on(machine: str) -> tuple[int, str]:
         async with cpp_pool(tmp_path / machine, **shared) as p:

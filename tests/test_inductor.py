@@ -22,7 +22,7 @@ from typing import Any
 
 import anyio
 import pytest
-from conftest import ROOT, RedisServer, asyncio_only, subprocess_env
+from conftest import ROOT, RedisServer, asyncio_only, json_shared, subprocess_env
 from processes import pool_processes, reaped
 
 import acompile
@@ -47,7 +47,7 @@ def machine(root: Path, name: str, *, headers: Path | None = None) -> dict[str, 
 
 
 def serve_options(**options: Any) -> dict[str, str]:
-    return {"ACOMPILE_TEST_SERVE": json.dumps(options)}
+    return {"ACOMPILE_TEST_SERVE": json.dumps(json_shared(**options))}
 
 
 def compile_in(env: dict[str, str], *, plain: bool = False, timeout: float = 300) -> dict[str, Any]:
@@ -289,12 +289,43 @@ async def test_serve_says_what_is_wrong_with_its_arguments(cache_dir: Path) -> N
 def test_a_shared_tier_without_a_signing_key_is_refused_unless_the_user_says_it_is_unsafe(
     tmp_path: Path,
 ) -> None:
+    import acompile
     from acompile import inductor
 
     with pytest.raises(ValueError, match="signing_key"):
         inductor.serve(shared_cache="redis://127.0.0.1:1/0")
+    with pytest.raises(ValueError, match="unsafe_trust_unsigned=True"):
+        inductor.serve(shared_cache=acompile.SharedCache("redis://127.0.0.1:1/0"))
     # The user's own choice: allowed, and said in its name.
-    inductor.serve(shared_cache="redis://127.0.0.1:1/0", unsafe_unsigned_shared_cache=True)
+    inductor.serve(shared_cache=acompile.SharedCache("redis://127.0.0.1:1/0", unsafe_trust_unsigned=True))
+    # The name it had before SharedCache: the same, and a warning naming the new form (one
+    # release, then gone).
+    with pytest.warns(DeprecationWarning, match=r"SharedCache\(url, unsafe_trust_unsigned=True\)"):
+        inductor.serve(shared_cache="redis://127.0.0.1:1/0", unsafe_unsigned_shared_cache=True)
+    with pytest.raises(TypeError, match="give unsafe_trust_unsigned=True to the SharedCache"):
+        inductor.serve(
+            shared_cache=acompile.SharedCache("redis://127.0.0.1:1/0"),
+            unsafe_unsigned_shared_cache=True,
+        )
+
+
+def test_compile_pools_arguments_from_before_shared_cache_still_work_and_name_the_new_form(
+    tmp_path: Path,
+) -> None:
+    import acompile
+
+    with pytest.warns(DeprecationWarning, match=r"SharedCache\(url, signing_key=\.\.\., fleet_wait=\.\.\.\)"):
+        pool = acompile.CompilePool(
+            1, target="cuda:90", cache_dir=tmp_path, shared_cache="redis://127.0.0.1:1/0",
+            signing_key=KEY, fleet_wait=5,
+        )  # fmt: skip
+    assert pool.shared_cache is not None and pool.shared_cache.signed and pool.shared_cache.fleet_wait == 5.0
+    with pytest.warns(DeprecationWarning, match=r"SharedCache\(url, unsafe_trust_unsigned=\.\.\.\)"):
+        pool = acompile.CompilePool(
+            1, target="cuda:90", cache_dir=tmp_path, shared_cache="redis://127.0.0.1:1/0",
+            unsafe_unsigned_host_code=True,
+        )  # fmt: skip
+    assert pool.shared_cache is not None and pool.shared_cache.trusted and not pool.shared_cache.signed
 
 
 def test_a_stall_of_the_shared_tier_during_a_served_compile_fails_nothing(

@@ -16,7 +16,6 @@ a closure over the caller's objects, which no other process can run (docs/jit.md
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import threading
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, RedisServer, subprocess_env
+from conftest import ROOT, RedisServer, json_shared, subprocess_env
 
 pytestmark = pytest.mark.slow
 KEY = "c" * 32
@@ -76,7 +75,7 @@ def build_in(env: dict[str, str], options: dict[str, Any], timeout: float = 240)
 
 
 def served(url: str, **more: Any) -> dict[str, Any]:
-    return {"workers": 1, "shared_cache": url, "signing_key": KEY, "jits": ["flashinfer"], **more}
+    return json_shared(workers=1, shared_cache=url, signing_key=KEY, jits=["flashinfer"], **more)
 
 
 def test_a_second_machine_loads_the_kernel_from_the_fleet_without_compiling(
@@ -195,11 +194,138 @@ def test_warmup_compiles_a_kernel_by_its_generator_into_the_fleet_tier(
     replica = build_in(machine(tmp_path, "replica"), served(redis_server.url))
     assert replica.get("loaded") == "Function" and replica["compiles"] == 0, replica
     assert replica["jit"]["hits"]["shared"] == 1
-    shutil.rmtree(env["FLASHINFER_WORKSPACE_BASE"])  # FlashInfer's own cache gone: acompile's answers
-    again = warmup()
-    assert again.returncode == 0 and "served_cute_kernel.py:build: cached" in again.stdout, (
-        again.stdout + again.stderr[-2000:]
+    # Again, FlashInfer's own cache warm: the kernel is cached, and in the shared tier (a flushed
+    # tier is filled again from FlashInfer's cache, as from acompile's).
+    client: Any = redis_server.client()
+    for flushed in (False, True):
+        if flushed:
+            client.flushdb()
+        again = warmup()
+        assert again.returncode == 0 and "served_cute_kernel.py:build: cached" in again.stdout, (
+            again.stdout + again.stderr[-2000:]
+        )
+    replica = build_in(machine(tmp_path, "after-flush"), served(redis_server.url))
+    assert replica.get("loaded") == "Function" and replica["compiles"] == 0, replica
+    assert replica["jit"]["hits"]["shared"] == 1
+
+
+def test_a_kernel_in_a_package_warmed_up_by_its_file_is_the_one_a_server_imports(
+    tmp_path: Path, redis_server: RedisServer, cute_dsl: None
+) -> None:
+    """A warm-up manifest names a generator by its file; the server imports the package the file
+    is in. The kernel's key names the file by its module's name, the same in both."""
+    env = machine(tmp_path, "builder")
+    package = Path(env["CODE"]) / "kernels_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (Path(env["CODE"]) / "served_cute_kernel.py").rename(package / "served_cute_kernel.py")
+    manifest = Path(env["CODE"]) / "warmup.toml"
+    manifest.write_text(
+        '[[flashinfer]]\ngenerator = "kernels_pkg/served_cute_kernel.py:build"\nargs = [32]\n'
     )
+    done = subprocess.run(
+        [sys.executable, "-m", "acompile", "warmup", str(manifest), "--shared-cache", redis_server.url,
+         "--workers", "1"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=subprocess_env(**env, ACOMPILE_SIGNING_KEY=KEY),
+    )  # fmt: skip
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+    server = machine(tmp_path, "server")
+    (Path(server["CODE"]) / "kernels_pkg").mkdir()
+    (Path(server["CODE"]) / "kernels_pkg" / "__init__.py").write_text("")
+    (Path(server["CODE"]) / "served_cute_kernel.py").rename(
+        Path(server["CODE"]) / "kernels_pkg" / "served_cute_kernel.py"
+    )
+    report = build_in({**server, "KERNEL_MODULE": "kernels_pkg.served_cute_kernel"}, served(redis_server.url))
+    assert report.get("loaded") == "Function" and report["compiles"] == 0, report
+    assert report["jit"]["hits"]["shared"] == 1
+
+
+def test_a_kernel_whose_source_changed_after_the_process_started_is_never_published(
+    tmp_path: Path, redis_server: RedisServer, cute_dsl: None
+) -> None:
+    """The module in memory is the file as it was when imported: compiled as FlashInfer alone
+    would (it compiles the module in memory), and never published under the changed file's key."""
+    edited = build_in({**machine(tmp_path, "edited"), "EDIT_AFTER_IMPORT": "1"}, served(redis_server.url))
+    assert edited.get("loaded") == "Function" and edited["compiles"] == 1, edited
+    assert edited["jit"]["unserved"] == 1 and edited["jit"]["puts"] == 0, edited
+    assert "changed after this process started" in edited["stderr"]
+    fresh = build_in(machine(tmp_path, "fresh"), served(redis_server.url))
+    assert fresh["compiles"] == 1 and fresh["jit"]["hits"]["shared"] == 0, fresh
+
+
+def test_the_dsl_stacks_fingerprint_holds_no_path_of_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same wheels installed in two environments at other paths: their RECORDs differ in the
+    lines of the scripts in bin/ (their first line names the environment's Python) and of the
+    installer's own files; the kernels' keys must not."""
+    import importlib.metadata
+
+    from acompile._jit import _flashinfer
+
+    def record(venv: str, installer: str) -> str:
+        return (
+            "torch/__init__.py,sha256=AAAA,100\n"
+            f"../../../bin/torchrun,sha256={venv},200\n"
+            f"torch-2.13.0.dist-info/INSTALLER,sha256={installer},4\n"
+            "torch-2.13.0.dist-info/RECORD,,\n"
+        )
+
+    class Dist:
+        def __init__(self, text: str) -> None:
+            self.metadata = {"Name": "torch"}
+            self.version = "2.13.0"
+            self.text = text
+
+        def read_text(self, name: str) -> str | None:
+            return self.text if name == "RECORD" else '{"url": "file:///somewhere"}'
+
+    stacks = []
+    for venv, installer in (("XXXX", "pip"), ("YYYY", "uv")):
+        monkeypatch.setattr(
+            importlib.metadata, "distributions", lambda v=venv, i=installer: [Dist(record(v, i))]
+        )
+        _flashinfer._dsl_stack.cache_clear()
+        stacks.append(_flashinfer._dsl_stack())
+    _flashinfer._dsl_stack.cache_clear()
+    assert stacks[0] == stacks[1] and "torch==2.13.0:" in stacks[0]
+    # A file of the package itself that differs is another stack.
+    monkeypatch.setattr(
+        importlib.metadata, "distributions", lambda: [Dist(record("XXXX", "pip").replace("AAAA", "BBBB"))]
+    )
+    other = _flashinfer._dsl_stack()
+    _flashinfer._dsl_stack.cache_clear()
+    assert other != stacks[0]
+
+
+@pytest.mark.parametrize(
+    ("entries", "why"),
+    [
+        ('generator = "m.py:build"\ncute_dsl_arch = "sm90a"\n', 'cute_dsl_arch must read like "sm_90a"'),
+        ('generator = "m.py:build"\ncute_dsl_arch = "sm_9"\n', 'cute_dsl_arch must read like "sm_90a"'),
+        (
+            'generator = "m.py:build"\ncute_dsl_arch = "sm_90a"\n[[flashinfer]]\ngenerator = "m.py:build"\n',
+            "flashinfer #2 (m.py:build): needs arch_list",
+        ),
+    ],
+)
+def test_a_cute_dsl_warmup_entry_that_cannot_work_is_refused_before_any_work(
+    tmp_path: Path, entries: str, why: str
+) -> None:
+    manifest = tmp_path / "warmup.toml"
+    manifest.write_text("[[flashinfer]]\n" + entries)
+    env = {
+        k: v for k, v in subprocess_env().items() if k not in ("CUTE_DSL_ARCH", "FLASHINFER_CUDA_ARCH_LIST")
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "acompile", "warmup", str(manifest)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 2 and why in done.stderr, done.stderr[-2000:]
 
 
 def test_a_flashinfer_whose_cute_dsl_seams_changed_is_one_warning_and_its_nvcc_modules_still_served(

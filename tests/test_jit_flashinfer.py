@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, RedisServer, subprocess_env
+from conftest import ROOT, RedisServer, json_shared, subprocess_env
 
 pytestmark = pytest.mark.slow
 KEY = "f" * 32
@@ -127,7 +127,7 @@ def warmup_alone(manifest: Path) -> subprocess.CompletedProcess[str]:
 
 
 def served(url: str) -> dict[str, Any]:
-    return {"workers": 1, "shared_cache": url, "signing_key": KEY, "jits": ["flashinfer"]}
+    return json_shared(workers=1, shared_cache=url, signing_key=KEY, jits=["flashinfer"])
 
 
 def test_a_second_machine_loads_the_module_from_the_fleet_with_no_nvcc_run(

@@ -278,8 +278,8 @@ from kernels_for_tests import slow_to_compile_kernel
 
 async def main():
     cache_dir, url, ready, go = sys.argv[1:5]
-    async with acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir, shared_cache=url,
-                                    signing_key="a-signing-key-for-the-tests") as p:
+    shared = acompile.SharedCache(url, signing_key="a-signing-key-for-the-tests")
+    async with acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir, shared_cache=shared) as p:
         await p.wait_ready()
         await p.share(["0" * 64])  # connects to the shared tier: a look-up, nothing to publish
         open(ready, "w").close()

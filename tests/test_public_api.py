@@ -39,6 +39,7 @@ EXPECTED = {
     "FarmToolchainError",
     "FarmUnreachableError",
     "RayFarm",
+    "SharedCache",
     "InvalidSpecError",
     "PoolClosedError",
     "PoolError",

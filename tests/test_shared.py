@@ -9,7 +9,7 @@ from typing import Any
 
 import anyio
 import pytest
-from conftest import TARGET, RedisServer, asyncio_only
+from conftest import TARGET, RedisServer, asyncio_only, with_shared
 from kernels_for_tests import ADD_SIG, add_kernel, slow_to_compile_kernel
 
 import acompile
@@ -21,7 +21,7 @@ KEY = "a-signing-key-for-the-tests"
 
 
 def pool(cache_dir: Path, redis: RedisServer, **kw: Any) -> acompile.CompilePool:
-    return acompile.CompilePool(1, target=TARGET, cache_dir=cache_dir, shared_cache=redis.url, **kw)
+    return acompile.CompilePool(1, target=TARGET, cache_dir=cache_dir, **with_shared(redis.url, **kw))
 
 
 def spec(block: int = 64) -> acompile.TritonSpec:

@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio
 import pytest
-from conftest import TARGET, asyncio_only
+from conftest import TARGET, asyncio_only, with_shared
 from kernels_for_tests import ADD_SIG, add_kernel
 
 import acompile
@@ -107,7 +107,7 @@ def memcached() -> Iterator[Memcached]:
 
 
 def pool(cache_dir: Path, url: str, **kw: Any) -> acompile.CompilePool:
-    return acompile.CompilePool(1, target=TARGET, cache_dir=cache_dir, shared_cache=url, **kw)
+    return acompile.CompilePool(1, target=TARGET, cache_dir=cache_dir, **with_shared(url, **kw))
 
 
 def spec(block: int = 64) -> acompile.TritonSpec:

@@ -113,8 +113,7 @@ async def test_500_concurrent_misses_of_a_pool_are_all_published(
         1,
         target="cuda:90",
         cache_dir=tmp_path,
-        shared_cache=redis_server.url,
-        signing_key=KEY,
+        shared_cache=acompile.SharedCache(redis_server.url, signing_key=KEY),
         prestart=False,
         preload=(),
     ) as p:

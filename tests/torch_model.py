@@ -18,6 +18,7 @@ import time
 
 T0 = time.perf_counter()
 
+import served_options  # noqa: E402
 import torch  # noqa: E402
 import torch._dynamo.utils  # noqa: E402
 
@@ -65,7 +66,7 @@ def main() -> None:
     else:
         from acompile import inductor
 
-        options = json.loads(os.environ.get("ACOMPILE_TEST_SERVE", "{}"))
+        options = served_options.decode(os.environ.get("ACOMPILE_TEST_SERVE", "{}"))
         with inductor.serve(**options) as serving:
             # Its workers ready first: until then Inductor compiles in this process (as with its
             # own pool), and a test that counts what ran on the pool must not depend on a race.

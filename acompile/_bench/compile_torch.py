@@ -14,8 +14,8 @@ its precompiled headers there), acompile's cache. A second machine has every one
   graph, AOTAutograd, autotune, and bundled autotune where there is a GPU) on a real
   redis-server: a first machine fills it, a second one reads it;
 - ``acompile_fill`` / ``acompile_second``: the same with torch.compile served by acompile
-  (``inductor.serve(shared_cache=..., signing_key=...)``, its defaults otherwise) on the same
-  server (another database);
+  (``inductor.serve(shared_cache=SharedCache(..., signing_key=...))``, its defaults otherwise) on
+  the same server (another database);
 - where Triton compiles (a GPU): ``serial_cold`` (``compile_threads=1``, as vLLM sets it),
   ``pool_cold`` (Inductor's default pool) and ``served_threads1_cold`` (``compile_threads=1``,
   served). Every arm's ``compile wait s`` is the time the compiling thread spent in Inductor's
@@ -123,8 +123,9 @@ def compile_model(o: argparse.Namespace) -> dict[str, Any]:
     serving: Any = contextlib.nullcontext()
     if o.serve is not None:
         from acompile import inductor
+        from acompile._cache import with_shared_cache_fields
 
-        serving = inductor.serve(**o.serve)
+        serving = inductor.serve(**with_shared_cache_fields(o.serve))
     with serving as served, torch.no_grad():
         compiled: Any = torch.compile(module)
         t = time.perf_counter()
@@ -219,7 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         with redis_server(executable, root / "redis") as port:
             url = f"redis://127.0.0.1:{port}"
-            served = {"shared_cache": f"{url}/2", "signing_key": KEY}
+            served = {"shared_cache": {"where": f"{url}/2", "signing_key": KEY}}
             if not args.fleet_only:
                 arms["cold"] = arm("cold", "a")
                 arms["inductor_redis_fill"] = arm(
@@ -249,8 +250,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if args.fleet:
                 arms["fleet_inductor"] = _fleet(arm, args.fleet, "fi", None, _inductor_redis(f"{url}/3", gpu))
                 fleet_serve = {
-                    "shared_cache": f"{url}/4",
-                    "signing_key": KEY,
+                    "shared_cache": {"where": f"{url}/4", "signing_key": KEY},
                     "workers": max(1, args.fleet_workers),
                 }
                 arms["fleet_acompile"] = _fleet(arm, args.fleet, "fa", fleet_serve, {})

@@ -14,8 +14,8 @@ launcher FlashInfer puts before nvcc (every arm has the same one).
 - ``flashinfer_warm``: the JITs alone again on that machine (ninja finds everything built);
 - ``flashinfer_copied``: the JITs alone on a second machine whose folders are a copy of the
   first one's at another path (what operators do today: copy the cache folder to the next host);
-- ``acompile_fill``: served by acompile (``inductor.serve(shared_cache=..., signing_key=...)``, its
-  defaults otherwise), a fresh machine on an empty shared tier (a real redis-server);
+- ``acompile_fill``: served by acompile (``inductor.serve(shared_cache=SharedCache(...,
+  signing_key=...))``, its defaults otherwise), a fresh machine on an empty shared tier (a real redis-server);
 - ``acompile_second``: served, a second fresh machine on that tier, with FlashInfer's and tvm_ffi's
   packages (the headers its modules include) at another path;
 - ``fleet``: N fresh machines served together on an empty tier: how many builds in all.
@@ -75,8 +75,9 @@ def _spec(name: str) -> Any:
 def build_modules(o: argparse.Namespace) -> dict[str, Any]:
     """Build and load each module in turn, served where ``o.serve`` says."""
     from acompile import inductor
+    from acompile._cache import with_shared_cache_fields
 
-    serving = inductor.serve(**o.serve) if o.serve is not None else None
+    serving = inductor.serve(**with_shared_cache_fields(o.serve)) if o.serve is not None else None
     result: dict[str, Any] = {"modules": {}}
     try:
         if serving is not None:
@@ -214,7 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         with redis_server(executable, root / "redis") as port:
             url = f"redis://127.0.0.1:{port}"
-            served = {"shared_cache": f"{url}/1", "signing_key": KEY}
+            served = {"shared_cache": {"where": f"{url}/1", "signing_key": KEY}}
             arms["flashinfer_cold"] = arm("flashinfer_cold", "a", None)
             arms["flashinfer_warm"] = arm("flashinfer_warm", "a", None)
             # The first machine's folders, copied whole to another path (times kept).
@@ -225,7 +226,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             moved = _moved_packages(root)
             arms["acompile_second"] = arm("acompile_second", "d", served, PYTHONPATH_FIRST=moved)
             if args.fleet:
-                fleet_serve = {"shared_cache": f"{url}/2", "signing_key": KEY, "workers": 1}
+                fleet_serve = {"shared_cache": {"where": f"{url}/2", "signing_key": KEY}, "workers": 1}
                 with concurrent.futures.ThreadPoolExecutor(args.fleet) as pool:
                     runs = list(pool.map(lambda i: arm(f"fleet{i}", f"f{i}", fleet_serve), range(args.fleet)))
                 arms["fleet"] = {

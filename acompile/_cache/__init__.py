@@ -7,6 +7,7 @@ implements ``Tier`` (``_tier.py``): ``get/set/delete/close`` over bytes, faults 
 - ``_disk``: ``DiskTier``, the folder's files (atomic publication, daemon threads), and
   ``GuardedDisk``, the same with every fault a miss and deadlines (the chain's disk tier);
 - ``_shared``: ``SharedTier``, over an aiocache cache (signed entries, namespaces, leases);
+- ``_settings``: ``SharedCache``, the shared tier as the user gives it (where, key, trust);
 - ``_memory``: ``MemoryTier``, a bounded LRU of loaded kernels;
 - ``_entry``: the bytes of one entry; ``_keys``: cache keys;
 - ``_layout``: the cache folder's layout, spelled once, and how its files are read and written;
@@ -67,6 +68,10 @@ _NAMES: dict[str, str | tuple[str, str]] = {
     "PruneReport": "_prune",
     "parse_age": "_prune",
     "prune": "_prune",
+    "DEFAULT_FLEET_WAIT": "_settings",
+    "SharedCache": "_settings",
+    "shared_cache_argument": "_settings",
+    "with_shared_cache_fields": "_settings",
     "SharedTier": "_shared",
     "check_target": "_shared",
     "open_shared_cache": ("_shared", "open_cache"),
@@ -110,6 +115,12 @@ if _typing.TYPE_CHECKING:
     )
     from acompile._cache._memory import MemoryTier
     from acompile._cache._prune import PruneReport, parse_age, prune
+    from acompile._cache._settings import (
+        DEFAULT_FLEET_WAIT,
+        SharedCache,
+        shared_cache_argument,
+        with_shared_cache_fields,
+    )
     from acompile._cache._shared import SharedTier, check_target, redact_url, signing_key_from
     from acompile._cache._shared import key_id as signing_key_id
     from acompile._cache._shared import open_cache as open_shared_cache
@@ -123,6 +134,7 @@ __all__ = [
     "COSTS_LOCK_FILE",
     "COSTS_MAX_BYTES",
     "COSTS_MAX_RECORDS",
+    "DEFAULT_FLEET_WAIT",
     "FACTORS",
     "MAX_MEMO_BYTES",
     "Blobs",
@@ -136,6 +148,7 @@ __all__ = [
     "LeaseTier",
     "MemoryTier",
     "PruneReport",
+    "SharedCache",
     "SharedTier",
     "StaleEntry",
     "Tier",
@@ -164,8 +177,10 @@ __all__ = [
     "read_header",
     "read_state",
     "redact_url",
+    "shared_cache_argument",
     "signing_key_from",
     "signing_key_id",
     "toolchain_dir",
+    "with_shared_cache_fields",
     "write_state",
 ]

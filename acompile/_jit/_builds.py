@@ -113,7 +113,9 @@ class ServedBuilds:
     (on the pool), ``<lib>:local_builds`` (where the library runs it: the pool was not
     reachable, or the build file could not be read), ``<lib>:failed`` (the compiler refused),
     ``<lib>:puts``, ``<lib>:after_ready`` (builds once the server said it was ready),
-    ``<lib>:in_process`` (kernels compiled in the program's process: ``run_kernel``)."""
+    ``<lib>:in_process`` (kernels compiled in the program's process: ``run_kernel``),
+    ``<lib>:unserved`` (kernels acompile could not key: compiled as without it, never published),
+    ``<lib>:hits_library`` (a warm-up's kernels that the library's own cache answered)."""
 
     def __init__(self, served: Served) -> None:
         self.served = served
@@ -128,6 +130,8 @@ class ServedBuilds:
         self._recorded: set[str] = set()  # direct keys in the warm-up record
         # Each module's direct key, by library and module name (the last build of that name).
         self.direct_keys: dict[str, str] = {}
+        # A warm-up's: a kernel the library's own cache answered goes to the tiers all the same.
+        self.publish_library_hits = False
 
     # -- bookkeeping ------------------------------------------------------------------------------
 
@@ -146,10 +150,18 @@ class ServedBuilds:
         out: dict[str, Any] = {}
         for lib in libraries:
             out[lib] = {
-                "hits": {t: counts.get(f"{lib}:hits_{t}", 0) for t in ("disk", "shared", "fleet")},
+                "hits": {t: counts.get(f"{lib}:hits_{t}", 0) for t in ("disk", "shared", "fleet", "library")},
                 **{
                     what: counts.get(f"{lib}:{what}", 0)
-                    for what in ("builds", "in_process", "local_builds", "failed", "puts", "after_ready")
+                    for what in (
+                        "builds",
+                        "in_process",
+                        "local_builds",
+                        "unserved",
+                        "failed",
+                        "puts",
+                        "after_ready",
+                    )
                 },
                 "built_after_ready": [n.split(":", 1)[1] for n in late if n.startswith(lib + ":")],
                 # The key each module was looked up under (a warm-up record names it).
@@ -259,7 +271,7 @@ class ServedBuilds:
             )
             self._late(kernel)
             kernel.build()
-            self.count(f"{lib}:local_builds")
+            self.count(f"{lib}:unserved")  # never published: not a build of acompile's
             return
         parts = dict(kernel.parts)
         key = make_key(parts)
@@ -293,6 +305,28 @@ class ServedBuilds:
             except Exception as exc:  # acompile's fault (its loop gone): never the library's
                 self.served.unreachable(exc)
 
+    def publish_kernel(self, kernel: Kernel) -> None:
+        """A kernel the library's own cache answered (a warm-up's: ``publish_library_hits``),
+        stored in the tiers where they lack it; counted as a hit of the library's cache."""
+        lib = kernel.library
+        if kernel.parts is None or folder_problem(kernel.folder):
+            self.count(f"{lib}:unserved")
+            return
+        parts = dict(kernel.parts)
+        key = make_key(parts)
+        with self._lock:
+            self.direct_keys[f"{lib}:{kernel.name}"] = key
+        self.count(f"{lib}:hits_library")
+        try:
+            entry, _ = self.served.call(self.served.host.find, key, timeout=_GET_TIMEOUT)
+            if entry is not None and entry.backend == BACKEND and entry.name == KERNEL:
+                with self._lock:
+                    self.keys.add(key)
+                return
+            self._publish_kernel(kernel, key, parts)
+        except Exception as exc:  # acompile's fault: never the library's
+            self.served.unreachable(exc)
+
     def _fetch_kernel(self, kernel: Kernel, key: str, *, fleet: bool) -> bool:
         lib = kernel.library
         host = self.served.host
@@ -303,7 +337,7 @@ class ServedBuilds:
             return False
         if entry is None or entry.backend != BACKEND or entry.name != KERNEL:
             return False
-        if host.shared and not host.signed and tier not in ("disk", ""):
+        if host.shared and not host.trusted and tier not in ("disk", ""):
             return False  # host code from a tier anyone could write: never loaded
         try:
             kernel.put(dict(entry.blobs))
@@ -369,7 +403,7 @@ class ServedBuilds:
         if entry is None or entry.backend != BACKEND or entry.name != MODULE:
             return None
         module_key = make_key(parts)
-        if host.shared and not host.signed and tier not in ("disk", ""):
+        if host.shared and not host.trusted and tier not in ("disk", ""):
             return None  # host code from a tier anyone could write: never loaded
         names = entry.meta.get("products")
         if not isinstance(names, list) or len(names) != len(graph.products):

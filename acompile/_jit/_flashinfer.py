@@ -28,6 +28,7 @@ imported from.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import inspect
 import json
@@ -308,11 +309,13 @@ def _serve_cute_dsl(builds: ServedBuilds, release: str, fi_env: Any) -> Callable
         raise Unsupported(f"flashinfer {release} has no CuTe DSL core acompile reads ({exc})") from None
     spec_class = getattr(cute, "JitSpecCuteDsl", None)
     original_build = getattr(spec_class, "build", None)
+    original_try_load = getattr(spec_class, "try_load", None)
     original_hash = getattr(source, "_hash_source_files", None)
     missing = [
         name
         for name, there in (
             ("JitSpecCuteDsl.build", callable(original_build)),
+            ("JitSpecCuteDsl.try_load", callable(original_try_load)),
             ("_cute_dsl_source._hash_source_files", callable(original_hash)),
             ("_cute_dsl_source._key_sources", callable(getattr(source, "_key_sources", None))),
             ("_cute_dsl_source._initializer_digest", callable(getattr(source, "_initializer_digest", None))),
@@ -324,7 +327,8 @@ def _serve_cute_dsl(builds: ServedBuilds, release: str, fi_env: Any) -> Callable
         missing.append("cute_dsl_core._hash_source_files (not _cute_dsl_source's)")
     if missing:
         raise Unsupported(f"flashinfer {release}'s CuTe DSL seams changed (missing: {', '.join(missing)})")
-    assert spec_class is not None and original_build is not None and original_hash is not None
+    assert spec_class is not None and original_hash is not None
+    assert original_build is not None and original_try_load is not None
     hashed: dict[str, tuple[str, ...]] = {}
     lock = threading.Lock()
 
@@ -339,6 +343,10 @@ def _serve_cute_dsl(builds: ServedBuilds, release: str, fi_env: Any) -> Callable
         if not all(hasattr(spec, a) for a in _CUTE_ATTRIBUTES):
             original_build(spec)
             return
+        kernel = _kernel(spec)
+        builds.run_kernel(kernel)
+
+    def _kernel(spec: Any) -> Kernel:
         files = hashed.get(str(spec.expected_meta.get("source_sha256")))
         parts: dict[str, Any] | None = None
         unkeyed = ""
@@ -346,10 +354,16 @@ def _serve_cute_dsl(builds: ServedBuilds, release: str, fi_env: Any) -> Callable
             unkeyed = "its sources were hashed before acompile served FlashInfer"
         else:
             try:
-                parts = _kernel_parts(spec, release, _portable_digest(source, files, str(spec.module_dir)))
+                digest, changed = _portable_digest(source, files, str(spec.module_dir))
+                if changed:
+                    # The module in memory may be the file as it was: what it compiles is not
+                    # what the file's key would name.
+                    unkeyed = f"{changed} changed after this process started"
+                else:
+                    parts = _kernel_parts(spec, release, digest)
             except (OSError, SyntaxError, TypeError, ValueError) as exc:
                 unkeyed = f"its sources cannot be read again ({exc})"
-        kernel = Kernel(
+        return Kernel(
             library=NAME,
             name=str(spec.name),
             folder=os.path.realpath(spec.module_dir),
@@ -359,15 +373,29 @@ def _serve_cute_dsl(builds: ServedBuilds, release: str, fi_env: Any) -> Callable
             put=lambda blobs: _put_kernel(cute, spec, blobs),
             unkeyed=unkeyed,
         )
-        builds.run_kernel(kernel)
+
+    def served_try_load(spec: Any) -> Any:
+        loaded = original_try_load(spec)
+        if (
+            loaded is not None
+            and builds.publish_library_hits
+            and all(hasattr(spec, a) for a in _CUTE_ATTRIBUTES)
+        ):
+            # A warm-up: FlashInfer's own cache had the kernel (a box warm from running without
+            # acompile, or a second warm-up): it goes to the tiers all the same.
+            builds.publish_kernel(_kernel(spec))
+        return loaded
 
     spec_class.build = served_build
+    spec_class.try_load = served_try_load
     source._hash_source_files = hash_sources
     cute._hash_source_files = hash_sources
 
     def undo() -> None:
         if spec_class.__dict__.get("build") is served_build:
             spec_class.build = original_build
+        if spec_class.__dict__.get("try_load") is served_try_load:
+            spec_class.try_load = original_try_load
         if source._hash_source_files is hash_sources:
             source._hash_source_files = original_hash
         if cute._hash_source_files is hash_sources:
@@ -377,7 +405,12 @@ def _serve_cute_dsl(builds: ServedBuilds, release: str, fi_env: Any) -> Callable
 
 
 def _kernel_parts(spec: Any, release: str, sources: str) -> dict[str, Any]:
-    meta = {k: v for k, v in dict(spec.expected_meta).items() if k != "source_sha256"}
+    # FlashInfer's own fingerprint of the DSL stack hashes each distribution's RECORD whole,
+    # and a RECORD holds the hashes of the scripts in the venv's bin/ (their first line names
+    # the venv's path) and of the installer's own files: another in its place (``_dsl_stack``).
+    meta = {
+        k: v for k, v in dict(spec.expected_meta).items() if k not in ("source_sha256", "cute_dsl_version")
+    }
     return {
         "library": NAME,
         "kind": "cute_dsl",
@@ -386,33 +419,107 @@ def _kernel_parts(spec: Any, release: str, sources: str) -> dict[str, Any]:
         "kernel": str(spec.kernel_name),
         "symbol": str(spec.symbol),
         "tvm_ffi": bool(spec.enable_tvm_ffi),
-        # Its arch, and FlashInfer's fingerprint of the DSL stack (Python's ABI, torch, TVM-FFI,
-        # every nvidia-cutlass-dsl distribution, each by its version and its files' hashes).
-        "meta": meta,
+        "meta": meta,  # its arch (and whatever else FlashInfer adds to its check)
+        "stack": _dsl_stack(),
+        # The DSL's own settings read from the environment (not its folders and logs).
+        "environment": {
+            k: v
+            for k, v in sorted(os.environ.items())
+            if k.startswith("CUTE_DSL_") and not any(w in k for w in _CUTE_ENV_NOT_CODE)
+        },
         "sources": sources,
     }
 
 
-def _portable_digest(source: Any, paths: tuple[str, ...], folder: str) -> str:
+# Words in the names of the CuTe DSL's environment variables that say where it writes or what it
+# logs, not what it compiles.
+_CUTE_ENV_NOT_CODE = ("DIR", "PATH", "LOG", "DUMP", "CACHE", "KEEP", "PRINT", "ARCH")
+
+
+@functools.cache
+def _dsl_stack() -> str:
+    """What FlashInfer's ``_get_cute_dsl_version`` fingerprints, without a path: Python's ABI,
+    and torch, TVM-FFI and every ``nvidia-cutlass-dsl*`` distribution by name, version, and the
+    hashes of the files it installed inside the environment's packages (not its scripts in
+    ``bin/``, not its ``.dist-info`` bookkeeping, which names the installer)."""
+    import importlib.metadata
+    import sysconfig
+
+    stack = []
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name in {"torch", "apache-tvm-ffi"} or name.startswith("nvidia-cutlass-dsl"):
+            lines = sorted(
+                line
+                for line in (dist.read_text("RECORD") or "").splitlines()
+                if line and not line.startswith("../") and ".dist-info/" not in line.split(",", 1)[0]
+            )
+            digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+            stack.append(f"{name}=={dist.version}:{digest}")
+    return ";".join(
+        [str(sys.implementation.cache_tag), str(sysconfig.get_config_var("SOABI")), *sorted(set(stack))]
+    )
+
+
+def _portable_digest(source: Any, paths: tuple[str, ...], folder: str) -> tuple[str, str | None]:
     """FlashInfer's digest of a kernel's sources (``_hash_source_files``) made again with each
-    file named by where it is imported from (``<import>/pkg/mod.py``), not by its path."""
+    file named by where it is imported from (``<import>/pkg/mod.py``), not by its path, each
+    name and content framed by its length; and the first of them that changed after this
+    process started (or None)."""
     files, initializers = source._key_sources(tuple(paths))
     names = _import_names(folder)
+    started = _process_started()
     sha = hashlib.sha256()
+    changed: str | None = None
+
+    def framed(data: bytes) -> None:
+        sha.update(len(data).to_bytes(8, "little") + data)
+
     for name, path in sorted((names(p), p) for p in files):
-        sha.update(name.encode() + b"\0")
         with open(path, "rb") as f:
-            sha.update(f.read())
+            if changed is None and os.fstat(f.fileno()).st_mtime > started + _START_SLACK:
+                changed = name
+            framed(name.encode())
+            framed(f.read())
     for name, path in sorted((names(p), p) for p in initializers):
-        sha.update(f"{name} (initializer)".encode() + b"\0")
-        sha.update(str(source._initializer_digest(Path(path), initializers[path])).encode())
-    return sha.hexdigest()
+        framed(f"{name} (initializer)".encode())
+        framed(str(source._initializer_digest(Path(path), initializers[path])).encode())
+    return sha.hexdigest(), changed
+
+
+# A file written within this long before the process started can read as written after it
+# (the start time is known to a clock tick, the boot time to a second).
+_START_SLACK = 2.0
+
+
+@functools.cache
+def _process_started() -> float:
+    """When this process started (wall clock), from ``/proc``; now where that cannot be read."""
+    import time
+
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
 
 
 def _import_names(folder: str) -> Callable[[str], str]:
-    """A file's name as a key holds it: under the longest folder of ``sys.path`` that holds it,
-    ``<import>/`` and its path from there (a module's import name, the same at any install
-    path); else rooted as a build's files are."""
+    """A file's name as a key holds it: a loaded module's file by the module's name
+    (``<import>/pkg/mod.py`` for ``pkg.mod``, however its folder is found on ``sys.path``);
+    another file under the longest folder of ``sys.path`` that holds it, ``<import>/`` and its
+    path from there; else rooted as a build's files are."""
+    modules: dict[str, str] = {}
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        dotted_name = getattr(module, "__name__", None)
+        if isinstance(file, str) and isinstance(dotted_name, str) and file.endswith(".py"):
+            dotted = dotted_name.replace(".", "/")
+            tail = f"{dotted}/__init__.py" if os.path.basename(file) == "__init__.py" else f"{dotted}.py"
+            modules.setdefault(os.path.realpath(file), "<import>/" + tail)
     entries = sorted(
         {os.path.realpath(p or os.getcwd()) for p in sys.path if isinstance(p, str)}, key=len, reverse=True
     )
@@ -420,6 +527,8 @@ def _import_names(folder: str) -> Callable[[str], str]:
 
     def name(path: Any) -> str:
         real = os.path.realpath(str(path))
+        if real in modules:
+            return modules[real]
         for entry in entries:
             if real.startswith(entry + os.sep):
                 return "<import>" + real[len(entry) :]

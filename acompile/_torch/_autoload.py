@@ -60,6 +60,9 @@ def autoload() -> None:
         options = json.loads(text)
         if not isinstance(options, dict):
             raise ValueError(f"{ENV} must hold a JSON object of serve() options, got {text[:80]!r}")
+        from acompile._cache import with_shared_cache_fields
+
+        options = with_shared_cache_fields(options)
         for name in (TRIGGER, *_triggers):
             after_import(name, lambda: _serve(options))
     except Exception as exc:

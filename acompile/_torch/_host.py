@@ -30,9 +30,9 @@ class Host:
         run: ``run(job)``: a job on the pool's executor (traced), its result or error.
         wait_ready: the pool's ``wait_ready``.
         size: how many workers the pool runs.
-        shared: whether the pool has a shared tier; ``signed``: whether it verifies a signing
-            key there (entries from an unsigned shared tier may have been written by anyone who
-            can reach it).
+        shared: whether the pool has a shared tier; ``trusted``: whether code that runs on this
+            host may be loaded from it (it is signed, or its owner trusts it unsigned: entries
+            of an unsigned shared tier may have been written by anyone who can reach it).
         cache_root: the pool's cache folder (its workers read the disk tier's entries there).
         fleet_wait: how long ``claim`` may wait for another replica.
         record: ``record(key, library, fields)``: add a JIT library's module to the pool's
@@ -49,7 +49,7 @@ class Host:
     wait_ready: Callable[[], Awaitable[None]]
     size: int
     shared: bool
-    signed: bool
+    trusted: bool
     cache_root: Path
     fleet_wait: float
     record: Callable[[str, str, dict[str, Any]], None] | None = None

@@ -331,7 +331,7 @@ class Served:
             return False
         if entry is None or entry.backend != ENTRY_BACKEND or entry.name != CPP_KIND:
             return False
-        if self.host.shared and not self.host.signed and tier not in ("disk", ""):
+        if self.host.shared and not self.host.trusted and tier not in ("disk", ""):
             return False  # host code from a tier anyone could write: never loaded (see serve())
         target = builders[-1].get_target_file_path()
         try:

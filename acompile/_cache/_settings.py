@@ -1,0 +1,185 @@
+"""``SharedCache``: the tier a fleet shares, as one object the user holds.
+
+Where the tier is, how its entries are trusted and how long a replica waits for another that is
+compiling the same thing: checked once, here, and read by everything that uses the tier (the
+pool, torch.compile's serving, the command line), so that a policy has one name.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from acompile._cache._shared import check_target, redact_url, signing_key_from
+
+
+class SharedCache:
+    """A tier a fleet shares, after memory and disk.
+
+    Args:
+        where: a URL (``"redis://host:6379/0"``, ``"rediss://..."``, ``"memcached://host:11211"``)
+            or an aiocache cache (its serializer is set to pass bytes through).
+        signing_key: the fleet's key: what this process publishes is signed (HMAC-SHA256) and
+            what does not verify is refused. Default ``$ACOMPILE_SIGNING_KEY``, read now; None
+            (and the variable unset) signs nothing. An empty key, one of whitespace only, or one
+            under 16 bytes raises ``ValueError``: a key that is set is never "no key".
+        unsafe_trust_unsigned: without a signing key, still load from the tier what runs on this
+            host (C++ libraries, nvcc's ``.so`` and ``.o``, torch.compile's entries, JIT
+            libraries' modules). Unsafe: whoever can write to the tier can then run code in this
+            process. Without it, an unsigned tier serves only cubins and PTX, and serving
+            torch.compile through it is refused.
+        fleet_wait: how long a replica waits for another that is compiling the same thing (it
+            holds the key's lease in the tier) before compiling it itself, in seconds.
+
+    A local hit never touches the tier; its faults are misses, never errors. The key is never
+    part of ``repr()``.
+    """
+
+    __slots__ = ("_key", "fleet_wait", "unsafe_trust_unsigned", "where")
+
+    def __init__(
+        self,
+        where: Any,
+        *,
+        signing_key: str | bytes | None = None,
+        unsafe_trust_unsigned: bool = False,
+        fleet_wait: float = 60.0,
+    ) -> None:
+        if where is None or (not isinstance(where, str) and not hasattr(where, "get")):
+            raise TypeError(f"SharedCache needs a URL or an aiocache cache, got {type(where).__name__}")
+        check_target(where)
+        if signing_key is not None and not isinstance(signing_key, (str, bytes)):
+            raise TypeError(f"signing_key must be a string or bytes, got {type(signing_key).__name__}")
+        if not isinstance(unsafe_trust_unsigned, bool):
+            raise TypeError(f"unsafe_trust_unsigned must be True or False, got {unsafe_trust_unsigned!r}")
+        if (
+            isinstance(fleet_wait, bool)
+            or not isinstance(fleet_wait, (int, float))
+            or not 0 < fleet_wait < float("inf")
+        ):
+            raise ValueError(f"fleet_wait must be a positive number of seconds, got {fleet_wait!r}")
+        self.where = where
+        # None reads the environment: a fleet's key there is never dropped by a default.
+        self._key = signing_key_from(signing_key)
+        self.unsafe_trust_unsigned = unsafe_trust_unsigned
+        self.fleet_wait = float(fleet_wait)
+
+    @property
+    def signing_key(self) -> bytes | None:
+        """The key entries are signed and checked with, or None."""
+        return self._key
+
+    @property
+    def signed(self) -> bool:
+        return self._key is not None
+
+    @property
+    def trusted(self) -> bool:
+        """Whether code that runs on this host may be loaded from the tier: it is signed, or its
+        owner said to trust it unsigned."""
+        return self._key is not None or self.unsafe_trust_unsigned
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if hasattr(self, "fleet_wait"):
+            raise AttributeError("a SharedCache is not changed once made: make another")
+        object.__setattr__(self, name, value)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_remade, (self.where, self._key, self.unsafe_trust_unsigned, self.fleet_wait))
+
+    def __repr__(self) -> str:
+        where = redact_url(self.where) if isinstance(self.where, str) else type(self.where).__name__
+        trust = "signed" if self.signed else "unsigned, trusted" if self.unsafe_trust_unsigned else "unsigned"
+        return f"SharedCache({where!r}, {trust}, fleet_wait={self.fleet_wait:g})"
+
+
+def _remade(where: Any, key: bytes | None, trust: bool, fleet_wait: float) -> SharedCache:
+    made = SharedCache.__new__(SharedCache)
+    for name, value in (("where", where), ("_key", key), ("unsafe_trust_unsigned", trust)):
+        object.__setattr__(made, name, value)
+    object.__setattr__(made, "fleet_wait", fleet_wait)
+    return made
+
+
+DEFAULT_FLEET_WAIT = 60.0
+
+
+# The arguments that stood beside ``shared_cache`` before 0.2.1, and their names in SharedCache.
+_RENAMED = {
+    "signing_key": "signing_key",
+    "unsafe_unsigned_host_code": "unsafe_trust_unsigned",
+    "fleet_wait": "fleet_wait",
+}
+
+
+def shared_cache_argument(
+    shared_cache: Any,
+    signing_key: Any = None,
+    unsafe_unsigned_host_code: Any = None,
+    fleet_wait: Any = None,
+    *,
+    stacklevel: int = 3,
+) -> SharedCache | None:
+    """``CompilePool``'s ``shared_cache`` argument as a ``SharedCache`` (or None), with the
+    arguments that once stood beside it (``signing_key``, ``unsafe_unsigned_host_code``,
+    ``fleet_wait``; None where not given) checked and folded in: each given is deprecated (a
+    ``DeprecationWarning`` at ``stacklevel``, naming the new form)."""
+    given = [
+        name
+        for name, value in (
+            ("signing_key", signing_key),
+            ("unsafe_unsigned_host_code", unsafe_unsigned_host_code),
+            ("fleet_wait", fleet_wait),
+        )
+        if value is not None
+    ]
+    if isinstance(shared_cache, SharedCache):
+        if given:
+            raise TypeError(
+                f"give {', '.join(given)} to the SharedCache (SharedCache(where, signing_key=..., "
+                "unsafe_trust_unsigned=..., fleet_wait=...)), not beside it"
+            )
+        return shared_cache
+    if signing_key is not None and not isinstance(signing_key, (str, bytes)):
+        raise TypeError(f"signing_key must be a string or bytes, got {type(signing_key).__name__}")
+    if unsafe_unsigned_host_code is not None and not isinstance(unsafe_unsigned_host_code, bool):
+        raise TypeError(f"unsafe_unsigned_host_code must be True or False, got {unsafe_unsigned_host_code!r}")
+    if fleet_wait is not None and (
+        isinstance(fleet_wait, bool)
+        or not isinstance(fleet_wait, (int, float))
+        or not 0 < fleet_wait < float("inf")
+    ):
+        raise ValueError(f"fleet_wait must be a positive number of seconds, got {fleet_wait!r}")
+    shared: SharedCache | None = None
+    if shared_cache is None:
+        signing_key_from(signing_key)  # a key given is checked all the same: an empty one is a slip
+    elif not isinstance(shared_cache, str) and not hasattr(shared_cache, "get"):
+        raise TypeError(
+            "shared_cache must be an acompile.SharedCache, a URL or an aiocache cache, got "
+            f"{type(shared_cache).__name__}"
+        )
+    else:
+        shared = SharedCache(
+            shared_cache,
+            signing_key=signing_key,
+            unsafe_trust_unsigned=bool(unsafe_unsigned_host_code),
+            fleet_wait=DEFAULT_FLEET_WAIT if fleet_wait is None else fleet_wait,
+        )
+    if given:  # once every value is known to work: a wrong one is the error that is raised
+        fields = ", ".join(f"{_RENAMED[name]}=..." for name in given)
+        warnings.warn(
+            f"CompilePool's {', '.join(given)} beside shared_cache is deprecated and will be removed in "
+            f"0.3: pass shared_cache=acompile.SharedCache(url, {fields})",
+            DeprecationWarning,
+            stacklevel=stacklevel,
+        )
+    return shared
+
+
+def with_shared_cache_fields(options: dict[str, Any]) -> dict[str, Any]:
+    """``serve()``'s options as JSON carries them to another process: a ``shared_cache`` that is
+    a table holds a ``SharedCache``'s fields (the key stays in each process's environment)."""
+    shared = options.get("shared_cache")
+    if isinstance(shared, dict):
+        options = {**options, "shared_cache": SharedCache(**shared)}
+    return options
