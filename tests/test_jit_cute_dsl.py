@@ -74,6 +74,17 @@ def build_in(env: dict[str, str], options: dict[str, Any], timeout: float = 240)
     return report
 
 
+def warmup_in(env: dict[str, str], manifest: Path, url: str) -> subprocess.CompletedProcess[str]:
+    """``acompile warmup MANIFEST`` on this machine, into the shared tier at ``url``."""
+    return subprocess.run(
+        [sys.executable, "-m", "acompile", "warmup", str(manifest), "--shared-cache", url, "--workers", "1"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=subprocess_env(**env, ACOMPILE_SIGNING_KEY=KEY),
+    )
+
+
 def served(url: str, **more: Any) -> dict[str, Any]:
     return json_shared(workers=1, shared_cache=url, signing_key=KEY, jits=["flashinfer"], **more)
 
@@ -179,14 +190,7 @@ def test_warmup_compiles_a_kernel_by_its_generator_into_the_fleet_tier(
     )
 
     def warmup() -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "acompile", "warmup", str(manifest), "--shared-cache", redis_server.url,
-             "--workers", "1"],
-            capture_output=True,
-            text=True,
-            timeout=240,
-            env=subprocess_env(**env, ACOMPILE_SIGNING_KEY=KEY),
-        )  # fmt: skip
+        return warmup_in(env, manifest, redis_server.url)
 
     done = warmup()
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -223,14 +227,7 @@ def test_a_kernel_in_a_package_warmed_up_by_its_file_is_the_one_a_server_imports
     manifest.write_text(
         '[[flashinfer]]\ngenerator = "kernels_pkg/served_cute_kernel.py:build"\nargs = [32]\n'
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "acompile", "warmup", str(manifest), "--shared-cache", redis_server.url,
-         "--workers", "1"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=subprocess_env(**env, ACOMPILE_SIGNING_KEY=KEY),
-    )  # fmt: skip
+    done = warmup_in(env, manifest, redis_server.url)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
     server = machine(tmp_path, "server")
     (Path(server["CODE"]) / "kernels_pkg").mkdir()
