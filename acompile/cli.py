@@ -415,10 +415,13 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     env = dict(os.environ, **{ENV: json.dumps(options)})
     python = _program_python(command[0])
-    if python is not None and python != os.path.abspath(sys.executable) and not _python_serves(python, env):
+    if (
+        python is not None
+        and python != os.path.abspath(sys.executable)
+        and (why := _python_serves(python, env)) is not None
+    ):
         print(
-            f"acompile run: {command[0]} runs {python}, whose environment has no acompile (install "
-            '"acompile[torch]" there): the program would run unserved',
+            f"acompile run: {command[0]} runs {python}, {why}: the program would run unserved",
             file=sys.stderr,
         )
         return 2
@@ -470,21 +473,32 @@ def _program_python(program: str) -> str | None:
     return os.path.abspath(words[0])
 
 
-def _python_serves(python: str, env: dict[str, str]) -> bool:
-    """Whether torch, imported by that interpreter, loads acompile (its entry point is there)."""
+def _python_serves(python: str, env: dict[str, str]) -> str | None:
+    """Why torch, imported by that interpreter, would not be served as this command serves it
+    (acompile's entry point is not there, or another release of acompile is, which may read the
+    options this one hands it otherwise), or None."""
     import subprocess
+
+    from acompile import __version__
 
     probe = (
         "import sys\n"
-        "from importlib.metadata import entry_points\n"
-        "sys.exit(0 if any(e.value.startswith('acompile._torch._autoload') "
-        "for e in entry_points(group='torch.backends')) else 3)\n"
+        "from importlib.metadata import entry_points, version\n"
+        "sys.exit(3) if not any(e.value.startswith('acompile._torch._autoload') "
+        "for e in entry_points(group='torch.backends')) else print(version('acompile'))\n"
     )
     try:
-        done = subprocess.run([python, "-c", probe], env=env, capture_output=True, timeout=60, check=False)
+        done = subprocess.run(
+            [python, "-c", probe], env=env, capture_output=True, text=True, timeout=60, check=False
+        )
     except (OSError, subprocess.SubprocessError):
-        return True  # cannot tell: let the program run
-    return done.returncode != 3
+        return None  # cannot tell: let the program run
+    if done.returncode == 3:
+        return 'whose environment has no acompile (install "acompile[torch]" there)'
+    there = done.stdout.strip()
+    if done.returncode == 0 and there and there != __version__:
+        return f"whose acompile is {there}, not this command's {__version__} (install the same release there)"
+    return None
 
 
 def _autoload_registered() -> bool:

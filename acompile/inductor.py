@@ -108,17 +108,31 @@ def serve(
     torch it cannot serve, it warns once (``UnsupportedTorchWarning``) and serves nothing:
     ``Serving.active`` is False.
     """
+    if not isinstance(unsafe_unsigned_shared_cache, bool):
+        raise TypeError(
+            f"unsafe_unsigned_shared_cache must be True or False, got {unsafe_unsigned_shared_cache!r}"
+        )
     if unsafe_unsigned_shared_cache:
         from acompile._cache import SharedCache
 
+        if options.get("unsafe_unsigned_host_code") is False:
+            raise TypeError(
+                "unsafe_unsigned_shared_cache=True with unsafe_unsigned_host_code=False: an unsigned tier "
+                "is trusted or not; give shared_cache=SharedCache(url, unsafe_trust_unsigned=...)"
+            )
         if isinstance(options.get("shared_cache"), SharedCache):
             raise TypeError(
                 "give unsafe_trust_unsigned=True to the SharedCache, not unsafe_unsigned_shared_cache "
                 "to serve()"
             )
+        new = (
+            "make the pool with shared_cache=acompile.SharedCache(url, unsafe_trust_unsigned=True)"
+            if pool is not None
+            else "pass shared_cache=acompile.SharedCache(url, unsafe_trust_unsigned=True), which also "
+            "trusts the tier with the C++ outputs and JIT modules it holds"
+        )
         warnings.warn(
-            "serve(unsafe_unsigned_shared_cache=True) is deprecated and will be removed in 0.3: pass "
-            "shared_cache=acompile.SharedCache(url, unsafe_trust_unsigned=True)",
+            f"serve(unsafe_unsigned_shared_cache=True) is deprecated and will be removed in 0.3: {new}",
             DeprecationWarning,
             stacklevel=2,
         )

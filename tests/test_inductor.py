@@ -302,6 +302,14 @@ def test_a_shared_tier_without_a_signing_key_is_refused_unless_the_user_says_it_
     # release, then gone).
     with pytest.warns(DeprecationWarning, match=r"SharedCache\(url, unsafe_trust_unsigned=True\)"):
         inductor.serve(shared_cache="redis://127.0.0.1:1/0", unsafe_unsigned_shared_cache=True)
+    with pytest.raises(TypeError, match="unsafe_unsigned_shared_cache must be True or False"):
+        inductor.serve(shared_cache="redis://127.0.0.1:1/0", unsafe_unsigned_shared_cache="false")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="an unsigned tier is trusted or not"):
+        inductor.serve(
+            shared_cache="redis://127.0.0.1:1/0",
+            unsafe_unsigned_shared_cache=True,
+            unsafe_unsigned_host_code=False,
+        )
     with pytest.raises(TypeError, match="give unsafe_trust_unsigned=True to the SharedCache"):
         inductor.serve(
             shared_cache=acompile.SharedCache("redis://127.0.0.1:1/0"),
@@ -320,7 +328,9 @@ def test_compile_pools_arguments_from_before_shared_cache_still_work_and_name_th
             signing_key=KEY, fleet_wait=5,
         )  # fmt: skip
     assert pool.shared_cache is not None and pool.shared_cache.signed and pool.shared_cache.fleet_wait == 5.0
-    with pytest.warns(DeprecationWarning, match=r"SharedCache\(url, unsafe_trust_unsigned=\.\.\.\)"):
+    with pytest.warns(
+        DeprecationWarning, match=r"SharedCache\(url, unsafe_trust_unsigned=\.\.\.\) \(.*torch"
+    ):
         pool = acompile.CompilePool(
             1, target="cuda:90", cache_dir=tmp_path, shared_cache="redis://127.0.0.1:1/0",
             unsafe_unsigned_host_code=True,
@@ -528,6 +538,21 @@ def test_acompile_run_refuses_what_would_leave_the_program_unserved(tmp_path: Pa
             [*base, "--", str(bare), "-c", "pass"], capture_output=True, text=True, env=plain, cwd=tmp_path
         )
         assert other.returncode == 2 and "no acompile" in other.stderr, other.stderr
+        # One with another release of acompile (it may read the options handed to it otherwise).
+        dist = tmp_path / "old-site" / "acompile-0.1.0.dist-info"
+        dist.mkdir(parents=True)
+        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: acompile\nVersion: 0.1.0\n")
+        (dist / "entry_points.txt").write_text(
+            "[torch.backends]\nacompile = acompile._torch._autoload:autoload\n"
+        )
+        older = subprocess.run(
+            [*base, "--", str(bare), "-c", "pass"],
+            capture_output=True,
+            text=True,
+            env=dict(plain, PYTHONPATH=str(dist.parent)),
+            cwd=tmp_path,
+        )
+        assert older.returncode == 2 and "whose acompile is 0.1.0" in older.stderr, older.stderr
 
 
 def test_four_processes_of_a_host_share_one_pool(tmp_path: Path, headers: Path) -> None:

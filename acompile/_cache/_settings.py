@@ -84,21 +84,18 @@ class SharedCache:
             raise AttributeError("a SharedCache is not changed once made: make another")
         object.__setattr__(self, name, value)
 
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError("a SharedCache is not changed once made: make another")
+
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_remade, (self.where, self._key, self.unsafe_trust_unsigned, self.fleet_wait))
+        # It holds the fleet's key: a pickle of it would be the key in clear, wherever the bytes
+        # go. Each process makes its own (the key from its environment).
+        raise TypeError("a SharedCache holds a signing key and is not pickled: make one in each process")
 
     def __repr__(self) -> str:
         where = redact_url(self.where) if isinstance(self.where, str) else type(self.where).__name__
         trust = "signed" if self.signed else "unsigned, trusted" if self.unsafe_trust_unsigned else "unsigned"
         return f"SharedCache({where!r}, {trust}, fleet_wait={self.fleet_wait:g})"
-
-
-def _remade(where: Any, key: bytes | None, trust: bool, fleet_wait: float) -> SharedCache:
-    made = SharedCache.__new__(SharedCache)
-    for name, value in (("where", where), ("_key", key), ("unsafe_trust_unsigned", trust)):
-        object.__setattr__(made, name, value)
-    object.__setattr__(made, "fleet_wait", fleet_wait)
-    return made
 
 
 DEFAULT_FLEET_WAIT = 60.0
@@ -167,9 +164,15 @@ def shared_cache_argument(
         )
     if given:  # once every value is known to work: a wrong one is the error that is raised
         fields = ", ".join(f"{_RENAMED[name]}=..." for name in given)
+        wider = (
+            " (unsafe_trust_unsigned is one trust: it also lets torch.compile's entries load from the "
+            "unsigned tier)"
+            if unsafe_unsigned_host_code
+            else ""
+        )
         warnings.warn(
             f"CompilePool's {', '.join(given)} beside shared_cache is deprecated and will be removed in "
-            f"0.3: pass shared_cache=acompile.SharedCache(url, {fields})",
+            f"0.3: pass shared_cache=acompile.SharedCache(url, {fields}){wider}",
             DeprecationWarning,
             stacklevel=stacklevel,
         )

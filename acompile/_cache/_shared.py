@@ -17,9 +17,9 @@ what others will load. Nothing read from the tier is ever unpickled.
 **Host code.** Without a key anyone who can write to the tier decides what it serves. Device code
 (cubins, PTX) and data keep that rule, but an entry that holds code this host runs (a C++ or
 nvcc shared library, an object file: ``native_host_code``) is refused from an unsigned tier unless
-the pool opts in with ``unsafe_unsigned_host_code=True``. torch.compile's entries are gated where
-they are served (``acompile.inductor.serve`` refuses an unsigned tier without
-``unsafe_unsigned_shared_cache=True``).
+its owner trusts it (``SharedCache(url, unsafe_trust_unsigned=True)``: this tier's
+``unsafe_unsigned_host_code``). torch.compile's entries are gated where they are served
+(``acompile.inductor.serve`` refuses a tier that is neither signed nor trusted).
 
 **Bounded values.** A value larger than ``max_value`` (``?max_value=64MiB`` in the URL; 32 MiB
 by default, 1 MiB less 1 KiB on Memcached, whose items are at most 1 MiB unless its server says
@@ -802,8 +802,8 @@ class SharedTier:
             None,
             "host code",
             f"holds code this host would run ({what}), and this shared tier is not signed: set a "
-            "signing key (or pass unsafe_unsigned_host_code=True to let whoever can write to the "
-            "tier run code here)",
+            "signing key (or give SharedCache(url, unsafe_trust_unsigned=True) to let whoever can "
+            "write to the tier run code here)",
         )
 
     def _unwrap(self, name: str, value: bytes) -> bytes | None:
