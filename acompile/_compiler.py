@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -575,7 +576,8 @@ class CompilePool:
             )
 
     async def wait_ready(self) -> None:
-        """Wait until every worker has started and preloaded (starting them if needed).
+        """Wait until every worker has started and preloaded, starting them if needed: after
+        ``quiesce()``, this wakes the pool (its workers fork again from the template).
 
         Raises ``WorkerStartError`` if workers cannot start (the message says why).
         """
@@ -608,7 +610,13 @@ class CompilePool:
                 await anyio.to_thread.run_sync(tracer.write, Path(path))
 
     async def wakeup(self) -> None:
-        """Start the workers again after ``quiesce()`` and wait until they are ready."""
+        """Deprecated (removed in 0.3): ``wait_ready()`` does the same."""
+        warnings.warn(
+            "CompilePool.wakeup() is deprecated and will be removed in 0.3: await pool.wait_ready(), which "
+            "starts the workers again after quiesce() and waits for them",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         await self.wait_ready()
 
     # -- requests --------------------------------------------------------------------------------

@@ -174,7 +174,7 @@ async def test_a_storm_of_kills_at_every_stage_costs_at_most_the_jobs_killed_twi
         assert "twice" in str(twice) and twice.cause == "killed", twice
         assert p.stats()["jobs"]["retried"] == before + 2
         await p.quiesce()
-        await p.wakeup()
+        await p.wait_ready()
         await p.wait_ready()
         assert p.stats()["workers"]["alive"] == 2
     assert not pool_processes()

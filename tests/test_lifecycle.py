@@ -187,7 +187,7 @@ async def test_quiesce_stops_the_workers_and_a_request_wakes_them(cache_dir: Pat
         assert p.stats()["workers"]["awake"] is True
         middle = worker_pids()
         await p.quiesce()
-        await p.wakeup()
+        await p.wait_ready()
         await p.wait_ready()
         # quiesce() returns at once: the last epoch's workers are reaped in the background.
         await until(lambda: len(worker_pids()) == 2 and not set(worker_pids()) & (set(before) | set(middle)))
@@ -571,5 +571,15 @@ async def test_wakeup_after_an_idle_quiesce_returns_with_every_worker_alive(
             await until(lambda: not p.stats()["workers"]["awake"], seconds=30)
             await anyio.sleep(0.3)
             with anyio.fail_after(60):
-                await p.wakeup()
+                await p.wait_ready()
             assert p.stats()["workers"]["alive"] == 2
+
+
+async def test_wakeup_is_wait_ready_and_says_it_is_deprecated(cache_dir: Path) -> None:
+    async with pool(cache_dir, workers=1) as p:
+        await p.wait_ready()
+        await p.quiesce()
+        with pytest.warns(DeprecationWarning, match=r"await pool.wait_ready\(\)"):
+            with anyio.fail_after(60):
+                await p.wakeup()
+        assert p.stats()["workers"]["alive"] == 1

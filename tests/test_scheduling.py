@@ -100,7 +100,7 @@ async def test_a_job_put_back_runs_before_longer_ones(cache_dir: Path, tmp_path:
             await until(lambda: p.stats()["jobs"]["queued"] == 1)
             await p.quiesce()
             release.touch()
-            await p.wakeup()
+            await p.wait_ready()
     assert order == ["running", "longer"]
 
 

@@ -192,7 +192,7 @@ async def wake(args: argparse.Namespace) -> dict[str, Any]:
                 await anyio.sleep(0.0002)
             reaped = time.perf_counter() - t
             t = time.perf_counter()
-            await pool.wakeup()
+            await pool.wait_ready()
             wakeup = time.perf_counter() - t
             first = await compile_new(pool)
             for _ in range(args.workers):

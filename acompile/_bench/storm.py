@@ -139,7 +139,7 @@ async def storm(jobs: int, workers: int, kills: int, target: str, seed: int) -> 
             await pool.quiesce()
             quiesce_s = time.perf_counter() - t
             t = time.perf_counter()
-            await pool.wakeup()
+            await pool.wait_ready()
             await pool.wait_ready()
             wakeup_s = time.perf_counter() - t
             t = time.perf_counter()
