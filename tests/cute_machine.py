@@ -44,11 +44,7 @@ def main() -> None:
     except Exception as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
     finally:
-        if serving is not None:
-            serving.__exit__(None, None, None)
-            stats = serving.stats()
-            report["jit"] = stats.get("jit", {}).get("flashinfer")
-            report["unsupported"] = stats.get("jit_unsupported", {})
+        served_options.leave(serving, report, "flashinfer")
     print(json.dumps(report))
 
 

@@ -36,11 +36,7 @@ def main() -> None:
     except Exception as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
     finally:
-        if serving is not None:
-            serving.__exit__(None, None, None)
-            stats = serving.stats()
-            report["jit"] = stats.get("jit", {}).get("flashinfer")
-            report["cache"] = (stats.get("pool") or {}).get("cache")
+        served_options.leave(serving, report, "flashinfer")
     print(json.dumps(report))
 
 

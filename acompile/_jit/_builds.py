@@ -208,10 +208,7 @@ class ServedBuilds:
             return
         # One build of a module at a time in this process (two threads asking for one module:
         # the second finds the first one's result); other modules go on.
-        with self._lock:
-            key_lock = self._building.setdefault(direct_key, threading.Lock())
-            self.direct_keys[f"{lib}:{build.name}"] = direct_key
-        with key_lock:
+        with self._key_lock(lib, build.name, direct_key):
             self._run_keyed(build, graph, direct, run_here, failed)
 
     def _run_keyed(
@@ -226,14 +223,10 @@ class ServedBuilds:
         if (deps := self._fetch(build, graph, direct_key, fleet=False)) is not None:
             self._record(build, direct_key, deps)
             return
-        try:
-            holder = self.served.call(
-                self.served.host.claim, direct_key, timeout=self.served.host.fleet_wait + _GET_TIMEOUT
-            )
-        except Exception as exc:
-            self.served.unreachable(exc)
-            holder = None
-        if holder is not None and (deps := self._fetch(build, graph, direct_key, fleet=True)) is not None:
+        if (
+            self._claim(direct_key) is not None
+            and (deps := self._fetch(build, graph, direct_key, fleet=True)) is not None
+        ):
             self._record(build, direct_key, deps)
             return
         self._late(build)
@@ -255,6 +248,23 @@ class ServedBuilds:
             raise
         self._publish(build, graph, direct)
 
+    def _key_lock(self, lib: str, name: str, key: str) -> threading.Lock:
+        """The lock of one key's build in this process (the key noted as ``name``'s)."""
+        with self._lock:
+            self.direct_keys[f"{lib}:{name}"] = key
+            return self._building.setdefault(key, threading.Lock())
+
+    def _claim(self, key: str) -> Any:
+        """The fleet's lease on ``key``: None where this replica now holds it (or the tier
+        cannot say), else the entry another replica published while this one waited."""
+        try:
+            return self.served.call(
+                self.served.host.claim, key, timeout=self.served.host.fleet_wait + _GET_TIMEOUT
+            )
+        except Exception as exc:
+            self.served.unreachable(exc)
+            return None
+
     # -- a kernel compiled in the program's process -----------------------------------------------
 
     def run_kernel(self, kernel: Kernel) -> None:
@@ -275,20 +285,10 @@ class ServedBuilds:
             return
         parts = dict(kernel.parts)
         key = make_key(parts)
-        with self._lock:
-            key_lock = self._building.setdefault(key, threading.Lock())
-            self.direct_keys[f"{lib}:{kernel.name}"] = key
-        with key_lock:
+        with self._key_lock(lib, kernel.name, key):
             if self._fetch_kernel(kernel, key, fleet=False):
                 return
-            try:
-                holder = self.served.call(
-                    self.served.host.claim, key, timeout=self.served.host.fleet_wait + _GET_TIMEOUT
-                )
-            except Exception as exc:
-                self.served.unreachable(exc)
-                holder = None
-            if holder is not None and self._fetch_kernel(kernel, key, fleet=True):
+            if self._claim(key) is not None and self._fetch_kernel(kernel, key, fleet=True):
                 return
             self._late(kernel)
             try:
