@@ -461,7 +461,8 @@ class Recorder:
                     return False
                 if size == 0:
                     text = (
-                        "# What an acompile pool served; replay with `acompile warmup <this file>`.\n"
+                        "# What an acompile pool served; replay with `acompile warmup <this file>`,\n"
+                        "# the folders its kernels are imported from on PYTHONPATH (as the server had).\n"
                     ) + text
                 try:
                     f.write(text.encode("utf-8"))

@@ -116,10 +116,15 @@ def check_folder(folder: Path, what: str) -> None:
             "folder is never trusted (choose a folder of your own)"
         )
     if info.st_mode & 0o022:
+        # A folder every user shares by design (sticky, like /tmp) is never one to make private.
+        fix = (
+            "choose a folder of your own"
+            if info.st_mode & stat.S_ISVTX
+            else f"make it private (chmod go-w {folder}) or choose another"
+        )
         raise UntrustedFolderError(
             f"{what} {folder} may be written by other users (mode {stat.filemode(info.st_mode)}): "
-            f"anything they put there would run as {user_name(me)}; make it private (chmod go-w {folder}) "
-            "or choose another"
+            f"anything they put there would run as {user_name(me)}; {fix}"
         )
 
 

@@ -48,6 +48,14 @@ class SharedCache:
         if where is None or (not isinstance(where, str) and not hasattr(where, "get")):
             raise TypeError(f"SharedCache needs a URL or an aiocache cache, got {type(where).__name__}")
         check_target(where)
+        if isinstance(where, str) and where.startswith("memcached:"):
+            import importlib.util
+
+            if importlib.util.find_spec("aiomcache") is None:
+                raise ValueError(
+                    f"the shared cache {redact_url(where)!r} needs its client: "
+                    'pip install "acompile[memcached]"'
+                )
         if signing_key is not None and not isinstance(signing_key, (str, bytes)):
             raise TypeError(f"signing_key must be a string or bytes, got {type(signing_key).__name__}")
         if not isinstance(unsafe_trust_unsigned, bool):
@@ -162,7 +170,15 @@ def shared_cache_argument(
             unsafe_trust_unsigned=bool(unsafe_unsigned_host_code),
             fleet_wait=DEFAULT_FLEET_WAIT if fleet_wait is None else fleet_wait,
         )
-    if given:  # once every value is known to work: a wrong one is the error that is raised
+    if given and shared_cache is None:
+        warnings.warn(
+            f"CompilePool's {', '.join(given)} without a shared_cache has no effect (checked, then "
+            "dropped), is deprecated, and will be an error in 0.3: give them to "
+            "shared_cache=acompile.SharedCache(url, ...), or leave them out",
+            DeprecationWarning,
+            stacklevel=stacklevel,
+        )
+    elif given:  # once every value is known to work: a wrong one is the error that is raised
         fields = ", ".join(f"{_RENAMED[name]}=..." for name in given)
         wider = (
             " (unsafe_trust_unsigned is one trust: it also lets torch.compile's entries load from the "

@@ -317,7 +317,7 @@ def open_cache(target: Any) -> Any:
                 pool_size=size,
             )
     except ImportError as exc:
-        client = "aiomcache" if urlparse(target).scheme == "memcached" else "redis"
+        client = '"acompile[memcached]"' if urlparse(target).scheme == "memcached" else "redis"
         raise ValueError(
             f"the shared cache {redact_url(target)!r} needs its client ({exc}): pip install {client}"
         ) from exc

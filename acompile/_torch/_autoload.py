@@ -69,6 +69,15 @@ def autoload() -> None:
         logger.warning("acompile: not serving torch.compile in this process (%s)", exc)
 
 
+class _OnePrefix(logging.Formatter):
+    """acompile's own messages start "acompile: " (for a log that mixes libraries); the lines of
+    ``acompile run -v`` say it already, with the process."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        text = super().formatMessage(record)
+        return text.replace("]: acompile: ", "]: ", 1)
+
+
 def _in_inductor_worker() -> bool:
     """Inductor's own compile workers import torch too (with this process's environment)."""
     argv = getattr(sys, "orig_argv", sys.argv)
@@ -85,7 +94,7 @@ def _serve(options: dict[str, Any]) -> None:
     verbose = os.environ.get("ACOMPILE_RUN_VERBOSE") == "1"
     if verbose and not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(f"acompile [pid {os.getpid()}]: %(message)s"))
+        handler.setFormatter(_OnePrefix(f"acompile [pid {os.getpid()}]: %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
     try:
@@ -107,14 +116,18 @@ def _serve(options: dict[str, Any]) -> None:
         if verbose:
             stats = serving.stats()
             graphs = stats.get("caches", {}).get("fx-graph", {})
+            cpp = stats.get("cpp", {})
             logger.info(
-                "served: graphs %s read (hits %s), %s written; C++ outputs %s from the tiers, %s built; "
-                "%s compile jobs on the pool",
+                "served: graphs %s read (hits %s), %s written; C++ outputs %s from the tiers, %s built "
+                "(%s on the pool, %s here), %s published; %s compile jobs on the pool",
                 graphs.get("gets", 0),
                 graphs.get("hits"),
                 graphs.get("puts", 0),
-                sum(stats.get("cpp", {}).get("hits", {}).values()),
-                stats.get("cpp", {}).get("builds", 0),
+                sum(cpp.get("hits", {}).values()),
+                cpp.get("builds", 0) + cpp.get("local_builds", 0),
+                cpp.get("builds", 0),
+                cpp.get("local_builds", 0),
+                cpp.get("puts", 0),
                 stats.get("jobs", {}).get("sent", 0),
             )
             for library, counts in sorted(stats.get("jit", {}).items()):
