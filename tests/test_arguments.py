@@ -254,6 +254,7 @@ SHARED_CACHE_CASES: list[tuple[tuple[Any, ...], dict[str, Any], str]] = [
     ((42,), {}, r"SharedCache needs a URL or an aiocache cache, got int"),
     ((None,), {}, r"SharedCache needs a URL or an aiocache cache, got NoneType"),
     (("http://cache:6379",), {}, r"unknown shared cache URL"),
+    (("redis://h:6379/0?max_conections=4",), {}, r"unknown option\(s\) \['max_conections'\]; known:"),
     (("redis://h:6379/0",), {"signing_key": ""}, r"signing_key is set but empty"),
     (("redis://h:6379/0",), {"signing_key": "short"}, r"at least 16 bytes"),
     (("redis://h:6379/0",), {"signing_key": 5}, r"signing_key must be a string or bytes"),

@@ -239,6 +239,10 @@ def redact_url(url: str) -> str:
     return parts._replace(netloc=f"{user}:***@{host}").geturl()
 
 
+# What a shared cache URL's query may say (``?max_connections=32&max_value=64MiB``).
+_URL_OPTIONS = frozenset({"namespace", "max_connections", "max_value"})
+
+
 def check_target(target: Any) -> None:
     """Refuse a shared-cache argument that cannot work, without importing any client: the
     constructor says so, not the pool's entry (``ValueError`` naming what is wrong)."""
@@ -265,6 +269,10 @@ def check_target(target: Any) -> None:
             raise ValueError(
                 f"shared cache URL {shown!r}: the database must be a number (redis://host:6379/0), "
                 f"got {database!r}"
+            )
+        if unknown := sorted(set(parse_qs(parts.query, keep_blank_values=True)) - _URL_OPTIONS):
+            raise ValueError(
+                f"shared cache URL {shown!r}: unknown option(s) {unknown}; known: {sorted(_URL_OPTIONS)}"
             )
         _url_max_connections(target)
         _url_max_value(target)
