@@ -1239,6 +1239,14 @@ def _manifest_keys(manifest: Path, target: str | None, root: Path) -> list[str]:
         raise AcompileError(
             'some kernels name no target: add targets = ["cuda:90"] to the manifest or pass --target cuda:90'
         )
+    if target is not None and specs and all(s.target is not None for s in specs):
+        # Not an error (as for warmup), but never silent: the bundle holds the manifest's targets.
+        named = sorted({str(s.target) for s in specs})
+        print(
+            f"acompile cache export: note: --target {target} is not used: every kernel in {manifest} "
+            f"names its targets ({', '.join(named)}); --target is for entries that name none",
+            file=sys.stderr,
+        )
     default = parse_target(target) if target is not None else None
 
     async def keys() -> list[str]:

@@ -605,6 +605,14 @@ def test_cli_export_of_a_manifest_takes_its_kernels_only(cache_dir: Path, tmp_pa
     anyio.run(disk.set, keys[1], Entry(keys[1], "triton", "add_kernel", {"cubin": b"\x01"}).encode())
     out = acompile_cmd(*args, "--target", TARGET)
     assert out.returncode == 0 and "exported 2 entries" in out.stdout
+    assert "is not used" not in out.stderr
+    # A manifest whose kernels name their targets: --target changes nothing, and says so.
+    named = tmp_path / "named.toml"
+    named.write_text(manifest.read_text() + f'targets = ["{TARGET}"]\n')
+    out = acompile_cmd("cache", "export", str(path), "--manifest", str(named), "--cache-dir", str(cache_dir),
+                       "--target", "cuda:80")  # fmt: skip
+    assert out.returncode == 0 and "exported 2 entries" in out.stdout, out.stderr
+    assert "note: --target cuda:80 is not used" in out.stderr, out.stderr
 
 
 def test_cli_prune(cache_dir: Path) -> None:
