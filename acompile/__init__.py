@@ -58,6 +58,9 @@ _NAMES: dict[str, str | tuple[str, str]] = {
     "BackgroundKernel": "_progressive",
     "ProgressiveKernel": "_progressive",
     "Target": "_targets",
+    "ExecutorSpec": "_workers",
+    "LocalWorkers": "_workers",
+    "Split": "_workers",
 }
 if _typing.TYPE_CHECKING:
     from acompile import inductor as inductor
@@ -103,6 +106,9 @@ if _typing.TYPE_CHECKING:
     from acompile._progressive import BackgroundKernel as BackgroundKernel
     from acompile._progressive import ProgressiveKernel as ProgressiveKernel
     from acompile._targets import Target as Target
+    from acompile._workers import ExecutorSpec as ExecutorSpec
+    from acompile._workers import LocalWorkers as LocalWorkers
+    from acompile._workers import Split as Split
 __getattr__, __dir__ = _lazy.face(__name__, _NAMES, eager=True)
 
 __all__ = (
@@ -120,10 +126,12 @@ __all__ = (
     "CudaModule",
     "CudaSpec",
     "DeviceUnavailableError",
+    "ExecutorSpec",
     "FarmToolchainError",
     "FarmUnreachableError",
     "InvalidSpecError",
     "KernelNotReadyError",
+    "LocalWorkers",
     "ObjectFile",
     "PoolClosedError",
     "PoolError",
@@ -132,6 +140,7 @@ __all__ = (
     "RayFarm",
     "SharedCache",
     "SharedLibrary",
+    "Split",
     "StageUnavailableError",
     "Target",
     "Trial",

@@ -52,10 +52,16 @@ from acompile._workers import (
     BACKGROUND,
     URGENT,
     Executor,
+    ExecutorSpec,
     Job,
     JobCancelled,
+    LocalWorkers,
+    Opening,
+    Split,
     WorkerPool,
+    WorkerSettings,
     bytecode_plan,
+    executor_spec,
     idle_stats,
     remove_work_folder,
 )
@@ -75,7 +81,7 @@ if TYPE_CHECKING:
     from acompile._cache import Entry
     from acompile._observe import Stats
     from acompile._torch import Host as TorchHost
-    from acompile._workers import BackendConfig, WorkerConfig
+    from acompile._workers import BackendConfig
 
     # What a compile returns, by spec: TritonSpec -> TritonKernel, CppSpec -> SharedLibrary,
     # CudaSpec -> CudaModule, SharedLibrary or ObjectFile (by its output).
@@ -167,8 +173,15 @@ class CompilePool:
     """A pool of compile workers with a cache, used as ``async with CompilePool() as pool:``.
 
     Args:
-        workers: how many worker processes; ``None`` means one per CPU this process may use
-            (affinity and cgroup quota), keeping one for the process itself beyond four.
+        workers: where the compile jobs run. A count of worker processes on this machine;
+            ``None`` means one per CPU this process may use (affinity and cgroup quota), keeping
+            one for the process itself beyond four. Or an executor spec: ``LocalWorkers(n)``
+            (what a count is short for), ``RayFarm(...)`` (a Ray cluster; no local worker), or
+            ``Split(urgent, background)``: ``Split(4, RayFarm(...))`` runs the requests
+            somebody awaits on 4 local workers and background ones (warm-ups) on the farm. The
+            settings below that tune workers (``worker_nice``, ``memory_limit``,
+            ``max_compile_seconds``, ``preload_timeout``, ``idle_timeout``, ``fork_workers``,
+            ``preload``) reach every executor's workers, wherever they run.
         target: the default target of requests, ``"cuda:90"``, ``"cuda:80"`` ...; ``None`` means
             the local GPU (a ``DeviceUnavailableError`` where there is none).
         cache_dir: the disk cache folder; default ``$ACOMPILE_CACHE_DIR``, else
@@ -217,9 +230,8 @@ class CompilePool:
             ``acompile warmup PATH`` replays it.
         trace: write a Chrome/Perfetto trace of the pool's work to this file when the pool
             closes (see also ``trace()``).
-        farm: an ``acompile.RayFarm``: compile jobs run on its Ray cluster, and no local worker
-            is started. With ``workers=N`` too, N local workers run the urgent requests (those
-            somebody awaits) and the farm the background ones (warm-ups); see docs/farm.md.
+        farm: ``workers=farm`` (``workers=Split(N, farm)`` with ``workers=N`` too): deprecated
+            (a ``DeprecationWarning``), removed in 0.3.
 
     Entering starts the workers in the background and returns at once; ``wait_ready()`` waits
     for their preload. Leaving stops every worker, whatever happens in the body. A pool is
@@ -228,7 +240,7 @@ class CompilePool:
 
     def __init__(
         self,
-        workers: int | None = None,
+        workers: int | ExecutorSpec | None = None,
         *,
         target: str | Target | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
@@ -251,24 +263,28 @@ class CompilePool:
     ) -> None:
         # Every argument is checked here, before anything starts: a server learns of a wrong one
         # when it builds its pool, not at entry or at its first request.
-        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        if isinstance(workers, (int, str, float)) or workers is None:
+            count = workers
+        else:
+            count = None
+            spec = executor_spec(workers)  # TypeError for what is neither a count nor a spec
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
             # A string first is most often a target given by position.
             hint = (
-                f" (a target is given by name: CompilePool(target={workers!r}))"
-                if isinstance(workers, str)
+                f" (a target is given by name: CompilePool(target={count!r}))"
+                if isinstance(count, str)
                 else ""
             )
-            raise ValueError(f"workers must be a positive integer or None, got {workers!r}{hint}")
-        if workers is not None and workers > (most := max(256, 16 * usable_cpus())):
+            raise ValueError(f"workers must be a positive integer or None, got {count!r}{hint}")
+        if count is not None and count > (most := max(256, 16 * usable_cpus())):
             # Each worker is a process with its own memory: a count like this is a slip (a
             # value meant for something else), and entering would try to make them all.
             raise ValueError(
-                f"workers={workers} is more than this machine can run ({usable_cpus()} usable CPUs; "
+                f"workers={count} is more than this machine can run ({usable_cpus()} usable CPUs; "
                 f"at most {most} workers)"
             )
-        for name, flag in (("prestart", prestart), ("fork_workers", fork_workers)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        if not isinstance(prestart, bool):
+            raise TypeError(f"prestart must be True or False, got {prestart!r}")
         if (
             isinstance(memory_cache_size, bool)
             or not isinstance(memory_cache_size, int)
@@ -278,18 +294,32 @@ class CompilePool:
         if not isinstance(preload, (tuple, list)) or not all(isinstance(name, str) for name in preload):
             raise TypeError(f"preload must be a tuple of backend names such as ('triton',), got {preload!r}")
         shared = shared_cache_argument(shared_cache, signing_key, unsafe_unsigned_host_code, fleet_wait)
-        if farm is not None and not isinstance(farm, RayFarm):
-            raise TypeError(f"farm must be an acompile.RayFarm or None, got {farm!r}")
+        if farm is not None:
+            if not isinstance(farm, RayFarm):
+                raise TypeError(f"farm must be an acompile.RayFarm or None, got {farm!r}")
+            if workers is not None and count is None:
+                raise TypeError("a farm beside an executor spec: give workers=acompile.Split(urgent, farm)")
+            new_form = f"acompile.Split({count}, farm)" if count is not None else "farm"
+            warnings.warn(
+                f"CompilePool's farm= is deprecated and will be removed in 0.3: pass workers={new_form}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         cache_dir = _path_argument("cache_dir", cache_dir)
         record = _path_argument("record", record)
         trace = _path_argument("trace", trace)
-        self._size = workers if workers is not None else default_workers()
-        if workers is not None and farm is None and workers > (cpus := usable_cpus()):
+        if count is not None or workers is None:
+            spec = LocalWorkers(count) if farm is None else (farm if count is None else Split(count, farm))
+        # One place chooses the executor: this spec, opened once as the pool is entered.
+        self._spec: ExecutorSpec = spec
+        local_count = count if count is not None else getattr(spec, "count", None)
+        self._size = local_count if isinstance(local_count, int) else default_workers()
+        if count is not None and farm is None and count > (cpus := usable_cpus()):
             # Allowed (a machine shared with a changing load, a test), but rarely what is meant.
             logger.warning(
                 "workers=%d on %d usable CPU%s: a compile keeps a CPU busy, so workers beyond "
                 "the CPUs make a storm slower, not faster, and each holds its own memory",
-                workers,
+                count,
                 cpus,
                 "" if cpus == 1 else "s",
             )
@@ -313,29 +343,24 @@ class CompilePool:
         self._tuner = _autotune.Tuner(self._cache)
         self._prestart = prestart
         self._prestart_scope: anyio.CancelScope | None = None  # made on entry: needs the loop
-        if worker_nice != "idle" and (
-            isinstance(worker_nice, bool) or not isinstance(worker_nice, int) or not 0 <= worker_nice <= 19
-        ):
-            raise ValueError(f'worker_nice must be "idle" or an integer from 0 to 19, got {worker_nice!r}')
-        self._worker_nice = worker_nice
-        _check_backends(preload)
-        self._preload = preload
-        if idle_timeout is not None and not _positive_seconds(idle_timeout):
-            raise ValueError(
-                f"idle_timeout must be a positive number of seconds or None, got {idle_timeout!r}"
-            )
-        self._idle_timeout = idle_timeout
+        _check_backends(tuple(preload))
+        self._preload = tuple(preload)
+        # How the workers run, wherever they run: checked here, once, and carried whole (the
+        # target is the pool's, known at entry when it is the local GPU's).
         try:
-            self._memory_limit = parse_size(memory_limit) if memory_limit is not None else None
+            limit = parse_size(memory_limit) if memory_limit is not None else None
         except ValueError as exc:
             raise ValueError(f"memory_limit: {exc}") from None
-        if max_compile_seconds is not None and not _positive_seconds(max_compile_seconds):
-            raise ValueError(f"max_compile_seconds must be positive or None, got {max_compile_seconds!r}")
-        self._max_compile_seconds = max_compile_seconds
-        if not _positive_seconds(preload_timeout):
-            raise ValueError(f"preload_timeout must be a positive number of seconds, got {preload_timeout!r}")
-        self._preload_timeout = float(preload_timeout)
-        self._fork_workers = fork_workers
+        self._settings = WorkerSettings(
+            backends=self._preload,
+            preload=tuple(dict.fromkeys(worker_module(name) for name in self._preload)),
+            nice=worker_nice,
+            memory_limit=limit,
+            max_compile_seconds=max_compile_seconds,
+            preload_timeout=preload_timeout,
+            idle_timeout=idle_timeout,
+            fork_workers=fork_workers,
+        )
         self._recorder = Recorder(Path(record)) if record is not None else None
         self._trace_path = Path(trace) if trace is not None else None
         self._tracer: Tracer | None = Tracer() if trace is not None else None
@@ -343,9 +368,8 @@ class CompilePool:
         self._flights: dict[str, _Flight] = {}
         self._counts: Counter[str] = Counter()
         self._tg: anyio.abc.TaskGroup | None = None
-        self._farm = farm
-        self._local_workers = workers is not None  # with a farm: local workers asked for too
         self._workers: Executor | None = None
+        self._executor_stack = contextlib.AsyncExitStack()  # what the executor holds beyond serve()
         self._workdir: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
@@ -396,66 +420,22 @@ class CompilePool:
             # The workers' folders: one trip to a thread for both (each trip is a hand-over of
             # the interpreter's lock both ways, and a warm start's clock runs meanwhile).
             bytecode, helpers = await anyio.to_thread.run_sync(self._work_folders)
-            config: WorkerConfig = {
-                "sys_path": list(sys.path),
-                "cwd": os.getcwd(),
-                "target": str(self._target) if self._target is not None else "",
-                "preload": list(dict.fromkeys(worker_module(name) for name in self._preload)),
-                "nice": self._worker_nice,
-                "bytecode_dir": bytecode,
-                "bytecode_helpers": helpers,
-            }
             workdir = self._workdir
             assert workdir is not None
-
-            def local_workers() -> WorkerPool:
-                local = WorkerPool(
-                    self._size,
-                    config,
-                    workdir,
-                    memory_limit=self._memory_limit,
-                    max_compile_seconds=self._max_compile_seconds,
-                    preload_timeout=self._preload_timeout,
-                    idle_timeout=self._idle_timeout,
-                    use_template=self._fork_workers,
-                )
-                # What the workers' preload needs from this process (Triton's key of its
-                # binaries, computed once per machine) is prepared when they first start.
-                local.prepare_config_with(self._worker_config)
-                return local
-
-            local = local_workers() if self._farm is None or self._local_workers else None
-            farm: Executor | None = None
-            if self._farm is not None:
-                from acompile._farm import SplitExecutor, open_executor
-
-                # Connects to the cluster (bounded by the farm's connect_timeout); None where it
-                # cannot be reached and the farm falls back to local workers. A farm lost later
-                # falls back (if it may) to the local workers, made then if the pool has none.
-                farm = await open_executor(
-                    self._farm,
-                    self._memo_dir,
-                    local=local,
-                    make_local=local_workers,
-                    target=config["target"],
-                    backends=list(self._preload),
-                    preload=config["preload"],
-                    # On the farm's nodes compiling is the job, on CPUs Ray reserved for it: the
-                    # idle policy protects this process's event loop, which is not there.
-                    nice=0 if self._worker_nice == "idle" else self._worker_nice,
-                    memory_limit=self._memory_limit,
-                    max_compile_seconds=self._max_compile_seconds,
-                    preload_timeout=self._preload_timeout,
-                    idle_timeout=self._idle_timeout,
-                )
-            if farm is None:
-                self._workers = local if local is not None else local_workers()
-            elif local is not None:
-                # With local workers too, urgent requests stay local and background ones go to
-                # the farm.
-                self._workers = SplitExecutor(local, farm)
-            else:
-                self._workers = farm
+            settings = self._settings.replace(target=str(self._target) if self._target is not None else "")
+            opening = Opening(
+                workdir=workdir,
+                memo_dir=self._memo_dir,
+                cache_root=self._cache.root,
+                bytecode_dir=bytecode,
+                bytecode_helpers=helpers,
+                backend_config=self._worker_config,
+                size=self._size,
+                stack=self._executor_stack,
+            )
+            # The one place an executor is chosen: the spec opens its own (a farm that cannot be
+            # reached falls back to local workers inside its open, where it allows that).
+            self._workers = await self._spec.open(settings, opening)
             self._tg = anyio.create_task_group()
             await self._tg.__aenter__()
             self._cache.start(self._tg)  # write-behind runs in the pool's task group
@@ -527,6 +507,8 @@ class CompilePool:
             await self._remove_workdir()
 
     async def _remove_workdir(self) -> None:
+        with anyio.CancelScope(shield=True):
+            await self._executor_stack.aclose()  # what the executor held (a host pool's link)
         await self._cache.close()  # every tier (the shared tier's client too), shielded
         if self._workdir is not None:
             workdir, self._workdir = self._workdir, None
@@ -796,7 +778,7 @@ class CompilePool:
         backend = load_parent(backend_of(spec))
         # What prepare() starts outside the workers (a source string's probe) is held to the
         # limit the workers are.
-        with _linux.under_memory_limit(self._memory_limit):
+        with _linux.under_memory_limit(self._settings.memory_limit):
             request = await backend.prepare(spec, self._target, self._memo_dir)
         kernel = self._cache.loaded(request.key)
         if kernel is not None:
@@ -1049,9 +1031,15 @@ class CompilePool:
                 flight.finish(error=JobCancelled(request.name))
 
     @property
+    def workers(self) -> ExecutorSpec:
+        """Where this pool's jobs run, as the executor spec its ``workers=`` argument made
+        (``LocalWorkers(8)`` for ``workers=8``)."""
+        return self._spec
+
+    @property
     def executor(self) -> Executor:
-        """The executor this pool's compile jobs run on: worker processes on this machine, or a
-        farm's (``farm=``).
+        """The executor this pool's compile jobs run on, as the pool's ``workers=`` spec opened it:
+        worker processes on this machine, a farm's, a split of the two, the host's pool.
 
         The seam for other executors (a compile farm) and for tests, which run jobs of a fake
         backend through it (``acompile._workers.run_job(pool.executor, job)``); not for ordinary
@@ -1118,7 +1106,9 @@ class CompilePool:
         self._check_running()
         # The pool's Tuner holds its tunings in progress and its choices; records go through
         # the cache chain.
-        return await self._tuner.autotune(self, self._memo_dir, self._memory_limit, fn, configs, **options)
+        return await self._tuner.autotune(
+            self, self._memo_dir, self._settings.memory_limit, fn, configs, **options
+        )
 
     def progressive(self, fast_spec: Any, best_spec: Any) -> ProgressiveKernel:
         """Serve a kernel at once and make it better while it is in use.
@@ -1156,7 +1146,7 @@ class CompilePool:
             release=self._cache.release,
             run=self._run_traced,
             wait_ready=self.wait_ready,
-            size=self._size,
+            size=self._workers.stats()["workers"]["size"],
             shared=self._shared is not None,
             trusted=self._shared is not None and self._shared.trusted,
             cache_root=self._cache.root,
@@ -1329,11 +1319,6 @@ def _percentiles(values: list[float]) -> dict[str, float]:
         return values[min(len(values) - 1, int(q * len(values)))]
 
     return {"p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99), "max": values[-1]}
-
-
-def _positive_seconds(value: object) -> bool:
-    """Whether ``value`` is a positive, finite number of seconds (not a bool, not a string)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
 
 
 def _path_argument(name: str, value: str | os.PathLike[str] | None) -> Path | None:

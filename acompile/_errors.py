@@ -196,7 +196,7 @@ class WorkerStartError(PoolError):
 
 
 class FarmUnreachableError(PoolError):
-    """Raised when entering a ``CompilePool(farm=RayFarm(...))`` whose cluster cannot be found
+    """Raised when entering a ``CompilePool(workers=RayFarm(...))`` whose cluster cannot be found
     or does not answer within the farm's ``connect_timeout``; the message names the address.
     ``RayFarm(local_fallback=True)`` compiles on local workers instead."""
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
@@ -514,10 +513,11 @@ class _OwnPool:
         from acompile._compiler import CompilePool
 
         if host_pool:
-            # Its jobs go to the host's pool: this one keeps the cache tiers, and starts no worker.
-            options = dict(options, prestart=False)
-        self._host_pool = options.get("workers") if host_pool else False
-        self._use_host_pool = host_pool
+            from acompile._torch import HostPool
+
+            # Its jobs go to the host's pool (through this pool's queue, traces and stats): this
+            # one keeps the cache tiers, and starts no worker of its own unless it falls back.
+            options = dict(options, prestart=False, workers=HostPool(options.get("workers")))
         try:
             self.pool = CompilePool(**options)  # its argument errors, here and now
         except TypeError as exc:
@@ -558,31 +558,11 @@ class _OwnPool:
         self._loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
         async with self.pool:
-            if not self._use_host_pool:
-                self._host = self.pool._torch_host()
-                self._entered.set()
-                await self._stop_event.wait()
-                return
-            from acompile._torch import HostPoolClient, HostPoolError
+            from acompile._torch import HostPoolExecutor
 
-            try:
-                async with HostPoolClient(self.pool.cache_dir, self._host_pool or None) as remote:
-                    self.host_pool = remote
-                    self._host = dataclasses.replace(
-                        self.pool._torch_host(),
-                        run=remote.run,
-                        wait_ready=remote.wait_ready,
-                        size=remote.size,
-                    )
-                    self._entered.set()
-                    await self._stop_event.wait()
-                    return
-            except HostPoolError as exc:
-                if self._entered.is_set():
-                    raise
-                # No host pool to be had (its server does not answer, its folder is not ours):
-                # this process's own workers compile, started on demand.
-                logger.warning("%s; compiling on this process's own workers", exc)
+            executor = self.pool.executor
+            if isinstance(executor, HostPoolExecutor):
+                self.host_pool = executor.client
             self._host = self.pool._torch_host()
             self._entered.set()
             await self._stop_event.wait()

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from conftest import ROOT
 
 PACKAGE = "acompile"
@@ -381,3 +382,116 @@ def test_each_face_table_and_its_type_checking_imports_agree() -> None:
                         typed[name] = (base.removeprefix(module + "."), alias.name)
         assert typed == table, f"{module}: its _NAMES table and its TYPE_CHECKING imports differ"
     assert faces >= 5  # acompile, _cache, _workers, _backends, _torch
+
+
+# --- how work reaches a worker ------------------------------------------------------------------
+
+# Each executor class, and the one function that may build it: an executor spec's ``open`` (or
+# what it calls), never the pool. ``CompilePool`` chooses no executor: it opens its spec.
+EXECUTOR_BUILDERS = {
+    "WorkerPool": {
+        ("acompile._workers._open", "local_workers"),
+        # A farm's actor runs a pool of one on its node: the farm's executor's workers.
+        ("acompile._farm._actor", "start"),
+    },
+    "SplitExecutor": {("acompile._workers._open", "open")},
+    "RemoteExecutor": {("acompile._farm._remote", "connect")},
+    "FarmExecutor": {("acompile._farm._executor", "connect")},
+    "HostPoolExecutor": {("acompile._torch._hostpool", "open")},
+}
+
+
+def _calls(tree: ast.Module) -> Iterator[tuple[ast.Call, str]]:
+    """Every call in a module, with the innermost function it is made in ("" at the top)."""
+
+    def walk(node: ast.AST, function: str) -> Iterator[tuple[ast.Call, str]]:
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            if isinstance(child, ast.Call):
+                yield child, function
+            yield from walk(child, inner)
+
+    yield from walk(tree, "")
+
+
+def _called_name(call: ast.Call) -> str:
+    func = call.func
+    if isinstance(func, ast.Name):
+        return func.id
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return ""
+
+
+CALLS = {
+    module: list(_calls(ast.parse(path.read_text(), filename=str(path)))) for module, path in MODULES.items()
+}
+
+
+def test_only_an_executor_spec_builds_an_executor() -> None:
+    # One place chooses how a job reaches a worker: the spec the pool was given (workers=...),
+    # in its open(). An executor built anywhere else is a second route.
+    found = {name: set() for name in EXECUTOR_BUILDERS}
+    stray = []
+    for module, calls in CALLS.items():
+        for call, function in calls:
+            name = _called_name(call)
+            if name in EXECUTOR_BUILDERS:
+                found[name].add((module, function))
+                if (module, function) not in EXECUTOR_BUILDERS[name]:
+                    stray.append(
+                        f"{MODULES[module].relative_to(ROOT)}:{call.lineno} {name}() in {function or 'the module'}"
+                    )
+    assert not stray, "executors built outside an executor spec's open():\n" + "\n".join(stray)
+    # And each builder named here still builds it (a table that names what no longer happens
+    # would let a new route through unseen).
+    assert found == EXECUTOR_BUILDERS
+
+
+def test_the_pool_opens_its_executor_spec_in_one_call() -> None:
+    opens = [
+        (module, function, call.lineno)
+        for module, calls in CALLS.items()
+        for call, function in calls
+        if isinstance(call.func, ast.Attribute)
+        and call.func.attr == "open"
+        and isinstance(call.func.value, ast.Attribute)
+        and call.func.value.attr in {"_spec", "urgent", "background"}
+    ]
+    where = {(module, function) for module, function, _ in opens}
+    # CompilePool's entry opens its spec; Split opens its two halves; nothing else opens one.
+    assert where == {("acompile._compiler", "__aenter__"), ("acompile._workers._open", "open")}, opens
+    assert sum(module == "acompile._compiler" for module, _, _ in opens) == 1
+
+
+def test_worker_settings_cross_every_process_boundary_as_the_one_type() -> None:
+    # The worker settings travel whole: to the local workers, into the farm's connection process
+    # (its Setup, pickled on its pipe), to each Ray actor. No dict of settings, no **config.
+    import inspect
+    import pickle
+
+    from acompile._farm._actor import FarmWorker
+    from acompile._farm._executor import FarmExecutor, connect
+    from acompile._farm._farm import Setup
+    from acompile._workers import WorkerPool, WorkerSettings
+
+    # Annotations are text here (``from __future__ import annotations``), the type's name.
+    assert Setup.__annotations__["settings"] == "WorkerSettings"
+    for function in (FarmWorker.__init__, FarmExecutor.__init__, WorkerPool.__init__, connect):
+        parameters = inspect.signature(function).parameters.values()
+        assert "WorkerSettings" in {p.annotation for p in parameters}, function
+        assert inspect.Parameter.VAR_KEYWORD not in {p.kind for p in parameters}, function
+    settings = WorkerSettings(target="cuda:90", backends=("triton",), nice=3, memory_limit=1 << 30)
+    assert pickle.loads(pickle.dumps(settings)) == settings
+    with pytest.raises(Exception, match=r"cannot assign"):
+        settings.nice = 4  # type: ignore[misc]
+    # No dict of settings left in the farm (the ActorConfig that was one): its TypedDicts are
+    # the stats it reports.
+    typed_dicts = {
+        node.name
+        for module, path in MODULES.items()
+        if _inside(module, "acompile._farm")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and any(getattr(b, "id", "") == "TypedDict" for b in node.bases)
+    }
+    assert typed_dicts == {"NodeStats", "FarmStats"}

@@ -167,6 +167,8 @@ CONSTRUCTOR_CASES: list[tuple[dict[str, Any], str]] = [
     ({"workers": 2.0}, r"workers must be a positive integer"),
     ({"workers": "cuda:90"}, r"got 'cuda:90' \(a target is given by name: CompilePool\(target='cuda:90'\)\)"),
     ({"workers": 10**9}, r"workers=1000000000 is more than this machine can run"),
+    ({"workers": [4]}, r"workers must be a count of workers, None, or an executor spec .* got \[4\]"),
+    ({"workers": acompile.LocalWorkers}, r"workers must be a count of workers, None, or an executor spec"),
     ({"target": 90}, r"target must be a string such as 'cuda:90', got int"),
     ({"target": "cuda:nine"}, r"unknown CUDA architecture in 'cuda:nine'; known: cuda:75"),
     ({"cache_dir": 5}, r"cache_dir must be a path"),
@@ -217,6 +219,47 @@ def test_every_argument_error_of_the_pool_is_raised_by_its_constructor(
     kw: dict[str, Any] = {"target": TARGET, "cache_dir": tmp_path, **arguments}
     with pytest.raises((ValueError, TypeError, acompile.AcompileError), match=says):
         acompile.CompilePool(**kw)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "says"),
+    [
+        ({"count": 0}, r"LocalWorkers needs a positive count or None, got 0"),
+        ({"count": True}, r"LocalWorkers needs a positive count"),
+        ({"count": "4"}, r"LocalWorkers needs a positive count"),
+    ],
+)
+def test_local_workers_refuse_a_count_that_is_not_one(arguments: dict[str, Any], says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        acompile.LocalWorkers(**arguments)
+
+
+def test_a_split_takes_specs_or_counts_and_nothing_else() -> None:
+    farm = acompile.RayFarm("local")
+    split = acompile.Split(2, farm)
+    assert repr(split) == "Split(LocalWorkers(2), RayFarm(address='local', workers=None))"
+    with pytest.raises(TypeError, match=r"background must be a count of workers, None, or an executor spec"):
+        acompile.Split(2, "ray://head:10001")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "new_form"),
+    [({}, r"pass workers=farm"), ({"workers": 3}, r"pass workers=acompile.Split\(3, farm\)")],
+)
+def test_a_farm_beside_the_workers_is_deprecated_and_the_warning_names_the_new_form(
+    tmp_path: Path, arguments: dict[str, Any], new_form: str
+) -> None:
+    farm = acompile.RayFarm("local")
+    with pytest.warns(DeprecationWarning, match=r"CompilePool's farm= is deprecated .* " + new_form):
+        pool = acompile.CompilePool(target=TARGET, cache_dir=tmp_path, farm=farm, **arguments)
+    # The same pool as the new form makes: the farm alone, or the split with N local workers.
+    spec = pool.workers
+    if arguments:
+        assert isinstance(spec, acompile.Split) and spec.background is farm and spec.urgent.count == 3
+    else:
+        assert spec is farm
+    with pytest.raises(TypeError, match=r"a farm beside an executor spec"):
+        acompile.CompilePool(target=TARGET, cache_dir=tmp_path, farm=farm, workers=acompile.LocalWorkers(2))
 
 
 def test_every_argument_of_the_pool_is_tried_with_a_wrong_value() -> None:

@@ -16,7 +16,6 @@ import shutil
 import signal
 import socket
 import stat
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +30,7 @@ from fake_backend import local_executor, run_job
 from processes import forked_and_fresh, until
 
 import acompile
-from acompile._workers import Job, WorkerPool, encode_frame
+from acompile._workers import Job, WorkerPool, WorkerSettings, encode_frame
 from acompile._workers._protocol import HELLO, peer_uid
 
 pytestmark = pytest.mark.anyio
@@ -349,8 +348,7 @@ async def test_a_work_folder_of_another_user_is_refused_and_nothing_in_it_follow
     try:
         as_nobody(_plant_links, str(folder), str(precious))
         before = _listing(folder)
-        config = {"sys_path": list(sys.path), "cwd": os.getcwd(), "preload": [], "nice": 0}
-        workers = WorkerPool(1, config, str(folder), use_template=True)
+        workers = WorkerPool(1, WorkerSettings(nice=0), str(folder))
         async with anyio.create_task_group() as tg:
             tg.start_soon(workers.serve)
             with anyio.fail_after(30), pytest.raises(acompile.WorkerStartError) as caught:
@@ -466,7 +464,7 @@ async def test_a_farm_actor_s_work_folder_is_its_own_though_another_user_made_th
     old = Path(as_nobody(_make_old_farm_folder, str(shared_tmp), os.getuid()))
     env = {"PYTHONPATH": str(ROOT / "tests"), "TMPDIR": str(shared_tmp)}
     farm = acompile.RayFarm(one_node.address, workers=1, runtime_env={"env_vars": env})
-    async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path, preload=()) as p:
+    async with acompile.CompilePool(target=TARGET, workers=farm, cache_dir=tmp_path, preload=()) as p:
         with anyio.fail_after(120):
             assert await p.executor.run(Job(FAKE, {"name": "k", "action": "echo", "value": 3}, "k")) == 3
         workdirs = set()

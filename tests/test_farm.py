@@ -133,14 +133,14 @@ async def test_an_unreachable_farm_fails_fast_unless_a_local_fallback_is_asked_f
         start = time.perf_counter()
         with pytest.raises(acompile.FarmUnreachableError, match=address):
             async with acompile.CompilePool(
-                target=TARGET, farm=acompile.RayFarm(address), cache_dir=tmp_path
+                target=TARGET, workers=acompile.RayFarm(address), cache_dir=tmp_path
             ):
                 pass
         assert time.perf_counter() - start < 30
         farm = acompile.RayFarm(address, local_fallback=True, connect_timeout=4)
         with caplog.at_level(logging.WARNING, logger="acompile"):
             async with acompile.CompilePool(
-                target=TARGET, farm=farm, cache_dir=tmp_path, workers=1, preload=()
+                target=TARGET, workers=acompile.Split(1, farm), cache_dir=tmp_path, preload=()
             ) as pool:
                 job = Job(FAKE, {"name": "k", "action": "pid"}, "k")
                 pid = await pool.executor.run(job)
@@ -196,7 +196,7 @@ async def test_a_node_with_another_ptxas_is_refused_by_name(
     cluster, (same, other) = mixed_cluster
     # Only the other node offers what this farm asks for: nothing can compile, and it says why.
     farm = acompile.RayFarm(cluster.address, resources={"other": 1})
-    async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path) as pool:
+    async with acompile.CompilePool(target=TARGET, workers=farm, cache_dir=tmp_path) as pool:
         with pytest.raises(acompile.FarmToolchainError, match=r"99\.9") as refused:
             await pool.wait_ready()
         with pytest.raises(acompile.FarmToolchainError):
@@ -205,7 +205,7 @@ async def test_a_node_with_another_ptxas_is_refused_by_name(
     # Both nodes: the other one is refused (a warning names it) and the farm compiles on the other.
     farm = acompile.RayFarm(cluster.address)
     with caplog.at_level(logging.WARNING, logger="acompile"):
-        async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path) as pool:
+        async with acompile.CompilePool(target=TARGET, workers=farm, cache_dir=tmp_path) as pool:
             kernels = await pool.gather(*_specs(4))
             stats = farm.stats()
     assert all(k.cubin for k in kernels)
@@ -218,7 +218,7 @@ async def test_a_corpus_compiled_on_the_farm_equals_a_local_compile_byte_for_byt
     cluster: Cluster, tmp_path: Path
 ) -> None:
     farm = acompile.RayFarm(cluster.address)
-    async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path / "farm") as pool:
+    async with acompile.CompilePool(target=TARGET, workers=farm, cache_dir=tmp_path / "farm") as pool:
         remote = await pool.gather(*_specs(12))
         with pytest.raises(acompile.CompileError) as remote_error:
             await pool.triton(
@@ -267,7 +267,7 @@ async def test_a_corpus_compiled_on_the_farm_equals_a_local_compile_byte_for_byt
 async def test_ray_workers_sigkilled_mid_storm_lose_no_job(cluster: Cluster, tmp_path: Path) -> None:
     farm = acompile.RayFarm(cluster.address, runtime_env=RUNTIME_ENV)
     jobs = 40
-    async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path, preload=()) as pool:
+    async with acompile.CompilePool(target=TARGET, workers=farm, cache_dir=tmp_path, preload=()) as pool:
         await pool.wait_ready()
         results: dict[int, Any] = {}
 
@@ -302,7 +302,7 @@ async def test_cancelling_a_running_compile_frees_its_ray_worker_within_a_second
     cluster: Cluster, tmp_path: Path
 ) -> None:
     farm = acompile.RayFarm(cluster.address)
-    async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path) as pool:
+    async with acompile.CompilePool(target=TARGET, workers=farm, cache_dir=tmp_path) as pool:
         await pool.wait_ready()
         actors = set(_farm_worker_pids())
         before = _node_workers()
@@ -333,7 +333,9 @@ async def test_with_local_workers_too_urgent_requests_stay_here_and_background_o
     from acompile._workers import BACKGROUND, URGENT
 
     farm = acompile.RayFarm(cluster.address, runtime_env=RUNTIME_ENV)
-    async with acompile.CompilePool(1, target=TARGET, farm=farm, cache_dir=tmp_path, preload=()) as pool:
+    async with acompile.CompilePool(
+        acompile.Split(1, farm), target=TARGET, cache_dir=tmp_path, preload=()
+    ) as pool:
         urgent, background = [
             await pool.executor.run(Job(FAKE, {"name": "k", "action": "pid"}, "k", lane))
             for lane in (URGENT, BACKGROUND)
@@ -360,7 +362,7 @@ def test_warmup_on_the_farm(cluster: Cluster, tmp_path: Path) -> None:
 
 async def test_a_farm_no_node_can_host_says_so(cluster: Cluster, tmp_path: Path) -> None:
     farm = acompile.RayFarm(cluster.address, resources={"gpu_compiler": 1})
-    async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path, preload=()) as pool:
+    async with acompile.CompilePool(target=TARGET, workers=farm, cache_dir=tmp_path, preload=()) as pool:
         with pytest.raises(acompile.WorkerStartError, match="gpu_compiler"):
             await pool.wait_ready()
         with pytest.raises(acompile.WorkerStartError):
@@ -398,7 +400,7 @@ async def test_actors_that_die_idle_are_replaced_and_the_next_request_runs(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     farm = acompile.RayFarm(cluster.address, runtime_env=RUNTIME_ENV)
-    async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path, preload=()) as pool:
+    async with acompile.CompilePool(target=TARGET, workers=farm, cache_dir=tmp_path, preload=()) as pool:
         await pool.wait_ready()
 
         def kill_every_actor() -> set[int]:
@@ -432,7 +434,7 @@ async def test_a_killed_actor_takes_its_compiling_worker_along_at_once(
     """However the actor dies (here SIGKILL, as the OOM killer would), the worker of its local
     pool that is inside a long native compile goes too, at once, and so does its reaper."""
     farm = acompile.RayFarm(cluster.address)
-    async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path) as pool:
+    async with acompile.CompilePool(target=TARGET, workers=farm, cache_dir=tmp_path) as pool:
         await pool.wait_ready()
         with anyio.CancelScope() as scope:
             async with anyio.create_task_group() as tg:
@@ -458,7 +460,7 @@ from kernels_for_tests import slow_to_compile_kernel
 
 async def main():
     farm = acompile.RayFarm(sys.argv[1])
-    async with acompile.CompilePool(target=sys.argv[3], farm=farm, cache_dir=sys.argv[2]) as pool:
+    async with acompile.CompilePool(target=sys.argv[3], workers=farm, cache_dir=sys.argv[2]) as pool:
         await pool.wait_ready()
         print("READY", flush=True)
         await pool.triton(
@@ -594,7 +596,7 @@ async def test_actors_killed_while_they_start_or_preload_cost_no_job_of_a_storm(
                 break
             await anyio.sleep(0.005)
 
-    async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path) as pool:
+    async with acompile.CompilePool(target=TARGET, workers=farm, cache_dir=tmp_path) as pool:
         with anyio.fail_after(240):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(kill_actors_as_they_start)
@@ -631,7 +633,7 @@ async def test_a_farm_whose_actors_all_die_as_they_start_gives_up_after_preload_
             await anyio.sleep(0.005)
 
     async with acompile.CompilePool(
-        target=TARGET, farm=farm, cache_dir=tmp_path, preload=(), preload_timeout=5
+        target=TARGET, workers=farm, cache_dir=tmp_path, preload=(), preload_timeout=5
     ) as pool:
         async with anyio.create_task_group() as tg:
             tg.start_soon(kill_every_actor)

@@ -80,7 +80,7 @@ async def main():
         args["address"], workers=2, local_fallback=args["fallback"], runtime_env=args.get("runtime_env")
     )
     pool = acompile.CompilePool(
-        target=args["target"], farm=farm, cache_dir=args["cache_dir"], preload=tuple(args["preload"])
+        target=args["target"], workers=farm, cache_dir=args["cache_dir"], preload=tuple(args["preload"])
     )
     async with pool, anyio.create_task_group() as watching:
         watching.start_soon(watch_the_loop)
@@ -382,14 +382,14 @@ async def test_a_deadline_around_entering_a_pool_with_an_unreachable_farm_fires(
         start = time.perf_counter()
         with pytest.raises(TimeoutError):
             with anyio.fail_after(3):
-                async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path, preload=()):
+                async with acompile.CompilePool(target=TARGET, workers=farm, cache_dir=tmp_path, preload=()):
                     pass
         assert time.perf_counter() - start < 3 + 3  # its connection process stopped, at most 2 s more
         assert not _brokers()
         farm = acompile.RayFarm(address, connect_timeout=3)
         start = time.perf_counter()
         with pytest.raises(acompile.FarmUnreachableError, match=address):
-            async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path, preload=()):
+            async with acompile.CompilePool(target=TARGET, workers=farm, cache_dir=tmp_path, preload=()):
                 pass
         assert time.perf_counter() - start < 3 + 15  # the process's start, then the bound
         assert not _brokers()
@@ -418,7 +418,7 @@ async def test_a_deadline_around_wait_ready_fires_while_the_head_is_gone_and_a_h
 
     cluster = one_node
     farm = acompile.RayFarm(cluster.address, workers=1, runtime_env=RUNTIME_ENV)
-    async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path, preload=()) as pool:
+    async with acompile.CompilePool(target=TARGET, workers=farm, cache_dir=tmp_path, preload=()) as pool:
         with anyio.fail_after(120):
             await pool.wait_ready()
         assert await pool.executor.run(echo(1)) == 1
@@ -469,7 +469,7 @@ async def test_a_connection_process_stopped_by_a_signal_is_a_lost_cluster(
 
     farm = acompile.RayFarm(one_node.address, workers=1, runtime_env=RUNTIME_ENV)
     outcomes: list[object] = []
-    async with acompile.CompilePool(target=TARGET, farm=farm, cache_dir=tmp_path, preload=()) as pool:
+    async with acompile.CompilePool(target=TARGET, workers=farm, cache_dir=tmp_path, preload=()) as pool:
         with anyio.fail_after(120):
             await pool.wait_ready()
 

@@ -594,6 +594,8 @@ def test_four_processes_of_a_host_share_one_pool(tmp_path: Path, headers: Path) 
     for report in reports:
         assert report["served"]["jobs"]["sent"] >= 1 and report["served"]["jobs"]["run_here"] == 0
         assert report["served"]["pool"]["workers"]["started"] == 0  # its own pool ran none
+        # Its jobs went through its pool's queue and stats on their way to the host's pool.
+        assert report["served"]["pool"]["jobs"]["done"] == report["served"]["jobs"]["sent"]
 
 
 # -- warm-up and Mega-Cache artifacts --------------------------------------------------------------

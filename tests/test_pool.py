@@ -18,6 +18,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import psutil
@@ -27,7 +28,7 @@ from fake_backend import local_executor, run_job
 from processes import forked_and_fresh, gone, template_pids, until, worker_pids
 
 import acompile
-from acompile._workers import Job, JobCancelled, WorkerPool
+from acompile._workers import Job, JobCancelled, WorkerPool, WorkerSettings
 
 pytestmark = pytest.mark.anyio
 FAKE = "fake_backend"
@@ -953,8 +954,7 @@ async def test_a_preload_that_holds_a_thousand_descriptors_does_not_stop_the_poo
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     if hard != resource.RLIM_INFINITY and hard < 2048:
         pytest.skip("needs a descriptor limit of 2048")
-    config = {"sys_path": list(sys.path), "cwd": os.getcwd(), "preload": ["many_fds_backend"], "nice": nice}
-    workers = WorkerPool(1, config, str(tmp_path), use_template=True)
+    workers = WorkerPool(1, WorkerSettings(preload=("many_fds_backend",), nice=nice), str(tmp_path))
     async with anyio.create_task_group() as tg:
         tg.start_soon(workers.serve)
         workers.wakeup()
@@ -1196,3 +1196,55 @@ def test_every_message_reads_back_as_it_was_sent_whole_or_in_pieces() -> None:
     finally:
         ours.close()
         theirs.close()
+
+
+class _OneWorkerHere:
+    """An executor spec of the test's own, as a user would write one: this machine's workers,
+    one of them, and a note of what its open() was handed."""
+
+    def __init__(self) -> None:
+        self.opened: list[WorkerSettings] = []
+
+    async def open(self, settings: WorkerSettings, opening: Any) -> Any:
+        self.opened.append(settings)
+        return opening.local_workers(settings, 1)
+
+
+async def test_an_executor_spec_handed_in_runs_the_pools_jobs_with_its_settings_whole(tmp_path: Path) -> None:
+    """``CompilePool(workers=spec)``: the pool opens the spec once as it is entered, hands it
+    every worker setting as one checked value, and runs its jobs on what the spec opened."""
+    spec = _OneWorkerHere()
+    pool = acompile.CompilePool(
+        spec,
+        target="cuda:90",
+        cache_dir=tmp_path,
+        preload=(),
+        worker_nice=3,
+        memory_limit="1GiB",
+        max_compile_seconds=7,
+        preload_timeout=30,
+        idle_timeout=90,
+        fork_workers=False,
+    )
+    assert pool.workers is spec and not spec.opened  # nothing opens before the entry
+    async with pool as p:
+        pids = {await run_job(p, FAKE, {"name": f"j{i}", "action": "pid"}, f"j{i}") for i in range(3)}
+        assert len(pids) == 1  # the spec's one worker ran them all
+        assert p.stats()["workers"]["size"] == 1 and p.stats()["jobs"]["done"] == 3
+    assert spec.opened == [
+        WorkerSettings(
+            target="cuda:90",
+            backends=(),
+            preload=(),
+            nice=3,
+            memory_limit=1 << 30,
+            max_compile_seconds=7.0,
+            preload_timeout=30.0,
+            idle_timeout=90.0,
+            fork_workers=False,
+        )
+    ]
+    assert (
+        not psutil.pid_exists(next(iter(pids)))
+        or psutil.Process(next(iter(pids))).status() == psutil.STATUS_ZOMBIE
+    )

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from slow_start_backend import SLOW_START
 import acompile
 from acompile._backends import load_parent
 from acompile._cache import COSTS_FILE, COSTS_MAX_RECORDS, CompileCosts, CostFeatures, GuardedDisk
-from acompile._workers import BACKGROUND, URGENT, Job, WorkerPool
+from acompile._workers import BACKGROUND, URGENT, Job, WorkerPool, WorkerSettings
 
 pytestmark = pytest.mark.anyio
 FAKE = "fake_backend"
@@ -175,13 +174,8 @@ async def test_workers_preload_while_the_parent_prepares_their_configuration(
     markers.mkdir()
     (tmp_path / "work").mkdir()
     monkeypatch.setenv("ACOMPILE_TEST_MARKER_DIR", str(markers))
-    config = {
-        "sys_path": list(sys.path),
-        "cwd": os.getcwd(),
-        "preload": ["preload_marker_backend"],
-        "nice": 0,
-    }
-    workers = WorkerPool(2, config, str(tmp_path / "work"), use_template=fork_workers)
+    settings = WorkerSettings(preload=("preload_marker_backend",), nice=0, fork_workers=fork_workers)
+    workers = WorkerPool(2, settings, str(tmp_path / "work"))
 
     async def hook() -> dict[str, Any]:
         if fork_workers:  # the template's preload must not wait for this
@@ -208,8 +202,8 @@ async def test_a_configuration_that_never_comes_does_not_hold_the_workers(
     """What the parent prepares for the workers (Triton's hash of its binaries) hangs, on a
     stalled file system say: workers start and run jobs without it (a job that needs it reads it
     when the pool gives up on it, past preload_timeout, and computes it then)."""
-    config = {"sys_path": list(sys.path), "cwd": os.getcwd(), "preload": [], "nice": 0}
-    workers = WorkerPool(2, config, str(tmp_path), use_template=fork_workers, preload_timeout=60.0)
+    settings = WorkerSettings(nice=0, fork_workers=fork_workers, preload_timeout=60.0)
+    workers = WorkerPool(2, settings, str(tmp_path))
 
     async def hook() -> dict[str, Any]:
         await anyio.sleep_forever()
@@ -237,10 +231,8 @@ async def test_a_wait_that_is_not_the_jobs_work_counts_neither_against_its_time_
     kernel; nested waits count once; a wait that never ends still meets the limit, once it has
     lasted as long as preloading may; a wait in a thread the job left running tells the pool
     nothing (its message would come after the job's reply)."""
-    config = {"sys_path": list(sys.path), "cwd": os.getcwd(), "preload": [], "nice": 0}
-    workers = WorkerPool(
-        1, config, str(tmp_path), use_template=fork_workers, max_compile_seconds=1.0, preload_timeout=3.0
-    )
+    settings = WorkerSettings(nice=0, fork_workers=fork_workers, max_compile_seconds=1.0, preload_timeout=3.0)
+    workers = WorkerPool(1, settings, str(tmp_path))
     checks = []
     # Each worker's time-limit timer (a method of the runner that serves the worker's slot).
     from acompile._workers._pool import LocalRunner
@@ -297,8 +289,8 @@ async def test_a_worker_started_after_the_configuration_failed_does_not_wait_for
     of waiting late_config_timeout for a file that will never come."""
     import signal
 
-    config = {"sys_path": list(sys.path), "cwd": os.getcwd(), "preload": [], "nice": 0}
-    workers = WorkerPool(1, config, str(tmp_path), use_template=fork_workers, preload_timeout=20.0)
+    settings = WorkerSettings(nice=0, fork_workers=fork_workers, preload_timeout=20.0)
+    workers = WorkerPool(1, settings, str(tmp_path))
 
     first_ran = anyio.Event()
 
@@ -355,8 +347,8 @@ def test_a_late_configuration_that_is_not_the_pools_reads_as_none_at_once(tmp_pa
 
 @forked_and_fresh
 async def test_the_first_worker_takes_jobs_while_the_others_start(tmp_path: Path, fork_workers: bool) -> None:
-    config = {"sys_path": list(sys.path), "cwd": os.getcwd(), "preload": ["slow_start_backend"], "nice": 0}
-    workers = WorkerPool(3, config, str(tmp_path), use_template=fork_workers)
+    settings = WorkerSettings(preload=("slow_start_backend",), nice=0, fork_workers=fork_workers)
+    workers = WorkerPool(3, settings, str(tmp_path))
     async with anyio.create_task_group() as tg:
         tg.start_soon(workers.serve)
         t0 = time.monotonic()

@@ -200,7 +200,7 @@ async def _run(args: argparse.Namespace, address: str, size: int) -> dict[str, A
     common = {"target": args.target}
     local = await _side("local", dict(common, workers=size), specs, args.noops)
     farm = acompile.RayFarm(address, workers=size)
-    remote = await _side("farm", dict(common, farm=farm), specs, args.noops)
+    remote = await _side("farm", dict(common, workers=farm), specs, args.noops)
     same = sum(a == b for a, b in zip(local.pop("cubins"), remote.pop("cubins"), strict=True))
     return {
         "machine": harness.machine(),

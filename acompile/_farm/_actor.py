@@ -23,7 +23,7 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, TypedDict
+from typing import IO, TYPE_CHECKING, Any
 
 import anyio
 
@@ -33,7 +33,7 @@ from acompile._version import __version__
 from acompile._workers import Job, WorkerPool, remove_work_folder, run_job
 
 if TYPE_CHECKING:
-    from acompile._workers import BackendConfig, WorkerConfig
+    from acompile._workers import BackendConfig, WorkerSettings
 
 # The native backends' payloads carry the parent's compiler command; on a node it is looked up
 # again by name (another machine keeps its compilers elsewhere), and its version checked.
@@ -43,29 +43,15 @@ _NATIVE_WORKER = "acompile._backends._native_worker"
 _REAPER_START = 30.0
 
 
-class ActorConfig(TypedDict):
-    """What the farm's driver side starts each actor with: the pool's target and backends (the
-    parent halves whose worker configuration the node computes), the worker modules to preload,
-    the workers' nice value and limits."""
-
-    target: str
-    backends: list[str]
-    preload: list[str]
-    nice: int | str
-    memory_limit: int | None
-    max_compile_seconds: float | None
-    preload_timeout: float
-
-
 class FarmWorker:
     """One compile slot on a node (created by the farm's driver side as a Ray actor).
 
-    ``config``: the pool's target and preloaded backend modules, the workers' nice value and
-    limits (``memory_limit``, ``max_compile_seconds``, ``preload_timeout``).
+    ``settings``: the pool's ``WorkerSettings`` (its target, backends, preloaded modules, the
+    workers' nice value and limits), as the pool checked them, carried whole.
     """
 
-    def __init__(self, config: ActorConfig) -> None:
-        self.config = config
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
         self.pool: WorkerPool | None = None
         self.serving: asyncio.Task[None] | None = None
         self.workdir = ""
@@ -81,23 +67,10 @@ class FarmWorker:
         self.workdir = await anyio.to_thread.run_sync(_make_workdir)
         # Before the pool starts any process: each one inherits the mark the reaper looks for.
         self.reaper = await anyio.to_thread.run_sync(_start_reaper)
-        config: WorkerConfig = {
-            "sys_path": list(sys.path),
-            "cwd": os.getcwd(),
-            "target": self.config["target"],
-            "preload": self.config["preload"],
-            "nice": self.config["nice"],
-        }
-        pool = WorkerPool(
-            1,
-            config,
-            self.workdir,
-            memory_limit=self.config["memory_limit"],
-            max_compile_seconds=self.config["max_compile_seconds"],
-            preload_timeout=self.config["preload_timeout"],
-        )
+        # A pool of one, which never quiesces by itself: the farm's executor decides that.
+        pool = WorkerPool(1, self.settings.replace(idle_timeout=None), self.workdir)
         memo = toolchain_dir(self.cache_root)
-        pool.prepare_config_with(lambda: _worker_config(self.config["backends"], memo))
+        pool.prepare_config_with(lambda: _worker_config(list(self.settings.backends), memo))
         self.pool = pool
         # The actor's lifetime is the pool's: no task group outlives a method call here, so the
         # pool's serve() runs in a task of its own, cancelled by stop() (or dies with the actor).

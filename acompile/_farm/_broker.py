@@ -28,7 +28,7 @@ it, and its standard input is a pipe only the pool holds. Frames to the pool are
 with the protocol's restricted unpickler, which rebuilds only plain data, the protocol's
 messages and acompile's errors, so that is all this process sends:
 
-Pool to this process (a ``dict`` each; the first is the configuration, see ``_remote``):
+Pool to this process (the first a ``Setup``, whole: see ``_farm``; then a ``dict`` each):
 
 * ``{"op": "submit", "id", "backend", "payload", "name", "lane", "expected"}``: run a job (its
   payload pickled on its own);
@@ -81,7 +81,7 @@ from acompile._workers import encode_frame as encode
 
 if TYPE_CHECKING:
     from acompile._farm._executor import FarmExecutor
-    from acompile._farm._farm import RayFarm
+    from acompile._farm._farm import RayFarm, Setup
 
 # The head has not answered for this long: the cluster is lost. Ray itself waits 60 s (and then
 # ends the process); a head restarted by Ray's GCS fault tolerance is back within seconds.
@@ -422,12 +422,12 @@ def _initialize(farm: RayFarm, address: str) -> None:
 
 
 async def _serve(
-    farm: RayFarm, config: dict[str, Any], fd_in: int, outbox: _Outbox, connected: threading.Event
+    farm: RayFarm, setup: Setup, fd_in: int, outbox: _Outbox, connected: threading.Event
 ) -> None:
     from acompile._farm import _executor
 
     try:
-        executor = await _executor.connect(farm, memo_dir=Path(config["memo_dir"]), **config["workers"])
+        executor = await _executor.connect(farm, setup.settings, Path(setup.memo_dir))
     except Exception as exc:
         _fail(outbox, exc, farm.address)
     broker = _Broker(executor, outbox)
@@ -460,33 +460,33 @@ def main() -> None:
         if os.getppid() != parent:
             _end(0)  # the pool died before its death signal was set
     outbox = _Outbox(fd_out)
-    config = read_message(fd_in)
-    if config is None:
+    setup = read_message(fd_in)
+    if setup is None:
         _end(0)
-    sys.path[:] = config["sys_path"]
+    sys.path[:] = setup.sys_path
     connected = threading.Event()
     _leave_on_eof(fd_in, connected)
     try:
         import ray
     except ImportError as exc:
         error = BackendUnavailableError(f'a RayFarm needs Ray: pip install "acompile[ray]" ({exc})')
-        _fail(outbox, error, config["address"])
+        _fail(outbox, error, setup.address)
     outbox.put({"event": "started"})
     from acompile._farm._farm import RayFarm
 
-    farm = RayFarm(**config["farm"])
+    farm = RayFarm(**setup.farm)
     try:
-        _initialize(farm, config["address"])
+        _initialize(farm, setup.address)
     except Exception as exc:
-        _fail(outbox, exc, config["address"])
+        _fail(outbox, exc, setup.address)
     # ray.init, on the main thread, installed a SIGTERM handler of its own.
     signal.signal(signal.SIGTERM, lambda *_: _end(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     outbox.put({"event": "joined"})
-    _HeadWatch(config["address"], outbox).start()
+    _HeadWatch(setup.address, outbox).start()
     status = 0
     try:
-        anyio.run(_serve, farm, config, fd_in, outbox, connected)
+        anyio.run(_serve, farm, setup, fd_in, outbox, connected)
     except BaseException:
         traceback.print_exc()  # the pool's message says why this process ended: its last lines
         status = 1

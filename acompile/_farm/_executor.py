@@ -65,7 +65,7 @@ from acompile._errors import (
     WorkerCrashedError,
     WorkerStartError,
 )
-from acompile._farm._actor import ActorConfig, FarmWorker, node_toolchain
+from acompile._farm._actor import FarmWorker, node_toolchain
 from acompile._workers import (
     Job,
     JobCancelled,
@@ -78,6 +78,7 @@ from acompile._workers import (
 
 if TYPE_CHECKING:
     from acompile._farm._farm import FarmStats, NodeStats, RayFarm
+    from acompile._workers import WorkerSettings
 
 logger = logging.getLogger("acompile")
 T = TypeVar("T")
@@ -135,24 +136,24 @@ class FarmExecutor(SlotExecutor["_Actors"]):
     def __init__(
         self,
         farm: RayFarm,
-        actor_config: ActorConfig,
+        settings: WorkerSettings,
         toolchain: dict[str, Any],
         nodes: list[_Node],
         *,
         owns_connection: bool,
-        preload_timeout: float,
-        idle_timeout: float | None,
     ) -> None:
         size = farm.workers or max(1, sum(node.capacity for node in nodes))
         actors = functools.partial(
             _Actors,
             farm=farm,
-            actor_config=actor_config,
+            settings=settings,
             toolchain=toolchain,
             nodes=nodes,
             owns_connection=owns_connection,
         )
-        super().__init__(size, actors, preload_timeout=preload_timeout, idle_timeout=idle_timeout)
+        super().__init__(
+            size, actors, preload_timeout=settings.preload_timeout, idle_timeout=settings.idle_timeout
+        )
         self.farm = farm
 
     def farm_stats(self) -> FarmStats:
@@ -189,14 +190,14 @@ class _Actors:
         executor: SlotExecutor[_Actors],
         *,
         farm: RayFarm,
-        actor_config: ActorConfig,
+        settings: WorkerSettings,
         toolchain: dict[str, Any],
         nodes: list[_Node],
         owns_connection: bool,
     ) -> None:
         self.executor = executor
         self.farm = farm
-        self.actor_config = actor_config
+        self.settings = settings
         self.toolchain = toolchain
         self.nodes = {node.node_id: node for node in nodes}
         self.owns_connection = owns_connection
@@ -234,7 +235,7 @@ class _Actors:
                 raise NoRoom(None if self._accepted() else self._nowhere(), _ROOM_POLL)
             actor = self._actor_class.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False)
-            ).remote(self.actor_config)
+            ).remote(self.settings)
             node.actors += 1
             try:
                 with anyio.fail_after(self.executor.preload_timeout):
@@ -638,23 +639,11 @@ def _remote_failure(job: Job, exc: BaseException, what: str) -> CompileError:
 # --- connecting -------------------------------------------------------------------------------
 
 
-async def connect(
-    farm: RayFarm,
-    *,
-    target: str,
-    backends: list[str],
-    preload: list[str],
-    nice: int | str,
-    memory_limit: int | None,
-    max_compile_seconds: float | None,
-    preload_timeout: float,
-    idle_timeout: float | None,
-    memo_dir: Path,
-) -> FarmExecutor:
+async def connect(farm: RayFarm, settings: WorkerSettings, memo_dir: Path) -> FarmExecutor:
     """Build the farm's executor on this process's connection to its cluster, connecting first
     unless ``_connect`` did (the farm's connection process calls it on its main thread before
-    its event loop starts: see ``_broker``); at most ``farm.connect_timeout`` seconds. Raises
-    ``FarmUnreachableError`` naming the address."""
+    its event loop starts: see ``_broker``); at most ``farm.connect_timeout`` seconds. Each actor
+    is started with ``settings``, whole. Raises ``FarmUnreachableError`` naming the address."""
     deadline = time.monotonic() + farm.connect_timeout
     try:
         with anyio.fail_after(farm.connect_timeout):
@@ -666,24 +655,7 @@ async def connect(
             f"{farm.connect_timeout:g} s"
         ) from None
     toolchain = await anyio.to_thread.run_sync(node_toolchain, memo_dir)
-    config: ActorConfig = {
-        "target": target,
-        "backends": backends,
-        "preload": preload,
-        "nice": nice,
-        "memory_limit": memory_limit,
-        "max_compile_seconds": max_compile_seconds,
-        "preload_timeout": preload_timeout,
-    }
-    executor = FarmExecutor(
-        farm,
-        config,
-        toolchain,
-        nodes,
-        owns_connection=owns,
-        preload_timeout=preload_timeout,
-        idle_timeout=idle_timeout,
-    )
+    executor = FarmExecutor(farm, settings, toolchain, nodes, owns_connection=owns)
     farm.executor = executor
     return executor
 

@@ -7,8 +7,13 @@ that uses the farm starts when it is entered; never in the pool's own process.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
-from typing import Any, Protocol, TypedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
+
+if TYPE_CHECKING:
+    from acompile._workers import Executor, Opening, WorkerSettings
 
 
 class NodeStats(TypedDict):
@@ -35,6 +40,21 @@ class FarmStats(TypedDict):
     queued: int
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What a pool's farm connection process (``_broker``) is started with, its first frame."""
+
+    # The cluster to connect to (the farm's address, or the program's own cluster's).
+    address: str
+    # The farm, as ``RayFarm(**farm)`` remakes it there.
+    farm: dict[str, Any]
+    # The pool's toolchain memo folder, and its sys.path.
+    memo_dir: str
+    sys_path: list[str]
+    # How the farm's workers run: the pool's settings, whole.
+    settings: WorkerSettings
+
+
 class _FarmReporter(Protocol):
     """What ``RayFarm.stats()`` asks: the farm's executor (in the pool's process, its
     ``RemoteExecutor``; in the connection process, its ``FarmExecutor``)."""
@@ -43,7 +63,7 @@ class _FarmReporter(Protocol):
 
 
 class RayFarm:
-    """A Ray cluster to compile on: ``CompilePool(target=..., farm=RayFarm(address="auto"))``.
+    """A Ray cluster to compile on: ``CompilePool(target=..., workers=RayFarm(address="auto"))``.
 
     With a farm, the pool's compile jobs run in long-lived Ray actors spread over the cluster's
     nodes, each one a preloaded acompile worker; results come back as bytes and land in the
@@ -118,6 +138,30 @@ class RayFarm:
 
     def __repr__(self) -> str:
         return f"RayFarm(address={self.address!r}, workers={self.workers!r})"
+
+    def description(self) -> dict[str, Any]:
+        """The arguments this farm was made with, as ``RayFarm(**description)`` takes them (what
+        the farm's connection process remakes it from)."""
+        return {
+            "address": self.address,
+            "workers": self.workers,
+            "num_cpus": self.num_cpus,
+            "resources": self.resources,
+            "runtime_env": self.runtime_env,
+            "connect_timeout": self.connect_timeout,
+            "local_fallback": self.local_fallback,
+        }
+
+    async def open(self, settings: WorkerSettings, opening: Opening) -> Executor:
+        """The farm's executor for a pool being entered (``ExecutorSpec.open``): its connection
+        process started and connected. Where the cluster cannot be reached and the farm allows
+        it (``local_fallback``), local workers instead, after one warning. Raises
+        ``FarmUnreachableError``, and ``BackendUnavailableError`` without Ray."""
+        # By name: the farm's executor (``_remote``) sits above this description in the package,
+        # and this module imports nothing of it.
+        remote = importlib.import_module("acompile._farm._remote")
+        executor: Executor = await remote.open_farm(self, settings, opening)
+        return executor
 
     def stats(self) -> FarmStats:
         """The farm as its latest pool sees it: per node (by node id) its address, workers

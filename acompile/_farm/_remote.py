@@ -29,6 +29,7 @@ Frames from the connection process are read with the protocol's restricted unpic
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import logging
 import os
@@ -46,8 +47,16 @@ from urllib.parse import urlsplit
 import anyio
 import anyio.abc
 
-from acompile._errors import AcompileError, CompileError, FarmUnreachableError, PoolClosedError, bounded
+from acompile._errors import (
+    AcompileError,
+    BackendUnavailableError,
+    CompileError,
+    FarmUnreachableError,
+    PoolClosedError,
+    bounded,
+)
 from acompile._farm._broker import LOST_AFTER, LOST_WITHIN
+from acompile._farm._farm import Setup
 from acompile._workers import (
     Executor,
     ExecutorStats,
@@ -64,8 +73,9 @@ from acompile._workers import encode_frame as encode
 
 if TYPE_CHECKING:
     from acompile._farm._farm import FarmStats, RayFarm
+    from acompile._workers import Opening, WorkerSettings
 
-__all__ = ("LOST_AFTER", "LOST_WITHIN", "RemoteExecutor", "connect")
+__all__ = ("LOST_AFTER", "LOST_WITHIN", "RemoteExecutor", "connect", "open_farm")
 
 logger = logging.getLogger("acompile")
 
@@ -90,10 +100,40 @@ _RECONNECT_MAX = 60.0
 _ANSWER_WITHIN = 2.0
 
 
+async def open_farm(farm: RayFarm, settings: WorkerSettings, opening: Opening) -> Executor:
+    """``RayFarm.open``: connect to ``farm`` (through its connection process) and return its
+    executor; where the farm cannot be reached and allows a local fallback, local workers (the
+    pool's urgent ones under a ``Split``, else new ones), after one warning.
+
+    For a farm lost later, with a local fallback, the executor moves its jobs to those local
+    workers (made at the first need).
+
+    Raises ``FarmUnreachableError`` (no fallback asked for) and ``BackendUnavailableError``
+    when Ray is not installed.
+    """
+    # Looked for, not imported: Ray is imported by the connection process only.
+    if importlib.util.find_spec("ray") is None:
+        raise BackendUnavailableError('a RayFarm needs Ray: pip install "acompile[ray]"')
+
+    def make_local() -> Executor:
+        return opening.local_workers(settings)  # this machine's: the pool's own settings
+
+    # On the farm's nodes compiling is the job, on CPUs Ray reserved for it: the idle policy
+    # protects this process's event loop, which is not there.
+    on_nodes = settings.replace(nice=0) if settings.nice == "idle" else settings
+    try:
+        return await connect(farm, on_nodes, opening.memo_dir, local=opening.fallback, make_local=make_local)
+    except FarmUnreachableError as exc:
+        if not farm.local_fallback:
+            raise
+        logger.warning("%s; compiling on this machine's workers instead (local_fallback=True)", exc)
+        return opening.fallback if opening.fallback is not None else make_local()
+
+
 async def connect(
     farm: RayFarm,
+    settings: WorkerSettings,
     memo_dir: Path,
-    workers: dict[str, Any],
     *,
     local: Executor | None = None,
     make_local: Callable[[], Executor] | None = None,
@@ -101,29 +141,21 @@ async def connect(
     """Start the farm's connection process, let it connect (within the farm's
     ``connect_timeout``, once it has started) and return the farm's executor.
 
-    ``workers`` is what the farm's workers need of the pool (``_executor.connect``'s arguments).
-    Where the farm allows a local fallback, ``local`` is the pool's own local executor (served
-    by the pool), or ``make_local`` makes one that this executor starts and serves when it
-    first needs it.
+    ``settings`` is how the farm's workers run, carried whole to the connection process and
+    from there to each actor. Where the farm allows a local fallback, ``local`` is the pool's
+    own local executor (served by the pool), or ``make_local`` makes one that this executor
+    starts and serves when it first needs it.
 
     Raises ``FarmUnreachableError`` naming the address, and ``BackendUnavailableError`` where
     Ray cannot be imported.
     """
-    setup: dict[str, Any] = {
-        "address": _address(farm),
-        "farm": {
-            "address": farm.address,
-            "workers": farm.workers,
-            "num_cpus": farm.num_cpus,
-            "resources": farm.resources,
-            "runtime_env": farm.runtime_env,
-            "connect_timeout": farm.connect_timeout,
-            "local_fallback": farm.local_fallback,
-        },
-        "memo_dir": str(memo_dir),
-        "sys_path": list(sys.path),
-        "workers": workers,
-    }
+    setup = Setup(
+        address=_address(farm),
+        farm=farm.description(),
+        memo_dir=str(memo_dir),
+        sys_path=list(sys.path),
+        settings=settings,
+    )
     connection = await _open(farm, setup)
     return RemoteExecutor(farm, setup, *connection, local=local, make_local=make_local)
 
@@ -131,7 +163,7 @@ async def connect(
 _Connection = tuple[anyio.abc.Process, MessageReceiver, dict[str, Any], deque[str]]
 
 
-async def _open(farm: RayFarm, setup: dict[str, Any]) -> _Connection:
+async def _open(farm: RayFarm, setup: Setup) -> _Connection:
     """Start a connection process with ``setup`` and wait for it to connect: the process, its
     frames, its first words (``hello``) and its last lines on standard error. Raises as
     ``connect()`` does; a process that does not connect is stopped."""
@@ -329,7 +361,7 @@ class RemoteExecutor:
     def __init__(
         self,
         farm: RayFarm,
-        setup: dict[str, Any],
+        setup: Setup,
         process: anyio.abc.Process,
         receiver: MessageReceiver,
         hello: dict[str, Any],
@@ -616,7 +648,7 @@ class RemoteExecutor:
         while True:
             await anyio.sleep(delay)
             delay = min(delay * 2, _RECONNECT_MAX)
-            if not await _answers(self._setup["address"]):
+            if not await _answers(self._setup.address):
                 continue
             try:
                 connection = await _open(self.farm, self._setup)

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from acompile._torch._autoload import ENV as SERVE_ENV
     from acompile._torch._autoload import after_import, serve_with
     from acompile._torch._host import Host
-    from acompile._torch._hostpool import HostPoolClient, HostPoolError
+    from acompile._torch._hostpool import HostPool, HostPoolClient, HostPoolError, HostPoolExecutor
     from acompile._torch._portal import LoopThreadError, Portal, PortalTimeout
     from acompile._torch._seams import SUPPORTED, Patches, Unsupported
     from acompile._torch._seams import find as find_seams
@@ -49,7 +49,9 @@ _NAMES: dict[str, str | tuple[str, str]] = {
     "serve_with": ("_autoload", "serve_with"),
     "after_import": ("_autoload", "after_import"),
     "Host": ("_host", "Host"),
+    "HostPool": ("_hostpool", "HostPool"),
     "HostPoolClient": ("_hostpool", "HostPoolClient"),
+    "HostPoolExecutor": ("_hostpool", "HostPoolExecutor"),
     "HostPoolError": ("_hostpool", "HostPoolError"),
     "Portal": ("_portal", "Portal"),
     "PortalTimeout": ("_portal", "PortalTimeout"),
@@ -68,8 +70,10 @@ __all__ = [
     "SERVE_ENV",
     "SUPPORTED",
     "Host",
+    "HostPool",
     "HostPoolClient",
     "HostPoolError",
+    "HostPoolExecutor",
     "LoopThreadError",
     "Patches",
     "Portal",

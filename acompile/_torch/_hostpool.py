@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import heapq
 import itertools
 import json
 import logging
@@ -37,7 +38,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
@@ -47,7 +48,10 @@ from acompile import _errors, _files
 from acompile._errors import AcompileError, PoolClosedError, PoolError
 from acompile._trust import own_folder
 from acompile._version import __version__
-from acompile._workers import URGENT, Job
+from acompile._workers import URGENT, ExecutorStats, Job, JobCancelled, idle_stats, run_job
+
+if TYPE_CHECKING:
+    from acompile._workers import Executor, Opening, WorkerSettings
 
 logger = logging.getLogger("acompile")
 
@@ -374,6 +378,144 @@ class HostPoolClient:
                 await send_frame(self._stream, header, body)
             except _LOST as exc:
                 raise PoolError(f"the host pool went away: {type(exc).__name__}") from exc
+
+
+class HostPool:
+    """The host's pool as an executor spec (``CompilePool(workers=HostPool())``): the pool's jobs
+    go to the one pool server of this host (started by the first process that asks), through the
+    pool's own queue, traces and stats. Where no server can be had (it does not answer, its
+    folder is not ours), the pool's own local workers instead, after one warning.
+
+    Args:
+        count: the server's workers, where this process is the one that starts it (None: its
+            default); the local workers of a fallback too.
+    """
+
+    def __init__(self, count: int | None = None, idle_exit: float = IDLE_EXIT) -> None:
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+            raise ValueError(f"workers must be a positive integer or None, got {count!r}")
+        self.count = count
+        self.idle_exit = idle_exit
+
+    async def open(self, settings: WorkerSettings, opening: Opening) -> Executor:
+        client = HostPoolClient(opening.cache_root, self.count, self.idle_exit)
+        try:
+            # Left after the pool's task group: the jobs in flight are over by then.
+            await opening.stack.enter_async_context(client)
+        except HostPoolError as exc:
+            # No host pool to be had: this process's own workers compile, started on demand.
+            logger.warning("%s; compiling on this process's own workers", exc)
+            return opening.local_workers(settings, self.count)
+        return HostPoolExecutor(client)
+
+    def __repr__(self) -> str:
+        return f"HostPool({self.count!r})"
+
+
+class HostPoolExecutor:
+    """Implements ``Executor`` over a connected ``HostPoolClient``: each job runs in a task of
+    ``serve()``'s, which sends it to the server and sets its outcome; cancelling it sends the
+    server a cancel. The server keeps the queue of every process of the host, so this one holds
+    none: what it reports is its own jobs."""
+
+    def __init__(self, client: HostPoolClient) -> None:
+        self.client = client
+        self._pending: list[Job] = []
+        self._wake = anyio.Event()
+        self._scopes: dict[Job, anyio.CancelScope] = {}
+        self._counts = {"queued": 0, "running": 0, "done": 0, "failed": 0, "cancelled": 0, "retried": 0}
+        self._seconds: list[float] = []
+        self._slowest: list[tuple[float, str]] = []
+        self._closed = False
+
+    def submit(self, job: Job) -> None:
+        if self._closed:
+            raise PoolClosedError("the pool has shut down")
+        job.state = "queued"
+        self._pending.append(job)
+        self._counts["queued"] += 1
+        self._wake.set()
+
+    async def run(self, job: Job) -> Any:
+        return await run_job(self, job)
+
+    def cancel(self, job: Job) -> None:
+        scope = self._scopes.get(job)
+        if scope is not None:
+            scope.cancel()
+        elif job in self._pending:
+            self._pending.remove(job)
+            self._counts["queued"] -= 1
+            self._counts["cancelled"] += 1
+            job.finish(error=JobCancelled(job.name))
+
+    def promote(self, job: Job) -> None:
+        """The server's queue decides what runs first: nothing to move here."""
+
+    def quiesce(self) -> None:
+        """The server's workers are the host's: they stop when no process is connected."""
+
+    def wakeup(self) -> None:
+        """The server is up while this process is connected."""
+
+    async def wait_ready(self) -> None:
+        await self.client.wait_ready()
+
+    def stats(self) -> ExecutorStats:
+        stats = idle_stats(self.client.size)
+        stats["workers"]["awake"] = True
+        stats["workers"]["busy"] = self._counts["running"]
+        stats["jobs"] = dict(self._counts)  # type: ignore[typeddict-item]
+        stats["job_seconds"] = list(self._seconds)
+        stats["slowest"] = sorted(self._slowest, reverse=True)
+        return stats
+
+    async def serve(self) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                while True:
+                    await self._wake.wait()
+                    self._wake = anyio.Event()
+                    pending, self._pending = self._pending, []
+                    for job in pending:
+                        self._counts["queued"] -= 1
+                        self._counts["running"] += 1
+                        scope = anyio.CancelScope()
+                        self._scopes[job] = scope
+                        tg.start_soon(self._run, job, scope)
+        finally:
+            self._closed = True
+            for job in self._pending:
+                job.finish(error=PoolClosedError("the pool shut down while compiling"))
+            self._pending.clear()
+
+    async def _run(self, job: Job, scope: anyio.CancelScope) -> None:
+        job.state = "running"
+        job.started_at = time.perf_counter()
+        result: Any = None
+        error: BaseException | None = None
+        answered = False
+        try:
+            with scope:
+                result = await self.client.run(job)
+                answered = True
+        except Exception as exc:
+            error, answered = exc, True
+        finally:
+            self._scopes.pop(job, None)
+            self._counts["running"] -= 1
+            job.ended_at = time.perf_counter()
+            job.seconds = job.ended_at - job.started_at
+            if not answered:
+                # Cancelled: by cancel() (nobody waits), or with the pool's task group.
+                self._counts["cancelled"] += 1
+                gone = JobCancelled(job.name) if scope.cancel_called else None
+                job.finish(error=gone or PoolClosedError("the pool shut down while compiling"))
+            else:
+                self._counts["failed" if error is not None else "done"] += 1
+                self._seconds = [*self._seconds[-99:], job.seconds]
+                self._slowest = heapq.nlargest(10, [*self._slowest, (job.seconds, job.name)])
+                job.finish(result, error)
 
 
 def _listening(path: Path) -> bool:

@@ -4,6 +4,11 @@
 (``LocalExecutor``) runs them in worker processes on this machine. The modules, each with one job:
 
 * ``_executor``: the ``Executor`` protocol, ``run_job()``, the stats it reports;
+* ``_settings``: ``WorkerSettings``, how workers run, one frozen value carried whole to every
+  executor and across every process boundary;
+* ``_open``: executor specs (``LocalWorkers``, ``Split``; ``acompile.RayFarm`` and the host's
+  pool elsewhere) and ``Opening``: ``CompilePool(workers=...)``'s one call that opens one;
+* ``_split``: ``SplitExecutor``, urgent jobs on one executor and background jobs on another;
 * ``_queue``: ``Job``, the queue (two lanes, longest expected job first) and the hand-off of jobs to
   idle workers;
 * ``_slots``: ``SlotExecutor``, the skeleton every executor shares (slots, epochs, the start-failure
@@ -62,6 +67,13 @@ _NAMES: dict[str, str | tuple[str, str]] = {
     "encode_frame": ("_protocol", "encode"),
     "read_message": "_protocol",
     "combined_stats": "_executor",
+    "WorkerSettings": "_settings",
+    "ExecutorSpec": "_open",
+    "LocalWorkers": "_open",
+    "Opening": "_open",
+    "Split": "_open",
+    "executor_spec": "_open",
+    "SplitExecutor": "_split",
 }
 if _typing.TYPE_CHECKING:
     from acompile._workers._bytecode import FOLDER as BYTECODE_FOLDER
@@ -76,6 +88,11 @@ if _typing.TYPE_CHECKING:
     from acompile._workers._executor import run_job as run_job
     from acompile._workers._late import paused as outside_job_time
     from acompile._workers._late import prepared as late_config
+    from acompile._workers._open import ExecutorSpec as ExecutorSpec
+    from acompile._workers._open import LocalWorkers as LocalWorkers
+    from acompile._workers._open import Opening as Opening
+    from acompile._workers._open import Split as Split
+    from acompile._workers._open import executor_spec as executor_spec
     from acompile._workers._pool import LocalExecutor as LocalExecutor
     from acompile._workers._pool import WorkerPool as WorkerPool
     from acompile._workers._process import remove_work_folder as remove_work_folder
@@ -93,12 +110,14 @@ if _typing.TYPE_CHECKING:
     from acompile._workers._queue import JobCancelled as JobCancelled
     from acompile._workers._queue import JobQueue as JobQueue
     from acompile._workers._queue import Taker as Taker
+    from acompile._workers._settings import WorkerSettings as WorkerSettings
     from acompile._workers._slots import NoRoom as NoRoom
     from acompile._workers._slots import PoolStats as PoolStats
     from acompile._workers._slots import Runner as Runner
     from acompile._workers._slots import Runners as Runners
     from acompile._workers._slots import SlotExecutor as SlotExecutor
     from acompile._workers._slots import TransientStartError as TransientStartError
+    from acompile._workers._split import SplitExecutor as SplitExecutor
 __getattr__, __dir__ = _lazy.face(__name__, _NAMES, eager=True)
 
 __all__ = (
@@ -108,6 +127,7 @@ __all__ = (
     "URGENT",
     "BackendConfig",
     "Executor",
+    "ExecutorSpec",
     "ExecutorStats",
     "FrameReader",
     "Job",
@@ -116,20 +136,26 @@ __all__ = (
     "JobFailed",
     "JobQueue",
     "LocalExecutor",
+    "LocalWorkers",
     "MessageReceiver",
     "NoRoom",
+    "Opening",
     "PoolStats",
     "Runner",
     "Runners",
     "SlotExecutor",
+    "Split",
+    "SplitExecutor",
     "Taker",
     "TransientStartError",
     "Undecodable",
     "WorkerConfig",
     "WorkerPool",
+    "WorkerSettings",
     "bytecode_plan",
     "combined_stats",
     "encode_frame",
+    "executor_spec",
     "idle_stats",
     "late_config",
     "outside_job_time",

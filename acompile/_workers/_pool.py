@@ -78,6 +78,7 @@ from acompile._workers._process import (
     stop,
 )
 from acompile._workers._queue import Job, JobCancelled, Taker
+from acompile._workers._settings import WorkerSettings
 from acompile._workers._slots import SlotExecutor, TransientStartError
 from acompile._workers._template import Template, UnixListener, stop_template
 
@@ -132,26 +133,35 @@ class WorkerPool(SlotExecutor["LocalRunners"]):
     def __init__(
         self,
         size: int,
-        config: WorkerConfig,
+        settings: WorkerSettings,
         workdir: str,
         *,
-        memory_limit: int | None = None,
-        max_compile_seconds: float | None = None,
-        preload_timeout: float = 120.0,
-        idle_timeout: float | None = None,
-        use_template: bool = True,
+        bytecode_dir: str | None = None,
+        bytecode_helpers: str = "",
     ) -> None:
         if size < 1:
             raise ValueError(f"a pool needs at least one worker, got workers={size}")
+        self.settings = settings
+        config: WorkerConfig = {
+            "sys_path": list(sys.path),
+            "cwd": os.getcwd(),
+            "target": settings.target,
+            "preload": list(settings.preload),
+            "nice": settings.nice,
+            "bytecode_dir": bytecode_dir,
+            "bytecode_helpers": bytecode_helpers,
+        }
         runners = functools.partial(
             LocalRunners,
             config=config,
             workdir=workdir,
-            memory_limit=memory_limit,
-            max_compile_seconds=max_compile_seconds,
-            use_template=use_template,
+            memory_limit=settings.memory_limit,
+            max_compile_seconds=settings.max_compile_seconds,
+            use_template=settings.fork_workers,
         )
-        super().__init__(size, runners, preload_timeout=preload_timeout, idle_timeout=idle_timeout)
+        super().__init__(
+            size, runners, preload_timeout=settings.preload_timeout, idle_timeout=settings.idle_timeout
+        )
 
     @staticmethod
     def make_workdir(prefix: str) -> str:

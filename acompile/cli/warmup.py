@@ -154,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
 async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
     from acompile._compiler import CompilePool
     from acompile._farm import RayFarm
+    from acompile._workers import Split
 
     rows: list[dict[str, Any]] = []
     models: list[dict[str, Any]] = []
@@ -162,10 +163,15 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     shared: dict[str, int] = {}
     preload = (("triton",) if specs else ()) + (("inductor",) if args.models else ())
+    workers: Any = args.workers
+    if args.farm:
+        # The farm alone, or with --workers too, local workers for the urgent lane beside it.
+        farm = RayFarm(args.farm)
+        workers = farm if args.workers is None else Split(args.workers, farm)
     with tempfile.TemporaryDirectory(prefix="acompile-warmup-") as scratch:
         trace_path = Path(scratch) / "trace.json"
         async with CompilePool(
-            args.workers,
+            workers,
             target=args.target or (specs[0].target if specs else None),
             preload=preload,
             cache_dir=args.cache_dir,
@@ -174,7 +180,6 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
             # its own priority, keeping their share of a machine busy with other work.
             worker_nice=0,
             shared_cache=args.shared_cache,
-            farm=RayFarm(args.farm) if args.farm else None,
         ) as pool:
             # The pool's trace says, per kernel, how long it queued and how long a worker took.
             async with pool.trace(trace_path):

@@ -1,7 +1,8 @@
-"""``SplitExecutor``: urgent jobs on this machine's workers, background jobs on a farm.
+"""``SplitExecutor``: urgent jobs on one executor (this machine's workers), background jobs on
+another (a farm).
 
-``CompilePool(workers=N, farm=...)`` asks for both: a server's on-demand compiles (the urgent
-lane: somebody waits for each) stay on N local workers, where no network sits between the request
+``CompilePool(workers=Split(N, RayFarm(...)))`` asks for both: a server's on-demand compiles (the
+urgent lane: somebody waits for each) stay on N local workers, where no network sits between the request
 and the compiler and a cluster's trouble cannot delay them, while warm-ups, progressive best
 tiers and every other background job go to the farm. A background job somebody starts to wait for
 is promoted where it is queued (on the farm): moving it would lose its place.
@@ -14,7 +15,8 @@ from typing import Any
 
 import anyio
 
-from acompile._workers import URGENT, Executor, ExecutorStats, Job, combined_stats, run_job
+from acompile._workers._executor import Executor, ExecutorStats, combined_stats, run_job
+from acompile._workers._queue import URGENT, Job
 
 
 class SplitExecutor:
