@@ -403,3 +403,41 @@ async def test_triton_settings_outside_triton_star_that_change_a_compile_are_in_
         monkeypatch.delenv("PTXAS_OPTIONS")
         _, again = await p.compile_with_tier(spec)
     assert (plain, with_options, again) == ("compile", "compile", "memory")
+
+
+def test_every_memo_of_tritons_parent_half_is_one_that_forgetting_empties() -> None:
+    """``forget_triton()`` empties every memo of Triton's parent half: each registers itself where
+    it is made, and a new module-level memo that does not is found here (a list of them kept in
+    one function missed new ones)."""
+    import collections
+    import importlib
+    import sys
+
+    import acompile._backends._triton  # noqa: F401 (with every module of its parent half)
+    from acompile._backends import _memos
+
+    registered = {id(getattr(forget, "__self__", forget)) for forget in _memos._FORGETTERS}
+    # Kept apart, on purpose: the worker half's built kernels (a worker's, not the parent's); the
+    # toolchain's figures, forgotten under their lock by their module's own forget(); and the
+    # toolchain held in a global, forgotten by the function that sets it (both registered).
+    apart = {
+        ("acompile._backends._triton_source", "_materialized"),
+        ("acompile._backends._triton_toolchain", "_memo"),
+        ("acompile._backends._triton", "_toolchain_memo"),
+    }
+    unregistered = [
+        (module, name)
+        for module in sorted(m for m in sys.modules if m.startswith("acompile._backends._triton"))
+        for name, value in vars(importlib.import_module(module)).items()
+        if name.startswith("_")
+        and not name.startswith("__")
+        and not name.isupper()
+        and (isinstance(value, (dict, set, list, collections.OrderedDict)) or hasattr(value, "cache_clear"))
+        and id(value) not in registered
+        and (module, name) not in apart
+    ]
+    assert not unregistered, f"memos forget_triton() would not empty: {unregistered}"
+    spec_module = importlib.import_module("acompile._backends._triton_spec")
+    spec_module._option_names_memo["probe"] = frozenset()
+    forget_triton()
+    assert "probe" not in spec_module._option_names_memo

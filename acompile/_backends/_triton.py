@@ -17,8 +17,8 @@ module of its own:
   a JIT function to a worker, running a source string's top-level code.
 
 What this process remembers (Triton's toolchain, each kernel's description, source strings'
-findings, option names, metadata classes, launch code, ...) is kept beside the job it serves;
-``forget()`` lists every memo and empties them all.
+findings, option names, metadata classes, launch code, ...) is kept beside the job it serves,
+each memo registered where it is made (``_memos``); ``forget()`` empties them all.
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ import anyio
 
 from acompile import _pacing
 from acompile._backends import (
+    _memos,
     _triton_describe,
     _triton_env,
-    _triton_kernel,
     _triton_load,
     _triton_once,
     _triton_spec,
-    _triton_text,
     _triton_toolchain,
 )
+from acompile._backends._memos import on_forget, remembered
 from acompile._backends._triton_kernel import TritonKernel
 from acompile._backends._triton_spec import TritonRequest
 from acompile._cache import logs_dir, make_key
@@ -156,6 +156,7 @@ def prepare_ahead(specs: list[TritonSpec]) -> list[anyio.Event]:
     return _triton_describe.keys_ahead(specs)
 
 
+@remembered
 @functools.lru_cache(maxsize=16)  # one path a cache folder, computed once
 def _log_dir(memo_dir: Path) -> str:
     return str(logs_dir(memo_dir.parent))
@@ -178,24 +179,18 @@ async def load(request: TritonRequest, entry: Entry, cache_root: Path) -> Triton
 def forget() -> None:
     """Forget everything this process remembered of Triton and of kernels, as if it had just
     started: the next request works each thing out again (for a test that changes what they
-    hold, such as another Triton installation). Every memo of the parent half is here.
+    hold, such as another Triton installation): every memo registered with ``_memos``.
 
     Not memos, and kept: the event loops' tables of work in progress (tasks are waiting on
     them), the parse thread, and the slots of source strings' processes (running probes hold
     them)."""
+    _memos.forget_all()
+
+
+@on_forget
+def _forget_toolchain() -> None:
     global _toolchain_memo
     _toolchain_memo = None
-    _log_dir.cache_clear()
-    _triton_toolchain.forget()
-    _triton_env.invalidating_env_names.cache_clear()
-    _triton_env.forget()
-    _triton_spec._valid_types.clear()
-    _triton_spec._option_names_memo.clear()
-    _triton_describe._described.clear()
-    _triton_text._source_memo.clear()
-    _triton_load._metadata_types.clear()
-    _triton_load._backends.clear()
-    _triton_kernel._launch_code.cache_clear()
 
 
 __all__ = (

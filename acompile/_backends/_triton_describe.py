@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 
 from acompile._backends import _triton_source
+from acompile._backends._memos import remembered
 from acompile._backends._triton_once import ahead, once
 from acompile._backends._triton_spec import TritonSpec, show
 from acompile._backends._triton_text import kernel_from_text
@@ -84,7 +85,7 @@ def keys_ahead(specs: list[Any]) -> list[anyio.Event]:
 
 # Each JIT function's description for workers, with the Triton key it was built under, by the
 # function's id (dropped with the function).
-_described: dict[int, tuple[weakref.ref[Any], str, dict[str, Any]]] = {}
+_described: dict[int, tuple[weakref.ref[Any], str, dict[str, Any]]] = remembered({})
 
 
 async def description(fn: Any) -> dict[str, Any]:

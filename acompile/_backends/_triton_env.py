@@ -11,6 +11,8 @@ import functools
 import os
 from collections.abc import Mapping
 
+from acompile._backends._memos import on_forget, remembered
+
 # TRITON_* variables that cannot change a compiled kernel (paths, caches, logging). Every other
 # TRITON_* variable, and every variable Triton itself lists as cache-invalidating, is part of the
 # key and is set in the worker exactly as it was in the parent when the request was keyed. Tool
@@ -74,12 +76,14 @@ def _find(environ: Mapping[str, str], extra: frozenset[str]) -> dict[str, str]:
     return {k: environ[k] for k in names}
 
 
+@on_forget
 def forget() -> None:
     """Forget the environment last read (see ``_triton.forget``)."""
     global _last
     _last = None
 
 
+@remembered
 @functools.cache
 def invalidating_env_names() -> frozenset[str]:
     """The variables other than ``TRITON_*`` that Triton says change a compile (read once a

@@ -15,6 +15,7 @@ from operator import index
 from types import CodeType
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from acompile._backends._memos import remembered
 from acompile._backends._triton_load import TritonObjects, backend_for
 from acompile._errors import DeviceUnavailableError
 
@@ -313,6 +314,7 @@ class _NoHookChain:
     calls: ClassVar[list[Any]] = []
 
 
+@remembered
 @functools.lru_cache(maxsize=256)
 def _launch_code(
     order: tuple[str, ...], is_constant: tuple[bool, ...], fast: bool, grid_function: bool

@@ -15,6 +15,7 @@ from collections import namedtuple
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from acompile._backends._memos import remembered
 from acompile._backends._triton_spec import show
 from acompile._cache import Blobs, CorruptEntry, Entry, blob_isascii, blob_view
 from acompile._errors import StageUnavailableError
@@ -25,9 +26,9 @@ if TYPE_CHECKING:
 
 
 # The metadata's named-tuple class, by its list of fields (see kernel_metadata).
-_metadata_types: dict[tuple[str, ...], Any] = {}
+_metadata_types: dict[tuple[str, ...], Any] = remembered({})
 # Triton's compiler backend, by GPUTarget (see backend_for).
-_backends: dict[Any, Any] = {}
+_backends: dict[Any, Any] = remembered({})
 
 
 class _Absent:

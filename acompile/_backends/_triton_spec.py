@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from acompile._backends._memos import remembered
 from acompile._errors import InvalidSpecError, bounded
 from acompile._targets import Target, parse_target
 
@@ -64,7 +65,7 @@ def resolve_target(value: Any, default: Target | None) -> Target:
 
 
 # The Triton types already parsed once: a type string is checked by Triton's own parser, ~10 us.
-_valid_types: set[str] = set()
+_valid_types: set[str] = remembered(set())
 
 
 def full_signature(
@@ -197,7 +198,7 @@ def _attr_pairs(k: Any, v: Any) -> list[list[Any]]:
 
 
 # The options each of Triton's compiler backends takes, by backend name ("cuda", "hip").
-_option_names_memo: dict[str, frozenset[str]] = {}
+_option_names_memo: dict[str, frozenset[str]] = remembered({})
 
 
 def option_names(backend: str) -> frozenset[str]:

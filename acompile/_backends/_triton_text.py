@@ -24,6 +24,7 @@ import anyio
 
 from acompile import _linux
 from acompile._backends import _triton_probe
+from acompile._backends._memos import remembered
 from acompile._backends._triton_once import once_async, this_loops
 from acompile._errors import InvalidSpecError
 
@@ -62,7 +63,9 @@ class _SourceParam:
 # cache hit of a source-string kernel costs a hash of the text, not a process. Bounded, as a
 # server may be sent any number of distinct sources.
 SOURCE_MEMO_SIZE = 256
-_source_memo: OrderedDict[tuple[str, str | None], tuple[list[str], SourceKernel | None]] = OrderedDict()
+_source_memo: OrderedDict[tuple[str, str | None], tuple[list[str], SourceKernel | None]] = remembered(
+    OrderedDict()
+)
 # The longest a source string's top-level code may run (importing torch on a busy machine takes
 # seconds); a caller's own deadline usually comes first.
 SOURCE_RUN_SECONDS = 300.0

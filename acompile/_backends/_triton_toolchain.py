@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from acompile._backends._memos import on_forget
 from acompile._cache import MAX_MEMO_BYTES, read_state, write_state
 
 logger = logging.getLogger("acompile")
@@ -102,6 +103,7 @@ def _read_memo(path: Path, fields: tuple[str, ...]) -> dict[str, str] | None:
     return value
 
 
+@on_forget
 def forget() -> None:
     """Forget the figures this process read or computed: the next call reads its memo file, or
     computes them, again (see ``_triton.forget``)."""
