@@ -60,7 +60,9 @@ _NAMES: dict[str, str | tuple[str, str]] = {
     "Target": "_targets",
     "ExecutorSpec": "_workers",
     "LocalWorkers": "_workers",
+    "Opening": "_workers",
     "Split": "_workers",
+    "WorkerSettings": "_workers",
 }
 if _typing.TYPE_CHECKING:
     from acompile import inductor as inductor
@@ -108,7 +110,9 @@ if _typing.TYPE_CHECKING:
     from acompile._targets import Target as Target
     from acompile._workers import ExecutorSpec as ExecutorSpec
     from acompile._workers import LocalWorkers as LocalWorkers
+    from acompile._workers import Opening as Opening
     from acompile._workers import Split as Split
+    from acompile._workers import WorkerSettings as WorkerSettings
 __getattr__, __dir__ = _lazy.face(__name__, _NAMES, eager=True)
 
 __all__ = (
@@ -133,6 +137,7 @@ __all__ = (
     "KernelNotReadyError",
     "LocalWorkers",
     "ObjectFile",
+    "Opening",
     "PoolClosedError",
     "PoolError",
     "ProgressiveKernel",
@@ -151,6 +156,7 @@ __all__ = (
     "UnknownTargetError",
     "UntrustedFolderError",
     "WorkerCrashedError",
+    "WorkerSettings",
     "WorkerStartError",
     "__version__",
     "explain_key",

@@ -26,7 +26,7 @@ import anyio.lowlevel
 
 from acompile import _autotune, _linux, _pacing, _progressive
 from acompile._autotune import TunedKernel
-from acompile._backends import BACKENDS, backend_of, load_parent, prepare_launcher, worker_module
+from acompile._backends import BACKENDS, backend_of, load_launcher_if_built, load_parent, worker_module
 from acompile._cache import (
     DEFAULT_FLEET_WAIT,
     CorruptEntry,
@@ -45,7 +45,7 @@ from acompile._farm import RayFarm
 from acompile._manifest import Recorder
 from acompile._observe import Tracer
 from acompile._progressive import BackgroundKernel, ProgressiveKernel
-from acompile._sizing import default_workers, parse_size, usable_cpus
+from acompile._sizing import default_workers
 from acompile._targets import Target, local_target, parse_target
 from acompile._torch import Portal
 from acompile._workers import (
@@ -80,7 +80,7 @@ if TYPE_CHECKING:
     )
     from acompile._cache import Entry
     from acompile._observe import Stats
-    from acompile._torch import Host as TorchHost
+    from acompile._torch import TorchHost
     from acompile._workers import BackendConfig
 
     # What a compile returns, by spec: TritonSpec -> TritonKernel, CppSpec -> SharedLibrary,
@@ -181,7 +181,9 @@ class CompilePool:
             somebody awaits on 4 local workers and background ones (warm-ups) on the farm. The
             settings below that tune workers (``worker_nice``, ``memory_limit``,
             ``max_compile_seconds``, ``preload_timeout``, ``idle_timeout``, ``fork_workers``,
-            ``preload``) reach every executor's workers, wherever they run.
+            ``preload``) are one ``WorkerSettings``, handed whole to the spec: local workers
+            and a farm's actors run with them (on a farm's nodes ``worker_nice="idle"`` is 0,
+            and its executor, not each actor, quiesces).
         target: the default target of requests, ``"cuda:90"``, ``"cuda:80"`` ...; ``None`` means
             the local GPU (a ``DeviceUnavailableError`` where there is none).
         cache_dir: the disk cache folder; default ``$ACOMPILE_CACHE_DIR``, else
@@ -263,28 +265,10 @@ class CompilePool:
     ) -> None:
         # Every argument is checked here, before anything starts: a server learns of a wrong one
         # when it builds its pool, not at entry or at its first request.
-        if isinstance(workers, (int, str, float)) or workers is None:
-            count = workers
-        else:
-            count = None
-            spec = executor_spec(workers)  # TypeError for what is neither a count nor a spec
-        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
-            # A string first is most often a target given by position.
-            hint = (
-                f" (a target is given by name: CompilePool(target={count!r}))"
-                if isinstance(count, str)
-                else ""
-            )
-            raise ValueError(f"workers must be a positive integer or None, got {count!r}{hint}")
-        if count is not None and count > (most := max(256, 16 * usable_cpus())):
-            # Each worker is a process with its own memory: a count like this is a slip (a
-            # value meant for something else), and entering would try to make them all.
-            raise ValueError(
-                f"workers={count} is more than this machine can run ({usable_cpus()} usable CPUs; "
-                f"at most {most} workers)"
-            )
-        if not isinstance(prestart, bool):
-            raise TypeError(f"prestart must be True or False, got {prestart!r}")
+        spec = executor_spec(workers)  # a count as LocalWorkers (checked), or a spec
+        for name, flag in (("prestart", prestart), ("fork_workers", fork_workers)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         if (
             isinstance(memory_cache_size, bool)
             or not isinstance(memory_cache_size, int)
@@ -297,32 +281,24 @@ class CompilePool:
         if farm is not None:
             if not isinstance(farm, RayFarm):
                 raise TypeError(f"farm must be an acompile.RayFarm or None, got {farm!r}")
-            if workers is not None and count is None:
+            if not (workers is None or isinstance(spec, LocalWorkers)):
                 raise TypeError("a farm beside an executor spec: give workers=acompile.Split(urgent, farm)")
-            new_form = f"acompile.Split({count}, farm)" if count is not None else "farm"
+            new_form = f"acompile.Split({workers}, farm)" if workers is not None else "farm"
             warnings.warn(
                 f"CompilePool's farm= is deprecated and will be removed in 0.3: pass workers={new_form}",
                 DeprecationWarning,
                 stacklevel=2,
             )
+            spec = farm if workers is None else Split(spec, farm)
         cache_dir = _path_argument("cache_dir", cache_dir)
         record = _path_argument("record", record)
         trace = _path_argument("trace", trace)
-        if count is not None or workers is None:
-            spec = LocalWorkers(count) if farm is None else (farm if count is None else Split(count, farm))
         # One place chooses the executor: this spec, opened once as the pool is entered.
         self._spec: ExecutorSpec = spec
-        local_count = count if count is not None else getattr(spec, "count", None)
-        self._size = local_count if isinstance(local_count, int) else default_workers()
-        if count is not None and farm is None and count > (cpus := usable_cpus()):
-            # Allowed (a machine shared with a changing load, a test), but rarely what is meant.
-            logger.warning(
-                "workers=%d on %d usable CPU%s: a compile keeps a CPU busy, so workers beyond "
-                "the CPUs make a storm slower, not faster, and each holds its own memory",
-                count,
-                cpus,
-                "" if cpus == 1 else "s",
-            )
+        # How many local workers it runs (the urgent side's, under a Split), or would by default.
+        local = spec.urgent if isinstance(spec, Split) else spec
+        count = getattr(local, "count", None)
+        self._size = count if isinstance(count, int) else default_workers()
         self._target_arg = target
         self._target: Target | None = parse_target(target) if target is not None else None
         # The tiers after memory, fastest first: adding a tier is adding it here.
@@ -343,23 +319,21 @@ class CompilePool:
         self._tuner = _autotune.Tuner(self._cache)
         self._prestart = prestart
         self._prestart_scope: anyio.CancelScope | None = None  # made on entry: needs the loop
-        _check_backends(tuple(preload))
-        self._preload = tuple(preload)
         # How the workers run, wherever they run: checked here, once, and carried whole (the
-        # target is the pool's, known at entry when it is the local GPU's).
-        try:
-            limit = parse_size(memory_limit) if memory_limit is not None else None
-        except ValueError as exc:
-            raise ValueError(f"memory_limit: {exc}") from None
-        self._settings = WorkerSettings(
-            backends=self._preload,
-            preload=tuple(dict.fromkeys(worker_module(name) for name in self._preload)),
+        # target and the preloaded modules are set below and at entry).
+        settings = WorkerSettings.checked(
             nice=worker_nice,
-            memory_limit=limit,
+            idle_timeout=idle_timeout,
+            memory_limit=memory_limit,
             max_compile_seconds=max_compile_seconds,
             preload_timeout=preload_timeout,
-            idle_timeout=idle_timeout,
             fork_workers=fork_workers,
+        )
+        _check_backends(tuple(preload))
+        self._preload = tuple(preload)
+        self._settings = settings.replace(
+            backends=self._preload,
+            preload=tuple(dict.fromkeys(worker_module(name) for name in self._preload)),
         )
         self._recorder = Recorder(Path(record)) if record is not None else None
         self._trace_path = Path(trace) if trace is not None else None
@@ -406,7 +380,7 @@ class CompilePool:
                             'CompilePool(preload=("inductor",)))'
                         ) from exc
             if self._target is not None and self._target.backend == "cuda":
-                prepare_launcher()  # imported off the first launch, where a GPU driver is
+                load_launcher_if_built()  # imported off the first launch, where a GPU driver is
             await self._cache.open()
             for name in self._preload:
                 # Imports (in a thread, unless done already) and one-time costs now, not in the
@@ -432,6 +406,8 @@ class CompilePool:
                 backend_config=self._worker_config,
                 size=self._size,
                 stack=self._executor_stack,
+                sys_path=tuple(sys.path),
+                cwd=os.getcwd(),
             )
             # The one place an executor is chosen: the spec opens its own (a farm that cannot be
             # reached falls back to local workers inside its open, where it allows that).
@@ -1041,10 +1017,9 @@ class CompilePool:
         """The executor this pool's compile jobs run on, as the pool's ``workers=`` spec opened it:
         worker processes on this machine, a farm's, a split of the two, the host's pool.
 
-        The seam for other executors (a compile farm) and for tests, which run jobs of a fake
-        backend through it (``acompile._workers.run_job(pool.executor, job)``); not for ordinary
-        use, where requests go through ``triton()``, ``cuda()`` and ``cpp()``. Raises
-        ``PoolClosedError`` outside ``async with``.
+        For tests, ``acompile.testing.run_job(pool, module, payload, name)`` runs a job of a
+        worker-side module of one's own through it; requests go through ``triton()``,
+        ``cuda()`` and ``cpp()``. Raises ``PoolClosedError`` outside ``async with``.
         """
         self._check_running()
         assert self._workers is not None
@@ -1130,15 +1105,15 @@ class CompilePool:
         """
         return _progressive.background(self._progressive_host(), spec, fallback)
 
-    def _torch_host(self) -> TorchHost:
+    def torch_host(self) -> TorchHost:
         """What torch.compile served by this pool (``acompile.inductor.serve(pool)``) may use of
         it: its tiers, its executor, a way in from torch's threads. Raises ``PoolClosedError``
         outside ``async with``."""
-        from acompile._torch import Host
+        from acompile._torch import TorchHost
 
         self._check_running()
         assert self._portal is not None and self._workers is not None
-        return Host(
+        return TorchHost(
             portal=self._portal,
             find=self._cache.find_record,
             store=functools.partial(self._cache.put_record, backend="torch"),
@@ -1163,12 +1138,12 @@ class CompilePool:
             if self._tracer is not None:
                 self._tracer.job(job, start, time.perf_counter())
 
-    def _progressive_host(self) -> _progressive.Host:
+    def _progressive_host(self) -> _progressive.ProgressiveHost:
         """What progressive and background compiles may use of this pool (it must be running):
         its requests, its task group (nothing they start outlives the pool), its spec check."""
         self._check_running()
         assert self._tg is not None
-        return _progressive.Host(self.compile_with_tier, self._tg.start_soon, backend_of)
+        return _progressive.ProgressiveHost(self.compile_with_tier, self._tg.start_soon, backend_of)
 
     @overload
     async def gather(

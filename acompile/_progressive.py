@@ -6,7 +6,7 @@ as soon as it exists and the best one once it lands. ``background(host, spec, fa
 eager code until its kernel is compiled, then the kernel. Both return at once and never block a
 launch on a compile.
 
-``host`` is what they need from the pool, handed over by it (``Host``): they reach into nothing
+``host`` is what they need from the pool, handed over by it (``ProgressiveHost``): they reach into nothing
 else. Everything they start runs in the pool's own task group: leaving ``async with CompilePool()``
 cancels compiles still pending, and their handles record ``PoolClosedError`` (keeping whatever
 they launch already).
@@ -32,8 +32,8 @@ from acompile._errors import KernelNotReadyError, PoolClosedError
 
 __all__ = (
     "BackgroundKernel",
-    "Host",
     "KernelNotReadyError",
+    "ProgressiveHost",
     "ProgressiveKernel",
     "background",
     "progressive",
@@ -43,7 +43,7 @@ logger = logging.getLogger("acompile")
 
 
 @dataclass(frozen=True)
-class Host:
+class ProgressiveHost:
     """What progressive and background compiles need from a running pool, which hands it over.
 
     Attributes:
@@ -181,7 +181,7 @@ class ProgressiveKernel:
 
     # -- the compile tasks (in the pool's task group, on the loop's thread) ----------------------
 
-    async def _compile(self, host: Host, spec: Any, stage: str) -> None:
+    async def _compile(self, host: ProgressiveHost, spec: Any, stage: str) -> None:
         scope = self._fast_scope if stage == "fast" else anyio.CancelScope()
         try:
             with scope:
@@ -315,7 +315,7 @@ class BackgroundKernel:
             "error": _first_line(self.error) if self.error is not None else None,
         }
 
-    async def _compile(self, host: Host, spec: Any) -> None:
+    async def _compile(self, host: ProgressiveHost, spec: Any) -> None:
         try:
             kernel, tier = await host.compile_with_tier(spec, background=True)
         except anyio.get_cancelled_exc_class():
@@ -337,7 +337,7 @@ class BackgroundKernel:
         self._done.set()
 
 
-def progressive(host: Host, fast_spec: Any, best_spec: Any) -> ProgressiveKernel:
+def progressive(host: ProgressiveHost, fast_spec: Any, best_spec: Any) -> ProgressiveKernel:
     """Compile a quick version and a tuned version of a kernel; return a handle at once.
 
     The fast spec is compiled as an urgent job, the best one in the background lane (behind work
@@ -364,7 +364,7 @@ def progressive(host: Host, fast_spec: Any, best_spec: Any) -> ProgressiveKernel
     return handle
 
 
-def background(host: Host, spec: Any, fallback: Callable[..., Any]) -> BackgroundKernel:
+def background(host: ProgressiveHost, spec: Any, fallback: Callable[..., Any]) -> BackgroundKernel:
     """Compile spec in the background lane; return at once a ``BackgroundKernel`` that runs
     ``fallback`` until the kernel is ready, then the kernel (see there). It never blocks.
 
@@ -389,7 +389,7 @@ def background(host: Host, spec: Any, fallback: Callable[..., Any]) -> Backgroun
     return bk
 
 
-def _check_call(host: Host, *specs: Any) -> None:
+def _check_call(host: ProgressiveHost, *specs: Any) -> None:
     try:
         anyio.get_current_task()
     except RuntimeError:

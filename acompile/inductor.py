@@ -51,7 +51,7 @@ from acompile._torch import SUPPORTED, serve_with
 if TYPE_CHECKING:
     from acompile._compiler import CompilePool
     from acompile._jit import JitServing
-    from acompile._torch import Host, Patches, Served
+    from acompile._torch import Patches, Served, TorchHost
 
 __all__ = ("SUPPORTED", "Serving", "UnsupportedTorchWarning", "load_artifacts", "save_artifacts", "serve")
 
@@ -332,10 +332,10 @@ class Serving:
 
         host.portal.spawn(host.wait_ready).add_done_callback(ready)
 
-    def _host(self) -> Host:
+    def _host(self) -> TorchHost:
         if self._given is not None:
             self.pool = self._given
-            return self._given._torch_host()
+            return self._given.torch_host()
         assert self._own is not None
         host = self._own.start()
         self.pool = self._own.pool
@@ -526,13 +526,13 @@ class _OwnPool:
             ) from None
         self._entered = threading.Event()
         self._error: BaseException | None = None
-        self._host: Host | None = None
+        self._host: TorchHost | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
         self.host_pool: Any = None
         self._thread = threading.Thread(target=self._main, name="acompile-inductor", daemon=True)
 
-    def start(self) -> Host:
+    def start(self) -> TorchHost:
         self._thread.start()
         if not self._entered.wait(_START_WAIT):
             # A hang, never a wait for ever: a start that waits for what this thread holds (an
@@ -562,8 +562,8 @@ class _OwnPool:
 
             executor = self.pool.executor
             if isinstance(executor, HostPoolExecutor):
-                self.host_pool = executor.client
-            self._host = self.pool._torch_host()
+                self.host_pool = executor
+            self._host = self.pool.torch_host()
             self._entered.set()
             await self._stop_event.wait()
 

@@ -1,8 +1,9 @@
 """A worker-side backend for tests: jobs that do what Triton will not do on demand.
 
 Payload: {"name": str, "action": str, ...}. Real processes, real signals, real file descriptors;
-only the compiler is fake. ``run_job()`` (parent side) runs one such job through a pool's
-executor, as a request would.
+only the compiler is fake. ``acompile.testing.run_job(pool, "fake_backend", payload, name)`` runs
+one such job on a pool's workers, as a request would; ``local_executor()`` (parent side) is the
+pool's executor, for the tests of worker processes.
 """
 
 from __future__ import annotations
@@ -22,17 +23,6 @@ from acompile._workers import late_config, outside_job_time
 if TYPE_CHECKING:
     from acompile import CompilePool
     from acompile._workers import WorkerPool
-
-
-async def run_job(
-    pool: CompilePool, backend: str, payload: Any, name: str, *, background: bool = False
-) -> Any:
-    """Run one job of ``backend`` (a worker-side module, by name) through ``pool.executor`` and
-    return its result. As for a request: cancelled while the job is queued, the job is dropped;
-    while it runs, its worker is stopped."""
-    from acompile._workers import BACKGROUND, URGENT, Job
-
-    return await pool.executor.run(Job(backend, payload, name, BACKGROUND if background else URGENT))
 
 
 def local_executor(pool: CompilePool) -> WorkerPool:

@@ -58,6 +58,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("acompile._compiler",),
     ("acompile.inductor",),
     ("acompile",),
+    ("acompile.testing",),
     ("acompile._bench",),
     ("acompile.cli",),
     ("acompile.__main__",),
@@ -386,19 +387,42 @@ def test_each_face_table_and_its_type_checking_imports_agree() -> None:
 
 # --- how work reaches a worker ------------------------------------------------------------------
 
-# Each executor class, and the one function that may build it: an executor spec's ``open`` (or
-# what it calls), never the pool. ``CompilePool`` chooses no executor: it opens its spec.
+# Each executor class (and each helper that makes one), and the functions that may call it: an
+# executor spec's ``open`` (or what it calls), never the pool. ``CompilePool`` chooses no
+# executor: it opens its spec.
 EXECUTOR_BUILDERS = {
     "WorkerPool": {
         ("acompile._workers._open", "local_workers"),
         # A farm's actor runs a pool of one on its node: the farm's executor's workers.
         ("acompile._farm._actor", "start"),
     },
+    "local_workers": {
+        ("acompile._workers._open", "open"),  # LocalWorkers.open
+        ("acompile._workers._open", "fallback_or_local"),
+        ("acompile._farm._remote", "make_local"),  # a lost farm's fallback, in open_farm
+    },
+    "fallback_or_local": {
+        ("acompile._farm._remote", "open_farm"),
+        ("acompile._torch._hostpool", "local"),  # in HostPool.open
+    },
     "SplitExecutor": {("acompile._workers._open", "open")},
     "RemoteExecutor": {("acompile._farm._remote", "connect")},
     "FarmExecutor": {("acompile._farm._executor", "connect")},
     "HostPoolExecutor": {("acompile._torch._hostpool", "open")},
+    # Tests' executor in front of another (acompile.testing.Interposed).
+    "InterposedExecutor": {("acompile.testing", "open")},
 }
+
+
+def _aliases(tree: ast.Module) -> dict[str, str]:
+    """The names a module imports under another name (``import X as Y``: Y -> X)."""
+    return {
+        alias.asname: alias.name.rpartition(".")[2]
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+        if alias.asname
+    }
 
 
 def _calls(tree: ast.Module) -> Iterator[tuple[ast.Call, str]]:
@@ -414,53 +438,63 @@ def _calls(tree: ast.Module) -> Iterator[tuple[ast.Call, str]]:
     yield from walk(tree, "")
 
 
-def _called_name(call: ast.Call) -> str:
+def _called_name(call: ast.Call, aliases: dict[str, str]) -> str:
+    """The name a call calls, through the module's import aliases."""
     func = call.func
-    if isinstance(func, ast.Name):
-        return func.id
-    if isinstance(func, ast.Attribute):
-        return func.attr
-    return ""
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    return aliases.get(name, name)
+
+
+def _parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
 
 
 CALLS = {
-    module: list(_calls(ast.parse(path.read_text(), filename=str(path)))) for module, path in MODULES.items()
+    module: [(call, function, _called_name(call, _aliases(tree))) for call, function in _calls(tree)]
+    for module, tree in ((module, _parsed(path)) for module, path in MODULES.items())
 }
 
 
 def test_only_an_executor_spec_builds_an_executor() -> None:
     # One place chooses how a job reaches a worker: the spec the pool was given (workers=...),
     # in its open(). An executor built anywhere else is a second route.
-    found = {name: set() for name in EXECUTOR_BUILDERS}
+    found: dict[str, set[tuple[str, str]]] = {name: set() for name in EXECUTOR_BUILDERS}
     stray = []
     for module, calls in CALLS.items():
-        for call, function in calls:
-            name = _called_name(call)
+        for call, function, name in calls:
             if name in EXECUTOR_BUILDERS:
                 found[name].add((module, function))
                 if (module, function) not in EXECUTOR_BUILDERS[name]:
-                    stray.append(
-                        f"{MODULES[module].relative_to(ROOT)}:{call.lineno} {name}() in {function or 'the module'}"
-                    )
+                    where = f"{MODULES[module].relative_to(ROOT)}:{call.lineno}"
+                    stray.append(f"{where} {name}() in {function or 'the module'}")
     assert not stray, "executors built outside an executor spec's open():\n" + "\n".join(stray)
     # And each builder named here still builds it (a table that names what no longer happens
     # would let a new route through unseen).
     assert found == EXECUTOR_BUILDERS
 
 
+def _names_settings(node: ast.expr) -> bool:
+    """Whether an argument is the worker settings (a name or attribute that ends in settings)."""
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return name.lower().endswith("settings")
+
+
 def test_the_pool_opens_its_executor_spec_in_one_call() -> None:
+    # Any ``something.open(..., settings, ...)`` is a spec being opened, whatever holds it.
     opens = [
         (module, function, call.lineno)
         for module, calls in CALLS.items()
-        for call, function in calls
-        if isinstance(call.func, ast.Attribute)
-        and call.func.attr == "open"
-        and isinstance(call.func.value, ast.Attribute)
-        and call.func.value.attr in {"_spec", "urgent", "background"}
+        for call, function, name in calls
+        if name == "open" and isinstance(call.func, ast.Attribute) and any(map(_names_settings, call.args))
     ]
     where = {(module, function) for module, function, _ in opens}
-    # CompilePool's entry opens its spec; Split opens its two halves; nothing else opens one.
-    assert where == {("acompile._compiler", "__aenter__"), ("acompile._workers._open", "open")}, opens
+    # CompilePool's entry opens its spec; a spec made of specs opens them in its own open (Split
+    # its two halves, acompile.testing's Interposed the one it wraps); nothing else opens one.
+    assert where == {
+        ("acompile._compiler", "__aenter__"),
+        ("acompile._workers._open", "open"),
+        ("acompile.testing", "open"),
+    }, opens
     assert sum(module == "acompile._compiler" for module, _, _ in opens) == 1
 
 
@@ -495,3 +529,9 @@ def test_worker_settings_cross_every_process_boundary_as_the_one_type() -> None:
         if isinstance(node, ast.ClassDef) and any(getattr(b, "id", "") == "TypedDict" for b in node.bases)
     }
     assert typed_dicts == {"NodeStats", "FarmStats"}
+    # And at run time: the farm's Setup and its actors take nothing else (a dict of the same
+    # fields is refused, where a test of a farm would see it).
+    with pytest.raises(TypeError, match="carries a WorkerSettings, got dict"):
+        Setup(address="local", farm={}, memo_dir="/", sys_path=[], settings={"nice": 0})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="started with a WorkerSettings, got dict"):
+        FarmWorker({"nice": 0})  # type: ignore[arg-type]

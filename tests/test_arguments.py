@@ -224,12 +224,15 @@ def test_every_argument_error_of_the_pool_is_raised_by_its_constructor(
 @pytest.mark.parametrize(
     ("arguments", "says"),
     [
-        ({"count": 0}, r"LocalWorkers needs a positive count or None, got 0"),
-        ({"count": True}, r"LocalWorkers needs a positive count"),
-        ({"count": "4"}, r"LocalWorkers needs a positive count"),
+        ({"count": 0}, r"workers must be a positive integer or None, got 0"),
+        ({"count": True}, r"workers must be a positive integer"),
+        ({"count": "4"}, r"workers must be a positive integer or None, got '4'"),
+        ({"count": 10**9}, r"workers=1000000000 is more than this machine can run"),
     ],
 )
-def test_local_workers_refuse_a_count_that_is_not_one(arguments: dict[str, Any], says: str) -> None:
+def test_local_workers_refuse_a_count_that_is_not_one_as_a_pool_does(
+    arguments: dict[str, Any], says: str
+) -> None:
     with pytest.raises(ValueError, match=says):
         acompile.LocalWorkers(**arguments)
 
@@ -258,8 +261,10 @@ def test_a_farm_beside_the_workers_is_deprecated_and_the_warning_names_the_new_f
         assert isinstance(spec, acompile.Split) and spec.background is farm and spec.urgent.count == 3
     else:
         assert spec is farm
-    with pytest.raises(TypeError, match=r"a farm beside an executor spec"):
+    with pytest.warns(DeprecationWarning, match=r"pass workers=acompile.Split\(LocalWorkers\(2\), farm\)"):
         acompile.CompilePool(target=TARGET, cache_dir=tmp_path, farm=farm, workers=acompile.LocalWorkers(2))
+    with pytest.raises(TypeError, match=r"a farm beside an executor spec"):
+        acompile.CompilePool(target=TARGET, cache_dir=tmp_path, farm=farm, workers=acompile.Split(1, 1))
 
 
 def test_every_argument_of_the_pool_is_tried_with_a_wrong_value() -> None:

@@ -26,12 +26,13 @@ import psutil
 import pytest
 from attacker import Background, as_nobody, nobody, shared_folder
 from conftest import ROOT, TARGET
-from fake_backend import local_executor, run_job
+from fake_backend import local_executor
 from processes import forked_and_fresh, until
 
 import acompile
-from acompile._workers import Job, WorkerPool, WorkerSettings, encode_frame
+from acompile._workers import WorkerPool, WorkerSettings, encode_frame
 from acompile._workers._protocol import HELLO, peer_uid
+from acompile.testing import run_job
 
 pytestmark = pytest.mark.anyio
 FAKE = "fake_backend"
@@ -466,7 +467,7 @@ async def test_a_farm_actor_s_work_folder_is_its_own_though_another_user_made_th
     farm = acompile.RayFarm(one_node.address, workers=1, runtime_env={"env_vars": env})
     async with acompile.CompilePool(target=TARGET, workers=farm, cache_dir=tmp_path, preload=()) as p:
         with anyio.fail_after(120):
-            assert await p.executor.run(Job(FAKE, {"name": "k", "action": "echo", "value": 3}, "k")) == 3
+            assert await run_job(p, FAKE, {"name": "k", "action": "echo", "value": 3}, "k") == 3
         workdirs = set()
         for proc in psutil.Process().children(recursive=True):
             try:

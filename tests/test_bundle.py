@@ -76,7 +76,7 @@ def make_entry(parts: dict[str, Any], size: int = 1000, *, record: bool = True) 
 
 async def fill(root: Path, count: int, size: int = 1000) -> dict[str, bytes]:
     disk = DiskTier(root)
-    await anyio.to_thread.run_sync(disk.prepare)
+    await anyio.to_thread.run_sync(disk.make_or_check)
     entries = dict(make_entry(parts_for(i), size) for i in range(count))
     for key, data in entries.items():
         await disk.set(key, data)

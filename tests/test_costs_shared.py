@@ -117,7 +117,7 @@ async def test_a_fresh_replica_expects_what_the_fleet_measured(
     async with pool(tmp_path / "c", redis_server, signing_key=OTHER_KEY, prestart=False) as p:
         for key, seconds in measured.items():
             assert await p._cache.costs.expect(features(key)) != pytest.approx(seconds)
-        assert p._cache.costs.counts["shared_loaded"] == 0
+        assert p.stats()["cache"]["costs_from_fleet"] == 0
     # The document is no entry: it is not under the entries' names.
     assert not [k for k in redis_server.client().keys(f"acompile:{signing_key_id(KEY)}:*") if b"costs" in k]
 

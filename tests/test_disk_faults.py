@@ -197,7 +197,7 @@ async def test_a_cache_folder_that_hangs_at_start_delays_nothing_for_long(
         with open(fifo, "rb"):  # blocks in the kernel until the test lets it go
             pass
 
-    monkeypatch.setattr(DiskTier, "prepare", hung_prepare)
+    monkeypatch.setattr(DiskTier, "make_or_check", hung_prepare)
     caplog.set_level(logging.DEBUG, "acompile")
     try:
         with anyio.fail_after(60):

@@ -26,11 +26,12 @@ import anyio.abc
 import psutil
 import pytest
 from conftest import subprocess_env
-from fake_backend import local_executor, run_job
+from fake_backend import local_executor
 from processes import forked_and_fresh, gone, is_template, pool_processes, template_pids, until, worker_pids
 
 import acompile
 from acompile._workers import Job, JobCancelled, TransientStartError
+from acompile.testing import run_job
 
 pytestmark = pytest.mark.anyio
 FAKE = "fake_backend"

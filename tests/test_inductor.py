@@ -26,6 +26,7 @@ from conftest import ROOT, RedisServer, asyncio_only, json_shared, subprocess_en
 from processes import pool_processes, reaped
 
 import acompile
+import acompile.testing
 
 pytestmark = pytest.mark.slow
 KEY = "k" * 32
@@ -423,6 +424,49 @@ async def test_an_async_program_serves_torch_compile_through_its_own_pool_and_qu
         e for e in json.loads(trace.read_text())["traceEvents"] if "(torch.compile)" in e.get("name", "")
     ]
     assert len(spans) >= stats["cpp"]["builds"]
+
+
+@asyncio_only
+@pytest.mark.anyio
+async def test_a_pool_on_the_hosts_pool_runs_its_jobs_there_and_leaves_clean(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``CompilePool(workers=HostPool(1))``: the pool's jobs run on the host's server, counted
+    in the pool's stats, and leaving it closes the link (no error), removes the pool's work
+    folder and leaves the server to the host (it ends on its own, idle)."""
+    import tempfile
+
+    import psutil
+
+    from acompile._torch import HostPool, HostPoolExecutor
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    caplog.set_level("WARNING", logger="acompile")
+    pool = acompile.CompilePool(
+        HostPool(1), cache_dir=tmp_path / "cache", preload=("inductor",), prestart=False
+    )
+    server = None
+    try:
+        async with pool:
+            executor = pool.executor
+            assert isinstance(executor, HostPoolExecutor)
+            server = psutil.Process(executor.server_pid)
+            with anyio.fail_after(120):
+                await pool.wait_ready()
+            assert list((tmp_path / "tmp").glob("acompile-*"))  # the pool's work folder, while it runs
+            with pytest.raises(acompile.CompileError, match="runs no jobs of 'fake_backend'"):
+                await acompile.testing.run_job(pool, "fake_backend", {"name": "x", "action": "pid"}, "x")
+            assert pool.stats()["jobs"]["failed"] == 1  # the pool's own stats saw it
+        assert not list((tmp_path / "tmp").glob("acompile-*"))
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+        assert server.is_running()  # the host's, not the pool's
+    finally:
+        if server is not None and server.is_running():
+            children = server.children(recursive=True)
+            server.terminate()
+            server.wait(30)
+            psutil.wait_procs(children, timeout=10)
 
 
 # asyncio only: a worker killed under its job, and the retry, are shown on both loops in
@@ -840,8 +884,9 @@ def test_a_host_pool_that_dies_and_cannot_come_back_costs_nothing_but_its_help(
     tmp_path: Path, headers: Path
 ) -> None:
     """The host's server killed just before a compile, and its folder no longer trusted (so no
-    server can start again): the compile finishes in the process's own threads, the process's
-    serving goes on (its writes reach its tiers), and the outputs are right."""
+    server can start again): the compile finishes on the process's own workers (the local
+    fallback), the process's serving goes on (its writes reach its tiers), and the outputs are
+    right."""
     ac = tmp_path / "acompile"
     code = f"""
 import json, os, signal, sys
@@ -854,13 +899,14 @@ with inductor.serve(host_pool=True, workers=2, cache_dir={str(ac)!r}) as serving
     os.kill(serving.stats()["host_pool"]["pid"], signal.SIGKILL)
     report = torch_model.run()
     stats = serving.stats()
-print(json.dumps({{"ok": report["ok"], "jobs": stats["jobs"], "cpp": stats["cpp"], "puts": stats["caches"]["fx-graph"]["puts"], "state": stats["pool"]["state"]}}))
+print(json.dumps({{"ok": report["ok"], "jobs": stats["jobs"], "cpp": stats["cpp"], "puts": stats["caches"]["fx-graph"]["puts"], "state": stats["pool"]["state"], "workers": stats["pool"]["workers"]}}))
 """
     env = subprocess_env(**machine(tmp_path, "lost", headers=headers))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["ok"], report
-    assert report["jobs"]["run_here"] + report["cpp"]["local_builds"] >= 1, report
+    # Its jobs went to workers of its own, started for the fallback, not into its threads.
+    assert report["workers"]["started"] >= 1 and report["jobs"]["run_here"] == 0, report
     assert report["puts"] == 1 and report["state"] == "running", report  # serving went on
     assert "unhandled errors" not in done.stderr, done.stderr[-2000:]

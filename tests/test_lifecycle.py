@@ -18,11 +18,12 @@ import anyio
 import psutil
 import pytest
 from conftest import subprocess_env
-from fake_backend import local_executor, run_job
+from fake_backend import local_executor
 from processes import forked_and_fresh, gone, template_pids, until, worker_pids
 
 import acompile
 from acompile._workers import Job, SlotExecutor
+from acompile.testing import run_job
 
 pytestmark = pytest.mark.anyio
 FAKE = "fake_backend"
@@ -418,7 +419,7 @@ class _GatedRunners:
     def live(self) -> int:
         return self.alive
 
-    def prepare(self, job: Job) -> None:
+    def encode(self, job: Job) -> None:
         pass
 
     async def start(self, slot: int) -> _GatedRunner:

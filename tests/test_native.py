@@ -14,9 +14,9 @@ from pathlib import Path
 import anyio
 import pytest
 from conftest import gpu_available, run_python, subprocess_env
-from fake_backend import run_job
 
 import acompile
+from acompile.testing import run_job
 
 pytestmark = pytest.mark.anyio
 

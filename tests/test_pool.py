@@ -24,11 +24,12 @@ import anyio
 import psutil
 import pytest
 from conftest import asyncio_only
-from fake_backend import local_executor, run_job
+from fake_backend import local_executor
 from processes import forked_and_fresh, gone, template_pids, until, worker_pids
 
 import acompile
 from acompile._workers import Job, JobCancelled, WorkerPool, WorkerSettings
+from acompile.testing import run_job
 
 pytestmark = pytest.mark.anyio
 FAKE = "fake_backend"
@@ -899,14 +900,14 @@ def test_a_pool_imports_nothing_once_acompile_is_imported(runner: str) -> None:
         "import asyncio, sys, tempfile\n"
         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "import anyio, acompile\n"
-        "from fake_backend import run_job\n"
+        "from acompile.testing import run_job\n"
         "async def main():\n"
         "    before = set(sys.modules)\n"
         "    async with acompile.CompilePool(1, preload=(), target='cuda:90', cache_dir=tempfile.mkdtemp()) as p:\n"
         "        await run_job(p, 'fake_backend', {'name': 'p', 'action': 'pid'}, 'p')\n"
         "        await asyncio.sleep(0.6)  # the pool's watchers sample its processes\n"
         # Where a GPU driver is and this machine built acompile's launcher, a pool for a CUDA
-        # target imports it as it starts, on a thread of its own (see _launcher.prepare).
+        # target imports it as it starts, on a thread of its own (see _launcher.load_if_built).
         "    print(sorted(set(sys.modules) - before - {'acompile._launch'}))\n"
         f"{runner}\n"
     )
@@ -1248,3 +1249,20 @@ async def test_an_executor_spec_handed_in_runs_the_pools_jobs_with_its_settings_
         not psutil.pid_exists(next(iter(pids)))
         or psutil.Process(next(iter(pids))).status() == psutil.STATUS_ZOMBIE
     )
+
+
+async def test_two_local_pools_of_one_pool_keep_their_workers_apart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``Split(1, 1)``: two local pools in one pool, each with its template and its worker
+    files in a folder of its own (in one folder, the second template's socket was taken by
+    the first's, and one worker's stderr file was read for the other's crash)."""
+    caplog.set_level("WARNING", logger="acompile")
+    async with acompile.CompilePool(
+        acompile.Split(1, 1), target="cuda:90", cache_dir=tmp_path, preload=(), fork_workers=True
+    ) as p:
+        urgent = await run_job(p, FAKE, {"name": "u", "action": "pid"}, "u")
+        background = await run_job(p, FAKE, {"name": "b", "action": "pid"}, "b", background=True)
+        assert urgent != background
+        assert p.stats()["workers"]["forked"] == 2  # each from its own template
+    assert not [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")], caplog.text

@@ -4,7 +4,7 @@ code until the kernel is ready).
 Real Triton compiles for cuda:90 show the swaps, the lanes and the shutdown; launching needs a
 GPU, so the launch path itself is exercised through its seam: a handle launches whatever object
 its pool's ``compile_with_tier`` returned, by ``kernel[grid](*args)``. ``GatedPool`` below is
-that seam's other side, the ``Host`` the handles are given by a ``CompilePool`` (its
+that seam's other side, the ``ProgressiveHost`` the handles are given by a ``CompilePool`` (its
 ``compile_with_tier`` and a task group's ``start_soon``), returning fake kernels that record their
 launches, each compile finishing when the test opens its gate.
 """
@@ -19,18 +19,18 @@ from typing import Any
 import anyio
 import pytest
 from conftest import TARGET, gpu_available
-from fake_backend import run_job
 from kernels_for_tests import ADD_SIG, add_kernel, broken_kernel
 
 import acompile
 from acompile._progressive import (
     BackgroundKernel,
-    Host,
     KernelNotReadyError,
+    ProgressiveHost,
     ProgressiveKernel,
     background,
     progressive,
 )
+from acompile.testing import run_job
 
 pytestmark = pytest.mark.anyio
 FAKE = "fake_backend"
@@ -256,8 +256,8 @@ class GatedPool:
         self.asked: list[tuple[int, bool]] = []  # (BLOCK, background) of each compile asked for
         self.cancelled: list[int] = []
 
-    def host(self) -> Host:
-        return Host(self.compile_with_tier, self._tg.start_soon, lambda spec: None)
+    def host(self) -> ProgressiveHost:
+        return ProgressiveHost(self.compile_with_tier, self._tg.start_soon, lambda spec: None)
 
     def progressive(self, fast_spec: Any, best_spec: Any) -> ProgressiveKernel:
         return progressive(self.host(), fast_spec, best_spec)

@@ -241,7 +241,7 @@ async def test_a_graph_claimed_by_one_replica_is_waited_for_by_another_and_hande
     replica's claim holds the key, the second waits for its entry and gets it once published."""
     key = "ab" * 32
     async with pool(tmp_path / "a", redis_server) as a, pool(tmp_path / "b", redis_server) as b:
-        host_a, host_b = a._torch_host(), b._torch_host()
+        host_a, host_b = a.torch_host(), b.torch_host()
         assert await host_a.claim(key) is None  # nobody else: ours to compile
 
         async def publish_later() -> None:
@@ -265,7 +265,7 @@ async def test_a_claim_is_given_back_when_its_replica_leaves_without_publishing(
     key = "cd" * 32
     async with pool(tmp_path / "b", redis_server, fleet_wait=30) as b:
         async with pool(tmp_path / "a", redis_server) as a:
-            assert await a._torch_host().claim(key) is None
+            assert await a.torch_host().claim(key) is None
         t0 = time.perf_counter()
-        assert await b._torch_host().claim(key) is None  # its own now
+        assert await b.torch_host().claim(key) is None  # its own now
         assert time.perf_counter() - t0 < 2

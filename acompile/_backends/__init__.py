@@ -29,8 +29,8 @@ if TYPE_CHECKING:
         load_bridge,
         wait_for_bridge,
     )
+    from acompile._backends._launcher import load_if_built as load_launcher_if_built
     from acompile._backends._launcher import module as launcher_module
-    from acompile._backends._launcher import prepare as prepare_launcher
     from acompile._backends._launcher import problem as launcher_problem
     from acompile._backends._native import NativeRequest, ObjectFile, SharedLibrary
     from acompile._backends._native import tool_version as native_tool_version
@@ -74,7 +74,7 @@ _NAMES: dict[str, str | tuple[str, str]] = {
     "prepare_triton": ("_triton", "prepare"),
     "forget_triton": ("_triton", "forget"),
     "triton_toolchain": ("_triton_toolchain", "toolchain"),
-    "prepare_launcher": ("_launcher", "prepare"),
+    "load_launcher_if_built": ("_launcher", "load_if_built"),
     "launcher_module": ("_launcher", "module"),
     "launcher_problem": ("_launcher", "problem"),
     "bridge_enabled": "_launcher",
@@ -109,10 +109,10 @@ __all__ = (
     "launcher_module",
     "launcher_problem",
     "load_bridge",
+    "load_launcher_if_built",
     "load_parent",
     "load_worker",
     "native_tool_version",
-    "prepare_launcher",
     "prepare_triton",
     "triton_toolchain",
     "wait_for_bridge",

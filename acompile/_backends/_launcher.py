@@ -104,7 +104,7 @@ def module(*, wait: bool = False, build: bool = True) -> ModuleType | None:
     return _module
 
 
-def prepare() -> None:
+def load_if_built() -> None:
     """Import the launcher on a thread if this machine built it already, so that the first
     launch does not. A pool for a CUDA target does this as it starts, where NVIDIA's driver is
     (not on a warm-up host compiling for a fleet). It builds nothing: a compiler running past

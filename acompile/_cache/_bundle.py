@@ -528,7 +528,7 @@ async def import_bundle(
                 path,
             )
         report.bundle_info = dict(reader.info)
-        await anyio.to_thread.run_sync(disk.prepare)
+        await anyio.to_thread.run_sync(disk.make_or_check)
         entry_members = 0
         while True:
             try:

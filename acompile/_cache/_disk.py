@@ -396,7 +396,7 @@ class DiskTier:
         if len(key) < 3 or not _HEX.issuperset(key):
             raise ValueError(f"not a cache key: {key!r}")
 
-    def prepare(self) -> None:
+    def make_or_check(self) -> None:
         """Create the folder, private to this user, or check the one there (blocking: call from
         a thread): it and the folders in it must be this user's and no other user's to write,
         since its entries hold code this process runs (``acompile._trust``). A link or a file
@@ -573,7 +573,7 @@ class GuardedDisk:
         # The readers of a warm start's batch, started here rather than by the loop's first read.
         _threads.prestart(_readers())
         try:
-            self.files.prepare()
+            self.files.make_or_check()
         except UntrustedFolderError:
             raise
         except OSError as exc:

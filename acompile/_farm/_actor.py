@@ -51,6 +51,10 @@ class FarmWorker:
     """
 
     def __init__(self, settings: WorkerSettings) -> None:
+        from acompile._workers import WorkerSettings
+
+        if not isinstance(settings, WorkerSettings):
+            raise TypeError(f"a farm's actor is started with a WorkerSettings, got {type(settings).__name__}")
         self.settings = settings
         self.pool: WorkerPool | None = None
         self.serving: asyncio.Task[None] | None = None

@@ -218,7 +218,7 @@ class _Actors:
         """The actors ready for jobs (``stats()["workers"]["alive"]``)."""
         return len(self.alive)
 
-    def prepare(self, job: Job) -> None:
+    def encode(self, job: Job) -> None:
         """Nothing: Ray serializes a job as it is sent (where that fails, the job fails alone)."""
 
     async def start(self, slot: int) -> _Actor:

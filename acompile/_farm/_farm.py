@@ -54,6 +54,13 @@ class Setup:
     # How the farm's workers run: the pool's settings, whole.
     settings: WorkerSettings
 
+    def __post_init__(self) -> None:
+        from acompile._workers import WorkerSettings
+
+        if not isinstance(self.settings, WorkerSettings):
+            # The one type, whole: a dict of settings is a second shape for the same thing.
+            raise TypeError(f"a farm's Setup carries a WorkerSettings, got {type(self.settings).__name__}")
+
 
 class _FarmReporter(Protocol):
     """What ``RayFarm.stats()`` asks: the farm's executor (in the pool's process, its

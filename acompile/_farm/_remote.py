@@ -30,14 +30,12 @@ Frames from the connection process are read with the protocol's restricted unpic
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import logging
 import os
 import pickle
 import signal
 import subprocess
 import sys
-import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -52,20 +50,19 @@ from acompile._errors import (
     BackendUnavailableError,
     CompileError,
     FarmUnreachableError,
-    PoolClosedError,
     bounded,
 )
 from acompile._farm._broker import LOST_AFTER, LOST_WITHIN
 from acompile._farm._farm import Setup
 from acompile._workers import (
     Executor,
-    ExecutorStats,
     Job,
-    JobCancelled,
+    LinkedExecutor,
+    LinkLost,
     MessageReceiver,
+    Policy,
+    Reply,
     Undecodable,
-    combined_stats,
-    run_job,
 )
 from acompile._workers import JobDone as Done
 from acompile._workers import JobFailed as Error
@@ -122,12 +119,18 @@ async def open_farm(farm: RayFarm, settings: WorkerSettings, opening: Opening) -
     # protects this process's event loop, which is not there.
     on_nodes = settings.replace(nice=0) if settings.nice == "idle" else settings
     try:
-        return await connect(farm, on_nodes, opening.memo_dir, local=opening.fallback, make_local=make_local)
+        executor = await connect(
+            farm, on_nodes, opening.memo_dir, local=opening.fallback, make_local=make_local
+        )
     except FarmUnreachableError as exc:
         if not farm.local_fallback:
             raise
         logger.warning("%s; compiling on this machine's workers instead (local_fallback=True)", exc)
-        return opening.fallback if opening.fallback is not None else make_local()
+        return opening.fallback_or_local(settings)
+    # Its connection process stops with serve(); where that never runs (the pool's entry failed
+    # after this), with the pool's exit.
+    opening.stack.push_async_callback(executor.aclose)
+    return executor
 
 
 async def connect(
@@ -157,7 +160,7 @@ async def connect(
         settings=settings,
     )
     connection = await _open(farm, setup)
-    return RemoteExecutor(farm, setup, *connection, local=local, make_local=make_local)
+    return RemoteExecutor(farm, setup, connection, local=local, make_local=make_local)
 
 
 _Connection = tuple[anyio.abc.Process, MessageReceiver, dict[str, Any], deque[str]]
@@ -352,74 +355,25 @@ async def _stop(process: anyio.abc.Process, grace: float) -> None:
     await process.aclose()
 
 
-class RemoteExecutor:
-    """The farm's executor in the pool's process; implements ``acompile._workers.Executor`` by
-    messages to the connection process, where the farm's ``FarmExecutor`` runs. Built by
-    ``connect()``; ``serve()`` runs in the pool's task group and stops the connection process on
-    the way out. See the module's docstring for what happens when the cluster is lost."""
+class _PipeLink:
+    """A connection process as the farm's ``Link`` (``acompile._workers.LinkedExecutor``):
+    frames over its pipes, its standard error kept for the message that says why it ended."""
 
-    def __init__(
-        self,
-        farm: RayFarm,
-        setup: Setup,
-        process: anyio.abc.Process,
-        receiver: MessageReceiver,
-        hello: dict[str, Any],
-        stderr: deque[str],
-        *,
-        local: Executor | None,
-        make_local: Callable[[], Executor] | None,
-    ) -> None:
-        self.farm = farm
-        self._setup = setup  # what a connection process is given (a new one, to reconnect)
-        self._process = process
-        self._receiver = receiver
-        self._stderr = stderr
-        self._stats: ExecutorStats = hello["stats"]
-        self._farm_stats: FarmStats = hello["farm"]
-        # The counts of the connections lost before this one (jobs done, workers started...),
-        # added to this one's: a pool's counts never go back.
-        self._carried: ExecutorStats | None = None
-        self._jobs: dict[int, Job] = {}  # sent to the farm, not ended
-        self._ran: dict[int, dict[str, Any]] = {}  # where and when a job ran, before its outcome
-        self._tokens = itertools.count()
-        self._waiting: dict[int, list[Any]] = {}  # wait_ready() calls: [event, error]
-        self._frames: list[bytes] = []  # to the connection process, not written yet
-        self._written = anyio.Event()  # set when frames wait to be written
-        self._lost: FarmUnreachableError | None = None
-        self._closed = False
-        self._local = local
-        self._make_local = make_local
-        self._own_local = False  # whether self._local was made (and is served) here
-        self._tg: anyio.abc.TaskGroup | None = None
-        farm.executor = self
+    ready = False  # the farm says when it is ready to each wait, by its token
 
-    # -- the caller's side -------------------------------------------------------------------
+    def __init__(self, connection: _Connection) -> None:
+        self.process, self.receiver, self.hello, self.stderr = connection
 
-    def submit(self, job: Job) -> None:
-        """Send ``job`` to the farm; once the farm is lost, give it to local workers (where the
-        farm allows it) or raise ``FarmUnreachableError``. Raises ``PoolClosedError`` after
-        shutdown."""
-        if self._closed:
-            raise PoolClosedError("the pool has shut down; make a new CompilePool")
-        if self._lost is not None:
-            self._fallback_or_raise().submit(job)
-            return
+    def submit(self, job: Job) -> bytes:
         try:
             payload = pickle.dumps(job.payload, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:
-            # Something in the request does not serialize: that request fails, nothing else.
-            job.finish(
-                error=CompileError(
-                    f"the farm cannot send {job.name!r}: {type(exc).__name__}: {exc}",
-                    kernel=job.name,
-                    backend=job.backend.rsplit(".", 1)[-1].lstrip("_"),
-                )
-            )
-            return
-        job.state = "queued"
-        self._jobs[job.id] = job
-        self._send(
+            raise CompileError(
+                f"the farm cannot send {job.name!r}: {type(exc).__name__}: {exc}",
+                kernel=job.name,
+                backend=job.backend.rsplit(".", 1)[-1].lstrip("_"),
+            ) from exc
+        return encode(
             {
                 "op": "submit",
                 "id": job.id,
@@ -431,275 +385,127 @@ class RemoteExecutor:
             }
         )
 
-    async def run(self, job: Job) -> Any:
-        """Submit ``job`` and return its result, or raise its error; cancelled, the job is
-        cancelled where it is."""
-        return await run_job(self, job)
+    def cancel(self, job_id: int) -> bytes:
+        return encode({"op": "cancel", "id": job_id})
 
-    def cancel(self, job: Job) -> None:
-        """Nobody waits for ``job``: it is cancelled on the farm (dropped if queued, stopped if
-        running) and ends here at once, or where it went after the farm was lost."""
-        if self._jobs.pop(job.id, None) is not None:
-            self._ran.pop(job.id, None)
-            self._send({"op": "cancel", "id": job.id})
-            job.finish(error=JobCancelled(job.name))
-        elif self._local is not None:
-            self._local.cancel(job)
+    def promote(self, job_id: int) -> bytes:
+        return encode({"op": "promote", "id": job_id})
 
-    def promote(self, job: Job) -> None:
-        """Move a queued background job to the urgent lane, where it is queued."""
-        if job.id in self._jobs:
-            self._send({"op": "promote", "id": job.id})
-        elif self._local is not None:
-            self._local.promote(job)
+    def quiesce(self) -> bytes:
+        return encode({"op": "quiesce"})
 
-    def quiesce(self) -> None:
-        """Release the farm's actors (and local workers started after the farm was lost)."""
-        if self._lost is None:
-            self._send({"op": "quiesce"})
-        if self._own_local and self._local is not None:
-            self._local.quiesce()
+    def wakeup(self) -> bytes:
+        return encode({"op": "wakeup"})
 
-    def wakeup(self) -> None:
-        """Start the farm's actors (once the farm is lost, the local workers that replace it)."""
-        if self._lost is None:
-            self._send({"op": "wakeup"})
-        elif (local := self._fallback()) is not None:
-            local.wakeup()
+    def wait_ready(self, token: int) -> bytes:
+        return encode({"op": "wait_ready", "token": token})
 
-    async def wait_ready(self) -> None:
-        """Wait until every slot of the farm has a preloaded actor; raises what the farm raises
-        (``FarmToolchainError``, ``WorkerStartError``), and, once it is lost, waits for the local
-        workers that replace it or raises ``FarmUnreachableError``."""
-        if self._closed:
-            raise PoolClosedError("the pool has shut down; make a new CompilePool")
-        if self._lost is None:
-            token = next(self._tokens)
-            waiting: list[Any] = [anyio.Event(), None]
-            self._waiting[token] = waiting
-            self._send({"op": "wait_ready", "token": token})
-            try:
-                await waiting[0].wait()
-            finally:
-                self._waiting.pop(token, None)
-            if waiting[1] is not None:
-                raise waiting[1]
-            if self._closed:
-                raise PoolClosedError("the pool shut down while waiting for the farm")
-            if self._lost is None:
-                return
-        await self._fallback_or_raise().wait_ready()
+    async def write(self, data: bytes) -> None:
+        assert self.process.stdin is not None
+        try:
+            await self.process.stdin.send(data)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+            raise LinkLost("its connection process does not take frames") from exc
 
-    def stats(self) -> ExecutorStats:
-        """The farm's figures as the connection process last sent them (actors for workers;
-        resident memory is not measured on remote nodes), with those of the local workers
-        started here after the farm was lost."""
-        stats = self._stats if self._carried is None else combined_stats(self._carried, self._stats)
-        if self._own_local and self._local is not None:
-            return combined_stats(self._local.stats(), stats)
-        return stats
+    async def tend(self) -> None:
+        await _keep_stderr(self.process, self.stderr)
+        await anyio.sleep_forever()
+
+    async def receive(self) -> Reply:
+        try:
+            message = await self.receiver.receive()
+        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
+            with anyio.move_on_after(1):
+                await self.process.wait()
+            raise LinkLost(_ended(self.process, self.stderr)) from None
+        if type(message) is Done:
+            return Reply("done", message.id, message.result)
+        if type(message) is Error:
+            return Reply("error", message.id, message.error)
+        if type(message) is dict:
+            event = message.get("event")
+            if event == "stats":
+                return Reply("stats", value=message["stats"], extra=message["farm"])
+            if event == "ran":
+                return Reply("ran", message["id"], message)
+            if event == "ready":
+                return Reply("ready", message["token"], message["error"])
+            if event == "lost":
+                error = message["error"]
+                assert isinstance(error, FarmUnreachableError)
+                return Reply("lost", value=error)
+            return Reply("beat")
+        reason = message.error if isinstance(message, Undecodable) else type(message).__name__
+        raise LinkLost(f"its connection process sent what the pool cannot read ({reason})")
+
+    async def close(self, grace: float) -> None:
+        await _stop(self.process, grace=grace)
+
+
+class RemoteExecutor(LinkedExecutor):
+    """The farm's executor in the pool's process: a ``LinkedExecutor`` over the connection
+    process's pipes, where the farm's ``FarmExecutor`` runs. Built by ``connect()``; ``serve()``
+    runs in the pool's task group and stops the connection process on the way out. See the
+    module's docstring for what happens when the cluster is lost."""
+
+    def __init__(
+        self,
+        farm: RayFarm,
+        setup: Setup,
+        connection: _Connection,
+        *,
+        local: Executor | None,
+        make_local: Callable[[], Executor] | None,
+    ) -> None:
+        self.farm = farm
+        self._setup = setup  # what a connection process is given (a new one, to reconnect)
+        link = _PipeLink(connection)
+        self._farm_stats: FarmStats = link.hello["farm"]
+        super().__init__(
+            link,
+            self._connect_again_to_farm,
+            _POLICY,
+            self._unreachable,
+            local=local,
+            make_local=make_local,
+            fallback=farm.local_fallback,
+        )
+        farm.executor = self
 
     def farm_stats(self) -> FarmStats:
         """What ``RayFarm.stats()`` returns while (and after) this executor serves."""
         stats = dict(self._farm_stats)
-        stats["connected"] = bool(stats.get("connected")) and self._lost is None and not self._closed
+        stats["connected"] = bool(stats.get("connected")) and self.lost is None and not self._closed
         return stats  # type: ignore[return-value]
 
-    # -- the connection process ------------------------------------------------------------------
-
-    async def serve(self) -> None:
-        """Exchange frames with the connection process until cancelled. When it ends or says the
-        cluster is lost, move or fail the farm's jobs (serving the local workers that replace
-        it, where the farm allows them), then connect again until a connection holds: new jobs
-        go to the farm again from then on. On the way out, stop the connection process."""
-        try:
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
-                while True:
-                    async with anyio.create_task_group() as connection:
-                        connection.start_soon(self._write)
-                        connection.start_soon(_keep_stderr, self._process, self._stderr)
-                        error = await self._read()
-                        await self._lose(error)
-                        connection.cancel_scope.cancel()
-                    await self._reconnect()
-        finally:
-            self._closed = True
-            for job in self._jobs.values():
-                job.finish(error=PoolClosedError("the pool shut down before this job ran"))
-            self._jobs.clear()
-            for waiting in self._waiting.values():
-                waiting[0].set()
-            with anyio.CancelScope(shield=True):
-                await _stop(self._process, grace=_LEAVE_LIMIT)
-
-    def _send(self, message: dict[str, Any]) -> None:
-        """Queue a frame for the connection process (written by ``_write``, in the pool's task
-        group: the callers are not async)."""
-        if self._lost is None and not self._closed:
-            self._frames.append(encode(message))
-            self._written.set()
-
-    async def _write(self) -> None:
-        assert self._process.stdin is not None
-        while True:
-            await self._written.wait()
-            self._written = anyio.Event()
-            frames, self._frames = self._frames, []
-            try:
-                await self._process.stdin.send(b"".join(frames))
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                return  # it ended: the reader tells why
-
-    async def _read(self) -> FarmUnreachableError:
-        """Take the connection process's frames until it ends or says the cluster is lost;
-        returns the error that says so."""
-        while True:
-            try:
-                # It beats every BEAT_PERIOD seconds: silent this long, it is stopped by a signal
-                # or hung, and the farm is as lost as if it had ended.
-                with anyio.fail_after(LOST_WITHIN):
-                    message = await self._receiver.receive()
-            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
-                with anyio.move_on_after(1):
-                    await self._process.wait()
-                return self._unreachable(_ended(self._process, self._stderr))
-            except TimeoutError:
-                return self._unreachable(
-                    f"its connection process (pid {self._process.pid}) has not answered for "
-                    f"{LOST_WITHIN:g} s (stopped by a signal, or hung)"
-                )
-            if type(message) is Done:
-                self._finish(message.id, result=message.result)
-            elif type(message) is Error:
-                self._finish(message.id, error=message.error)
-            elif type(message) is dict:
-                event = message.get("event")
-                if event == "stats":
-                    self._stats, self._farm_stats = message["stats"], message["farm"]
-                elif event == "ran":
-                    self._ran[message["id"]] = message
-                elif event == "ready":
-                    waiting = self._waiting.get(message["token"])
-                    if waiting is not None:
-                        waiting[1] = message["error"]
-                        waiting[0].set()
-                elif event == "lost":
-                    error = message["error"]
-                    assert isinstance(error, FarmUnreachableError)
-                    return error
-            else:
-                reason = message.error if isinstance(message, Undecodable) else type(message).__name__
-                return self._unreachable(f"its connection process sent what the pool cannot read ({reason})")
+    def on_stats(self, reply: Reply) -> None:
+        self._farm_stats = reply.extra
 
     def _unreachable(self, what: str) -> FarmUnreachableError:
         return FarmUnreachableError(f"lost the Ray cluster at {self.farm.address!r}: {what}")
 
-    def _finish(self, job_id: int, result: Any = None, error: BaseException | None = None) -> None:
-        job = self._jobs.pop(job_id, None)
-        ran = self._ran.pop(job_id, None)
-        if job is None:
-            return  # cancelled here before it ended there
-        if ran is not None:
-            job.worker_pid = ran["pid"]
-            # perf_counter is the machine's monotonic clock on Linux: the same in both processes.
-            job.started_at, job.ended_at = ran["started_at"], ran["ended_at"]
-            job.seconds, job.paused = ran["seconds"], ran["paused"]
-        job.finish(result=result, error=error)
-
-    async def _lose(self, error: FarmUnreachableError) -> None:
-        """The farm is gone: its jobs go to local workers or fail, and so will later ones."""
-        self._lost = error
-        self._stats = _without_workers(self._stats)
-        jobs = sorted(self._jobs.values(), key=lambda job: job.id)
-        self._jobs.clear()
-        self._ran.clear()
-        for waiting in self._waiting.values():
-            waiting[0].set()
-        with anyio.CancelScope(shield=True):
-            await _stop(self._process, grace=_ABORT_GRACE)
-        local = self._fallback()
-        if local is None:
-            logger.error("%s; %d farm jobs fail (local_fallback=True would move them)", error, len(jobs))
-            for job in jobs:
-                job.finish(error=error)
-            return
-        logger.warning(
-            "%s; its %d pending jobs and every later one go to this machine's workers (local_fallback=True)",
-            error,
-            len(jobs),
-        )
-        for job in jobs:
-            job.state = "new"
-            try:
-                local.submit(job)
-            except AcompileError as exc:
-                job.finish(error=exc)
-
-    async def _reconnect(self) -> None:
-        """Connect again after the farm was lost: attempts ``_RECONNECT_FIRST`` seconds apart,
-        doubling to ``_RECONNECT_MAX``, until a connection process connects; then the farm
-        serves new jobs again (jobs moved to local workers meanwhile finish there, and local
-        workers started for the outage are quiesced: they wake if work comes back to them).
-        Where the address names a host and port, an attempt first checks here that the port
-        answers: a connection process costs a second or two of CPU (Python and Ray imported)."""
-        lost_at = time.monotonic()
-        delay = _RECONNECT_FIRST
-        while True:
-            await anyio.sleep(delay)
-            delay = min(delay * 2, _RECONNECT_MAX)
-            if not await _answers(self._setup.address):
-                continue
-            try:
-                connection = await _open(self.farm, self._setup)
-            except (AcompileError, OSError) as exc:
-                logger.debug(
-                    "the Ray cluster at %r does not take a connection yet: %s", self.farm.address, exc
-                )
-                continue
-            break
-        self._carried = _carried(self._carried, self._stats)
-        self._process, self._receiver, hello, self._stderr = connection
-        self._stats, self._farm_stats = hello["stats"], hello["farm"]
-        self._lost = None
-        if self._own_local and self._local is not None:
-            self._local.quiesce()
-        logger.warning(
-            "connected to the Ray cluster at %r again, %.0f s after it was lost: new jobs go to the farm",
-            self.farm.address,
-            time.monotonic() - lost_at,
-        )
-
-    def _fallback(self) -> Executor | None:
-        """The local workers that replace a lost farm (started here at the first need, unless
-        the pool has its own); None where the farm allows no fallback."""
-        if not self.farm.local_fallback:
+    async def _connect_again_to_farm(self) -> _PipeLink | None:
+        """A new connection process, where the head's port answers (where the address names
+        one): a connection process costs a second or two of CPU (Python and Ray imported)."""
+        if not await _answers(self._setup.address):
             return None
-        if self._local is None and self._make_local is not None and self._tg is not None:
-            self._local = self._make_local()
-            self._own_local = True
-            self._tg.start_soon(self._local.serve)
-        return self._local
-
-    def _fallback_or_raise(self) -> Executor:
-        assert self._lost is not None
-        local = self._fallback()
-        if local is None:
-            raise self._lost
-        return local
+        link = _PipeLink(await _open(self.farm, self._setup))
+        self._farm_stats = link.hello["farm"]
+        return link
 
 
-def _carried(before: ExecutorStats | None, lost: ExecutorStats) -> ExecutorStats:
-    """What a lost connection's figures add to the next ones': its counts (workers started and
-    restarted, jobs done, failed, cancelled, retried, their durations), with ``before`` (the
-    connections lost earlier); none of its slots, workers or jobs in flight (gone with it, or
-    moved)."""
-    workers = dict(_without_workers(lost)["workers"])
-    workers["size"] = 0
-    jobs = dict(lost["jobs"])
-    jobs.update(queued=0, running=0)
-    counts: ExecutorStats = {**lost, "workers": workers, "jobs": jobs}  # type: ignore[typeddict-item]
-    return counts if before is None else combined_stats(before, counts)
+# The farm's connection as a LinkedExecutor meets a loss: the connection process beats every
+# BEAT_PERIOD (silent for LOST_WITHIN, it is stopped or hung); a lost cluster's jobs go to local
+# workers (or fail) at once, and a new connection is tried after 2 s, then at doubling intervals
+# up to a minute (a head coming back takes its time; each attempt costs a process).
+_POLICY = Policy(
+    silence=LOST_WITHIN,
+    at_once=False,
+    first=_RECONNECT_FIRST,
+    most=_RECONNECT_MAX,
+    close_grace=_LEAVE_LIMIT,
+    abort_grace=_ABORT_GRACE,
+)
 
 
 async def _answers(address: str) -> bool:
@@ -722,10 +528,3 @@ async def _answers(address: str) -> bool:
         return False
     await stream.aclose()
     return True
-
-
-def _without_workers(stats: ExecutorStats) -> ExecutorStats:
-    """A lost farm's last figures: no actor of it is alive or busy any more."""
-    workers = dict(stats["workers"])
-    workers.update(alive=0, busy=0, awake=False)
-    return {**stats, "workers": workers}  # type: ignore[typeddict-item]

@@ -32,8 +32,8 @@ from acompile import _lazy
 if TYPE_CHECKING:
     from acompile._torch._autoload import ENV as SERVE_ENV
     from acompile._torch._autoload import after_import, serve_with
-    from acompile._torch._host import Host
-    from acompile._torch._hostpool import HostPool, HostPoolClient, HostPoolError, HostPoolExecutor
+    from acompile._torch._host import TorchHost
+    from acompile._torch._hostpool import HostPool, HostPoolError, HostPoolExecutor
     from acompile._torch._portal import LoopThreadError, Portal, PortalTimeout
     from acompile._torch._seams import SUPPORTED, Patches, Unsupported
     from acompile._torch._seams import find as find_seams
@@ -48,9 +48,8 @@ _NAMES: dict[str, str | tuple[str, str]] = {
     "SERVE_ENV": ("_autoload", "ENV"),
     "serve_with": ("_autoload", "serve_with"),
     "after_import": ("_autoload", "after_import"),
-    "Host": ("_host", "Host"),
+    "TorchHost": ("_host", "TorchHost"),
     "HostPool": ("_hostpool", "HostPool"),
-    "HostPoolClient": ("_hostpool", "HostPoolClient"),
     "HostPoolExecutor": ("_hostpool", "HostPoolExecutor"),
     "HostPoolError": ("_hostpool", "HostPoolError"),
     "Portal": ("_portal", "Portal"),
@@ -69,9 +68,7 @@ __getattr__, __dir__ = _lazy.face(__name__, _NAMES, eager=False)
 __all__ = [
     "SERVE_ENV",
     "SUPPORTED",
-    "Host",
     "HostPool",
-    "HostPoolClient",
     "HostPoolError",
     "HostPoolExecutor",
     "LoopThreadError",
@@ -79,6 +76,7 @@ __all__ = [
     "Portal",
     "PortalTimeout",
     "Served",
+    "TorchHost",
     "Unsupported",
     "after_import",
     "find_seams",

@@ -1,5 +1,5 @@
 """What a running ``CompilePool`` lends the served torch.compile: built by the pool
-(``CompilePool._torch_host``), so that nothing here reaches into the pool's insides."""
+(``CompilePool.torch_host``), so that nothing here reaches into the pool's insides."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Host:
+class TorchHost:
     """A running pool's parts, as the served code uses them (every coroutine function runs on
     the pool's loop: through ``portal`` from torch's threads).
 

@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
-import heapq
-import itertools
 import json
 import logging
 import os
@@ -45,13 +44,13 @@ import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from acompile import _errors, _files
-from acompile._errors import AcompileError, PoolClosedError, PoolError
+from acompile._errors import AcompileError, PoolError
 from acompile._trust import own_folder
 from acompile._version import __version__
-from acompile._workers import URGENT, ExecutorStats, Job, JobCancelled, idle_stats, run_job
+from acompile._workers import URGENT, Job, LinkedExecutor, LinkLost, Policy, Reply, checked_count
 
 if TYPE_CHECKING:
-    from acompile._workers import Executor, Opening, WorkerSettings
+    from acompile._workers import Executor, Link, Opening, WorkerSettings
 
 logger = logging.getLogger("acompile")
 
@@ -154,237 +153,198 @@ def _rebuilt(header: dict[str, Any], name: str) -> AcompileError:
 # --- the client (in a served process) ------------------------------------------------------------
 
 
-class HostPoolClient:
-    """A served process's link to the host's pool: ``run(job)`` sends the job there. Used as
-    ``async with`` (its reader runs in a task group of its own); a lost server is started again
-    and the jobs in flight sent again, once."""
+# Starts the command it is given in a session of its own (it serves the host: it outlives the
+# process that started it), and exits.
+_DETACH = "import subprocess, sys; subprocess.Popen(sys.argv[1:], start_new_session=True, close_fds=True)"
 
-    def __init__(self, cache_root: Path, workers: int | None, idle_exit: float = IDLE_EXIT) -> None:
-        self.cache_root = cache_root
-        self.workers = workers
-        self.idle_exit = idle_exit
-        self.size = workers or 1
-        self.server_pid: int | None = None
-        self._stream: anyio.abc.SocketStream | None = None
-        self._send_lock = anyio.Lock()
-        self._ids = itertools.count(1)
-        self._waiting: dict[int, tuple[anyio.Event, list[Any]]] = {}
-        self._ready = anyio.Event()
-        self._tg: anyio.abc.TaskGroup | None = None
-        self._down_until = 0.0
 
-    async def __aenter__(self) -> HostPoolClient:
-        """Connect (starting the host's server where none listens); raises ``HostPoolError``
-        where that does not happen within ``START_TIMEOUT`` and ``SILENCE_LIMIT``."""
-        try:
-            await self._connect()
-        except (OSError, TimeoutError, ValueError) as exc:
-            raise HostPoolError(f"cannot reach the host pool: {type(exc).__name__}: {exc}") from exc
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        self._tg.start_soon(self._read)
-        return self
+def _frame(header: dict[str, Any], body: bytes = b"") -> bytes:
+    head = json.dumps(dict(header, size=len(body)), separators=(",", ":")).encode()
+    return _LENGTH.pack(len(head)) + head + body
 
-    async def __aexit__(self, *exc: Any) -> None:
-        assert self._tg is not None
-        self._tg.cancel_scope.cancel()
-        await self._tg.__aexit__(None, None, None)
-        if self._stream is not None:
-            with anyio.CancelScope(shield=True):
-                await self._stream.aclose()
-        for event, slot in self._waiting.values():
-            slot.append(PoolClosedError("the pool serving torch.compile has shut down"))
-            event.set()
 
-    async def _connect(self) -> None:
-        """Connect to the host's server (started where none listens): bounded, since a server
-        that accepts and never answers (stopped by a signal, hung) must not hold anyone."""
-        path = await anyio.to_thread.run_sync(self._ensure_server, abandon_on_cancel=True)
-        with anyio.fail_after(SILENCE_LIMIT):
-            stream = await anyio.connect_unix(path)
-            try:
-                raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
-                if peer_uid(raw) != os.getuid():
-                    raise HostPoolError(f"the host pool's socket {path} is served by another user")
-                reader = BufferedByteReceiveStream(stream)
-                header, _ = await receive_frame(reader)
-                if header.get("op") != "hello":
-                    raise HostPoolError(f"the host pool at {path} did not say hello")
-            except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await stream.aclose()
-                raise
-        self._stream = stream
-        self._reader = reader
-        self.size = int(header.get("workers", self.size))
-        self.server_pid = int(header.get("pid", 0)) or None
-        if header.get("ready"):
-            self._ready.set()
+class _SocketLink:
+    """A connection to the host's server as a ``Link`` (``acompile._workers.LinkedExecutor``):
+    frames over its Unix socket."""
 
-    def _ensure_server(self) -> str:
-        """The socket of a listening server, started if none listens (blocking; one process at
-        a time, under the folder's lock)."""
-        folder = run_folder(self.cache_root)
-        path = folder / socket_name()
-        lock_path = folder / (path.name + ".lock")
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            deadline = time.monotonic() + START_TIMEOUT
-            if not _files.lock_within(fd, START_TIMEOUT):
-                raise HostPoolError(f"{lock_path} stayed locked for {START_TIMEOUT:g} s")
-            if _listening(path):
-                return str(path)
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()  # a server that died left it
-            self._start_server(folder, path)
-            while not _listening(path):
-                if time.monotonic() > deadline:
-                    raise HostPoolError(f"the host pool did not listen at {path} within {START_TIMEOUT:g} s")
-                time.sleep(0.05)
-            return str(path)
-        finally:
-            os.close(fd)
+    def __init__(
+        self, stream: anyio.abc.SocketStream, reader: BufferedByteReceiveStream, hello: dict[str, Any]
+    ):
+        self.stream = stream
+        self.reader = reader
+        self.hello = {"size": int(hello.get("workers", 1)), "pid": int(hello.get("pid", 0)) or None}
+        self.ready = bool(hello.get("ready"))
+        self._names: dict[int, str] = {}  # the jobs sent, for the errors that come back
 
-    def _start_server(self, folder: Path, path: Path) -> None:
-        env = dict(os.environ)
-        env.pop("ACOMPILE_SERVE_TORCH", None)  # the server serves; it is not served
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.pathsep.join(sys.path), env.get("PYTHONPATH")]))
-        command = [
-            sys.executable,
-            "-m",
-            "acompile._torch._hostpool",
-            "--cache-dir",
-            str(self.cache_root),
-            "--socket",
-            str(path),
-            "--idle-exit",
-            str(self.idle_exit),
-        ]
-        if self.workers is not None:
-            command += ["--workers", str(self.workers)]
-        log = os.open(
-            folder / (path.stem + ".log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600
-        )
-        try:
-            subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-                env=env,
-                start_new_session=True,  # it serves the host: it outlives the process that started it
-                close_fds=True,
+    def submit(self, job: Job) -> bytes:
+        if job.backend not in JOB_MODULES or not isinstance(job.payload, bytes):
+            # The server runs only these, whose payloads the served code pickles itself.
+            raise _errors.CompileError(
+                f"the host pool runs no jobs of {job.backend!r} (only torch.compile's and the JIT "
+                "libraries')",
+                kernel=job.name,
+                backend=job.backend.rsplit(".", 1)[-1].lstrip("_"),
             )
-        finally:
-            os.close(log)
+        self._names[job.id] = job.name
+        return _frame({"op": "run", "id": job.id, "name": job.name, "module": job.backend}, job.payload)
 
-    async def _read(self) -> None:
-        while True:
-            if self._stream is None:
-                await self._come_back()
-                continue
-            try:
-                # The server says something every HEARTBEAT: silence this long is a server gone
-                # or stopped, whose socket still takes connections.
-                with anyio.fail_after(SILENCE_LIMIT):
-                    header, body = await receive_frame(self._reader)
-            except (*_LOST, ValueError, OSError, TimeoutError):
-                await self._lost()
-                continue
-            op = header.get("op")
-            if op == "ping":
-                continue
-            if op == "ready":
-                self._ready.set()
-                continue
-            waiting = self._waiting.get(int(header.get("id", -1)))
-            if waiting is None:
-                continue
-            event, slot = waiting
-            slot.append(body if op == "done" else header)
-            event.set()
+    def cancel(self, job_id: int) -> bytes:
+        self._names.pop(job_id, None)
+        return _frame({"op": "cancel", "id": job_id})
 
-    async def _lost(self) -> None:
-        """The server went away (or went silent): start another, and send the jobs in flight
-        again (once each). Where that fails, the jobs fail with a ``PoolError`` (the served code
-        then runs them in its own process), and later jobs too until the server comes back."""
-        logger.warning("the host pool's server went away; starting another")
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()
+    def promote(self, job_id: int) -> None:
+        return None  # the server's queue decides what runs first
+
+    def quiesce(self) -> None:
+        return None  # the server's workers are the host's: they stop when no process is connected
+
+    def wakeup(self) -> None:
+        return None
+
+    def wait_ready(self, token: int) -> None:
+        return None  # the server says "ready" to everyone
+
+    async def write(self, data: bytes) -> None:
         try:
-            with anyio.fail_after(START_TIMEOUT + SILENCE_LIMIT):
-                await self._connect()
-        except Exception as exc:
-            self._down_until = time.monotonic() + _RETRY_AFTER
-            for event, slot in self._waiting.values():
-                slot.append(PoolClosedError(f"the host pool is gone and did not come back: {exc}"))
-                event.set()
-            logger.warning("the host pool did not come back (%s); compiling here for %g s", exc, _RETRY_AFTER)
-            return
-        for event, slot in self._waiting.values():
-            slot.append("again")
-            event.set()
+            await self.stream.send(data)
+        except (*_LOST, OSError) as exc:
+            raise LinkLost(f"its socket does not take frames ({type(exc).__name__})") from exc
 
-    async def _come_back(self) -> None:
-        """Try the host's server again once the back-off after a failed attempt is over."""
-        await anyio.sleep(max(0.0, self._down_until - time.monotonic()))
+    async def tend(self) -> None:
+        await anyio.sleep_forever()
+
+    async def receive(self) -> Reply:
         try:
-            with anyio.fail_after(START_TIMEOUT + SILENCE_LIMIT):
-                await self._connect()
-            logger.warning("the host pool is back")
-        except Exception:
-            self._down_until = time.monotonic() + _RETRY_AFTER
+            header, body = await receive_frame(self.reader)
+        except (*_LOST, ValueError, OSError) as exc:
+            raise LinkLost(f"its socket closed ({type(exc).__name__})") from exc
+        op = header.get("op")
+        if op == "ready":
+            self.ready = True
+            return Reply("ready", -1)
+        if op in ("done", "error"):
+            job_id = int(header.get("id", -1))
+            name = self._names.pop(job_id, "job")
+            if op == "done":
+                return Reply("done", job_id, body)
+            return Reply("error", job_id, _rebuilt(header, name))
+        return Reply("beat")  # a ping: it lives
 
-    async def wait_ready(self) -> None:
-        await self._ready.wait()
+    async def close(self, grace: float) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.stream.aclose()
 
-    async def run(self, job: Job) -> Any:
-        for attempt in range(2):
-            job_id = next(self._ids)
-            event = anyio.Event()
-            slot: list[Any] = []
-            self._waiting[job_id] = (event, slot)
-            try:
-                await self._send(
-                    {"op": "run", "id": job_id, "name": job.name, "module": job.backend}, job.payload
-                )
-                await event.wait()
-            except BaseException:
-                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-                    if not event.is_set():
-                        await self._send({"op": "cancel", "id": job_id})
-                raise
-            finally:
-                self._waiting.pop(job_id, None)
-            outcome = slot[0]
-            if outcome == "again" and attempt == 0:
-                continue
-            if isinstance(outcome, BaseException):
-                raise outcome
-            if isinstance(outcome, dict):
-                raise _rebuilt(outcome, job.name)
-            if outcome == "again":
-                raise PoolError(f"the host pool went away twice while it ran {job.name!r}")
-            return outcome
-        raise AssertionError("unreachable")
 
-    async def _send(self, header: dict[str, Any], body: bytes = b"") -> None:
-        async with self._send_lock:
-            if self._stream is None:
-                raise PoolError("the host pool is not reachable now")
-            try:
-                await send_frame(self._stream, header, body)
-            except _LOST as exc:
-                raise PoolError(f"the host pool went away: {type(exc).__name__}") from exc
+async def _connect(cache_root: Path, workers: int | None, idle_exit: float) -> _SocketLink:
+    """Connect to the host's server (started where none listens), bounded: a server that accepts
+    and never answers (stopped by a signal, hung) must not hold anyone. Raises ``HostPoolError``."""
+    try:
+        with anyio.fail_after(START_TIMEOUT + SILENCE_LIMIT):
+            ensure = functools.partial(_ensure_server, cache_root, workers, idle_exit)
+            path = await anyio.to_thread.run_sync(ensure, abandon_on_cancel=True)
+            with anyio.fail_after(SILENCE_LIMIT):
+                stream = await anyio.connect_unix(path)
+                try:
+                    raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+                    if peer_uid(raw) != os.getuid():
+                        raise HostPoolError(f"the host pool's socket {path} is served by another user")
+                    reader = BufferedByteReceiveStream(stream)
+                    header, _ = await receive_frame(reader)
+                    if header.get("op") != "hello":
+                        raise HostPoolError(f"the host pool at {path} did not say hello")
+                except BaseException:
+                    with anyio.CancelScope(shield=True):
+                        await stream.aclose()
+                    raise
+    except (OSError, TimeoutError, ValueError) as exc:
+        raise HostPoolError(f"cannot reach the host pool: {type(exc).__name__}: {exc}") from exc
+    return _SocketLink(stream, reader, header)
+
+
+def _ensure_server(cache_root: Path, workers: int | None, idle_exit: float) -> str:
+    """The socket of a listening server, started if none listens (blocking; one process at a
+    time, under the folder's lock)."""
+    folder = run_folder(cache_root)
+    path = folder / socket_name()
+    lock_path = folder / (path.name + ".lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        if not _files.lock_within(fd, START_TIMEOUT):
+            raise HostPoolError(f"{lock_path} stayed locked for {START_TIMEOUT:g} s")
+        if _listening(path):
+            return str(path)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # a server that died left it
+        _start_server(cache_root, workers, idle_exit, folder, path)
+        while not _listening(path):
+            if time.monotonic() > deadline:
+                raise HostPoolError(f"the host pool did not listen at {path} within {START_TIMEOUT:g} s")
+            time.sleep(0.05)
+        return str(path)
+    finally:
+        os.close(fd)
+
+
+def _start_server(cache_root: Path, workers: int | None, idle_exit: float, folder: Path, path: Path) -> None:
+    env = dict(os.environ)
+    env.pop("ACOMPILE_SERVE_TORCH", None)  # the server serves; it is not served
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.pathsep.join(sys.path), env.get("PYTHONPATH")]))
+    command = [
+        sys.executable,
+        "-m",
+        "acompile._torch._hostpool",
+        "--cache-dir",
+        str(cache_root),
+        "--socket",
+        str(path),
+        "--idle-exit",
+        str(idle_exit),
+    ]
+    if workers is not None:
+        command += ["--workers", str(workers)]
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
+    log = os.open(folder / (path.stem + ".log"), flags, 0o600)
+    try:
+        # Through a process that starts the server and exits at once (waited for here): the
+        # server is the host's, not this process's child, so nobody here leaves it a zombie
+        # when it ends, or has to wait for it.
+        subprocess.run(
+            [sys.executable, "-S", "-c", _DETACH, *command],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            env=env,
+            close_fds=True,
+            check=True,
+            timeout=START_TIMEOUT,
+        )
+    except subprocess.SubprocessError as exc:
+        raise HostPoolError(f"cannot start the host pool's server: {exc}") from exc
+    finally:
+        os.close(log)
+
+
+# The host's pool as a LinkedExecutor meets a loss: the server pings every HEARTBEAT (silent for
+# SILENCE_LIMIT, it is stopped or hung); a server lost is started again at once by whoever asks
+# first, and the jobs in flight are sent again to it, once; where it cannot be, they (and later
+# jobs) go to this process's own workers, and the server is tried again after _RETRY_AFTER s.
+_POLICY = Policy(
+    silence=SILENCE_LIMIT,
+    at_once=True,
+    first=_RETRY_AFTER,
+    most=2 * _RETRY_AFTER,
+    close_grace=0.0,
+    abort_grace=0.0,
+)
 
 
 class HostPool:
     """The host's pool as an executor spec (``CompilePool(workers=HostPool())``): the pool's jobs
     go to the one pool server of this host (started by the first process that asks), through the
     pool's own queue, traces and stats. Where no server can be had (it does not answer, its
-    folder is not ours), the pool's own local workers instead, after one warning.
+    folder is not ours), or it is lost and cannot be started again, the pool's own local workers
+    instead, after one warning.
 
     Args:
         count: the server's workers, where this process is the one that starts it (None: its
@@ -392,130 +352,55 @@ class HostPool:
     """
 
     def __init__(self, count: int | None = None, idle_exit: float = IDLE_EXIT) -> None:
-        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
-            raise ValueError(f"workers must be a positive integer or None, got {count!r}")
-        self.count = count
-        self.idle_exit = idle_exit
+        self.count = checked_count(count)
+        if isinstance(idle_exit, bool) or not isinstance(idle_exit, (int, float)) or not 0 < idle_exit < 1e6:
+            raise ValueError(f"idle_exit must be a positive number of seconds, got {idle_exit!r}")
+        self.idle_exit = float(idle_exit)
 
     async def open(self, settings: WorkerSettings, opening: Opening) -> Executor:
-        client = HostPoolClient(opening.cache_root, self.count, self.idle_exit)
+        def local() -> Executor:
+            return opening.fallback_or_local(settings, self.count)
+
         try:
-            # Left after the pool's task group: the jobs in flight are over by then.
-            await opening.stack.enter_async_context(client)
+            link = await _connect(opening.cache_root, self.count, self.idle_exit)
         except HostPoolError as exc:
             # No host pool to be had: this process's own workers compile, started on demand.
             logger.warning("%s; compiling on this process's own workers", exc)
-            return opening.local_workers(settings, self.count)
-        return HostPoolExecutor(client)
+            return local()
+        executor = HostPoolExecutor(link, self, opening.cache_root, make_local=local)
+        opening.stack.push_async_callback(executor.aclose)  # where serve() never runs
+        return executor
 
     def __repr__(self) -> str:
         return f"HostPool({self.count!r})"
 
 
-class HostPoolExecutor:
-    """Implements ``Executor`` over a connected ``HostPoolClient``: each job runs in a task of
-    ``serve()``'s, which sends it to the server and sets its outcome; cancelling it sends the
-    server a cancel. The server keeps the queue of every process of the host, so this one holds
-    none: what it reports is its own jobs."""
+class HostPoolExecutor(LinkedExecutor):
+    """The host's pool as the served process's executor: a ``LinkedExecutor`` over the server's
+    socket (``serve(host_pool=True)``)."""
 
-    def __init__(self, client: HostPoolClient) -> None:
-        self.client = client
-        self._pending: list[Job] = []
-        self._wake = anyio.Event()
-        self._scopes: dict[Job, anyio.CancelScope] = {}
-        self._counts = {"queued": 0, "running": 0, "done": 0, "failed": 0, "cancelled": 0, "retried": 0}
-        self._seconds: list[float] = []
-        self._slowest: list[tuple[float, str]] = []
-        self._closed = False
+    def __init__(
+        self, link: _SocketLink, spec: HostPool, cache_root: Path, *, make_local: Callable[[], Executor]
+    ) -> None:
+        async def reconnect() -> Link:
+            return await _connect(cache_root, spec.count, spec.idle_exit)
 
-    def submit(self, job: Job) -> None:
-        if self._closed:
-            raise PoolClosedError("the pool has shut down")
-        job.state = "queued"
-        self._pending.append(job)
-        self._counts["queued"] += 1
-        self._wake.set()
+        super().__init__(link, reconnect, _POLICY, _lost, make_local=make_local)
 
-    async def run(self, job: Job) -> Any:
-        return await run_job(self, job)
+    @property
+    def server_pid(self) -> int | None:
+        """The host's server process, as it said at the latest connection."""
+        pid = self.link.hello.get("pid")
+        return int(pid) if pid else None
 
-    def cancel(self, job: Job) -> None:
-        scope = self._scopes.get(job)
-        if scope is not None:
-            scope.cancel()
-        elif job in self._pending:
-            self._pending.remove(job)
-            self._counts["queued"] -= 1
-            self._counts["cancelled"] += 1
-            job.finish(error=JobCancelled(job.name))
+    @property
+    def size(self) -> int:
+        """The host's server's workers."""
+        return int(self.link.hello.get("size", 1))
 
-    def promote(self, job: Job) -> None:
-        """The server's queue decides what runs first: nothing to move here."""
 
-    def quiesce(self) -> None:
-        """The server's workers are the host's: they stop when no process is connected."""
-
-    def wakeup(self) -> None:
-        """The server is up while this process is connected."""
-
-    async def wait_ready(self) -> None:
-        await self.client.wait_ready()
-
-    def stats(self) -> ExecutorStats:
-        stats = idle_stats(self.client.size)
-        stats["workers"]["awake"] = True
-        stats["workers"]["busy"] = self._counts["running"]
-        stats["jobs"] = dict(self._counts)  # type: ignore[typeddict-item]
-        stats["job_seconds"] = list(self._seconds)
-        stats["slowest"] = sorted(self._slowest, reverse=True)
-        return stats
-
-    async def serve(self) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                while True:
-                    await self._wake.wait()
-                    self._wake = anyio.Event()
-                    pending, self._pending = self._pending, []
-                    for job in pending:
-                        self._counts["queued"] -= 1
-                        self._counts["running"] += 1
-                        scope = anyio.CancelScope()
-                        self._scopes[job] = scope
-                        tg.start_soon(self._run, job, scope)
-        finally:
-            self._closed = True
-            for job in self._pending:
-                job.finish(error=PoolClosedError("the pool shut down while compiling"))
-            self._pending.clear()
-
-    async def _run(self, job: Job, scope: anyio.CancelScope) -> None:
-        job.state = "running"
-        job.started_at = time.perf_counter()
-        result: Any = None
-        error: BaseException | None = None
-        answered = False
-        try:
-            with scope:
-                result = await self.client.run(job)
-                answered = True
-        except Exception as exc:
-            error, answered = exc, True
-        finally:
-            self._scopes.pop(job, None)
-            self._counts["running"] -= 1
-            job.ended_at = time.perf_counter()
-            job.seconds = job.ended_at - job.started_at
-            if not answered:
-                # Cancelled: by cancel() (nobody waits), or with the pool's task group.
-                self._counts["cancelled"] += 1
-                gone = JobCancelled(job.name) if scope.cancel_called else None
-                job.finish(error=gone or PoolClosedError("the pool shut down while compiling"))
-            else:
-                self._counts["failed" if error is not None else "done"] += 1
-                self._seconds = [*self._seconds[-99:], job.seconds]
-                self._slowest = heapq.nlargest(10, [*self._slowest, (job.seconds, job.name)])
-                job.finish(result, error)
+def _lost(what: str) -> PoolError:
+    return PoolError(f"the host pool went away: {what}")
 
 
 def _listening(path: Path) -> bool:

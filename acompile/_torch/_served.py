@@ -47,7 +47,7 @@ from acompile._cache import make_key
 from acompile._errors import PoolClosedError, PoolError
 from acompile._outputs import cpu_identity, output_problem, write_output
 from acompile._torch._caches import ENTRY_BACKEND, KINDS, cache_key, cache_parts
-from acompile._torch._host import Host
+from acompile._torch._host import TorchHost
 from acompile._torch._portal import START_TIMEOUT, LoopThreadError, PortalTimeout
 from acompile._workers import URGENT, Job
 
@@ -104,7 +104,7 @@ class Served:
     that failed for acompile's own sake: a miss, never an error in torch.compile).
     """
 
-    def __init__(self, host: Host) -> None:
+    def __init__(self, host: TorchHost) -> None:
         self.host = host
         self.counts: Counter[str] = Counter()
         self.ready = threading.Event()  # the pool had every worker ready once

@@ -9,6 +9,8 @@
 * ``_open``: executor specs (``LocalWorkers``, ``Split``; ``acompile.RayFarm`` and the host's
   pool elsewhere) and ``Opening``: ``CompilePool(workers=...)``'s one call that opens one;
 * ``_split``: ``SplitExecutor``, urgent jobs on one executor and background jobs on another;
+* ``_link``: ``LinkedExecutor``, the one client of a helper process that runs jobs elsewhere (a
+  farm's connection process, the host's pool server): frames, jobs in flight, loss, restart;
 * ``_queue``: ``Job``, the queue (two lanes, longest expected job first) and the hand-off of jobs to
   idle workers;
 * ``_slots``: ``SlotExecutor``, the skeleton every executor shares (slots, epochs, the start-failure
@@ -73,7 +75,14 @@ _NAMES: dict[str, str | tuple[str, str]] = {
     "Opening": "_open",
     "Split": "_open",
     "executor_spec": "_open",
+    "checked_count": "_open",
+    "is_executor_spec": "_open",
     "SplitExecutor": "_split",
+    "Link": "_link",
+    "LinkLost": "_link",
+    "LinkedExecutor": "_link",
+    "Policy": "_link",
+    "Reply": "_link",
 }
 if _typing.TYPE_CHECKING:
     from acompile._workers._bytecode import FOLDER as BYTECODE_FOLDER
@@ -88,11 +97,18 @@ if _typing.TYPE_CHECKING:
     from acompile._workers._executor import run_job as run_job
     from acompile._workers._late import paused as outside_job_time
     from acompile._workers._late import prepared as late_config
+    from acompile._workers._link import Link as Link
+    from acompile._workers._link import LinkedExecutor as LinkedExecutor
+    from acompile._workers._link import LinkLost as LinkLost
+    from acompile._workers._link import Policy as Policy
+    from acompile._workers._link import Reply as Reply
     from acompile._workers._open import ExecutorSpec as ExecutorSpec
     from acompile._workers._open import LocalWorkers as LocalWorkers
     from acompile._workers._open import Opening as Opening
     from acompile._workers._open import Split as Split
+    from acompile._workers._open import checked_count as checked_count
     from acompile._workers._open import executor_spec as executor_spec
+    from acompile._workers._open import is_executor_spec as is_executor_spec
     from acompile._workers._pool import LocalExecutor as LocalExecutor
     from acompile._workers._pool import WorkerPool as WorkerPool
     from acompile._workers._process import remove_work_folder as remove_work_folder
@@ -135,12 +151,17 @@ __all__ = (
     "JobDone",
     "JobFailed",
     "JobQueue",
+    "Link",
+    "LinkLost",
+    "LinkedExecutor",
     "LocalExecutor",
     "LocalWorkers",
     "MessageReceiver",
     "NoRoom",
     "Opening",
+    "Policy",
     "PoolStats",
+    "Reply",
     "Runner",
     "Runners",
     "SlotExecutor",
@@ -153,10 +174,12 @@ __all__ = (
     "WorkerPool",
     "WorkerSettings",
     "bytecode_plan",
+    "checked_count",
     "combined_stats",
     "encode_frame",
     "executor_spec",
     "idle_stats",
+    "is_executor_spec",
     "late_config",
     "outside_job_time",
     "read_message",

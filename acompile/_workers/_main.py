@@ -89,10 +89,10 @@ def _remove_work_folder_of_a_dead_pool(wait: float = 0.0) -> None:
 
 
 def _exit_template(*_: object) -> None:
-    if not Template.serving:
+    if not TemplateLoop.serving:
         _kill_own_group()  # still preloading: no worker to clean up, and a kill reads as one
-    Template.signalled = True
-    raise SystemExit(1)  # through Template.serve's clean-up, which stops every worker
+    TemplateLoop.signalled = True
+    raise SystemExit(1)  # through TemplateLoop.serve's clean-up, which stops every worker
 
 
 def _reset_stderr() -> None:
@@ -217,7 +217,7 @@ def thread_count() -> int:
         return threading.active_count()
 
 
-class Template:
+class TemplateLoop:
     """A preloaded process that forks workers (``acompile._workers._main --template``).
 
     It does a worker's whole preload once (imports, Triton's set-up, a first compile), then forks
@@ -243,7 +243,7 @@ class Template:
     def serve(self) -> None:
         import select
 
-        Template.serving = True
+        TemplateLoop.serving = True
 
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)
@@ -297,7 +297,7 @@ class Template:
                 except ChildProcessError:
                     pass
                 _kill_group(pid, reaped=True)  # what outlived it in its group
-            orphaned = self.worker.orphaned or Template.signalled
+            orphaned = self.worker.orphaned or TemplateLoop.signalled
             _remove_work_folder_of_a_dead_pool(wait=_REPARENTING if orphaned else 0.0)
 
     def _stop_helper(self, pid: int) -> None:
@@ -512,10 +512,10 @@ def main() -> None:
     worker = Worker(fd_in, fd_out)
     if worker.start(args[1:] if template else args):
         if template:
-            Template(worker, helping).serve()
+            TemplateLoop(worker, helping).serve()
         else:
             worker.serve()
-    if worker.orphaned and not (template and Template.serving):  # (a serving template did it)
+    if worker.orphaned and not (template and TemplateLoop.serving):  # (a serving template did it)
         _remove_work_folder_of_a_dead_pool(wait=_REPARENTING)
     sys.stdout.flush()
     os._exit(0)

@@ -17,12 +17,16 @@ Adding an executor (a Kubernetes job, a remote build service) is writing a class
 
 from __future__ import annotations
 
+import inspect
+import logging
+import os
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol
 
+from acompile._sizing import usable_cpus
 from acompile._workers._pool import WorkerPool
 from acompile._workers._split import SplitExecutor
 
@@ -31,7 +35,17 @@ if TYPE_CHECKING:
     from acompile._workers._executor import Executor
     from acompile._workers._settings import WorkerSettings
 
-__all__ = ("ExecutorSpec", "LocalWorkers", "Opening", "Split")
+__all__ = (
+    "ExecutorSpec",
+    "LocalWorkers",
+    "Opening",
+    "Split",
+    "checked_count",
+    "executor_spec",
+    "is_executor_spec",
+)
+
+logger = logging.getLogger("acompile")
 
 
 @dataclass(frozen=True)
@@ -47,9 +61,12 @@ class Opening:
             (once, when the first one starts).
         size: how many local workers the pool would run by default (a fallback's size).
         stack: resources an executor holds beyond its ``serve()`` (a connection), closed after
-            the pool's task group has ended, or at once where entering fails.
-        fallback: local workers a remote executor may move its jobs to (``Split`` gives its
-            urgent executor); None: the spec makes its own when it needs them.
+            the pool's task group has ended, or at once where entering fails: an executor that
+            holds a process or a connection puts its closing here as it is opened.
+        sys_path, cwd: the pool's at its entry: what local workers made later (a fallback) start
+            with too.
+        fallback: the executor a remote one moves its jobs to when it is lost (``Split`` gives
+            its urgent executor); None: the spec makes local workers when it needs them.
     """
 
     workdir: str
@@ -60,16 +77,27 @@ class Opening:
     backend_config: Callable[[], Awaitable[BackendConfig]] | None
     size: int
     stack: AsyncExitStack
+    sys_path: tuple[str, ...]
+    cwd: str
     fallback: Executor | None = None
+    # How many local pools were made for this pool: each after the first gets a folder of its
+    # own inside the work folder (their workers' files are named by slot).
+    _made: list[int] = field(default_factory=lambda: [0], repr=False, compare=False)
 
     def local_workers(self, settings: WorkerSettings, size: int | None = None) -> WorkerPool:
-        """Local worker processes for ``settings`` (``size`` of them, else the pool's default)."""
+        """Local worker processes for ``settings`` (``size`` of them, else the pool's default),
+        in a work folder of their own."""
+        made = self._made[0]
+        self._made[0] += 1
+        workdir = self.workdir if made == 0 else os.path.join(self.workdir, f"local-{made}")
         pool = WorkerPool(
             size if size is not None else self.size,
             settings,
-            self.workdir,
+            workdir,
             bytecode_dir=self.bytecode_dir,
             bytecode_helpers=self.bytecode_helpers,
+            sys_path=self.sys_path,
+            cwd=self.cwd,
         )
         if self.backend_config is not None:
             # What the workers' preload needs from this process (Triton's key of its binaries,
@@ -78,11 +106,15 @@ class Opening:
         return pool
 
     def with_fallback(self, fallback: Executor) -> Opening:
-        """This opening, with ``fallback`` as the local workers a remote executor falls back to."""
+        """This opening, with ``fallback`` as the executor a remote one falls back to."""
         return replace(self, fallback=fallback)
 
+    def fallback_or_local(self, settings: WorkerSettings, size: int | None = None) -> Executor:
+        """What a remote executor that cannot be had falls back to: ``fallback`` where there is
+        one (the urgent executor of a ``Split``), else new local workers."""
+        return self.fallback if self.fallback is not None else self.local_workers(settings, size)
 
-@runtime_checkable
+
 class ExecutorSpec(Protocol):
     """What ``CompilePool(workers=...)`` takes besides a count: a description of an executor,
     opened once when the pool is entered."""
@@ -102,9 +134,7 @@ class LocalWorkers:
     """
 
     def __init__(self, count: int | None = None) -> None:
-        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
-            raise ValueError(f"LocalWorkers needs a positive count or None, got {count!r}")
-        self.count = count
+        self.count = checked_count(count)
 
     async def open(self, settings: WorkerSettings, opening: Opening) -> Executor:
         return opening.local_workers(settings, self.count)
@@ -140,13 +170,53 @@ class Split:
         return f"Split({self.urgent!r}, {self.background!r})"
 
 
+def checked_count(count: object, name: str = "workers") -> int | None:
+    """A count of local workers, checked: a positive integer, within what the machine can run
+    (a count beyond its CPUs is allowed, with a warning), or None. Raises ``ValueError``."""
+    if count is None:
+        return None
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        # A string first is most often a target given by position.
+        hint = (
+            f" (a target is given by name: CompilePool(target={count!r}))" if isinstance(count, str) else ""
+        )
+        raise ValueError(f"{name} must be a positive integer or None, got {count!r}{hint}")
+    cpus = usable_cpus()
+    if count > (most := max(256, 16 * cpus)):
+        # Each worker is a process with its own memory: a count like this is a slip (a value
+        # meant for something else), and entering would try to make them all.
+        raise ValueError(
+            f"{name}={count} is more than this machine can run ({cpus} usable CPUs; at most {most} workers)"
+        )
+    if count > cpus:
+        # Allowed (a machine shared with a changing load, a test), but rarely what is meant.
+        logger.warning(
+            "%s=%d on %d usable CPU%s: a compile keeps a CPU busy, so workers beyond the CPUs make a "
+            "storm slower, not faster, and each holds its own memory",
+            name,
+            count,
+            cpus,
+            "" if cpus == 1 else "s",
+        )
+    return count
+
+
+def is_executor_spec(value: object) -> bool:
+    """Whether ``value`` is an executor spec: an object (not a class) whose class has a coroutine
+    function ``open`` (a path, which has a plain ``open``, is not one)."""
+    return not isinstance(value, type) and inspect.iscoroutinefunction(getattr(type(value), "open", None))
+
+
 def executor_spec(value: object, name: str = "workers") -> ExecutorSpec:
     """``value`` as an executor spec: a count is ``LocalWorkers(count)``, ``None`` the default
-    ``LocalWorkers()``. Raises ``TypeError`` naming ``name`` for anything else."""
-    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
-        return LocalWorkers(value)
-    if isinstance(value, ExecutorSpec) and not isinstance(value, type):
-        return value
+    ``LocalWorkers()``. Raises ``ValueError`` for a count that is not one (a float, a string)
+    and ``TypeError`` naming ``name`` for anything else."""
+    # A string is no count, but a pool's first argument given one is most often a target given
+    # by position: checked_count says so.
+    if value is None or isinstance(value, (int, float)) or (isinstance(value, str) and name == "workers"):
+        return LocalWorkers(checked_count(value, name))
+    if is_executor_spec(value):
+        return value  # type: ignore[return-value]
     raise TypeError(
         f"{name} must be a count of workers, None, or an executor spec "
         f"(acompile.LocalWorkers, acompile.RayFarm, acompile.Split), got {value!r}"

@@ -138,13 +138,16 @@ class WorkerPool(SlotExecutor["LocalRunners"]):
         *,
         bytecode_dir: str | None = None,
         bytecode_helpers: str = "",
+        sys_path: tuple[str, ...] | None = None,
+        cwd: str | None = None,
     ) -> None:
         if size < 1:
             raise ValueError(f"a pool needs at least one worker, got workers={size}")
         self.settings = settings
         config: WorkerConfig = {
-            "sys_path": list(sys.path),
-            "cwd": os.getcwd(),
+            # The owner's, as it gives them (a pool's at its entry), else this process's now.
+            "sys_path": list(sys_path if sys_path is not None else sys.path),
+            "cwd": cwd if cwd is not None else os.getcwd(),
             "target": settings.target,
             "preload": list(settings.preload),
             "nice": settings.nice,
@@ -254,7 +257,7 @@ class LocalRunners:
         """The worker processes alive, ready or preloading."""
         return len(self.alive)
 
-    def prepare(self, job: Job) -> None:
+    def encode(self, job: Job) -> None:
         """Encode ``job`` once, as its worker receives it (a retry sends the same frame); raises
         ``CompileError`` when something in the request does not pickle."""
         if job.frame is None:

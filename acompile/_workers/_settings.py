@@ -93,6 +93,17 @@ class WorkerSettings:
         if not isinstance(self.fork_workers, bool):
             raise TypeError(f"fork_workers must be True or False, got {self.fork_workers!r}")
 
+    @classmethod
+    def checked(cls, *, memory_limit: int | str | None = None, **fields: Any) -> WorkerSettings:
+        """Settings from a user's values as ``CompilePool`` takes them (``memory_limit`` may be
+        ``"4GiB"``), checked; raises ``ValueError`` or ``TypeError`` naming the argument."""
+        if memory_limit is not None:
+            try:
+                memory_limit = parse_size(memory_limit)
+            except ValueError as exc:
+                raise ValueError(f"memory_limit: {exc}") from None
+        return cls(memory_limit=memory_limit, **fields)
+
     def replace(self, **changes: Any) -> WorkerSettings:
         """A copy with ``changes``, checked as a new one is."""
         return dataclasses.replace(self, **changes)

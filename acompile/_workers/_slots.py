@@ -159,7 +159,7 @@ class Runners(Protocol):
         starts do not stop the executor."""
         ...
 
-    def prepare(self, job: Job) -> None:
+    def encode(self, job: Job) -> None:
         """Make ``job`` ready to send, once, in its submitter's task. Raises the job's own
         ``CompileError`` when it cannot be sent: that job fails, nothing else does."""
         ...
@@ -252,7 +252,7 @@ class SlotExecutor(Generic[R]):
         if self._start_error is not None and not self.runners.live():
             raise self._start_error
         try:
-            self.runners.prepare(job)
+            self.runners.encode(job)
         except CompileError as exc:
             # Something in the request cannot be sent: that request fails, nothing else.
             job.finish(error=exc)
