@@ -49,8 +49,9 @@ async def run_job(
     It runs as a request's compile does, uncached: queued in the urgent lane, or behind every
     urgent job with ``background=True``; a caller cancelled while the job is queued drops it, and
     one cancelled while it runs stops its worker (which the pool replaces). ``name`` names the job
-    in errors, traces and ``stats()["slowest"]``. Raises ``PoolClosedError`` outside the pool's
-    ``async with``.
+    in traces and ``stats()["slowest"]``; an error the worker raises names the kernel as the
+    payload's ``"name"`` does (a dict payload with one), else ``'?'``. Raises ``PoolClosedError``
+    outside the pool's ``async with``.
     """
     return await pool.executor.run(Job(module, payload, name, BACKGROUND if background else URGENT))
 

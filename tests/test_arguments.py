@@ -134,7 +134,13 @@ def test_more_workers_than_cpus_is_allowed_with_a_warning(
     with caplog.at_level("WARNING", logger="acompile"):
         acompile.CompilePool(cpus + 1, cache_dir=tmp_path)
     warned = [r.getMessage() for r in caplog.records if "usable CPU" in r.getMessage()]
-    assert warned and f"workers={cpus + 1} on {cpus} usable CPU" in warned[0], warned
+    assert len(warned) == 1 and f"workers={cpus + 1} on {cpus} usable CPU" in warned[0], warned
+    # Two local halves of a split run together: their sum is what the machine gets.
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="acompile"):
+        acompile.CompilePool(acompile.Split(cpus, 1), cache_dir=tmp_path)
+    warned = [r.getMessage() for r in caplog.records if "usable CPU" in r.getMessage()]
+    assert len(warned) == 1 and f"local workers={cpus + 1} on {cpus} usable CPU" in warned[0], warned
 
 
 @pytest.mark.parametrize(
@@ -168,7 +174,15 @@ CONSTRUCTOR_CASES: list[tuple[dict[str, Any], str]] = [
     ({"workers": "cuda:90"}, r"got 'cuda:90' \(a target is given by name: CompilePool\(target='cuda:90'\)\)"),
     ({"workers": 10**9}, r"workers=1000000000 is more than this machine can run"),
     ({"workers": [4]}, r"workers must be a count of workers, None, or an executor spec .* got \[4\]"),
-    ({"workers": acompile.LocalWorkers}, r"workers must be a count of workers, None, or an executor spec"),
+    ({"workers": "4"}, r"got '4' \(a count is a number: workers=4\)"),
+    (
+        {"workers": acompile.LocalWorkers},
+        r"executor spec .* \(a class: give one of its instances, LocalWorkers",
+    ),
+    (
+        {"workers": Path("/tmp")},
+        r"executor spec .* \(a folder is given by name: CompilePool\(cache_dir=\.\.\.\)\)",
+    ),
     ({"target": 90}, r"target must be a string such as 'cuda:90', got int"),
     ({"target": "cuda:nine"}, r"unknown CUDA architecture in 'cuda:nine'; known: cuda:75"),
     ({"cache_dir": 5}, r"cache_dir must be a path"),

@@ -133,8 +133,8 @@ class LocalWorkers:
             may use, keeping one for the process itself beyond four).
     """
 
-    def __init__(self, count: int | None = None) -> None:
-        self.count = checked_count(count)
+    def __init__(self, count: int | None = None, *, _warn: bool = True) -> None:
+        self.count = checked_count(count, warn=_warn)
 
     async def open(self, settings: WorkerSettings, opening: Opening) -> Executor:
         return opening.local_workers(settings, self.count)
@@ -151,13 +151,18 @@ class Split:
     falls back to the urgent ones.
 
     Args:
-        urgent: the executor spec (or a count of local workers) for the urgent lane.
-        background: the executor spec for the background lane.
+        urgent: the executor spec for the urgent lane, or a count of local workers (None: the
+            pool's default count).
+        background: the same, for the background lane.
     """
 
-    def __init__(self, urgent: ExecutorSpec | int, background: ExecutorSpec | int) -> None:
-        self.urgent = executor_spec(urgent, "urgent")
-        self.background = executor_spec(background, "background")
+    def __init__(self, urgent: ExecutorSpec | int | None, background: ExecutorSpec | int | None) -> None:
+        self.urgent = executor_spec(urgent, "urgent", warn=False)
+        self.background = executor_spec(background, "background", warn=False)
+        # The local workers of both halves run on this machine together.
+        halves = (self.urgent, self.background)
+        local = sum(half.count or 0 for half in halves if isinstance(half, LocalWorkers))
+        _warn_beyond_cpus(local, "Split's local workers")
 
     async def open(self, settings: WorkerSettings, opening: Opening) -> Executor:
         urgent = await self.urgent.open(settings, opening)
@@ -170,16 +175,19 @@ class Split:
         return f"Split({self.urgent!r}, {self.background!r})"
 
 
-def checked_count(count: object, name: str = "workers") -> int | None:
+def checked_count(count: object, name: str = "workers", *, warn: bool = True) -> int | None:
     """A count of local workers, checked: a positive integer, within what the machine can run
-    (a count beyond its CPUs is allowed, with a warning), or None. Raises ``ValueError``."""
+    (a count beyond its CPUs is allowed, with a warning unless ``warn`` is False), or None.
+    Raises ``ValueError``."""
     if count is None:
         return None
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        # A string first is most often a target given by position.
-        hint = (
-            f" (a target is given by name: CompilePool(target={count!r}))" if isinstance(count, str) else ""
-        )
+        hint = ""
+        if isinstance(count, str) and count.strip().isdigit():
+            hint = f" (a count is a number: {name}={int(count)})"  # read from the environment, say
+        elif isinstance(count, str) and name == "workers":
+            # A pool's first argument as text is most often a target given by position.
+            hint = f" (a target is given by name: CompilePool(target={count!r}))"
         raise ValueError(f"{name} must be a positive integer or None, got {count!r}{hint}")
     cpus = usable_cpus()
     if count > (most := max(256, 16 * cpus)):
@@ -188,17 +196,23 @@ def checked_count(count: object, name: str = "workers") -> int | None:
         raise ValueError(
             f"{name}={count} is more than this machine can run ({cpus} usable CPUs; at most {most} workers)"
         )
+    if warn:
+        _warn_beyond_cpus(count, name)
+    return count
+
+
+def _warn_beyond_cpus(count: int, what: str) -> None:
+    cpus = usable_cpus()
     if count > cpus:
         # Allowed (a machine shared with a changing load, a test), but rarely what is meant.
         logger.warning(
             "%s=%d on %d usable CPU%s: a compile keeps a CPU busy, so workers beyond the CPUs make a "
             "storm slower, not faster, and each holds its own memory",
-            name,
+            what,
             count,
             cpus,
             "" if cpus == 1 else "s",
         )
-    return count
 
 
 def is_executor_spec(value: object) -> bool:
@@ -207,17 +221,22 @@ def is_executor_spec(value: object) -> bool:
     return not isinstance(value, type) and inspect.iscoroutinefunction(getattr(type(value), "open", None))
 
 
-def executor_spec(value: object, name: str = "workers") -> ExecutorSpec:
+def executor_spec(value: object, name: str = "workers", *, warn: bool = True) -> ExecutorSpec:
     """``value`` as an executor spec: a count is ``LocalWorkers(count)``, ``None`` the default
     ``LocalWorkers()``. Raises ``ValueError`` for a count that is not one (a float, a string)
     and ``TypeError`` naming ``name`` for anything else."""
     # A string is no count, but a pool's first argument given one is most often a target given
-    # by position: checked_count says so.
+    # by position (or a count read from the environment): checked_count says which.
     if value is None or isinstance(value, (int, float)) or (isinstance(value, str) and name == "workers"):
-        return LocalWorkers(checked_count(value, name))
+        return LocalWorkers(checked_count(value, name, warn=warn), _warn=False)
     if is_executor_spec(value):
         return value  # type: ignore[return-value]
+    hint = ""
+    if isinstance(value, type) and inspect.iscoroutinefunction(getattr(value, "open", None)):
+        hint = f" (a class: give one of its instances, {value.__name__}(...))"
+    elif isinstance(value, os.PathLike):
+        hint = " (a folder is given by name: CompilePool(cache_dir=...))"
     raise TypeError(
         f"{name} must be a count of workers, None, or an executor spec "
-        f"(acompile.LocalWorkers, acompile.RayFarm, acompile.Split), got {value!r}"
+        f"(acompile.LocalWorkers, acompile.RayFarm, acompile.Split), got {value!r}{hint}"
     )
