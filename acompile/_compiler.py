@@ -63,6 +63,7 @@ from acompile._workers import (
     bytecode_plan,
     executor_spec,
     idle_stats,
+    opened,
     remove_work_folder,
 )
 
@@ -411,7 +412,7 @@ class CompilePool:
             )
             # The one place an executor is chosen: the spec opens its own (a farm that cannot be
             # reached falls back to local workers inside its open, where it allows that).
-            self._workers = await self._spec.open(settings, opening)
+            self._workers = opened(self._spec, await self._spec.open(settings, opening))
             self._tg = anyio.create_task_group()
             await self._tg.__aenter__()
             self._cache.start(self._tg)  # write-behind runs in the pool's task group
@@ -419,16 +420,34 @@ class CompilePool:
             # is one idle task.
             self._portal = Portal(self._loop, self._loop_thread, self._tg.start_soon)
             self._tg.start_soon(self._portal.pump)
+            self._tg.start_soon(self._serve_executor, self._workers)
         except BaseException:
             self._state = "closed"
+            if self._tg is not None:
+                self._tg.cancel_scope.cancel()
+                with anyio.CancelScope(shield=True):
+                    await self._tg.__aexit__(None, None, None)
             await self._remove_workdir()
             raise
         self._state = "running"
-        self._tg.start_soon(self._workers.serve)
         if self._prestart:
             self._prestart_scope = anyio.CancelScope()
             self._tg.start_soon(self._prestart_soon, self._prestart_scope)
         return self
+
+    async def _serve_executor(self, executor: Executor) -> None:
+        """The executor's ``serve()``, which runs until the pool's task group is cancelled; one
+        that returns (or fails) before that leaves a pool nothing can run on: it is closed, and
+        says so, rather than taking requests that would wait for ever."""
+        try:
+            await executor.serve()
+        except Exception:
+            logger.exception("the pool's executor (%r) failed; the pool is closed", self._spec)
+            self._state = "closed"
+            return
+        if self._state == "running":
+            logger.error("the pool's executor (%r) stopped serving; the pool is closed", self._spec)
+            self._state = "closed"
 
     def _work_folders(self) -> tuple[str | None, str]:
         """Make the workers' work folder (``self._workdir``), and return ``_bytecode_plan()``

@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
+import anyio.lowlevel
 
-from acompile import PoolClosedError
-from acompile._workers import BACKGROUND, URGENT, Job, JobCancelled, executor_spec
+from acompile import CompileError, PoolClosedError
+from acompile._workers import BACKGROUND, URGENT, Job, JobCancelled, executor_spec, opened
 from acompile._workers import run_job as _run
 
 if TYPE_CHECKING:
@@ -108,7 +109,8 @@ class Interposed:
 
     async def open(self, settings: WorkerSettings, opening: Opening) -> Executor:
         """Open ``inner`` for the pool being entered, and step in front of it."""
-        return InterposedExecutor(await self.inner.open(settings, opening), self.before, self.seen)
+        inner = opened(self.inner, await self.inner.open(settings, opening))
+        return InterposedExecutor(inner, self.before, self.seen)
 
     def __repr__(self) -> str:
         return f"Interposed({self.inner!r}, {self.before!r})"
@@ -183,6 +185,26 @@ class InterposedExecutor:
             except Exception as exc:
                 if self._held.pop(job, None) is not None:
                     self._fail(job, exc)
+                return
+            except anyio.get_cancelled_exc_class():
+                if held.scope.cancel_called:
+                    raise  # dropped (cancel()): the scope ends it
+                try:
+                    # A cancellation of this task (the pool leaving) is delivered again here.
+                    await anyio.lowlevel.checkpoint()
+                except anyio.get_cancelled_exc_class():
+                    raise
+                # ``before`` itself was cancelled (something it awaited was cancelled by
+                # another task): the job's failure, not the executor's end.
+                if self._held.pop(job, None) is not None:
+                    self._fail(
+                        job,
+                        CompileError(
+                            f"before({job.name!r}) was cancelled by something it awaited",
+                            kernel=job.name,
+                            backend=job.backend.rsplit(".", 1)[-1],
+                        ),
+                    )
                 return
         if self._held.pop(job, None) is None:
             return  # dropped while in before: its outcome is set

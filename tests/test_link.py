@@ -155,10 +155,10 @@ def policy(*, at_once: bool, first: float = 30.0, silence: float = 5.0) -> Polic
 
 def job(value: int, seconds: float = 0.0) -> Job:
     """A job both a helper and the tests' fake backend on a local worker run: it gives back
-    its value (a helper's reply says it came from the helper, and which one)."""
+    its value after its seconds (a helper's reply says it came from the helper, and which one)."""
     return Job(
         "fake_backend",
-        {"name": f"j{value}", "action": "echo", "value": value, "seconds": seconds},
+        {"name": f"j{value}", "action": "sleep", "value": value, "seconds": seconds},
         f"j{value}",
     )
 
@@ -228,7 +228,7 @@ async def test_without_a_connection_at_once_jobs_move_to_local_workers_until_one
     executor = LinkedExecutor(
         first,
         helpers.open,
-        policy(at_once=False, first=1.0),
+        policy(at_once=False, first=4.0),
         acompile.PoolError,
         make_local=lambda: local,
     )
@@ -290,3 +290,154 @@ async def test_a_job_cancelled_in_flight_is_cancelled_there_and_ends_here_at_onc
         assert (stats["cancelled"], stats["running"]) == (1, 0)
     # Shut down with a job in flight: it fails with the pool's closing, counted out.
     assert executor.stats()["jobs"]["running"] == 0
+
+
+class SlowHelpers(Helpers):
+    """Helpers whose second and later opens take ``delay`` seconds (a server slow to start)."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    async def open(self) -> PipeLink:
+        if self.opened:
+            await anyio.sleep(self.delay)
+        return await super().open()
+
+
+async def test_leaving_while_a_lost_helper_is_replaced_ends_its_jobs(tmp_path: Path) -> None:
+    # The jobs of a lost helper, on their way to the next one, end with the pool (they were
+    # dropped: a caller waited for ever, and "running" stayed 1).
+    helpers = SlowHelpers(delay=30.0)
+    try:
+        first = await helpers.open()
+        executor = LinkedExecutor(first, helpers.open, policy(at_once=True), acompile.PoolError)
+        slow = job(11, seconds=5.0)
+        async with served(executor) as tg:
+            executor.submit(slow)
+            tg.start_soon(_kill_after, 0.3, first)
+            await anyio.sleep(1.0)  # lost; the new helper takes 30 s to come
+        with anyio.fail_after(2), pytest.raises(acompile.PoolClosedError):
+            await slow.outcome()
+        assert executor.stats()["jobs"]["running"] == 0
+    finally:
+        helpers.end()
+
+
+async def test_a_caller_that_leaves_while_its_helper_is_replaced_cancels_its_job(tmp_path: Path) -> None:
+    # Cancelled on its way to the next helper, it goes nowhere (it was sent again, and ran with
+    # nobody waiting, counted done).
+    helpers = SlowHelpers(delay=1.0)
+    try:
+        first = await helpers.open()
+        executor = LinkedExecutor(first, helpers.open, policy(at_once=True), acompile.PoolError)
+        slow = job(12, seconds=1.0)
+        async with served(executor) as tg:
+            tg.start_soon(_kill_after, 0.3, first)
+            with anyio.move_on_after(0.6):
+                await run_job(executor, slow)
+            assert isinstance(slow.error, JobCancelled)
+            await anyio.sleep(2.5)  # the new helper is up: nothing of the job reached it
+            stats = executor.stats()["jobs"]
+            assert (stats["cancelled"], stats["done"], stats["running"], stats["retried"]) == (1, 0, 0, 0), (
+                stats
+            )
+            tg.cancel_scope.cancel()
+    finally:
+        helpers.end()
+
+
+async def test_frames_written_for_a_lost_helper_never_reach_the_next(
+    tmp_path: Path, helpers: Helpers
+) -> None:
+    # Stopped with its input full, a helper leaves frames queued here: sent to its successor,
+    # they ran jobs twice (once as frames, once sent again).
+    runs: dict[int, int] = {}
+    opened = helpers.open
+
+    async def counting() -> PipeLink:
+        link = await opened()
+        receive = link.receive
+
+        async def counted() -> Reply:
+            reply = await receive()
+            if reply.kind == "done" and len(helpers.opened) > 1 and link is helpers.opened[-1]:
+                runs[reply.id] = runs.get(reply.id, 0) + 1
+            return reply
+
+        link.receive = counted  # type: ignore[method-assign]
+        return link
+
+    first = await counting()
+    executor = LinkedExecutor(first, counting, policy(at_once=True, silence=2.0), acompile.PoolError)
+    async with served(executor):
+        os.kill(first.pid, signal.SIGSTOP)
+        jobs = [
+            Job("fake_backend", {"name": f"b{i}", "value": "x" * 20_000, "seconds": 0.0}, f"b{i}")
+            for i in range(20)
+        ]
+        for each in jobs:
+            executor.submit(each)
+            await anyio.sleep(0.01)  # one write at a time: the first fills the pipe, the others wait
+        with anyio.fail_after(30):
+            for each in jobs:
+                await each.outcome()
+        await anyio.sleep(1.0)  # what else the new helper was sent, it has answered by now
+    assert runs and max(runs.values()) == 1, runs
+
+
+async def test_a_helper_back_lets_the_local_workers_finish_what_moved_to_them(
+    tmp_path: Path, helpers: Helpers
+) -> None:
+    # Quiesced as the helper came back, the fallback killed its running job and ran it again.
+    local = local_workers(tmp_path)
+    first = await helpers.open()
+    executor = LinkedExecutor(
+        first, helpers.open, policy(at_once=False, first=0.5), acompile.PoolError, make_local=lambda: local
+    )
+    async with served(executor) as tg:
+        tg.start_soon(_kill_after, 0.3, first)
+        with anyio.fail_after(30):
+            assert await run_job(executor, job(13, seconds=3.0)) == 13  # on the local worker
+        assert executor.lost is None  # back meanwhile
+        assert local.stats()["workers"]["restarts"] == {}, local.stats()["workers"]
+
+
+async def test_a_helper_that_reported_jobs_in_flight_counts_none_once_lost(
+    tmp_path: Path, helpers: Helpers
+) -> None:
+    # A helper that reports its own figures (a farm's executor): lost, its last queued and
+    # running counts are no one's (they stayed for good).
+    from acompile._workers import idle_stats
+
+    first = await helpers.open()
+    reported = idle_stats(1)
+    reported["jobs"].update(queued=2, running=1, done=5)
+    first.hello = {**first.hello, "stats": reported}
+    executor = LinkedExecutor(first, helpers.open, policy(at_once=False), acompile.PoolError, fallback=False)
+    async with served(executor) as tg:
+        tg.start_soon(_kill_after, 0.1, first)
+        with anyio.fail_after(10):
+            while executor.lost is None:  # noqa: ASYNC110 (its reader sees the end)
+                await anyio.sleep(0.05)
+        jobs = executor.stats()["jobs"]
+        assert (jobs["queued"], jobs["running"], jobs["done"]) == (0, 0, 5), jobs
+
+
+async def test_an_opener_that_fails_in_any_way_is_no_connection_yet(tmp_path: Path, helpers: Helpers) -> None:
+    # An error the opener did not expect (a server that closed during its hello) ended the pool.
+    local = local_workers(tmp_path)
+    first = await helpers.open()
+
+    async def broken() -> PipeLink:
+        raise anyio.BrokenResourceError
+
+    executor = LinkedExecutor(
+        first, broken, policy(at_once=True), acompile.PoolError, make_local=lambda: local
+    )
+    async with served(executor) as tg:
+        tg.start_soon(_kill_after, 0.3, first)
+        with anyio.fail_after(30):
+            assert await run_job(executor, job(14, seconds=1.0)) == 14  # moved to the local worker
+            assert await run_job(executor, job(15)) == 15
+        tg.cancel_scope.cancel()

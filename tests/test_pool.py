@@ -1266,3 +1266,55 @@ async def test_two_local_pools_of_one_pool_keep_their_workers_apart(
         assert urgent != background
         assert p.stats()["workers"]["forked"] == 2  # each from its own template
     assert not [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")], caplog.text
+
+
+class _OpensNothing:
+    """A spec whose open returns no executor (a user's slip)."""
+
+    async def open(self, settings: WorkerSettings, opening: Any) -> Any:
+        self.workdir = opening.workdir
+        return None
+
+
+class _StopsServing:
+    """A spec whose executor's serve() returns at once (a user's executor that ends)."""
+
+    async def open(self, settings: WorkerSettings, opening: Any) -> Any:
+        workers = opening.local_workers(settings, 1)
+
+        class Ends:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(workers, name)
+
+            async def serve(self) -> None:
+                return None
+
+        return Ends()
+
+
+async def test_a_spec_that_opens_no_executor_is_named_and_leaves_nothing(tmp_path: Path) -> None:
+    spec = _OpensNothing()
+    with (
+        anyio.fail_after(20),
+        pytest.raises(TypeError, match=r"_OpensNothing.*\.open\(\) returned None, not an executor"),
+    ):
+        async with acompile.CompilePool(spec, target="cuda:90", cache_dir=tmp_path, preload=()):
+            pass
+    assert not Path(spec.workdir).exists()  # noqa: ASYNC240 (the pool's work folder went with it)
+    with pytest.raises(TypeError, match=r"\.open\(\) returned None"):  # inside a split too
+        async with acompile.CompilePool(
+            acompile.Split(1, _OpensNothing()), target="cuda:90", cache_dir=tmp_path
+        ):
+            pass
+
+
+async def test_an_executor_that_stops_serving_closes_the_pool_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Requests would have waited for ever on an executor nobody serves.
+    async with acompile.CompilePool(_StopsServing(), target="cuda:90", cache_dir=tmp_path, preload=()) as p:
+        await anyio.sleep(0.1)
+        assert p.stats()["state"] == "closed"
+        with pytest.raises(acompile.PoolClosedError):
+            await run_job(p, FAKE, {"name": "x", "action": "pid"}, "x")
+    assert "stopped serving; the pool is closed" in caplog.text

@@ -216,3 +216,24 @@ async def test_nothing_is_left_running_after_the_pool_exits_and_every_job_has_an
     assert worker_pids() == []
     with pytest.raises(acompile.PoolClosedError):
         await run_job(p, FAKE, echo("after", 1), "after")
+
+
+async def test_a_before_cancelled_by_what_it_awaits_fails_its_job_not_the_pool(cache_dir: Path) -> None:
+    # A future another task cancels, awaited in before: that job fails; the executor (and the
+    # pool) go on. It ended the executor's serve(), and every later request failed.
+    import asyncio
+
+    calls = []
+
+    async def before(job: JobView) -> None:
+        calls.append(job.name)
+        if len(calls) == 1:
+            future = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().call_later(0.05, future.cancel)
+            await future
+
+    async with pool(cache_dir, Interposed(1, before)) as p:
+        with pytest.raises(acompile.CompileError, match="was cancelled by something it awaited"):
+            await run_job(p, FAKE, echo("first", 1), "first")
+        assert await run_job(p, FAKE, echo("second", 2), "second") == 2
+        assert p.stats()["state"] == "running"

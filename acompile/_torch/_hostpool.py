@@ -154,8 +154,13 @@ def _rebuilt(header: dict[str, Any], name: str) -> AcompileError:
 
 
 # Starts the command it is given in a session of its own (it serves the host: it outlives the
-# process that started it), and exits.
-_DETACH = "import subprocess, sys; subprocess.Popen(sys.argv[1:], start_new_session=True, close_fds=True)"
+# process that started it), says its process id, and exits.
+_DETACH = (
+    "import subprocess, sys; print(subprocess.Popen("
+    "sys.argv[1:], start_new_session=True, close_fds=True, stdout=subprocess.DEVNULL).pid)"
+)
+# Linux's limit for the path of a Unix socket (sun_path), its terminating NUL included.
+_SOCKET_PATH_MAX = 108
 
 
 def _frame(header: dict[str, Any], body: bytes = b"") -> bytes:
@@ -256,7 +261,9 @@ async def _connect(cache_root: Path, workers: int | None, idle_exit: float) -> _
                     with anyio.CancelScope(shield=True):
                         await stream.aclose()
                     raise
-    except (OSError, TimeoutError, ValueError) as exc:
+    except (*_LOST, OSError, TimeoutError, ValueError) as exc:
+        # A server that dies or closes the connection during the hello (its idle exit racing a
+        # new connection, a SIGKILL) is no server: never an error past this.
         raise HostPoolError(f"cannot reach the host pool: {type(exc).__name__}: {exc}") from exc
     return _SocketLink(stream, reader, header)
 
@@ -266,6 +273,13 @@ def _ensure_server(cache_root: Path, workers: int | None, idle_exit: float) -> s
     time, under the folder's lock)."""
     folder = run_folder(cache_root)
     path = folder / socket_name()
+    if len(os.fsencode(path)) >= _SOCKET_PATH_MAX:
+        # A server could not listen there (Linux's limit for a Unix socket's path): said now,
+        # not after the wait for a server that died at once.
+        raise HostPoolError(
+            f"the host pool's socket path {str(path)!r} is {len(os.fsencode(path))} bytes, over the "
+            f"{_SOCKET_PATH_MAX - 1} a Unix socket's path may have: give a shorter cache folder"
+        )
     lock_path = folder / (path.name + ".lock")
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
@@ -276,17 +290,44 @@ def _ensure_server(cache_root: Path, workers: int | None, idle_exit: float) -> s
             return str(path)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # a server that died left it
-        _start_server(cache_root, workers, idle_exit, folder, path)
+        server = _start_server(cache_root, workers, idle_exit, folder, path)
         while not _listening(path):
             if time.monotonic() > deadline:
                 raise HostPoolError(f"the host pool did not listen at {path} within {START_TIMEOUT:g} s")
+            if not _alive(server):
+                raise HostPoolError(
+                    f"the host pool's server (pid {server}) ended as it started: {_last_line(folder, path)}"
+                )
             time.sleep(0.05)
         return str(path)
     finally:
         os.close(fd)
 
 
-def _start_server(cache_root: Path, workers: int | None, idle_exit: float, folder: Path, path: Path) -> None:
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` (the detached server: not this process's child) still runs."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # a process of another user has the id now: ours is gone, as good as alive
+    return True
+
+
+def _last_line(folder: Path, path: Path) -> str:
+    """The last line of the server's log (why it ended), bounded."""
+    try:
+        with open(folder / (path.stem + ".log"), "rb") as log:
+            log.seek(max(0, os.fstat(log.fileno()).st_size - 4096))
+            lines = [line for line in log.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "its log cannot be read"
+    return lines[-1] if lines else "it wrote nothing to its log"
+
+
+def _start_server(cache_root: Path, workers: int | None, idle_exit: float, folder: Path, path: Path) -> int:
+    """Start the host's server, detached; its process id."""
     env = dict(os.environ)
     env.pop("ACOMPILE_SERVE_TORCH", None)  # the server serves; it is not served
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.pathsep.join(sys.path), env.get("PYTHONPATH")]))
@@ -309,17 +350,18 @@ def _start_server(cache_root: Path, workers: int | None, idle_exit: float, folde
         # Through a process that starts the server and exits at once (waited for here): the
         # server is the host's, not this process's child, so nobody here leaves it a zombie
         # when it ends, or has to wait for it.
-        subprocess.run(
+        started = subprocess.run(
             [sys.executable, "-S", "-c", _DETACH, *command],
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
             stderr=log,
             env=env,
             close_fds=True,
             check=True,
             timeout=START_TIMEOUT,
         )
-    except subprocess.SubprocessError as exc:
+        return int(started.stdout)
+    except (subprocess.SubprocessError, ValueError) as exc:
         raise HostPoolError(f"cannot start the host pool's server: {exc}") from exc
     finally:
         os.close(log)
@@ -358,16 +400,25 @@ class HostPool:
         self.idle_exit = float(idle_exit)
 
     async def open(self, settings: WorkerSettings, opening: Opening) -> Executor:
-        def local() -> Executor:
-            return opening.fallback_or_local(settings, self.count)
-
         try:
             link = await _connect(opening.cache_root, self.count, self.idle_exit)
         except HostPoolError as exc:
             # No host pool to be had: this process's own workers compile, started on demand.
             logger.warning("%s; compiling on this process's own workers", exc)
-            return local()
-        executor = HostPoolExecutor(link, self, opening.cache_root, make_local=local)
+            return opening.fallback_or_local(settings, self.count)
+
+        def local() -> Executor:
+            return opening.local_workers(settings, self.count)
+
+        # A lost server's jobs go to the urgent executor under a Split (the pool serves it), else
+        # to local workers made then (served, and released again, by the executor).
+        executor = HostPoolExecutor(
+            link,
+            self,
+            opening.cache_root,
+            local=opening.fallback,
+            make_local=None if opening.fallback is not None else local,
+        )
         opening.stack.push_async_callback(executor.aclose)  # where serve() never runs
         return executor
 
@@ -380,12 +431,18 @@ class HostPoolExecutor(LinkedExecutor):
     socket (``serve(host_pool=True)``)."""
 
     def __init__(
-        self, link: _SocketLink, spec: HostPool, cache_root: Path, *, make_local: Callable[[], Executor]
+        self,
+        link: _SocketLink,
+        spec: HostPool,
+        cache_root: Path,
+        *,
+        local: Executor | None,
+        make_local: Callable[[], Executor] | None,
     ) -> None:
         async def reconnect() -> Link:
             return await _connect(cache_root, spec.count, spec.idle_exit)
 
-        super().__init__(link, reconnect, _POLICY, _lost, make_local=make_local)
+        super().__init__(link, reconnect, _POLICY, _lost, local=local, make_local=make_local)
 
     @property
     def server_pid(self) -> int | None:

@@ -77,6 +77,7 @@ _NAMES: dict[str, str | tuple[str, str]] = {
     "executor_spec": "_open",
     "checked_count": "_open",
     "is_executor_spec": "_open",
+    "opened": "_open",
     "SplitExecutor": "_split",
     "Link": "_link",
     "LinkLost": "_link",
@@ -109,6 +110,7 @@ if _typing.TYPE_CHECKING:
     from acompile._workers._open import checked_count as checked_count
     from acompile._workers._open import executor_spec as executor_spec
     from acompile._workers._open import is_executor_spec as is_executor_spec
+    from acompile._workers._open import opened as opened
     from acompile._workers._pool import LocalExecutor as LocalExecutor
     from acompile._workers._pool import WorkerPool as WorkerPool
     from acompile._workers._process import remove_work_folder as remove_work_folder
@@ -181,6 +183,7 @@ __all__ = (
     "idle_stats",
     "is_executor_spec",
     "late_config",
+    "opened",
     "outside_job_time",
     "read_message",
     "remove_work_folder",

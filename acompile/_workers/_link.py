@@ -177,6 +177,7 @@ class LinkedExecutor:
         self._make_local = make_local
         self._own_local = False  # whether self._local was made (and is served) here
         self._jobs: dict[int, Job] = {}  # sent to the helper, not ended
+        self._moving: dict[int, Job] = {}  # a lost helper's, on their way elsewhere (_lose)
         self._sent_again: set[int] = set()  # jobs sent again once after a loss
         self._ran: dict[int, dict[str, Any]] = {}  # where and when a job ran, before its outcome
         self._tokens = itertools.count()
@@ -230,6 +231,12 @@ class LinkedExecutor:
             self._counts["running"] -= 1
             self._counts["cancelled"] += 1
             self._send(self.link.cancel(job.id))
+            job.finish(error=JobCancelled(job.name))
+        elif self._moving.pop(job.id, None) is not None:
+            # Between a lost helper and where it goes next: it goes nowhere.
+            self._sent_again.discard(job.id)
+            self._counts["running"] -= 1
+            self._counts["cancelled"] += 1
             job.finish(error=JobCancelled(job.name))
         elif self._local is not None:
             self._local.cancel(job)
@@ -320,10 +327,11 @@ class LinkedExecutor:
                     await self._reconnect()
         finally:
             self._closed = True
-            for job in self._jobs.values():
-                job.finish(error=PoolClosedError("the pool shut down before this job ran"))
-            self._counts["running"] -= len(self._jobs)
-            self._jobs.clear()
+            for jobs in (self._jobs, self._moving):
+                for job in jobs.values():
+                    job.finish(error=PoolClosedError("the pool shut down before this job ran"))
+                self._counts["running"] -= len(jobs)
+                jobs.clear()
             for waiting in self._waiting.values():
                 waiting[0].set()
             await self.aclose()
@@ -415,28 +423,33 @@ class LinkedExecutor:
     async def _lose(self, error: AcompileError) -> bool:
         """The helper is lost: where the policy says so, connect again at once and send the jobs
         in flight again (once each); the others go to local workers or fail, and so will later
-        ones until a new connection holds. True where a new connection holds now."""
+        ones until a new connection holds. True where a new connection holds now.
+
+        While this runs, the jobs it moves are in ``_moving``: a caller that leaves cancels its
+        job there, and a pool that leaves fails them (``serve``'s end)."""
         self._lost = error
+        # What was written for the lost helper and not yet sent is its, not the next one's.
+        self._frames.clear()
+        self._written = anyio.Event()
         if self._stats is not None:
             self._stats = _without_workers(self._stats)
-        jobs = sorted(self._jobs.values(), key=lambda job: job.id)
+        self._moving = {job.id: job for job in sorted(self._jobs.values(), key=lambda job: job.id)}
         self._jobs.clear()
         self._ran.clear()
         for waiting in self._waiting.values():
             waiting[0].set()
         await self._close_link(self.policy.abort_grace)
-        again: list[Job] = []
         if self.policy.at_once:
             logger.warning("%s; connecting again", error)
             if await self._connect_again():
-                again = [job for job in jobs if job.id not in self._sent_again]
-                jobs = [job for job in jobs if job.id in self._sent_again]
-                for job in again:
+                for job in [job for job in self._moving.values() if job.id not in self._sent_again]:
+                    del self._moving[job.id]
                     self._sent_again.add(job.id)
                     self._jobs[job.id] = job
                     self._counts["retried"] += 1
                     with contextlib.suppress(CompileError):
                         self._send(self.link.submit(job))
+        jobs, self._moving = list(self._moving.values()), {}
         self._counts["running"] -= len(jobs)
         local = self._fallback()
         if jobs and local is None:
@@ -457,11 +470,13 @@ class LinkedExecutor:
         return self._lost is None
 
     async def _connect_again(self) -> bool:
-        """One attempt at a new connection; True where it holds (the helper serves again)."""
+        """One attempt at a new connection; True where it holds (the helper serves again). An
+        opener that fails in any way is no connection yet (said at debug level), never the
+        end of the pool."""
         try:
             link = await self._reconnect_with()
-        except (AcompileError, OSError) as exc:
-            logger.debug("no new connection yet: %s", exc)
+        except Exception as exc:
+            logger.debug("no new connection yet: %s: %s", type(exc).__name__, exc)
             return False
         if link is None:
             return False
@@ -472,7 +487,11 @@ class LinkedExecutor:
         self._stats = link.hello.get("stats")
         self._lost = None
         if self._own_local and self._local is not None:
-            self._local.quiesce()
+            jobs = self._local.stats()["jobs"]
+            if jobs["queued"] + jobs["running"] == 0:
+                # Idle: released now. Busy with what moved there, it finishes it, and its own
+                # idle timer (if any) releases it; it wakes if work comes back to it.
+                self._local.quiesce()
         return True
 
     async def _reconnect(self) -> None:
@@ -522,7 +541,10 @@ def _carried(before: ExecutorStats | None, lost: ExecutorStats) -> ExecutorStats
 
 
 def _without_workers(stats: ExecutorStats) -> ExecutorStats:
-    """A lost helper's last figures: none of its workers is alive or busy any more."""
+    """A lost helper's last figures: none of its workers is alive or busy any more, and none of
+    its jobs queued or running there (they moved, or failed)."""
     workers = dict(stats["workers"])
     workers.update(alive=0, busy=0, awake=False)
-    return {**stats, "workers": workers}  # type: ignore[typeddict-item]
+    jobs = dict(stats["jobs"])
+    jobs.update(queued=0, running=0)
+    return {**stats, "workers": workers, "jobs": jobs}  # type: ignore[typeddict-item]

@@ -43,6 +43,7 @@ __all__ = (
     "checked_count",
     "executor_spec",
     "is_executor_spec",
+    "opened",
 )
 
 logger = logging.getLogger("acompile")
@@ -165,8 +166,10 @@ class Split:
         _warn_beyond_cpus(local, "Split's local workers")
 
     async def open(self, settings: WorkerSettings, opening: Opening) -> Executor:
-        urgent = await self.urgent.open(settings, opening)
-        background = await self.background.open(settings, opening.with_fallback(urgent))
+        urgent = opened(self.urgent, await self.urgent.open(settings, opening))
+        background = opened(
+            self.background, await self.background.open(settings, opening.with_fallback(urgent))
+        )
         if background is urgent:
             return urgent  # the background side fell back to the urgent workers
         return SplitExecutor(urgent, background)
@@ -213,6 +216,32 @@ def _warn_beyond_cpus(count: int, what: str) -> None:
             cpus,
             "" if cpus == 1 else "s",
         )
+
+
+# What every executor has (``Executor``): an ``open`` that returns something without them returned
+# no executor.
+_EXECUTOR_METHODS = (
+    "submit",
+    "run",
+    "cancel",
+    "promote",
+    "quiesce",
+    "wakeup",
+    "wait_ready",
+    "stats",
+    "serve",
+)
+
+
+def opened(spec: object, executor: object) -> Executor:
+    """``executor``, as ``spec.open()`` returned it, checked to be one; raises ``TypeError``
+    naming the spec otherwise (an ``open`` that returned None, say)."""
+    missing = [name for name in _EXECUTOR_METHODS if not callable(getattr(executor, name, None))]
+    if missing:
+        raise TypeError(
+            f"{spec!r}.open() returned {executor!r}, not an executor (it has no {', '.join(missing)})"
+        )
+    return executor  # type: ignore[return-value]
 
 
 def is_executor_spec(value: object) -> bool:
