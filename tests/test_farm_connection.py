@@ -233,6 +233,23 @@ def two_nodes() -> Iterator[Cluster]:
 # without waiting out the default; it stays well above LOST_WITHIN, so that the connection
 # process reports the loss itself first, as it does under the default.
 RAY_RECONNECT_S = 30
+# How long after Ray ended a process connected to the lost head (the witness below) the pools'
+# processes must still be alive: Ray's verdict reaches each connected process at its own
+# RAY_RECONNECT_S, counted from when it noticed the head gone (within a second or two of the
+# witness).
+AFTER_VERDICT_S = 5
+
+# A plain Ray driver connected to the cluster, as the pool's process would be if it talked to
+# Ray itself: its end is Ray's verdict on a process connected to a lost head.
+_WITNESS = r"""
+import sys, time
+import ray
+
+ray.init(address=sys.argv[1], logging_level="ERROR")
+print("UP", flush=True)
+while True:
+    time.sleep(1)
+"""
 
 
 @pytest.mark.timeout(420)
@@ -240,10 +257,11 @@ def test_a_head_killed_mid_storm_leaves_the_pool_alive_and_every_job_ended(
     two_nodes: Cluster, tmp_path: Path
 ) -> None:
     """The cluster's head (its GCS and raylet) SIGKILLed while two pools run 20 jobs each: Ray
-    would end a process connected to it ``RAY_RECONNECT_S`` (30 s) later. Each pool's process
-    is alive 15 s after that, and every job ended: on the farm, or, once the farm is lost, on
-    local workers (``local_fallback=True``) or with ``FarmUnreachableError`` naming the address.
-    Meanwhile the pool's event loop is never held up."""
+    ends a process connected to it ``RAY_RECONNECT_S`` (30 s) later, as it ends a witness (a
+    plain Ray driver with the pools' settings). Each pool's process is alive after that, and
+    every job ended: on the farm, or, once the farm is lost, on local workers
+    (``local_fallback=True``) or with ``FarmUnreachableError`` naming the address. Meanwhile the
+    pool's event loop is never held up."""
     cluster = two_nodes
     ray_env = {"RAY_gcs_rpc_server_reconnect_timeout_s": str(RAY_RECONNECT_S)}
     common = {
@@ -257,9 +275,18 @@ def test_a_head_killed_mid_storm_leaves_the_pool_alive_and_every_job_ended(
     }
     moving = Driver(ray_env, fallback=True, cache_dir=str(tmp_path / "moving"), **common)
     failing = Driver(ray_env, fallback=False, cache_dir=str(tmp_path / "failing"), **common)
+    witness = subprocess.Popen(
+        [sys.executable, "-c", _WITNESS, cluster.address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(**ray_env),
+    )
     try:
         for driver in (moving, failing):
             assert driver.expect("READY", 120) == [], "the pool's process imported Ray"
+        assert witness.stdout is not None
+        assert witness.stdout.readline().strip() == "UP", "the witness did not connect"
         for driver in (moving, failing):
             for _ in range(3):
                 driver.expect("ENDED", 60)
@@ -269,7 +296,14 @@ def test_a_head_killed_mid_storm_leaves_the_pool_alive_and_every_job_ended(
         killed_at = time.time()
         storms = [driver.expect("STORM", 120) for driver in (moving, failing)]
         modules = [driver.expect("SERVING", 10) for driver in (moving, failing)]
-        time.sleep(max(0.0, killed_at + RAY_RECONNECT_S + 15 - time.time()))
+        # Ray's verdict: the witness ended, no sooner than RAY_RECONNECT_S after the head's death.
+        witness.wait(RAY_RECONNECT_S + 60)
+        verdict_after = time.time() - killed_at
+        assert witness.returncode != 0 and verdict_after > RAY_RECONNECT_S - 1, (
+            witness.returncode,
+            verdict_after,
+        )
+        time.sleep(AFTER_VERDICT_S)
         ended = [driver.process.poll() for driver in (moving, failing)]
         assert ended == [None, None], f"a pool's process ended after the head was killed: {ended}"
         for driver in (moving, failing):
@@ -281,6 +315,9 @@ def test_a_head_killed_mid_storm_leaves_the_pool_alive_and_every_job_ended(
     finally:
         moving.close()
         failing.close()
+        if witness.poll() is None:
+            witness.kill()
+        witness.communicate()
     assert modules == [[], []]
     # Ray held the loop of a process connected to it for as long as the head was gone (until it
     # ended the process).

@@ -150,10 +150,12 @@ def test_a_second_machine_loads_the_module_from_the_fleet_with_no_nvcc_run(
     assert Path(second["library"]).read_bytes() == Path(first["library"]).read_bytes()
 
 
-def test_four_machines_booting_together_build_the_module_once(
+def test_machines_booting_together_build_the_module_once(
     tmp_path: Path, redis_server: RedisServer, toolchain: dict[str, str]
 ) -> None:
-    envs = [machine(tmp_path, f"m{i}", toolchain) for i in range(4)]
+    """Two machines racing on one module: one runs nvcc, the other none. (Two show it: each
+    more is another FlashInfer process on 2 cores, and shows the same.)"""
+    envs = [machine(tmp_path, f"m{i}", toolchain) for i in range(2)]
     reports: list[dict[str, Any]] = []
     errors: list[BaseException] = []
 
@@ -169,7 +171,7 @@ def test_four_machines_booting_together_build_the_module_once(
     for t in threads:
         t.join()
     assert not errors, errors
-    assert [r.get("loaded") for r in reports] == [True] * 4, reports
+    assert [r.get("loaded") for r in reports] == [True] * 2, reports
     assert sum(r["jit"]["builds"] + r["jit"]["local_builds"] for r in reports) == 1
     compiles = sum(r["nvcc"] for r in reports)
     builder = next(r for r in reports if r["jit"]["builds"])
@@ -330,19 +332,25 @@ def test_a_record_of_what_a_server_was_served_warms_the_fleet_from_a_box_without
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "silu_and_mul: cached" in done.stdout, done.stdout
     assert nvcc_runs(box) == 0
-    assert Path(box["FLASHINFER_WORKSPACE_BASE"]).rglob("generated/silu_and_mul.cu"), "not written"
-    # A record of another release, or under a key this box does not make: failed, said why.
-    for wrong_text, why in (
-        (text.replace('release = "', 'release = "0.0.', 1), "recorded with flashinfer 0.0."),
-        (
-            re.sub(r'key = "[0-9a-f]{64}"', 'key = "' + "0" * 64 + '"', text),
-            "not the recorded " + "0" * 64,
-        ),
-    ):
-        wrong = tmp_path / "wrong.toml"
-        wrong.write_text(wrong_text)
-        done = warmup(wrong)
-        assert done.returncode == 1 and why in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+    assert any(Path(box["FLASHINFER_WORKSPACE_BASE"]).rglob("generated/silu_and_mul.cu")), "not written"
+    # A record of another release, or under a key this box does not make: each entry failed, said
+    # why (both in one record: one warm-up process, each entry's failure its own line).
+    head, entry = text.split("[[flashinfer]]")
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text(
+        head
+        + "[[flashinfer]]"
+        + entry.replace('release = "', 'release = "0.0.', 1)
+        + "\n[[flashinfer]]"
+        + re.sub(r'key = "[0-9a-f]{64}"', 'key = "' + "0" * 64 + '"', entry)
+    )
+    done = warmup(wrong)
+    said = done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.returncode == 1, said
+    failed = [line for line in done.stdout.splitlines() if ": FAILED: " in line]
+    assert len(failed) == 2, said
+    assert "recorded with flashinfer 0.0." in failed[0], said
+    assert "not the recorded " + "0" * 64 in failed[1], said
 
 
 @pytest.mark.parametrize(
