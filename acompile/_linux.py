@@ -109,3 +109,16 @@ def lower_this_thread() -> None:
             os.setpriority(os.PRIO_PROCESS, tid, 19)
     except OSError:
         pass
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with id ``pid`` exists (one that is not this process's child: a
+    detached server, another process's worker). One of another user's with that id counts: its
+    id is taken, and nothing here can tell it from ours."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -400,10 +400,11 @@ EXECUTOR_BUILDERS = {
         ("acompile._workers._open", "open"),  # LocalWorkers.open
         ("acompile._workers._open", "fallback_or_local"),
         ("acompile._farm._remote", "make_local"),  # a lost farm's fallback, in open_farm
+        ("acompile._torch._hostpool", "local"),  # a lost host pool's, in HostPool.open
     },
     "fallback_or_local": {
         ("acompile._farm._remote", "open_farm"),
-        ("acompile._torch._hostpool", "local"),  # in HostPool.open
+        ("acompile._torch._hostpool", "open"),  # no host pool to be had
     },
     "SplitExecutor": {("acompile._workers._open", "open")},
     "RemoteExecutor": {("acompile._farm._remote", "connect")},

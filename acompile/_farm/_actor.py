@@ -27,6 +27,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import anyio
 
+from acompile import _linux
 from acompile._cache import logs_dir, toolchain_dir
 from acompile._farm import _reaper
 from acompile._version import __version__
@@ -228,16 +229,6 @@ def _make_workdir() -> str:
     temporary = os.path.realpath(tempfile.gettempdir())
     for name in os.listdir(temporary):
         pid = name[len(prefix) :].split("-", 1)[0] if name.startswith(prefix) else ""
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not _linux.pid_alive(int(pid)):
             remove_work_folder(os.path.join(temporary, name))
     return WorkerPool.make_workdir(f"{prefix}{os.getpid()}-")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

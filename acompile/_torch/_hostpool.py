@@ -43,7 +43,7 @@ import anyio
 import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from acompile import _errors, _files
+from acompile import _errors, _files, _linux
 from acompile._errors import AcompileError, PoolError
 from acompile._trust import own_folder
 from acompile._version import __version__
@@ -294,7 +294,7 @@ def _ensure_server(cache_root: Path, workers: int | None, idle_exit: float) -> s
         while not _listening(path):
             if time.monotonic() > deadline:
                 raise HostPoolError(f"the host pool did not listen at {path} within {START_TIMEOUT:g} s")
-            if not _alive(server):
+            if not _linux.pid_alive(server):
                 raise HostPoolError(
                     f"the host pool's server (pid {server}) ended as it started: {_last_line(folder, path)}"
                 )
@@ -302,17 +302,6 @@ def _ensure_server(cache_root: Path, workers: int | None, idle_exit: float) -> s
         return str(path)
     finally:
         os.close(fd)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` (the detached server: not this process's child) still runs."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # a process of another user has the id now: ours is gone, as good as alive
-    return True
 
 
 def _last_line(folder: Path, path: Path) -> str:
