@@ -31,6 +31,7 @@ from acompile._cache import (
     DEFAULT_FLEET_WAIT,
     CorruptEntry,
     CostFeatures,
+    FleetTiers,
     GuardedDisk,
     MemoryTier,
     SharedCache,
@@ -306,16 +307,19 @@ class CompilePool:
         tiers: list[Tier] = []
         self._shared = shared
         if shared is not None:
-            tiers.append(
+            fleet = [
                 SharedTier.connect_later(
-                    shared.where, shared.signing_key, unsafe_unsigned_host_code=shared.unsafe_trust_unsigned
+                    place, shared.signing_key, unsafe_unsigned_host_code=shared.unsafe_trust_unsigned
                 )
-            )
+                for place in shared.places
+            ]
+            tiers.append(fleet[0] if len(fleet) == 1 else FleetTiers(fleet, copy_back=shared.copy_back))
         self._cache = TierChain(
             MemoryTier(memory_cache_size),
             GuardedDisk(Path(cache_dir) if cache_dir is not None else default_cache_dir()),
             tiers,
             fleet_wait=shared.fleet_wait if shared is not None else DEFAULT_FLEET_WAIT,
+            write_through=shared is not None and shared.write == "through",
         )
         self._tuner = _autotune.Tuner(self._cache)
         self._prestart = prestart

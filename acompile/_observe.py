@@ -51,7 +51,12 @@ class JobStats(TypedDict):
     retried: int
 
 
-class CacheStats(TypedDict):
+class _SeveralSharedTiers(TypedDict, total=False):
+    # Each shared tier's own counts and hits, by kind, where there are several.
+    shared_tiers: dict[str, dict[str, Any]]
+
+
+class CacheStats(_SeveralSharedTiers):
     """``stats()["cache"]``: hits by tier, and what the disk and shared tiers did."""
 
     memory_entries: int
@@ -67,6 +72,9 @@ class CacheStats(TypedDict):
     shared_ignored_leases: int
     shared_available: bool | None
     shared_namespace: str | None
+    # What the shared tier is kept in: "redis", "memcached", "s3", "gs", "az", "file" (several
+    # joined by "+", each then in shared_tiers: its own counts and hits); None without one.
+    shared_kind: str | None
     fleet_waits: int
     misses: int
     disk_corrupt: int

@@ -3,9 +3,11 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -247,3 +249,121 @@ def fill(folder: Path, leave: int) -> None:
         os.ftruncate(fd, max(0, size - leave))
     finally:
         os.close(fd)
+
+
+# --- an S3-compatible server on loopback (moto's server mode), started by the tests --------------
+
+S3_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "test-access-key",
+    "AWS_SECRET_ACCESS_KEY": "test-secret-key-never-printed",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+class S3Server:
+    """A real S3-compatible server process on loopback (moto's server mode: HTTP, conditional
+    writes), owned by the test or module that uses it."""
+
+    def __init__(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen[bytes] | None = None
+        self._buckets = 0
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, **S3_CREDENTIALS},
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(self.endpoint + "/", timeout=1).read()
+                return
+            except OSError:
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    raise
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.process.kill()
+            self.process.wait(timeout=10)
+            self.process = None
+
+    def bucket(self) -> str:
+        """A new, empty bucket's name."""
+        self._buckets += 1
+        name = f"fleet-{self._buckets}-{os.getpid()}"
+        urllib.request.urlopen(
+            urllib.request.Request(f"{self.endpoint}/{name}", method="PUT"), timeout=10
+        ).read()
+        return name
+
+    def url(self, bucket: str, prefix: str = "acompile", **options: str) -> str:
+        query = "&".join(
+            f"{k}={v}"
+            for k, v in {
+                "endpoint": self.endpoint,
+                "allow_http": "true",
+                "region": "us-east-1",
+                **options,
+            }.items()
+        )
+        return f"s3://{bucket}/{prefix}?{query}"
+
+    def client(self, bucket: str) -> Any:
+        """A client of the bucket of the test's own (obstore's, synchronous), beside acompile's."""
+        from obstore.store import S3Store
+
+        return S3Store(
+            bucket,
+            endpoint=self.endpoint,
+            region="us-east-1",
+            access_key_id=S3_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+            secret_access_key=S3_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+            client_options={"allow_http": True},
+        )
+
+    def keys(self, bucket: str) -> list[str]:
+        """Every object's key in ``bucket``."""
+        import obstore
+
+        return sorted(item["path"] for chunk in obstore.list(self.client(bucket)) for item in chunk)
+
+    def put(self, bucket: str, key: str, data: bytes) -> None:
+        import obstore
+
+        obstore.put(self.client(bucket), key, data)
+
+    def get(self, bucket: str, key: str) -> bytes:
+        import obstore
+
+        return bytes(obstore.get(self.client(bucket), key).bytes())
+
+
+def _s3_or_skip() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("moto") is None or importlib.util.find_spec("obstore") is None:
+        if os.environ.get("ACOMPILE_REQUIRE_REDIS"):  # CI: every service the tests need is there
+            pytest.fail("moto[server] and obstore are required here (the dev extra) but not installed")
+        pytest.skip("moto[server] or obstore is not installed (the dev extra installs them)")
+
+
+@pytest.fixture
+def s3_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
+    """A server of the test's own (one it may kill or stop), and the credentials in the
+    environment as the AWS SDKs read them."""
+    _s3_or_skip()
+    for name, value in S3_CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+    server = S3Server()
+    server.start()
+    yield server
+    server.stop()

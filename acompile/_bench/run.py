@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             return int(section_main(argv))
     from acompile._bench.corpus import CorpusError, resolve_corpus, specs
 
-    sections = ("lifecycle", "tiers")
+    sections = ("lifecycle", "tiers", "stores")
     parser = argparse.ArgumentParser(prog="acompile bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=default_workers(), help="default: %(default)s")
     parser.add_argument("--target", default="cuda:90", help="compile target (default: %(default)s)")
@@ -555,7 +555,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tiers", action="store_true", help="hit latency and warm start by cache tier (Redis)"
     )
-    parser.add_argument("--redis-server", default=None, help="the redis-server of --tiers (default: on PATH)")
+    parser.add_argument(
+        "--stores",
+        action="store_true",
+        help="fleet tiers: a second machine warm from an object store, a shared folder and Redis; "
+        "1,000 small entries through obstore and aiobotocore; processes booting on an empty store",
+    )
+    parser.add_argument("--boot-processes", type=int, default=8, help="--stores: processes booting together")
+    parser.add_argument(
+        "--boot-kernels", type=int, default=200, help="--stores: distinct kernels each asks for"
+    )
+    parser.add_argument(
+        "--redis-server", default=None, help="the redis-server of --tiers and --stores (default: on PATH)"
+    )
     for flag in _PASSTHROUGH:
         parser.add_argument(
             flag, action="store_true", help=f"a section run alone: acompile bench {flag} --help"

@@ -6,7 +6,9 @@ implements ``Tier`` (``_tier.py``): ``get/set/delete/close`` over bytes, faults 
 
 - ``_disk``: ``DiskTier``, the folder's files (atomic publication, daemon threads), and
   ``GuardedDisk``, the same with every fault a miss and deadlines (the chain's disk tier);
-- ``_shared``: ``SharedTier``, over an aiocache cache (signed entries, namespaces, leases);
+- ``_shared``: ``SharedTier``, over an aiocache cache, an object store or a shared folder
+  (signed entries, namespaces, leases); ``_stores``: the object store (obstore) and the shared
+  folder as that tier's storage; ``_fleet``: ``FleetTiers``, several shared tiers as one;
 - ``_settings``: ``SharedCache``, the shared tier as the user gives it (where, key, trust);
 - ``_memory``: ``MemoryTier``, a bounded LRU of loaded kernels;
 - ``_entry``: the bytes of one entry; ``_keys``: cache keys;
@@ -38,6 +40,7 @@ _NAMES: dict[str, str | tuple[str, str]] = {
     "CompileCosts": "_costs",
     "CostFeatures": "_costs",
     "DiskTier": "_disk",
+    "FleetTiers": "_fleet",
     "GuardedDisk": "_disk",
     "default_cache_dir": "_disk",
     "read_entry": "_disk",
@@ -101,6 +104,7 @@ if _typing.TYPE_CHECKING:
         explain_miss,
         read_header,
     )
+    from acompile._cache._fleet import FleetTiers
     from acompile._cache._keys import make_key
     from acompile._cache._layout import (
         MAX_MEMO_BYTES,
@@ -144,6 +148,7 @@ __all__ = [
     "CostFeatures",
     "DiskTier",
     "Entry",
+    "FleetTiers",
     "GuardedDisk",
     "LeaseTier",
     "MemoryTier",

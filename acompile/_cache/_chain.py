@@ -46,6 +46,7 @@ from acompile._cache import _entry
 from acompile._cache._costs import CompileCosts
 from acompile._cache._disk import GuardedDisk
 from acompile._cache._entry import CorruptEntry, Entry
+from acompile._cache._fleet import FleetTiers
 from acompile._cache._memory import MemoryTier
 from acompile._cache._tier import MAX_LEASE_TTL, LeaseTier, Tier
 from acompile._errors import PoolClosedError
@@ -74,6 +75,7 @@ _ABSENT: dict[str, Any] = {
     "shared_ignored_leases": 0,
     "shared_available": None,
     "shared_namespace": None,
+    "shared_kind": None,
 }
 
 
@@ -111,15 +113,19 @@ class TierChain:
         *,
         fleet_wait: float = 60.0,
         lease_ttl: float = MAX_LEASE_TTL,
+        write_through: bool = False,
     ) -> None:
         self.memory = memory
         self.local = local
         self.tiers: list[Tier] = [local, *more]
         self.fleet_wait = fleet_wait
         self.lease_ttl = min(lease_ttl, MAX_LEASE_TTL)
+        self.write_through = write_through
         self.counts: Counter[str] = Counter()
-        # How long compiles took, kept in the cache folder: what the pool orders its queue by.
-        self.costs = CompileCosts(local, self.tier("shared"))
+        # How long compiles took, kept in the cache folder: what the pool orders its queue by
+        # (shared through the first shared tier of several).
+        shared = self.tier("shared")
+        self.costs = CompileCosts(local, shared.first if isinstance(shared, FleetTiers) else shared)
         # The first tier that can hold leases: single flight across the fleet goes through it.
         self._lease_tier: LeaseTier | None = next((t for t in self.tiers if isinstance(t, LeaseTier)), None)
         self._tg: anyio.abc.TaskGroup | None = None
@@ -154,6 +160,9 @@ class TierChain:
         """Run write-behind work in ``tg`` from now on (the pool's task group)."""
         self._tg = tg
         self._accepting = True
+        for tier in self.tiers:
+            if isinstance(tier, FleetTiers):
+                tier.attach(self._later)  # its copies back run as the chain's own writes do
 
     async def drain(self, seconds: float) -> None:
         """Take no more records, give back the leases ``claim()`` holds, and wait up to
@@ -256,7 +265,13 @@ class TierChain:
                 self._later(leases.release_lease, key)
             raise
         # Renewed until the entry is out (a large one takes a while): the others wait for it.
-        self._publish(key, data, release_lease=True, renewing=renewing)
+        publish = self._publication(key, data, release_lease=True, renewing=renewing)
+        if len(self.tiers) == 1:
+            renewing.cancel()  # no tier past the disk: nothing to publish, no lease
+        elif self.write_through:
+            await publish()  # the fleet has it (or said why not) before the request returns
+        else:
+            self._later(publish)
         return entry, "compile"
 
     async def _keep_lease(
@@ -384,7 +399,8 @@ class TierChain:
         claimed = self._claims.pop(key, None)
         if claimed is not None:
             claimed.cancel()  # publish() below gives the lease back once the entry is out
-        self._publish(key, data, release_lease=claimed is not None)
+        if len(self.tiers) > 1:
+            self._later(self._publication(key, data, release_lease=claimed is not None))
 
     # -- stats -----------------------------------------------------------------------------------
 
@@ -468,17 +484,13 @@ class TierChain:
         )
         return None
 
-    def _publish(
+    def _publication(
         self, key: str, data: bytes, *, release_lease: bool, renewing: anyio.CancelScope | None = None
-    ) -> None:
-        """Write to the tiers past the local one in the background, then stop renewing the lease
-        (``renewing``) and release it (after the entry is there: a replica that sees the lease
-        go finds the entry)."""
+    ) -> Callable[[], Awaitable[None]]:
+        """What writes to the tiers past the local one, then stops renewing the lease
+        (``renewing``) and releases it (after the entry is there: a replica that sees the lease
+        go finds the entry): run in the background, or awaited (write-through)."""
         further = self.tiers[1:]
-        if not further:
-            if renewing is not None:
-                renewing.cancel()
-            return
         leases = self._lease_tier if release_lease else None
 
         async def publish() -> None:
@@ -491,7 +503,7 @@ class TierChain:
             if leases is not None:
                 await leases.release_lease(key)
 
-        self._later(publish)
+        return publish
 
     def write_behind(self, work: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Run ``work(*args)`` in the background, as the chain's own writes run (in the pool's

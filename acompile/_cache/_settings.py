@@ -17,8 +17,11 @@ class SharedCache:
     """A tier a fleet shares, after memory and disk.
 
     Args:
-        where: a URL (``"redis://host:6379/0"``, ``"rediss://..."``, ``"memcached://host:11211"``)
-            or an aiocache cache (its serializer is set to pass bytes through).
+        where: a URL (``"redis://host:6379/0"``, ``"rediss://..."``, ``"memcached://host:11211"``,
+            an object store's ``"s3://bucket/prefix"``, ``"gs://..."``, ``"az://..."``, a shared
+            folder's ``"file:///mnt/nfs/acompile"``), an aiocache cache (its serializer is set
+            to pass bytes through), or a list of these, fastest first (``["redis://...",
+            "s3://..."]``): one chain of shared tiers (docs/caching.md).
         signing_key: the fleet's key: what this process publishes is signed (HMAC-SHA256) and
             what does not verify is refused. Default ``$ACOMPILE_SIGNING_KEY``, read now; None
             (and the variable unset) signs nothing. An empty key, one of whitespace only, or one
@@ -30,12 +33,20 @@ class SharedCache:
             torch.compile through it is refused.
         fleet_wait: how long a replica waits for another that is compiling the same thing (it
             holds the key's lease in the tier) before compiling it itself, in seconds.
+        copy_back: with several tiers, write a hit in a later one back to the earlier ones (in
+            the background), so that the next replica finds it in the fast one.
+        write: ``"behind"`` (a compiled entry goes to the shared tiers in the background; the
+            request returns once it is on the disk) or ``"through"`` (the request returns once
+            the shared tiers have it, or have failed to take it).
+
+    With several tiers, an entry over a tier's ``?max_value=`` skips that tier and goes to the
+    next (a Redis kept for small entries before an object store for all).
 
     A local hit never touches the tier; its faults are misses, never errors. The key is never
     part of ``repr()``.
     """
 
-    __slots__ = ("_key", "fleet_wait", "unsafe_trust_unsigned", "where")
+    __slots__ = ("_key", "copy_back", "fleet_wait", "unsafe_trust_unsigned", "where", "write")
 
     def __init__(
         self,
@@ -44,18 +55,21 @@ class SharedCache:
         signing_key: str | bytes | None = None,
         unsafe_trust_unsigned: bool = False,
         fleet_wait: float = 60.0,
+        copy_back: bool = True,
+        write: str = "behind",
     ) -> None:
-        if where is None or (not isinstance(where, str) and not hasattr(where, "get")):
-            raise TypeError(f"SharedCache needs a URL or an aiocache cache, got {type(where).__name__}")
-        check_target(where)
-        if isinstance(where, str) and where.startswith("memcached:"):
-            import importlib.util
-
-            if importlib.util.find_spec("aiomcache") is None:
-                raise ValueError(
-                    f"the shared cache {redact_url(where)!r} needs its client: "
-                    'pip install "acompile[memcached]"'
-                )
+        places = list(where) if isinstance(where, (list, tuple)) else [where]
+        if not places:
+            raise ValueError("SharedCache needs at least one place: a URL or an aiocache cache")
+        for place in places:
+            if place is None or (not isinstance(place, str) and not hasattr(place, "get")):
+                raise TypeError(f"SharedCache needs a URL or an aiocache cache, got {type(place).__name__}")
+            check_target(place)
+            _check_client(place)
+        if not isinstance(copy_back, bool):
+            raise TypeError(f"copy_back must be True or False, got {copy_back!r}")
+        if write not in ("behind", "through"):
+            raise ValueError(f"write must be 'behind' or 'through', got {write!r}")
         if signing_key is not None and not isinstance(signing_key, (str, bytes)):
             raise TypeError(f"signing_key must be a string or bytes, got {type(signing_key).__name__}")
         if not isinstance(unsafe_trust_unsigned, bool):
@@ -66,11 +80,18 @@ class SharedCache:
             or not 0 < fleet_wait < float("inf")
         ):
             raise ValueError(f"fleet_wait must be a positive number of seconds, got {fleet_wait!r}")
-        self.where = where
+        self.where = where if len(places) == 1 and not isinstance(where, (list, tuple)) else tuple(places)
+        self.copy_back = copy_back
+        self.write = write
         # None reads the environment: a fleet's key there is never dropped by a default.
         self._key = signing_key_from(signing_key)
         self.unsafe_trust_unsigned = unsafe_trust_unsigned
         self.fleet_wait = float(fleet_wait)
+
+    @property
+    def places(self) -> tuple[Any, ...]:
+        """Each shared tier's URL (or cache), fastest first."""
+        return self.where if isinstance(self.where, tuple) else (self.where,)
 
     @property
     def signing_key(self) -> bytes | None:
@@ -101,9 +122,29 @@ class SharedCache:
         raise TypeError("a SharedCache holds a signing key and is not pickled: make one in each process")
 
     def __repr__(self) -> str:
-        where = redact_url(self.where) if isinstance(self.where, str) else type(self.where).__name__
+        shown = [redact_url(p) if isinstance(p, str) else type(p).__name__ for p in self.places]
+        where = shown[0] if len(shown) == 1 else shown
         trust = "signed" if self.signed else "unsigned, trusted" if self.unsafe_trust_unsigned else "unsigned"
-        return f"SharedCache({where!r}, {trust}, fleet_wait={self.fleet_wait:g})"
+        policy = "" if len(shown) == 1 else f", copy_back={self.copy_back}"
+        policy += "" if self.write == "behind" else f", write={self.write!r}"
+        return f"SharedCache({where!r}, {trust}, fleet_wait={self.fleet_wait:g}{policy})"
+
+
+def _check_client(place: Any) -> None:
+    """Refuse a URL whose client is not installed, naming the extra that brings it."""
+    if not isinstance(place, str):
+        return
+    import importlib.util
+
+    scheme = place.split(":", 1)[0]
+    if scheme == "memcached" and importlib.util.find_spec("aiomcache") is None:
+        raise ValueError(
+            f'the shared cache {redact_url(place)!r} needs its client: pip install "acompile[memcached]"'
+        )
+    if scheme in ("s3", "gs", "az") and importlib.util.find_spec("obstore") is None:
+        raise ValueError(
+            f'the shared cache {place.split("?")[0]!r} needs its client: pip install "acompile[store]"'
+        )
 
 
 DEFAULT_FLEET_WAIT = 60.0
@@ -158,7 +199,7 @@ def shared_cache_argument(
     shared: SharedCache | None = None
     if shared_cache is None:
         signing_key_from(signing_key)  # a key given is checked all the same: an empty one is a slip
-    elif not isinstance(shared_cache, str) and not hasattr(shared_cache, "get"):
+    elif not isinstance(shared_cache, (str, list, tuple)) and not hasattr(shared_cache, "get"):
         raise TypeError(
             "shared_cache must be an acompile.SharedCache, a URL or an aiocache cache, got "
             f"{type(shared_cache).__name__}"

@@ -73,6 +73,7 @@ import anyio.to_thread
 
 from acompile._cache._entry import CorruptEntry, peek_header
 from acompile._cache._layout import human_bytes
+from acompile._cache._stores import FOLDER_SCHEME, STORE_OPTIONS, STORE_SCHEMES, StoreError, check_store_url
 from acompile._cache._tier import MAX_LEASE_TTL
 from acompile._sizing import parse_size
 
@@ -109,6 +110,15 @@ MEMCACHED_MAX_VALUE = (1 << 20) - 1024
 
 # Operations at once where the client does not say (Redis URLs default to this many connections).
 DEFAULT_MAX_IN_FLIGHT = 16
+# ... on an object store or a shared folder: many small reads at once is what they are good at.
+STORE_MAX_IN_FLIGHT = 64
+# An object store or a folder holds large artifacts (Inductor's Mega-Cache blobs, JIT modules).
+STORE_MAX_VALUE = 256 << 20
+# Each operation's deadline, by kind of tier (?timeout= in the URL says otherwise): a memory cache
+# answers within milliseconds; an object store's first byte can take a hundred, and a value of
+# megabytes more.
+DEFAULT_TIMEOUT = 0.5
+STORE_TIMEOUT = 2.0
 UNSIGNED_NAMESPACE = "unsigned"
 
 # One round trip: the value, unless it is larger than ARGV[1] (then its size, and the value is
@@ -239,8 +249,15 @@ def redact_url(url: str) -> str:
     return parts._replace(netloc=f"{user}:***@{host}").geturl()
 
 
-# What a shared cache URL's query may say (``?max_connections=32&max_value=64MiB``).
-_URL_OPTIONS = frozenset({"namespace", "max_connections", "max_value"})
+# What a shared cache URL's query may say (``?max_connections=32&max_value=64MiB&timeout=1``).
+_URL_OPTIONS = frozenset({"namespace", "max_connections", "max_value", "timeout"})
+_SCHEMES = ("redis", "rediss", "memcached", *STORE_SCHEMES, FOLDER_SCHEME)
+
+
+def is_store_url(target: Any) -> bool:
+    """Whether ``target`` is the URL of an object store (``s3://``, ``gs://``, ``az://``) or a
+    shared folder (``file://``), rather than of a memory cache."""
+    return isinstance(target, str) and urlparse(target).scheme in (*STORE_SCHEMES, FOLDER_SCHEME)
 
 
 def check_target(target: Any) -> None:
@@ -249,11 +266,22 @@ def check_target(target: Any) -> None:
     if isinstance(target, str):
         parts = urlparse(target)
         shown = redact_url(target)
-        if parts.scheme not in ("redis", "rediss", "memcached"):
+        if parts.scheme not in _SCHEMES:
             raise ValueError(
                 f"unknown shared cache URL {shown!r}: use redis://host:port/db, "
-                "rediss://host:port/db (TLS) or memcached://host:port"
+                "rediss://host:port/db (TLS), memcached://host:port, s3://bucket/prefix (gs://, az://) "
+                "or file:///shared/folder"
             )
+        options = set(parse_qs(parts.query, keep_blank_values=True))
+        if is_store_url(target):
+            check_store_url(target, shown)
+            if unknown := sorted(options - _URL_OPTIONS - STORE_OPTIONS - {"namespace"}):
+                known = sorted(_URL_OPTIONS | STORE_OPTIONS - {"namespace"})
+                raise ValueError(f"shared cache URL {shown!r}: unknown option(s) {unknown}; known: {known}")
+            _url_max_connections(target)
+            _url_max_value(target)
+            _url_timeout(target)
+            return
         if not parts.hostname:
             raise ValueError(
                 f"shared cache URL {shown!r} names no host: write {parts.scheme}://host:port/..."
@@ -270,12 +298,13 @@ def check_target(target: Any) -> None:
                 f"shared cache URL {shown!r}: the database must be a number (redis://host:6379/0), "
                 f"got {database!r}"
             )
-        if unknown := sorted(set(parse_qs(parts.query, keep_blank_values=True)) - _URL_OPTIONS):
+        if unknown := sorted(options - _URL_OPTIONS):
             raise ValueError(
                 f"shared cache URL {shown!r}: unknown option(s) {unknown}; known: {sorted(_URL_OPTIONS)}"
             )
         _url_max_connections(target)
         _url_max_value(target)
+        _url_timeout(target)
     elif not all(hasattr(target, m) for m in ("get", "set", "add", "delete", "close")):
         raise ValueError(f"shared_cache must be an aiocache cache or a URL, got {type(target).__name__}")
 
@@ -294,6 +323,10 @@ def open_cache(target: Any) -> Any:
     url = urlparse(target)
     namespace = parse_qs(url.query).get("namespace", ["acompile"])[0]
     size = _url_max_connections(target)
+    if is_store_url(target):
+        from acompile._cache._stores import open_storage
+
+        return open_storage(target, max_connections=size)
     try:
         if url.scheme in ("redis", "rediss"):
             from aiocache import RedisCache
@@ -335,7 +368,8 @@ def open_cache(target: Any) -> Any:
 
 
 def _url_max_connections(url: str) -> int:
-    value = parse_qs(urlparse(url).query).get("max_connections", [str(DEFAULT_MAX_IN_FLIGHT)])[0]
+    default = STORE_MAX_IN_FLIGHT if is_store_url(url) else DEFAULT_MAX_IN_FLIGHT
+    value = parse_qs(urlparse(url).query).get("max_connections", [str(default)])[0]
     try:
         size = int(value)
     except ValueError:
@@ -348,11 +382,28 @@ def _url_max_connections(url: str) -> int:
 def _url_max_value(url: str) -> int:
     value = parse_qs(urlparse(url).query).get("max_value")
     if not value:
+        if is_store_url(url):
+            return STORE_MAX_VALUE
         return MEMCACHED_MAX_VALUE if urlparse(url).scheme == "memcached" else DEFAULT_MAX_VALUE
     try:
         return parse_size(value[0])
     except ValueError as exc:
         raise ValueError(f"max_value in the shared cache URL: {exc}") from None
+
+
+def _url_timeout(url: str) -> float:
+    value = parse_qs(urlparse(url).query).get("timeout")
+    if not value:
+        return STORE_TIMEOUT if is_store_url(url) else DEFAULT_TIMEOUT
+    try:
+        seconds = float(value[0])
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= 600:
+        raise ValueError(
+            f"timeout in the shared cache URL must be seconds, above 0 and at most 600, got {value[0]!r}"
+        )
+    return seconds
 
 
 def _refused_as_too_large(exc: BaseException) -> bool:
@@ -365,6 +416,7 @@ def _pool_size(cache: Any) -> int:
     """How many operations the cache's client can run at once: its connection pool's size."""
     pool = getattr(getattr(cache, "client", None), "connection_pool", None)
     size = getattr(pool, "max_connections", None) or getattr(cache, "pool_size", None)
+    size = size or getattr(cache, "max_connections", None)
     return size if isinstance(size, int) and size > 0 else DEFAULT_MAX_IN_FLIGHT
 
 
@@ -442,19 +494,42 @@ class SharedTier:
         the client's import (aiocache, redis) takes tens of ms, so not on the loop. A URL's
         ``?max_value=`` sets ``max_value``."""
         check_target(target)
-        max_value = _url_max_value(target) if isinstance(target, str) else DEFAULT_MAX_VALUE
+        is_url = isinstance(target, str)
         tier = cls(
-            None, signing_key, max_value=max_value, unsafe_unsigned_host_code=unsafe_unsigned_host_code
+            None,
+            signing_key,
+            max_value=_url_max_value(target) if is_url else DEFAULT_MAX_VALUE,
+            timeout=_url_timeout(target) if is_url else DEFAULT_TIMEOUT,
+            unsafe_unsigned_host_code=unsafe_unsigned_host_code,
         )
         tier._target = target
         return tier
 
     async def open(self) -> None:
-        """Make the client of a tier from ``connect_later()`` (in a thread); no-op otherwise."""
+        """Make the client of a tier from ``connect_later()`` (in a thread); no-op otherwise.
+
+        An object store or a shared folder is checked too: one that cannot work (no such bucket
+        or folder, credentials refused) raises ``ValueError``, saying so at the pool's entry; one
+        that does not answer is an outage, as anywhere (its operations are misses until it
+        does). A store that ignores conditional writes holds no leases: said once."""
         if self.cache is None and self._target is not None:
             self.cache = await anyio.to_thread.run_sync(open_cache, self._target)
             self.max_in_flight = _pool_size(self.cache)
             self._turns = anyio.Semaphore(self.max_in_flight)
+            check = getattr(self.cache, "check", None)
+            if check is not None:
+                started = time.monotonic()
+                try:
+                    await check()
+                except (StoreError, TimeoutError) as exc:
+                    self._fault("open", exc, started)
+                if not self.cache.leases:
+                    logger.warning(
+                        "shared cache %s takes a second create of the same object (it ignores "
+                        "conditional writes): no single flight through it; each replica compiles "
+                        "what it misses",
+                        self.cache.where,
+                    )
 
     def stats(self) -> dict[str, Any]:
         """This tier's part of ``stats()["cache"]``."""
@@ -467,7 +542,18 @@ class SharedTier:
             "shared_ignored_leases": self.counts["ignored_leases"],
             "shared_available": self.available,
             "shared_namespace": self.namespace,
+            "shared_kind": self.kind,
         }
+
+    @property
+    def kind(self) -> str:
+        """What the tier is kept in: ``redis``, ``memcached``, ``s3``, ``gs``, ``az``, ``file``."""
+        kind = getattr(self.cache, "kind", None)
+        if isinstance(kind, str) and kind:
+            return kind
+        if isinstance(self._target, str):
+            return {"rediss": "redis"}.get(urlparse(self._target).scheme, urlparse(self._target).scheme)
+        return "memcached" if self._memcached else "redis" if self.cache is not None else "unknown"
 
     @property
     def available(self) -> bool:
@@ -605,6 +691,8 @@ class SharedTier:
             if not ok or value is None:
                 return ok, None
             return True, value if isinstance(value, (bytes, int)) else -1
+        if hasattr(self.cache, "get_bounded"):  # an object store, a folder: at most bound + 1 read
+            return await self._call(what, self.cache.get_bounded, name, bound)
         ok, value = await self._call(what, self.cache.get, name)
         if not ok or value is None:
             return ok, None
@@ -645,7 +733,7 @@ class SharedTier:
         """Publish an entry (signed where there is a key); True where it arrived. An entry over
         ``max_value`` is not published (readers would refuse it)."""
         name = self._name(key)
-        if len(data) + len(_SIGNED) + _DIGEST > self.max_value:
+        if self.too_large(data):
             self.counts["write_failures"] += 1
             logger.log(
                 self._once("size-write"),
@@ -661,6 +749,10 @@ class SharedTier:
         ok, _ = await self._call("set", self.cache.set, name, value)
         self.counts["writes" if ok else "write_failures"] += 1
         return ok
+
+    def too_large(self, data: bytes) -> bool:
+        """Whether an entry of ``data`` is over ``max_value`` once signed (not published here)."""
+        return len(data) + len(_SIGNED) + _DIGEST > self.max_value
 
     async def delete(self, key: str) -> None:
         """Remove this namespace's entry for ``key`` (a fault is a no-op)."""
@@ -737,7 +829,8 @@ class SharedTier:
 
         On Redis the write is a compare-and-set (one script): it lands only where the document
         is still the one read, else it is read and changed again (up to ``_SWAP_TRIES`` times),
-        so writers at once lose nothing of each other's. Elsewhere it is a plain write: of two
+        so writers at once lose nothing of each other's; on an object store or a folder, a
+        conditional write does the same. On Memcached it is a plain write: of two
         writers at once, the last one wins. A document over ``bound`` is not written."""
         name = self._document_name(kind)
         bound = min(bound, self.max_value)
@@ -755,6 +848,18 @@ class SharedTier:
                 logger.debug("shared %s document of %s not written: over %s", kind, len(new), bound)
                 return False
             value = self._wrap(name, new)
+            if script is None and not getattr(self.cache, "expires_keys", True) and not isinstance(raw, int):
+                # An object store, a folder: a create where there was none, else a write over
+                # exactly the value read (If-Match on its version).
+                if raw is None:
+                    ok, written = await self._call(kind, self.cache.add, name, value)
+                else:
+                    ok, written = await self._call(kind, self.cache.set, name, value, _cas_token=raw)
+                if not ok:
+                    return False
+                if written:
+                    return True
+                continue
             if script is None:
                 ok, _ = await self._call(kind, self.cache.set, name, value)
                 return ok
@@ -915,6 +1020,8 @@ class SharedTier:
         """True: ours to compile; False: another replica compiles it; None: no single flight
         (the tier is unavailable, or the lease found there is not one to honour). ``ttl`` is at
         most ``MAX_LEASE_TTL``: the holder renews the lease to keep it."""
+        if not getattr(self.cache, "leases", True):
+            return None  # an object store that ignores conditional writes (said at open)
         ttl = min(ttl, MAX_LEASE_TTL)
         name = self._lease_name(key)
         value = self._new_lease(key, ttl)
@@ -927,7 +1034,36 @@ class SharedTier:
         ok, holder = await self._fetch("lease", name, _MAX_LEASE_VALUE)
         if not ok:
             return None
-        return False if self._honoured(key, holder) is not None else None
+        if self._honoured(key, holder) is not None:
+            return False
+        if holder is not None and not getattr(self.cache, "expires_keys", True):
+            # A store that forgets nothing by itself (an object store, a folder): a dead
+            # holder's lease, or a planted one, stays until someone replaces it. Replaced only
+            # where it is still what was read, so that of several replicas one takes it.
+            return await self._take_over(key, name, holder, value, ttl)
+        return None
+
+    async def _take_over(
+        self, key: str, name: str, holder: bytes | int, value: bytes, ttl: float
+    ) -> bool | None:
+        """Replace a lease not to be honoured (``holder``: as read) with this replica's."""
+        if isinstance(holder, int):  # not a lease at all (too large, not a file): remove it
+            ok, _ = await self._call("lease", self.cache.delete, name)
+            if not ok:
+                return None
+            ok, added = await self._call("lease", self.cache.add, name, value, ttl=self._ttl(ttl))
+            taken = ok and added
+        else:
+            ok, taken = await self._call(
+                "lease", self.cache.set, name, value, ttl=self._ttl(ttl), _cas_token=holder
+            )
+        if not ok:
+            return None
+        if taken:
+            self._held[name] = (key, value)
+            self.counts["leases_taken_over"] += 1
+            return True
+        return False  # another replica replaced it first: it compiles
 
     async def renew_lease(self, key: str, ttl: float) -> bool | None:
         """Extend this replica's lease on ``key`` to ``ttl`` from now (a new value: a replayed
@@ -995,6 +1131,8 @@ class SharedTier:
         script = self._script(_DELETE_IF)
         if script is not None:
             ok, _ = await self._call("lease", script, keys=[self.cache.build_key(name)], args=[value])
+        elif hasattr(self.cache, "delete_if"):
+            ok, _ = await self._call("lease", self.cache.delete_if, name, value)
         else:
             ok, _ = await self._call("lease", self.cache.delete, name)
         return ok
@@ -1004,6 +1142,8 @@ class SharedTier:
         script = self._script(_DELETE_IF)
         if script is not None:
             await script(keys=[self.cache.build_key(name)], args=[value])
+        elif hasattr(self.cache, "delete_if"):
+            await self.cache.delete_if(name, value)
         else:
             held = await self.cache.get(name)
             if isinstance(held, bytes) and self._read_lease(key, held, live=False) == self.owner:

@@ -1,0 +1,151 @@
+"""``FleetTiers``: several shared tiers as the one tier named ``shared`` (Redis in front of an object
+store, say), with a policy the user sets on ``SharedCache``.
+
+- **order**: the tiers as listed, fastest first; a read asks each in turn until one has it.
+- **copy back**: a hit in a later tier is written, in the background, to the earlier ones
+  (``copy_back=True``, the default), so that the next replica finds it in the fast tier. The
+  disk and memory tiers are filled from any hit anyway (the chain does that).
+- **skipping**: an entry over a tier's ``?max_value=`` skips that tier (a Redis kept for small
+  entries) and goes to the next: a policy, counted as ``skipped_by_size``, not as a failure,
+  where a later tier takes it.
+- **writes**: every tier of the list, in order, in the background (``write="behind"``, the
+  default), or before the request that compiled the entry returns (``write="through"``: a
+  warm-up job that must know the fleet has it, a replica about to be stopped).
+- **leases**: taken in the first tier that holds them and answers (Redis before an object store:
+  one round trip). A replica's lease is renewed and given back in the tier it was taken in.
+
+``stats()`` keeps the names of a single shared tier (``shared_errors``, ``shared_writes``, ...:
+summed) and adds ``shared_tiers``: each tier's own counts and its hits, by kind
+(``{"redis": {...}, "s3": {...}}``), so that a hit is known by the tier it came from.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from acompile._cache._shared import SharedTier
+
+WRITE_MODES = ("behind", "through")
+
+
+class FleetTiers:
+    """Shared tiers in order, as one (see the module's docstring)."""
+
+    name = "shared"
+
+    def __init__(self, tiers: Sequence[SharedTier], *, copy_back: bool = True) -> None:
+        if not tiers:
+            raise ValueError("FleetTiers needs at least one tier")
+        self.tiers = list(tiers)
+        self.copy_back = copy_back
+        self.counts: Counter[str] = Counter()
+        self._later: Callable[..., None] | None = None
+        # Where each lease this replica holds was taken: its renewals and release go there.
+        self._lease_in: dict[str, SharedTier] = {}
+        self._names = _names(self.tiers)
+
+    @property
+    def first(self) -> SharedTier:
+        """The first (fastest) tier: the one the fleet's documents (compile times) live in."""
+        return self.tiers[0]
+
+    def attach(self, later: Callable[..., None]) -> None:
+        """How to run work in the background (the chain's write-behind): copies back."""
+        self._later = later
+
+    async def open(self) -> None:
+        for tier in self.tiers:
+            await tier.open()
+
+    async def get(self, key: str) -> bytes | None:
+        for index, tier in enumerate(self.tiers):
+            data = await tier.get(key)
+            if data is None:
+                continue
+            self.counts[f"hits_{self._names[index]}"] += 1
+            if self.copy_back and index and self._later is not None:
+                for faster in self.tiers[:index]:
+                    if len(data) <= faster.max_value:
+                        self._later(faster.set, key, data)
+            return data
+        return None
+
+    async def set(self, key: str, data: bytes) -> bool:
+        stored = False
+        for index, tier in enumerate(self.tiers):
+            if tier.too_large(data) and index + 1 < len(self.tiers):
+                tier.counts["skipped_by_size"] += 1  # the next tier takes it: a policy, not a fault
+                continue
+            stored = await tier.set(key, data) or stored
+        return stored
+
+    async def delete(self, key: str) -> None:
+        for tier in self.tiers:
+            await tier.delete(key)
+
+    async def close(self) -> None:
+        for tier in self.tiers:
+            await tier.close()
+
+    def stats(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        per_tier: dict[str, Any] = {}
+        for index, tier in enumerate(self.tiers):
+            own = tier.stats()
+            for name, value in own.items():
+                if isinstance(value, int) and not isinstance(value, bool):
+                    merged[name] = merged.get(name, 0) + value
+            per_tier[self._names[index]] = {
+                **{k.removeprefix("shared_"): v for k, v in own.items()},
+                "hits": self.counts[f"hits_{self._names[index]}"],
+                "skipped_by_size": tier.counts["skipped_by_size"],
+            }
+        merged["shared_available"] = all(t.available for t in self.tiers)
+        merged["shared_namespace"] = self.first.namespace
+        merged["shared_kind"] = "+".join(self._names)
+        merged["shared_tiers"] = per_tier
+        return merged
+
+    # -- leases: in the first tier that holds them and answers ---------------------------------
+
+    async def take_lease(self, key: str, ttl: float) -> bool | None:
+        for tier in self.tiers:
+            answer = await tier.take_lease(key, ttl)
+            if answer is not None:
+                if answer:
+                    self._lease_in[key] = tier
+                return answer
+        return None
+
+    async def renew_lease(self, key: str, ttl: float) -> bool | None:
+        tier = self._lease_in.get(key)
+        if tier is None:
+            return await self.take_lease(key, ttl)
+        answer = await tier.renew_lease(key, ttl)
+        if answer is False:
+            self._lease_in.pop(key, None)
+        return answer
+
+    async def release_lease(self, key: str) -> None:
+        tier = self._lease_in.pop(key, None)
+        if tier is not None:
+            await tier.release_lease(key)
+
+    async def lease_held(self, key: str) -> bool:
+        for tier in self.tiers:
+            if await tier.lease_held(key):
+                return True
+        return False
+
+
+def _names(tiers: Sequence[SharedTier]) -> list[str]:
+    """Each tier's name in stats: its kind, numbered where two are of one kind."""
+    kinds = [t.kind for t in tiers]
+    seen: Counter[str] = Counter()
+    names = []
+    for kind in kinds:
+        seen[kind] += 1
+        names.append(kind if kinds.count(kind) == 1 else f"{kind}{seen[kind]}")
+    return names

@@ -1,0 +1,546 @@
+"""Object stores and shared folders as the shared tier's storage.
+
+``SharedTier`` speaks to its storage through a handful of calls (the ones an aiocache cache
+has: ``get``, ``set``, ``add``, ``delete``, ``close``). The two kinds here give those calls, and
+three more that the tier uses where a storage has them:
+
+- ``get_bounded(name, bound)``: the value, None where there is none, or its size where it is
+  larger than ``bound`` (never read whole);
+- ``set(name, value, _cas_token=old)``: write only where the value is still ``old``
+  (compare-and-set: a lease renewed or taken over, a document changed);
+- ``delete_if(name, value)``: delete only a value that is still ``value`` (a lease given back).
+
+``expires_keys`` is False for both: neither forgets a lease by itself, so a dead holder's lease
+is taken over (by a compare-and-set) rather than waited out. ``leases`` says whether the storage
+can hold one at all (a create that fails where the object exists).
+
+**Object stores** (``s3://bucket/prefix``, ``gs://``, ``az://``) go through obstore (Rust's
+object_store): async-native, one connection pool for many small reads at once, conditional
+writes on each store (``If-None-Match: *`` and ``If-Match`` on S3, preconditions on GCS and
+Azure). Endpoint, region and credentials are read the way the AWS SDKs read them (environment
+variables, instance or container roles; ``?profile=`` names a profile of ``~/.aws``, read
+through boto3), or from the URL's options for an S3-compatible server (``?endpoint=``,
+``?region=``, ``?allow_http=true``). A store that ignores conditional writes (it accepts a
+second create of the same object) is found at ``check()``: there is no single flight through
+it, said once, and every replica compiles what it misses.
+
+**Shared folders** (``file:///mnt/nfs/acompile``): a folder many hosts mount. A value is written
+whole to a file of its own under ``.incoming/``, flushed to the server, then published in one
+step: ``link()`` for a create (it fails where the name exists: atomic on NFS, where ``O_EXCL``
+was not before v3 and ``flock`` is not shared across hosts) and ``rename()`` over the name for
+a replacement (atomic on the server). A reader opens the name: it sees a whole value or none,
+never part of one. Its calls run on threads (a hung mount must not stop the event loop); a
+call the tier gives up on (its deadline) leaves its thread to finish alone.
+
+Names come from the tier (``<namespace>:<key>``, ``lease:<namespace>:<key>``,
+``<kind>:<namespace>``); each ``:`` is a ``/`` in the store. A name with anything but letters,
+digits, ``_``, ``-`` and ``.`` in a part, or a part that starts with ``.``, is refused.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import os
+import re
+import secrets
+import socket
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import parse_qs, unquote, urlparse
+
+import anyio
+import anyio.to_thread
+
+T = TypeVar("T")
+
+STORE_SCHEMES = ("s3", "gs", "az")
+FOLDER_SCHEME = "file"
+# What an object store's URL may say besides the shared tier's own options.
+STORE_OPTIONS = frozenset({"endpoint", "region", "allow_http", "profile"})
+_NAME_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+# Where a folder's values are written before they are published.
+INCOMING = ".incoming"
+
+
+class StoreError(Exception):
+    """A call to an object store or a shared folder that failed: one line, no credentials."""
+
+
+def store_path(name: str) -> str:
+    """The tier's name as a path in the store (``a:b:c`` is ``a/b/c``); ``ValueError`` for a
+    name that could leave the tier's folder or prefix."""
+    parts = name.split(":")
+    if not all(_NAME_PART.fullmatch(p) for p in parts):
+        raise ValueError(f"not a name of the shared tier: {name[:80]!r}")
+    return "/".join(parts)
+
+
+def _one_line(exc: BaseException) -> str:
+    """An obstore error as one short line: its first line, without the debug dump that follows."""
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else type(exc).__name__
+    return first if len(first) <= 300 else first[:300] + "…"
+
+
+def _flag(value: str, what: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{what} in the shared cache URL must be true or false, got {value!r}")
+
+
+def check_store_url(url: str, shown: str) -> None:
+    """Refuse an object-store or folder URL that cannot work (``ValueError``), importing nothing."""
+    parts = urlparse(url)
+    query = parse_qs(parts.query, keep_blank_values=True)
+    if parts.scheme == FOLDER_SCHEME:
+        if parts.netloc not in ("", "localhost"):
+            raise ValueError(
+                f"shared cache URL {shown!r}: a folder URL names no host (file:///mnt/nfs/acompile)"
+            )
+        path = unquote(parts.path)
+        if not path.startswith("/") or path == "/":
+            raise ValueError(
+                f"shared cache URL {shown!r}: give the folder's absolute path (file:///mnt/nfs/acompile)"
+            )
+        if extra := sorted(set(query) & STORE_OPTIONS):
+            raise ValueError(f"shared cache URL {shown!r}: {extra} are options of object stores, not folders")
+        return
+    if not parts.netloc:
+        raise ValueError(f"shared cache URL {shown!r} names no bucket: write {parts.scheme}://bucket/prefix")
+    if "@" in parts.netloc:
+        raise ValueError(
+            f"shared cache URL {shown!r}: credentials do not go in the URL: set them in the environment "
+            "(AWS_ACCESS_KEY_ID, ...) or name a profile (?profile=)"
+        )
+    if parts.scheme != "s3" and (extra := sorted(set(query) & {"region", "profile"})):
+        raise ValueError(f"shared cache URL {shown!r}: {extra} are options of s3:// URLs")
+    if "allow_http" in query:
+        _flag(query["allow_http"][0], "allow_http")
+    if "endpoint" in query:
+        endpoint = urlparse(query["endpoint"][0])
+        if endpoint.scheme not in ("http", "https") or not endpoint.hostname:
+            raise ValueError(
+                f"shared cache URL {shown!r}: endpoint must be an http(s) URL, got {query['endpoint'][0]!r}"
+            )
+        if endpoint.scheme == "http" and not _flag(query.get("allow_http", ["false"])[0], "allow_http"):
+            raise ValueError(
+                f"shared cache URL {shown!r}: an http:// endpoint sends entries in clear: add "
+                "&allow_http=true to say that is meant (a server on loopback, a test)"
+            )
+
+
+def _run_on_asyncio(what: str) -> None:
+    import sniffio
+
+    if sniffio.current_async_library() != "asyncio":
+        raise ValueError(f"{what} needs the asyncio event loop (anyio's default backend), not trio")
+
+
+class _Storage:
+    """What both kinds share: the calls ``SharedTier`` makes, in terms of a few primitives."""
+
+    expires_keys = False
+    # Whether the storage can hold a lease (its creates fail where the object exists). Set by
+    # check(): an object store that ignores the condition has none.
+    leases = True
+    kind = ""
+
+    async def _read(self, path: str, bound: int) -> tuple[bytes | int | None, Any]:
+        """(value, version): the value (None: absent; its size where over ``bound``) and what a
+        compare-and-set needs to write over exactly this value."""
+        raise NotImplementedError
+
+    async def _write(self, path: str, value: bytes, *, mode: str, version: Any = None) -> bool:
+        """Write ``value``: ``mode`` "put" (replace), "create" (False where it exists) or
+        "update" (False where it is no longer ``version``)."""
+        raise NotImplementedError
+
+    async def _remove(self, path: str) -> None:
+        raise NotImplementedError
+
+    async def check(self) -> None:
+        """Raise ``ValueError`` where the storage cannot work (no such bucket or folder, refused
+        credentials); anything else (a server away) is left to the tier's outage handling."""
+        raise NotImplementedError
+
+    def names(self, prefix: str) -> Any:
+        """An async iterator of (name, size, modified) for the values under ``prefix``."""
+        raise NotImplementedError
+
+    async def get_bounded(self, name: str, bound: int) -> bytes | int | None:
+        value, _ = await self._read(store_path(name), bound)
+        return value
+
+    async def get(self, name: str) -> bytes | None:
+        value, _ = await self._read(store_path(name), 1 << 62)
+        return value if isinstance(value, bytes) else None
+
+    async def set(self, name: str, value: bytes, ttl: Any = None, _cas_token: bytes | None = None) -> bool:
+        path = store_path(name)
+        if _cas_token is None:
+            return await self._write(path, value, mode="put")
+        held, version = await self._read(path, len(_cas_token))
+        if held != _cas_token:
+            return False
+        return await self._write(path, value, mode="update", version=version)
+
+    async def add(self, name: str, value: bytes, ttl: Any = None) -> bool:
+        return await self._write(store_path(name), value, mode="create")
+
+    async def delete(self, name: str) -> int:
+        await self._remove(store_path(name))
+        return 1
+
+    async def delete_if(self, name: str, value: bytes) -> bool:
+        """Delete ``name`` where it holds ``value``; True where it did. Read, then deleted: a
+        value written in between (a lease another replica took over in that moment) can go too."""
+        path = store_path(name)
+        held, _ = await self._read(path, len(value))
+        if held != value:
+            return False
+        await self._remove(path)
+        return True
+
+    async def close(self) -> None:
+        return None
+
+
+class ObjectStore(_Storage):
+    """An S3, GCS or Azure Blob bucket (or an S3-compatible server) through obstore."""
+
+    def __init__(self, url: str, *, max_connections: int) -> None:
+        parts = urlparse(url)
+        self.kind = parts.scheme
+        self.bucket = parts.netloc
+        self.prefix = parts.path.strip("/")
+        self.where = f"{parts.scheme}://{parts.netloc}/{self.prefix}".rstrip("/")
+        query = {k: v[0] for k, v in parse_qs(parts.query).items()}
+        self._store = self._make(url, query, max_connections)
+        self._versions: dict[str, Any] = {}
+
+    def _make(self, url: str, query: dict[str, str], max_connections: int) -> Any:
+        try:
+            import obstore.store
+        except ImportError as exc:
+            raise ValueError(
+                f'the shared cache {self.where!r} needs its client ({exc}): pip install "acompile[store]"'
+            ) from exc
+        base = f"{self.kind}://{self.bucket}" + (f"/{self.prefix}" if self.prefix else "")
+        client: dict[str, Any] = {
+            "connect_timeout": datetime.timedelta(seconds=2),
+            # One value's transfer; the tier's own deadline per call is shorter where it matters.
+            "timeout": datetime.timedelta(seconds=120),
+            "pool_max_idle_per_host": str(max_connections),
+        }
+        if _flag(query.get("allow_http", "false"), "allow_http"):
+            client["allow_http"] = True
+        retry = {
+            "max_retries": 2,
+            "retry_timeout": datetime.timedelta(seconds=3),
+            "backoff": {
+                "init_backoff": datetime.timedelta(milliseconds=50),
+                "max_backoff": datetime.timedelta(milliseconds=500),
+                "base": 2.0,
+            },
+        }
+        config: dict[str, Any] = {}
+        credentials = None
+        if self.kind == "s3":
+            # Compare-and-set through If-Match on the object's ETag (creates use If-None-Match).
+            config["conditional_put"] = "etag"
+            if "endpoint" in query:
+                config["endpoint"] = query["endpoint"]
+            if "region" in query:
+                config["region"] = query["region"]
+            if "profile" in query:
+                try:
+                    import boto3
+                    from obstore.auth.boto3 import Boto3CredentialProvider
+                except ImportError as exc:
+                    raise ValueError(
+                        f"the shared cache {self.where!r} names a profile, read through boto3 ({exc}): "
+                        "pip install boto3, or set the credentials in the environment"
+                    ) from exc
+                credentials = Boto3CredentialProvider(boto3.Session(profile_name=query["profile"]))
+        elif "endpoint" in query:  # a GCS or Azure emulator, a private endpoint
+            config["base_url" if self.kind == "gs" else "endpoint"] = query["endpoint"]
+        try:
+            make: Any = obstore.store.from_url  # (its overloads type each store's options apart)
+            return make(
+                base,
+                config=config or None,
+                client_options=client,
+                retry_config=retry,
+                credential_provider=credentials,
+            )
+        except Exception as exc:  # a malformed endpoint, an unknown region: said at the pool's entry
+            raise ValueError(f"the shared cache {self.where!r} cannot be opened: {_one_line(exc)}") from None
+
+    async def _call(self, what: str, path: str, run: Callable[[], Any]) -> Any:
+        try:
+            return await run()
+        except FileNotFoundError:
+            raise
+        except Exception as exc:
+            # obstore's errors carry the request and a debug dump; the tier logs one line.
+            raise StoreError(f"{what} {path}: {type(exc).__name__}: {_one_line(exc)}") from None
+
+    async def _read(self, path: str, bound: int) -> tuple[bytes | int | None, Any]:
+        import obstore
+
+        # At most bound + 1 bytes cross the network: the object's size says the rest.
+        options: Any = {"range": (0, bound + 1)}
+        try:
+            try:
+                result = await self._call(
+                    "GET", path, lambda: obstore.get_async(self._store, path, options=options)
+                )
+            except StoreError as exc:
+                if "416" not in str(exc):
+                    raise
+                # An empty object: no byte range of it can be satisfied. Read it plainly.
+                result = await self._call("GET", path, lambda: obstore.get_async(self._store, path))
+        except FileNotFoundError:
+            return None, None
+        size = int(result.meta["size"])
+        version = {"e_tag": result.meta["e_tag"], "version": result.meta.get("version")}
+        if size > bound:
+            return size, version
+        data = await self._call("GET", path, result.bytes_async)
+        return bytes(data), version
+
+    async def _write(self, path: str, value: bytes, *, mode: str, version: Any = None) -> bool:
+        import obstore
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+        how: Any = "overwrite"
+        if mode == "create":
+            how = "create"
+        elif mode == "update":
+            how = {k: v for k, v in version.items() if v is not None}
+        try:
+            await obstore.put_async(self._store, path, value, mode=how)
+        except (AlreadyExistsError, PreconditionError):
+            return False
+        except Exception as exc:
+            if mode != "put" and "409" in str(exc):  # S3: another conditional write of it at once
+                return False
+            raise StoreError(f"PUT {path}: {type(exc).__name__}: {_one_line(exc)}") from None
+        return True
+
+    async def _remove(self, path: str) -> None:
+        import obstore
+
+        try:
+            await self._call("DELETE", path, lambda: obstore.delete_async(self._store, path))
+        except FileNotFoundError:
+            pass
+
+    async def check(self) -> None:
+        import obstore
+        from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
+
+        _run_on_asyncio(f"the shared cache {self.where!r}")
+        probe = f"probe/{secrets.token_hex(8)}"
+        try:
+            with anyio.fail_after(10):
+                await obstore.list_with_delimiter_async(self._store, prefix="probe/none")
+                if await self._write(probe, b"", mode="create"):
+                    self.leases = not await self._write(probe, b"", mode="create")
+                    await self._remove(probe)
+        except FileNotFoundError:
+            raise ValueError(f"the shared cache {self.where!r}: the bucket does not exist") from None
+        except (PermissionDeniedError, UnauthenticatedError) as exc:
+            raise ValueError(
+                f"the shared cache {self.where!r}: the store refused this process's credentials "
+                f"({type(exc).__name__}: {_one_line(exc)})"
+            ) from None
+        except Exception as exc:
+            text = str(exc)
+            if "169.254.169.254" in text or "credential" in text.lower():
+                raise ValueError(
+                    f"the shared cache {self.where!r}: found no credentials for the store (set them in "
+                    "the environment, e.g. AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, name a profile "
+                    "with ?profile=, or run where an instance or container role gives them)"
+                ) from None
+            if "NoSuchBucket" in text or "404" in text:
+                raise ValueError(f"the shared cache {self.where!r}: the bucket does not exist") from None
+            if any(code in text for code in ("403 ", "401 ", "AccessDenied", "InvalidAccessKeyId")):
+                raise ValueError(
+                    f"the shared cache {self.where!r}: the store refused this process's credentials "
+                    f"({_one_line(exc)})"
+                ) from None
+            raise StoreError(f"{self.where}: {type(exc).__name__}: {_one_line(exc)}") from None
+
+    async def names(self, prefix: str) -> Any:
+        import obstore
+
+        stream = obstore.list(self._store, prefix=store_path(prefix) + "/", chunk_size=1000)
+        async for chunk in stream:
+            for item in chunk:
+                yield item["path"].replace("/", ":"), int(item["size"]), item["last_modified"].timestamp()
+
+
+class SharedFolder(_Storage):
+    """A folder many hosts mount (NFS, a shared volume), published into atomically."""
+
+    kind = FOLDER_SCHEME
+
+    def __init__(self, url: str, *, max_connections: int) -> None:
+        self.root = Path(unquote(urlparse(url).path))
+        self.where = f"file://{self.root}"
+        self._incoming = self.root / INCOMING
+        self._threads = anyio.CapacityLimiter(max_connections)
+        self._host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:40] or "host"
+
+    async def _thread(self, call: Callable[..., T], *args: Any) -> T:
+        # A hung mount: the tier's deadline abandons the thread, which ends when the mount does.
+        return await anyio.to_thread.run_sync(call, *args, limiter=self._threads, abandon_on_cancel=True)
+
+    def _file(self, path: str) -> Path:
+        return self.root / path
+
+    def _read_now(self, path: str, bound: int) -> tuple[bytes | int | None, Any]:
+        try:
+            fd = os.open(self._file(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None, None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return -1, None  # a link placed where a value should be: not followed, not served
+            raise StoreError(f"read {path}: {exc.strerror}") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                return -1, None
+            if info.st_size > bound:
+                return info.st_size, None
+            chunks = []
+            left = bound + 1
+            while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+                chunks.append(chunk)
+                left -= len(chunk)
+            data = b"".join(chunks)
+            if len(data) > bound:
+                return len(data), None
+            return data, (info.st_ino, info.st_mtime_ns, info.st_size)
+        finally:
+            os.close(fd)
+
+    def _stage(self, value: bytes) -> Path:
+        """``value`` in a file of its own under ``.incoming/``, flushed to the server."""
+        self._incoming.mkdir(parents=True, exist_ok=True)
+        staged = self._incoming / f"{self._host}.{os.getpid()}.{secrets.token_hex(8)}"
+        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(value)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            staged.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        return staged
+
+    def _write_now(self, path: str, value: bytes, mode: str, version: Any) -> bool:
+        final = self._file(path)
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            staged = self._stage(value)
+        except OSError as exc:
+            raise StoreError(f"write {path}: {exc.strerror or exc}") from None
+        try:
+            if mode == "create":
+                try:
+                    os.link(staged, final)
+                except FileExistsError:
+                    # NFS answers a retried link that had succeeded with EEXIST: the staged
+                    # file's two names say whether this one made it.
+                    return os.stat(staged).st_nlink == 2
+                return True
+            if mode == "update":
+                # Compare, then replace: a value written in between (a lease another replica
+                # took over in that moment) is replaced; the loser's next renewal finds so.
+                now = self._read_now(path, 1 << 62)[1]
+                if now is None or now != version:
+                    return False
+            os.replace(staged, final)
+            return True
+        except OSError as exc:
+            raise StoreError(f"publish {path}: {exc.strerror or exc}") from None
+        finally:
+            staged.unlink(missing_ok=True)
+
+    def _remove_now(self, path: str) -> None:
+        try:
+            self._file(path).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise StoreError(f"remove {path}: {exc.strerror or exc}") from None
+
+    async def _read(self, path: str, bound: int) -> tuple[bytes | int | None, Any]:
+        return await self._thread(self._read_now, path, bound)
+
+    async def _write(self, path: str, value: bytes, *, mode: str, version: Any = None) -> bool:
+        return await self._thread(self._write_now, path, value, mode, version)
+
+    async def _remove(self, path: str) -> None:
+        await self._thread(self._remove_now, path)
+
+    def _check_now(self) -> None:
+        try:
+            info = os.lstat(self.root)
+        except FileNotFoundError:
+            raise ValueError(
+                f"the shared cache {self.where!r}: the folder does not exist (is the share mounted?)"
+            ) from None
+        if not stat.S_ISDIR(info.st_mode):
+            raise ValueError(f"the shared cache {self.where!r} is not a folder")
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise ValueError(f"the shared cache {self.where!r}: this user cannot write to the folder")
+
+    async def check(self) -> None:
+        with anyio.fail_after(10):
+            await self._thread(self._check_now)
+
+    def _list_now(self, prefix: str) -> list[tuple[str, int, float]]:
+        folder = self._file(store_path(prefix))
+        found = []
+        for item in _walk(folder):
+            info = item.stat(follow_symlinks=False)
+            if stat.S_ISREG(info.st_mode):
+                name = Path(item.path).relative_to(self.root).as_posix().replace("/", ":")
+                found.append((name, info.st_size, info.st_mtime))
+        return found
+
+    async def names(self, prefix: str) -> Any:
+        for found in await self._thread(self._list_now, prefix):
+            yield found
+
+
+def _walk(folder: Path) -> Iterator[os.DirEntry[str]]:
+    try:
+        entries = list(os.scandir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            yield from _walk(Path(entry.path))
+        else:
+            yield entry
+
+
+def open_storage(url: str, *, max_connections: int) -> _Storage:
+    """The storage of an object-store or folder URL (``ValueError`` where it cannot be made)."""
+    scheme = urlparse(url).scheme
+    if scheme == FOLDER_SCHEME:
+        return SharedFolder(url, max_connections=max_connections)
+    return ObjectStore(url, max_connections=max_connections)
