@@ -201,6 +201,8 @@ def _own_pool_options(options: dict[str, Any], unsafe: bool) -> dict[str, Any]:
             signing_key=shared.signing_key,
             unsafe_trust_unsigned=True,
             fleet_wait=shared.fleet_wait,
+            copy_back=shared.copy_back,
+            write=shared.write,
         )
     if shared is not None and not shared.trusted:
         raise ValueError(_UNSIGNED)

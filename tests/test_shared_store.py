@@ -393,3 +393,65 @@ async def test_a_chain_of_redis_then_a_folder_copies_back_skips_big_entries_and_
     assert (
         stats["shared_tiers"]["redis"]["write_failures"] == 0 and stats["shared_tiers"]["file"]["writes"] == 1
     )
+
+
+# -- operations --------------------------------------------------------------------------------
+
+
+async def test_cache_prune_removes_old_entries_and_dead_leases_from_the_tier(
+    tmp_path: Path, fleet: Fleet
+) -> None:
+    async with pool(tmp_path / "a", fleet.url) as p:
+        await p.compile(spec(64))
+    old = f"{namespace()}/{'e' * 64}"
+    fleet.put(old, b"an entry nobody asked for in a while")
+    fleet.put(f"lease/{namespace()}/{'f' * 64}", b"a dead replica's lease")
+    if fleet.server is None:  # a folder: its files' times say how old they are
+        for name in (old, f"lease/{namespace()}/{'f' * 64}"):
+            os.utime(fleet.folder / name, (time.time() - 90 * 86400,) * 2)
+    cli = [sys.executable, "-m", "acompile", "cache", "prune", "--shared-cache", fleet.url]
+    env = subprocess_env()
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*cli, *extra], capture_output=True, text=True, timeout=120, env=env)
+
+    refused = await anyio.to_thread.run_sync(run, "--max-size", "1GiB")
+    assert refused.returncode == 2 and "by age only" in refused.stderr
+    age = "30d" if fleet.server is None else "0s"  # a store's objects are all new here: 0s takes all
+    dry = await anyio.to_thread.run_sync(run, "--max-age", age, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert old in [n for n in fleet.objects()]  # a dry run removes nothing
+    done = await anyio.to_thread.run_sync(run, "--max-age", age)
+    assert done.returncode == 0, done.stderr
+    left = fleet.objects()
+    assert old not in left
+    # A lease goes once it has not been rewritten for a minute (a live holder rewrites it every
+    # two seconds): the folder's is 90 days old; the store's was written a moment ago, and stays.
+    assert bool([n for n in left if n.startswith("lease/")]) == (fleet.server is not None)
+    if fleet.server is None:
+        assert len([n for n in left if n.startswith(namespace())]) == 1, left  # the new entry stays
+        assert "removed 1 entries" in done.stdout and "1 leases" in done.stdout
+    assert SECRET not in done.stdout + done.stderr
+
+
+def test_warmup_fills_every_tier_of_a_chain(tmp_path: Path, redis_server: RedisServer) -> None:
+    from test_cli_shared import make_manifest, warmup
+
+    manifest = make_manifest(tmp_path)
+    folder = tmp_path / "nfs"
+    folder.mkdir()
+    chain = f"{redis_server.url} file://{folder}"
+    first, shared = warmup(manifest, tmp_path / "a", "--shared-cache", chain, key=KEY)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert (shared["kernels"], shared["published"], shared["missing"]) == (2, 2, 0), shared
+    client: Any = redis_server.client()
+    assert len([k for k in client.keys("*") if k.startswith(b"acompile:" + namespace().encode())]) == 2
+    assert len(list((folder / namespace()).iterdir())) == 2
+    # Redis restarted empty: the warm disk fills it again, and the folder is found complete.
+    client.flushall()
+    again, shared = warmup(manifest, tmp_path / "a", "--shared-cache", chain, key=KEY)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert (shared["found"], shared["published"], shared["missing"]) == (0, 2, 0), shared
+    assert len([k for k in client.keys("*") if k.startswith(b"acompile:" + namespace().encode())]) == 2
+    bad, _ = warmup(manifest, tmp_path / "a", "--shared-cache", f"{redis_server.url} ftp://x", key=KEY)
+    assert bad.returncode == 2 and "ftp://x" in bad.stderr

@@ -76,6 +76,8 @@ _NAMES: dict[str, str | tuple[str, str]] = {
     "shared_cache_argument": "_settings",
     "with_shared_cache_fields": "_settings",
     "SharedTier": "_shared",
+    "is_store_url": "_shared",
+    "prune_storage": "_stores",
     "check_target": "_shared",
     "open_shared_cache": ("_shared", "open_cache"),
     "redact_url": "_shared",
@@ -125,9 +127,10 @@ if _typing.TYPE_CHECKING:
         shared_cache_argument,
         with_shared_cache_fields,
     )
-    from acompile._cache._shared import SharedTier, check_target, redact_url, signing_key_from
+    from acompile._cache._shared import SharedTier, check_target, is_store_url, redact_url, signing_key_from
     from acompile._cache._shared import key_id as signing_key_id
     from acompile._cache._shared import open_cache as open_shared_cache
+    from acompile._cache._stores import prune_storage
     from acompile._cache._tier import LeaseTier, Tier
 __getattr__, __dir__ = _lazy.face(__name__, _NAMES, eager=True)
 
@@ -172,12 +175,14 @@ __all__ = [
     "human_bytes",
     "import_bundle",
     "is_key",
+    "is_store_url",
     "lib_path",
     "logs_dir",
     "make_key",
     "open_shared_cache",
     "parse_age",
     "prune",
+    "prune_storage",
     "read_entry",
     "read_header",
     "read_state",

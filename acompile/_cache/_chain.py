@@ -345,6 +345,10 @@ class TierChain:
         found = written = 0
         data: bytes | None = None
         for tier in self.tiers[1:]:
+            if isinstance(tier, FleetTiers):  # several shared tiers: each must hold it
+                f, w = await tier.spread(key, lambda: self._local_bytes(key))
+                found, written = found + f, written + w
+                continue
             try:
                 if await tier.get(key) is not None:
                     found += 1

@@ -14,17 +14,20 @@ store, say), with a policy the user sets on ``SharedCache``.
 - **leases**: taken in the first tier that holds them and answers (Redis before an object store:
   one round trip). A replica's lease is renewed and given back in the tier it was taken in.
 
-``stats()`` keeps the names of a single shared tier (``shared_errors``, ``shared_writes``, ...:
-summed) and adds ``shared_tiers``: each tier's own counts and its hits, by kind
-(``{"redis": {...}, "s3": {...}}``), so that a hit is known by the tier it came from.
+``stats()`` keeps the names of a single shared tier (``shared_errors``, ``shared_rejected``,
+...: summed over the tiers; ``shared_writes`` and ``shared_write_failures``: entries, each
+counted once, that every tier took, or that one or more did not) and adds ``shared_tiers``:
+each tier's own counts and its hits, by kind (``{"redis": {...}, "s3": {...}}``), so that a hit
+is known by the tier it came from.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from acompile._cache._entry import CorruptEntry
 from acompile._cache._shared import SharedTier
 
 WRITE_MODES = ("behind", "through")
@@ -73,13 +76,45 @@ class FleetTiers:
         return None
 
     async def set(self, key: str, data: bytes) -> bool:
-        stored = False
+        """Publish to every tier (but those the entry skips for its size); True where each took
+        it. Counted once for the chain (``writes`` or ``write_failures``), and by each tier."""
+        stored = True
         for index, tier in enumerate(self.tiers):
             if tier.too_large(data) and index + 1 < len(self.tiers):
                 tier.counts["skipped_by_size"] += 1  # the next tier takes it: a policy, not a fault
                 continue
-            stored = await tier.set(key, data) or stored
+            stored = await tier.set(key, data) and stored
+        self.counts["writes" if stored else "write_failures"] += 1
         return stored
+
+    async def spread(self, key: str, local: Callable[[], Awaitable[bytes | None]]) -> tuple[int, int]:
+        """Make every tier hold ``key`` (a warm-up filling the fleet from a warm disk): (1, 0)
+        where each held it already, (0, 1) where each holds it now, some written, (0, 0) where
+        one could not take it (a fault). ``local()`` gives the entry's verified bytes (or None).
+        A tier that the entry skips for its size (another follows) is not asked."""
+        data: bytes | None = None
+        wrote = False
+        for index, tier in enumerate(self.tiers):
+            last = index + 1 == len(self.tiers)
+            try:
+                if await tier.get(key) is not None:
+                    continue
+            except CorruptEntry:
+                pass  # a damaged copy there: the good one replaces it
+            if data is None:
+                data = await local()
+                if data is None:
+                    return 0, 0
+            if tier.too_large(data) and not last:
+                tier.counts["skipped_by_size"] += 1
+                continue
+            if not await tier.set(key, data):
+                self.counts["write_failures"] += 1
+                return 0, 0
+            wrote = True
+        if wrote:
+            self.counts["writes"] += 1
+        return (0, 1) if wrote else (1, 0)
 
     async def delete(self, key: str) -> None:
         for tier in self.tiers:
@@ -102,6 +137,9 @@ class FleetTiers:
                 "hits": self.counts[f"hits_{self._names[index]}"],
                 "skipped_by_size": tier.counts["skipped_by_size"],
             }
+        # Entries the chain took (every tier that should), and those one tier or more did not.
+        merged["shared_writes"] = self.counts["writes"]
+        merged["shared_write_failures"] = self.counts["write_failures"]
         merged["shared_available"] = all(t.available for t in self.tiers)
         merged["shared_namespace"] = self.first.namespace
         merged["shared_kind"] = "+".join(self._names)

@@ -380,7 +380,9 @@ class ObjectStore(_Storage):
     async def names(self, prefix: str) -> Any:
         import obstore
 
-        stream = obstore.list(self._store, prefix=store_path(prefix) + "/", chunk_size=1000)
+        stream = obstore.list(
+            self._store, prefix=store_path(prefix) + "/" if prefix else None, chunk_size=1000
+        )
         async for chunk in stream:
             for item in chunk:
                 yield item["path"].replace("/", ":"), int(item["size"]), item["last_modified"].timestamp()
@@ -512,9 +514,11 @@ class SharedFolder(_Storage):
             await self._thread(self._check_now)
 
     def _list_now(self, prefix: str) -> list[tuple[str, int, float]]:
-        folder = self._file(store_path(prefix))
+        folder = self._file(store_path(prefix)) if prefix else self.root
         found = []
         for item in _walk(folder):
+            if Path(item.path).relative_to(self.root).parts[0] == INCOMING:
+                continue
             info = item.stat(follow_symlinks=False)
             if stat.S_ISREG(info.st_mode):
                 name = Path(item.path).relative_to(self.root).as_posix().replace("/", ":")
@@ -536,6 +540,44 @@ def _walk(folder: Path) -> Iterator[os.DirEntry[str]]:
             yield from _walk(Path(entry.path))
         else:
             yield entry
+
+
+# A lease object not rewritten for this long is a dead holder's (a live one rewrites it every
+# two seconds): ``prune_storage`` removes it whatever the age asked for.
+STALE_LEASE_S = 60.0
+
+
+async def prune_storage(url: str, max_age_s: float, *, dry_run: bool = False) -> dict[str, Any]:
+    """Remove the entries of an object store or shared folder written more than ``max_age_s``
+    ago (every namespace's), and leases left by dead holders. Returns what it did: ``removed``,
+    ``removed_bytes``, ``kept``, ``leases_removed``, ``errors``. An object store can do the
+    same by itself with a lifecycle rule on the prefix (docs/caching.md)."""
+    import time
+
+    storage = open_storage(url, max_connections=16)
+    await storage.check()
+    now = time.time()
+    report: dict[str, Any] = {"removed": 0, "removed_bytes": 0, "kept": 0, "leases_removed": 0, "errors": []}
+    async for name, size, modified in storage.names(""):
+        lease = name.startswith("lease:")
+        if name.startswith("probe:") or ":" not in name:
+            continue
+        if not (now - modified > (STALE_LEASE_S if lease else max_age_s)):
+            report["kept"] += not lease
+            continue
+        if not dry_run:
+            try:
+                await storage.delete(name)
+            except (StoreError, ValueError) as exc:
+                report["errors"].append(str(exc))
+                continue
+        if lease:
+            report["leases_removed"] += 1
+        else:
+            report["removed"] += 1
+            report["removed_bytes"] += size
+    await storage.close()
+    return report
 
 
 def open_storage(url: str, *, max_connections: int) -> _Storage:

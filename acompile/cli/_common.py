@@ -163,19 +163,31 @@ def output_path_problem(path: Path) -> str | None:
 
 
 _SHARED_URL_FORMS = (
-    "redis://HOST:PORT/DB (e.g. redis://cache.internal:6379/0), rediss://... or memcached://HOST:PORT"
+    "redis://HOST:PORT/DB (e.g. redis://cache.internal:6379/0), rediss://..., memcached://HOST:PORT, "
+    "s3://BUCKET/PREFIX (gs://, az://) or file:///SHARED/FOLDER; several, separated by spaces, are a "
+    "chain, fastest first"
 )
 
 
-def shared_url_problem(url: str) -> str | None:
-    """What is wrong with a shared-cache URL, before any client is imported; None if nothing.
-    The pool's own check (its constructor makes it; its message names the URL, its secret hidden),
-    with the forms a good URL takes where that message gives none."""
-    from acompile._cache import check_target
+def shared_places(value: str) -> str | list[str]:
+    """``--shared-cache``'s value as ``SharedCache`` takes it: one URL, or several separated by
+    spaces (``"redis://cache:6379/0 s3://bucket/acompile"``: a chain, fastest first)."""
+    urls = value.split()
+    return urls if len(urls) > 1 else value.strip()
 
+
+def shared_url_problem(url: str) -> str | None:
+    """What is wrong with a shared-cache URL (or several, separated by spaces), before any client
+    is imported; None if nothing. The pool's own check (its constructor makes it; its message
+    names the URL, its secret hidden), with the forms a good URL takes where that message gives
+    none."""
+    from acompile._cache import SharedCache
+
+    if not url.split():
+        return f"no URL given; use {_SHARED_URL_FORMS}"
     try:
-        check_target(url)
-    except ValueError as exc:
+        SharedCache(shared_places(url), signing_key=b"\0" * 16)  # the URLs' check, not the key's
+    except (ValueError, TypeError) as exc:
         text = str(exc)
         return text if ": use " in text or ": write " in text else f"{text}; use {_SHARED_URL_FORMS}"
     return None

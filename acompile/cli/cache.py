@@ -65,6 +65,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--max-age", default=None, help="time since an entry was written: 30d, 12h, 90m, 3600s"
     )
     prune.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
+    prune.add_argument(
+        "--shared-cache",
+        default=None,
+        metavar="URL",
+        help="prune this object store (s3://, gs://, az://) or shared folder (file://) instead of the "
+        "cache folder: with --max-age, entries written longer ago, and leases left by dead replicas",
+    )
     add_cache_dir(prune)
 
     explain = cache_sub.add_parser("explain", help="what an entry's key was computed from")
@@ -74,6 +81,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.cache_command == "prune" and args.shared_cache is not None:
+        return _prune_shared(args)
     root = args.cache_dir or default_cache_dir()
     if args.cache_command != "import" and not root.is_dir():
         # An empty report would read as "nothing cached" where the folder is mistyped.
@@ -164,6 +173,40 @@ def _prune(args: argparse.Namespace, root: Path) -> int:
     for error in report.errors:
         print(f"  {error}", file=sys.stderr)
     return 1 if report.errors else 0
+
+
+def _prune_shared(args: argparse.Namespace) -> int:
+    """``acompile cache prune --shared-cache URL --max-age AGE``: an object store or a folder."""
+    from acompile._cache import check_target, is_store_url, parse_age, prune_storage, redact_url
+
+    url = args.shared_cache
+    if args.max_size is not None or args.max_age is None:
+        print(
+            "acompile cache prune: a shared tier is pruned by age only: say --max-age (e.g. 30d)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        check_target(url)
+        if not is_store_url(url):
+            raise ValueError(
+                f"{redact_url(url)!r} is a memory cache: it forgets entries by itself (Redis's maxmemory "
+                "policy, Memcached's LRU); --shared-cache here takes s3://, gs://, az:// or file:// URLs"
+            )
+        max_age = parse_age(args.max_age)
+        report = anyio.run(lambda: prune_storage(url, max_age, dry_run=args.dry_run))
+    except ValueError as exc:
+        print(f"acompile cache prune: {exc}", file=sys.stderr)
+        return 2
+    verb = "would remove" if args.dry_run else "removed"
+    print(f"shared tier: {url.split('?')[0]}")
+    print(
+        f"{verb} {report['removed']} entries ({human_bytes(report['removed_bytes'])}) written more than "
+        f"{args.max_age} ago and {report['leases_removed']} leases of dead replicas; kept {report['kept']}"
+    )
+    for error in report["errors"]:
+        print(f"  {error}", file=sys.stderr)
+    return 1 if report["errors"] else 0
 
 
 # Each sub-command of ``acompile cache`` by its name: what runs it, handed the cache folder.

@@ -19,6 +19,7 @@ from acompile.cli._common import (
     add_cache_dir,
     add_workers,
     output_path_problem,
+    shared_places,
     shared_url_problem,
     signing_key_error,
     signing_key_problem,
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         # A SharedCache's fields (its key stays in the environment, read by each process).
         options["shared_cache"] = {
-            "where": args.shared_cache,
+            "where": shared_places(args.shared_cache),
             "unsafe_trust_unsigned": args.unsafe_unsigned_shared_cache,
         }
     if os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") != "1":

@@ -25,6 +25,7 @@ from acompile.cli._common import (
     add_cache_dir,
     add_workers,
     output_path_problem,
+    shared_places,
     shared_url_problem,
     shown,
     signing_key_error,
@@ -74,7 +75,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     warm.add_argument(
         "--shared-cache",
         default=os.environ.get("ACOMPILE_SHARED_CACHE"),
-        help="also fill a shared tier, e.g. redis://host:6379/0 (default: $ACOMPILE_SHARED_CACHE); "
+        help="also fill a shared tier, e.g. redis://host:6379/0, s3://bucket/prefix, "
+        "file:///mnt/nfs/acompile, or several separated by spaces (default: $ACOMPILE_SHARED_CACHE); "
         "entries are signed with $ACOMPILE_SIGNING_KEY when it is set (required for [[torch]] and "
         "[[flashinfer]] entries: they hold code)",
     )
@@ -179,7 +181,7 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
             # Compiling is this command's whole job, not a background task: its workers run at
             # its own priority, keeping their share of a machine busy with other work.
             worker_nice=0,
-            shared_cache=args.shared_cache,
+            shared_cache=shared_places(args.shared_cache) if args.shared_cache is not None else None,
         ) as pool:
             # The pool's trace says, per kernel, how long it queued and how long a worker took.
             async with pool.trace(trace_path):
