@@ -60,6 +60,11 @@ logger = logging.getLogger("acompile")
 # stall the loop (SHA-256 runs at about 1 GB/s: 256 KiB is some 0.25 ms). Verified all the same.
 _VERIFY_INLINE_MAX = 256 * 1024
 
+# How many polls a second all of a process's waits on other replicas may make, where the tier
+# does not say (``polls_per_second``), and how often a lease is looked at when polls are spread.
+_POLLS_PER_SECOND = 1000.0
+_LEASE_LOOK = 2.0
+
 # What stats()["cache"] says of a tier that is not configured (CacheStats's keys).
 _ABSENT: dict[str, Any] = {
     "hits_disk": 0,
@@ -134,6 +139,8 @@ class TierChain:
         self._accepting = False
         self._pending = 0
         self._writes_done = anyio.Event()
+        # Waits on another replica's lease under way (their polls share the tier's budget).
+        self._waiting = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -472,17 +479,33 @@ class TierChain:
 
     async def _await_fleet(self, leases: LeaseTier, key: str) -> Entry | None:
         """Another replica holds the lease: poll for its entry, up to fleet_wait, or until the
-        lease is gone without an entry (it failed, or died and the lease expired)."""
+        lease is gone without an entry (it failed, or died and the lease expired).
+
+        The polls of all this process's waits together stay within the tier's
+        ``polls_per_second`` (Redis: a thousand; an object store: a few dozen, each request
+        billed and a small server answering a few hundred a second): a boot that waits on
+        thousands of keys at once polls each less often, not the store harder. The lease is
+        looked at with each poll while few wait, and every ``_LEASE_LOOK`` seconds otherwise
+        (its holder rewrites it every two)."""
         deadline = anyio.current_time() + self.fleet_wait
+        budget = float(getattr(leases, "polls_per_second", _POLLS_PER_SECOND))
         delay = 0.05
-        while anyio.current_time() < deadline:
-            await anyio.sleep(delay)
-            delay = min(delay * 1.5, 0.5)
-            entry = await self._read(leases, key)
-            if entry is not None:
-                return entry
-            if not await leases.lease_held(key):
-                return await self._read(leases, key)
+        looked = anyio.current_time()
+        self._waiting += 1
+        try:
+            while anyio.current_time() < deadline:
+                spread = self._waiting / budget
+                await anyio.sleep(max(delay, spread))
+                delay = min(delay * 1.5, 0.5)
+                entry = await self._read(leases, key)
+                if entry is not None:
+                    return entry
+                if spread < _LEASE_LOOK or anyio.current_time() - looked >= _LEASE_LOOK:
+                    looked = anyio.current_time()
+                    if not await leases.lease_held(key):
+                        return await self._read(leases, key)
+        finally:
+            self._waiting -= 1
         logger.warning(
             "waited %.0f s for another replica to compile %s…; compiling it here", self.fleet_wait, key[:16]
         )

@@ -54,6 +54,11 @@ class FleetTiers:
         """The first (fastest) tier: the one the fleet's documents (compile times) live in."""
         return self.tiers[0]
 
+    @property
+    def polls_per_second(self) -> float:
+        """The slowest tier's (a look-up asks each tier in turn)."""
+        return min(t.polls_per_second for t in self.tiers)
+
     def attach(self, later: Callable[..., None]) -> None:
         """How to run work in the background (the chain's write-behind): copies back."""
         self._later = later

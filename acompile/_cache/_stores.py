@@ -145,6 +145,10 @@ class _Storage:
     """What both kinds share: the calls ``SharedTier`` makes, in terms of a few primitives."""
 
     expires_keys = False
+
+    def __init__(self) -> None:
+        self._known: dict[str, tuple[bytes, Any]] = {}
+
     # Whether the storage can hold a lease (its creates fail where the object exists). Set by
     # check(): an object store that ignores the condition has none.
     leases = True
@@ -180,10 +184,28 @@ class _Storage:
         value, _ = await self._read(store_path(name), 1 << 62)
         return value if isinstance(value, bytes) else None
 
+    # Small values this process last wrote or read (a lease, a document), by path, with their
+    # versions: a compare-and-set over one of them writes at once, without reading it again.
+    _KNOWN_MAX = 4096
+
+    def _remember(self, path: str, value: bytes | None, version: Any) -> None:
+        known = self._known
+        known.pop(path, None)
+        if value is not None and version is not None and len(value) <= self._KNOWN_MAX:
+            known[path] = (value, version)
+            while len(known) > self._KNOWN_MAX:
+                del known[next(iter(known))]
+
     async def set(self, name: str, value: bytes, ttl: Any = None, _cas_token: bytes | None = None) -> bool:
         path = store_path(name)
         if _cas_token is None:
             return await self._write(path, value, mode="put")
+        known = self._known.get(path)
+        if known is not None and known[0] == _cas_token:
+            # The value this process wrote last: one conditional write (it fails, and nothing
+            # is written, where the object changed since).
+            if await self._write(path, value, mode="update", version=known[1]):
+                return True
         held, version = await self._read(path, len(_cas_token))
         if held != _cas_token:
             return False
@@ -214,6 +236,7 @@ class ObjectStore(_Storage):
     """An S3, GCS or Azure Blob bucket (or an S3-compatible server) through obstore."""
 
     def __init__(self, url: str, *, max_connections: int) -> None:
+        super().__init__()
         parts = urlparse(url)
         self.kind = parts.scheme
         self.bucket = parts.netloc
@@ -221,7 +244,6 @@ class ObjectStore(_Storage):
         self.where = f"{parts.scheme}://{parts.netloc}/{self.prefix}".rstrip("/")
         query = {k: v[0] for k, v in parse_qs(parts.query).items()}
         self._store = self._make(url, query, max_connections)
-        self._versions: dict[str, Any] = {}
 
     def _make(self, url: str, query: dict[str, str], max_connections: int) -> Any:
         try:
@@ -324,13 +346,16 @@ class ObjectStore(_Storage):
         elif mode == "update":
             how = {k: v for k, v in version.items() if v is not None}
         try:
-            await obstore.put_async(self._store, path, value, mode=how)
+            result = await obstore.put_async(self._store, path, value, mode=how)
         except (AlreadyExistsError, PreconditionError):
+            self._remember(path, None, None)
             return False
         except Exception as exc:
             if mode != "put" and "409" in str(exc):  # S3: another conditional write of it at once
                 return False
             raise StoreError(f"PUT {path}: {type(exc).__name__}: {_one_line(exc)}") from None
+        tag = result.get("e_tag")
+        self._remember(path, value, {"e_tag": tag, "version": result.get("version")} if tag else None)
         return True
 
     async def _remove(self, path: str) -> None:
@@ -394,6 +419,7 @@ class SharedFolder(_Storage):
     kind = FOLDER_SCHEME
 
     def __init__(self, url: str, *, max_connections: int) -> None:
+        super().__init__()
         self.root = Path(unquote(urlparse(url).path))
         self.where = f"file://{self.root}"
         self._incoming = self.root / INCOMING
