@@ -348,6 +348,7 @@ class CompilePool:
         self._counts: Counter[str] = Counter()
         self._tg: anyio.abc.TaskGroup | None = None
         self._workers: Executor | None = None
+        self._queue_seen = (-1.0, False)  # when jobs_queue() last looked, and what it saw
         self._executor_stack = contextlib.AsyncExitStack()  # what the executor holds beyond serve()
         self._workdir: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -417,6 +418,9 @@ class CompilePool:
             # The one place an executor is chosen: the spec opens its own (a farm that cannot be
             # reached falls back to local workers inside its open, where it allows that).
             self._workers = opened(self._spec, await self._spec.open(settings, opening))
+            # A wait on another replica's compile does not count against fleet_wait while this
+            # pool's own jobs queue (docs/caching.md, single flight).
+            self._cache.busy = self._jobs_queue
             self._tg = anyio.create_task_group()
             await self._tg.__aenter__()
             self._cache.start(self._tg)  # write-behind runs in the pool's task group
@@ -547,6 +551,14 @@ class CompilePool:
             backend = load_parent(name)  # imported by __aenter__ already
             extra.update(await backend.worker_config(self._memo_dir))
         return extra
+
+    def _jobs_queue(self) -> bool:
+        """Whether jobs of this pool wait for a worker now (read at most every 0.1 s)."""
+        now = time.monotonic()
+        if now - self._queue_seen[0] >= 0.1:
+            workers = self._workers
+            self._queue_seen = (now, workers is not None and workers.stats()["jobs"]["queued"] > 0)
+        return self._queue_seen[1]
 
     def _check_running(self) -> None:
         if self._state != "running":

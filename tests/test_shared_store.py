@@ -455,3 +455,45 @@ def test_warmup_fills_every_tier_of_a_chain(tmp_path: Path, redis_server: RedisS
     assert len([k for k in client.keys("*") if k.startswith(b"acompile:" + namespace().encode())]) == 2
     bad, _ = warmup(manifest, tmp_path / "a", "--shared-cache", f"{redis_server.url} ftp://x", key=KEY)
     assert bad.returncode == 2 and "ftp://x" in bad.stderr
+
+
+# -- a shared folder other users can write to ----------------------------------------------------
+
+
+def _plant(root: str, namespace_: str, key: str, elsewhere: str) -> list[str]:
+    """As nobody: a FIFO where an entry goes, and a link where the leases' folder goes."""
+    import os as os_
+
+    os_.makedirs(f"{root}/{namespace_}", mode=0o777, exist_ok=True)
+    os_.mkfifo(f"{root}/{namespace_}/{key}")
+    os_.symlink(elsewhere, f"{root}/lease")
+    return sorted(os_.listdir(root))
+
+
+@asyncio_only  # files, links and FIFOs, not the loop
+async def test_links_and_fifos_planted_in_a_shared_folder_by_another_user_are_neither_followed_nor_waited_on(
+    tmp_path: Path,
+) -> None:
+    from attacker import as_nobody, shared_folder
+
+    with shared_folder() as base:
+        # The fleet's folder, which its users (and so nobody here) may write to, and a folder of
+        # the attacker's own elsewhere.
+        folder, elsewhere = base / "nfs", base / "elsewhere"
+        for made in (folder, elsewhere):
+            made.mkdir()
+            made.chmod(0o777)
+        key = await key_of(spec(64), tmp_path)
+        as_nobody(_plant, str(folder), namespace(), key, str(elsewhere))
+        async with pool(tmp_path / "a", f"file://{folder}", fleet_wait=600) as p:
+            with anyio.fail_after(60):  # a guard: a reader blocked on the FIFO would hang here
+                _, tier = await p.compile_with_tier(spec(64))
+            stats = p.stats()["cache"]
+        assert tier == "compile" and stats["shared_rejected"] >= 1 and stats["fleet_waits"] == 0
+        assert list(elsewhere.iterdir()) == []  # no lease written through the link
+        assert (folder / "lease").is_symlink()
+        # The FIFO was replaced by the entry (renamed over it, never opened): the next replica
+        # has it.
+        assert (folder / namespace() / key).is_file()
+        async with pool(tmp_path / "b", f"file://{folder}", prestart=False) as p:
+            assert (await p.compile_with_tier(spec(64)))[1] == "shared"

@@ -64,6 +64,8 @@ _VERIFY_INLINE_MAX = 256 * 1024
 # does not say (``polls_per_second``), and how often a lease is looked at when polls are spread.
 _POLLS_PER_SECOND = 1000.0
 _LEASE_LOOK = 2.0
+# How much longer than fleet_wait a replica waits on another while its own workers are busy.
+_BUSY_WAITS = 10
 
 # What stats()["cache"] says of a tier that is not configured (CacheStats's keys).
 _ABSENT: dict[str, Any] = {
@@ -141,6 +143,8 @@ class TierChain:
         self._writes_done = anyio.Event()
         # Waits on another replica's lease under way (their polls share the tier's budget).
         self._waiting = 0
+        # Whether this replica's own jobs queue for its workers (set by the pool).
+        self.busy: Callable[[], bool] = lambda: False
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -248,13 +252,14 @@ class TierChain:
         leases = self._lease_tier if fleet else None
         lease = None
         if leases is not None:
-            lease = await leases.take_lease(key, ttl=self.lease_ttl)
+            life = self._life(leases)
+            lease = await leases.take_lease(key, ttl=life)
             if lease is False:
                 self.counts["fleet_waits"] += 1
                 entry = await self._await_fleet(leases, key)
                 if entry is not None:
                     return entry, leases.name
-                lease = await leases.take_lease(key, ttl=self.lease_ttl)
+                lease = await leases.take_lease(key, ttl=life)
         # A job can wait in the queue (a storm, a paused pool) for longer than the lease lasts:
         # the lease is renewed while this replica has not published, so that the others keep
         # waiting for it instead of compiling the same kernel.
@@ -288,12 +293,19 @@ class TierChain:
         chain's), until scope is cancelled or the lease is another replica's. A fault of the
         tier (an outage, its back-off) is tried again at the next turn: a lease that expired
         meanwhile is taken again if nobody else took it."""
-        life = min(ttl or self.lease_ttl, MAX_LEASE_TTL)
+        life = ttl or self._life(leases)
         with scope:
             while True:
                 await anyio.sleep(life / 3)
                 if await leases.renew_lease(key, life) is False:
                     return
+
+    def _life(self, leases: LeaseTier) -> float:
+        """How long a lease lasts in ``leases`` unless renewed: ``lease_ttl``, scaled to the
+        tier's longest (``max_lease_ttl``): an object store's leases last five times longer,
+        each renewal being a billed request to a slower server."""
+        longest = float(getattr(leases, "max_lease_ttl", MAX_LEASE_TTL))
+        return self.lease_ttl * longest / MAX_LEASE_TTL
 
     async def claim(self, key: str) -> Entry | None:
         """Single flight across the fleet for work done outside the chain (torch.compile's
@@ -310,7 +322,7 @@ class TierChain:
             return None
         # Short and renewed: a holder that dies (its process killed mid-compile) holds the others
         # for this long at most, not for a compile's whole time limit.
-        ttl = min(self.lease_ttl, MAX_LEASE_TTL)
+        ttl = self._life(leases)
         lease = await leases.take_lease(key, ttl=ttl)
         if lease is False:
             self.counts["fleet_waits"] += 1
@@ -486,17 +498,30 @@ class TierChain:
         billed and a small server answering a few hundred a second): a boot that waits on
         thousands of keys at once polls each less often, not the store harder. The lease is
         looked at with each poll while few wait, and every ``_LEASE_LOOK`` seconds otherwise
-        (its holder rewrites it every two)."""
-        deadline = anyio.current_time() + self.fleet_wait
+        (its holder rewrites it every two).
+
+        ``fleet_wait`` counts the time this replica would have had a worker free for the key:
+        while its own jobs queue (``busy()``), a storm in which every replica is busy, the wait
+        goes on, up to ``_BUSY_WAITS`` times ``fleet_wait``; a replica that gave up then would
+        only add a second compile of the key to a machine that has no CPU to spare."""
+        started = last = looked = anyio.current_time()
+        deadline = started + self.fleet_wait
+        longest = started + self.fleet_wait * _BUSY_WAITS
         budget = float(getattr(leases, "polls_per_second", _POLLS_PER_SECOND))
         delay = 0.05
-        looked = anyio.current_time()
         self._waiting += 1
         try:
             while anyio.current_time() < deadline:
                 spread = self._waiting / budget
                 await anyio.sleep(max(delay, spread))
                 delay = min(delay * 1.5, 0.5)
+                now = anyio.current_time()
+                if self.busy():
+                    # This replica's own jobs queue for its workers: compiling the key here would
+                    # queue too. Waiting costs it nothing, so it does not count against fleet_wait
+                    # (up to _BUSY_WAITS times fleet_wait in all).
+                    deadline = min(deadline + (now - last), longest)
+                last = now
                 entry = await self._read(leases, key)
                 if entry is not None:
                     return entry

@@ -55,6 +55,11 @@ class FleetTiers:
         return self.tiers[0]
 
     @property
+    def max_lease_ttl(self) -> float:
+        """The shortest tier's: the chain renews for the tier that holds each lease."""
+        return min(t.max_lease_ttl for t in self.tiers)
+
+    @property
     def polls_per_second(self) -> float:
         """The slowest tier's (a look-up asks each tier in turn)."""
         return min(t.polls_per_second for t in self.tiers)

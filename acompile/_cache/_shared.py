@@ -252,6 +252,7 @@ def redact_url(url: str) -> str:
 # What a shared cache URL's query may say (``?max_connections=32&max_value=64MiB&timeout=1``).
 _URL_OPTIONS = frozenset({"namespace", "max_connections", "max_value", "timeout"})
 _SCHEMES = ("redis", "rediss", "memcached", *STORE_SCHEMES, FOLDER_SCHEME)
+_STORE_KINDS = frozenset({*STORE_SCHEMES, FOLDER_SCHEME})
 
 
 def is_store_url(target: Any) -> bool:
@@ -546,11 +547,18 @@ class SharedTier:
         }
 
     @property
+    def max_lease_ttl(self) -> float:
+        """The longest a lease lasts here unless renewed: ``MAX_LEASE_TTL`` on a memory cache,
+        five times that on an object store or a folder (each renewal a billed request, or a
+        write to a network mount; a dead holder holds the others 30 s at most there)."""
+        return MAX_LEASE_TTL * (5 if self.kind in _STORE_KINDS else 1)
+
+    @property
     def polls_per_second(self) -> float:
         """How many look-ups a second this process's waits on other replicas may make in all:
         a memory cache answers thousands; an object store bills each request and a small one
         answers a few hundred a second; a folder is a stat and a read on a network mount."""
-        return {"s3": 25.0, "gs": 25.0, "az": 25.0, "file": 100.0}.get(self.kind, 1000.0)
+        return {"file": 100.0}.get(self.kind, 25.0 if self.kind in _STORE_KINDS else 1000.0)
 
     @property
     def kind(self) -> str:
@@ -972,7 +980,7 @@ class SharedTier:
         except (UnicodeDecodeError, ValueError):
             return None
         now = time.time()
-        if live and not (now < expires <= now + MAX_LEASE_TTL + _CLOCK_SKEW):
+        if live and not (now < expires <= now + self.max_lease_ttl + _CLOCK_SKEW):
             return None
         return owner
 
@@ -998,10 +1006,10 @@ class SharedTier:
         seen = self._sightings.pop(name, None)
         if seen is not None and seen[0] == raw:
             self._sightings[name] = seen
-            if now - seen[1] > MAX_LEASE_TTL:
+            if now - seen[1] > self.max_lease_ttl:
                 self._ignore(
                     key,
-                    f"has not changed for {MAX_LEASE_TTL:.0f} s (its holder is gone, or it was set "
+                    f"has not changed for {self.max_lease_ttl:.0f} s (its holder is gone, or it was set "
                     "again after its release)",
                 )
                 return None
@@ -1029,7 +1037,7 @@ class SharedTier:
         most ``MAX_LEASE_TTL``: the holder renews the lease to keep it."""
         if not getattr(self.cache, "leases", True):
             return None  # an object store that ignores conditional writes (said at open)
-        ttl = min(ttl, MAX_LEASE_TTL)
+        ttl = min(ttl, self.max_lease_ttl)
         name = self._lease_name(key)
         value = self._new_lease(key, ttl)
         ok, added = await self._call("lease", self.cache.add, name, value, ttl=self._ttl(ttl))
@@ -1059,6 +1067,8 @@ class SharedTier:
             if not ok:
                 return None
             ok, added = await self._call("lease", self.cache.add, name, value, ttl=self._ttl(ttl))
+            if ok and not added:
+                return None  # still no lease there that is one (a link, a FIFO): no single flight
             taken = ok and added
         else:
             ok, taken = await self._call(
@@ -1084,7 +1094,7 @@ class SharedTier:
         in between is never overwritten; it is one round trip while all is well. Memcached has
         no such command through aiocache: there, a lease taken over between the read and the
         write (a window of one round trip) is overwritten."""
-        ttl = min(ttl, MAX_LEASE_TTL)
+        ttl = min(ttl, self.max_lease_ttl)
         name = self._lease_name(key)
         value = self._new_lease(key, ttl)
         mine = self._held.get(name)

@@ -39,8 +39,10 @@ digits, ``_``, ``-`` and ``.`` in a part, or a part that starts with ``.``, is r
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
+import logging
 import os
 import re
 import secrets
@@ -55,6 +57,7 @@ import anyio
 import anyio.to_thread
 
 T = TypeVar("T")
+logger = logging.getLogger("acompile")
 
 STORE_SCHEMES = ("s3", "gs", "az")
 FOLDER_SCHEME = "file"
@@ -413,8 +416,21 @@ class ObjectStore(_Storage):
                 yield item["path"].replace("/", ":"), int(item["size"]), item["last_modified"].timestamp()
 
 
+class _Refused(Exception):
+    """Something other than a folder or a file where the tier's layout has one (a link, a FIFO,
+    a device): not followed, not opened for reading; a value there is refused, not an outage."""
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 class SharedFolder(_Storage):
-    """A folder many hosts mount (NFS, a shared volume), published into atomically."""
+    """A folder many hosts mount (NFS, a shared volume), published into atomically.
+
+    Every path under the folder is walked one component at a time from a descriptor of the
+    folder (``O_NOFOLLOW``), so a link planted where a folder or a value goes is never followed:
+    nothing is read from, or written to, anywhere else. Values are opened ``O_NONBLOCK`` and
+    checked to be regular files (a FIFO would block its reader for ever)."""
 
     kind = FOLDER_SCHEME
 
@@ -422,7 +438,6 @@ class SharedFolder(_Storage):
         super().__init__()
         self.root = Path(unquote(urlparse(url).path))
         self.where = f"file://{self.root}"
-        self._incoming = self.root / INCOMING
         self._threads = anyio.CapacityLimiter(max_connections)
         self._host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:40] or "host"
 
@@ -430,18 +445,51 @@ class SharedFolder(_Storage):
         # A hung mount: the tier's deadline abandons the thread, which ends when the mount does.
         return await anyio.to_thread.run_sync(call, *args, limiter=self._threads, abandon_on_cancel=True)
 
-    def _file(self, path: str) -> Path:
-        return self.root / path
+    def _folder(self, parts: list[str], *, create: bool) -> int:
+        """A descriptor of the folder ``parts`` under the root (made where ``create``), every
+        component opened without following a link; ``FileNotFoundError`` where it is not there."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for part in parts:
+                try:
+                    inner = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(part, 0o755, dir_fd=fd)
+                    inner = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise _Refused(f"{part} is not a folder (a link or a file): not followed") from None
+                    raise
+                os.close(fd)
+                fd = inner
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
 
     def _read_now(self, path: str, bound: int) -> tuple[bytes | int | None, Any]:
+        *parts, leaf = path.split("/")
         try:
-            fd = os.open(self._file(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            folder = self._folder(parts, create=False)
+        except FileNotFoundError:
+            return None, None
+        except _Refused:
+            return -1, None
+        except OSError as exc:
+            raise StoreError(f"read {path}: {exc.strerror or exc}") from None
+        try:
+            fd = os.open(leaf, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder)
         except FileNotFoundError:
             return None, None
         except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                return -1, None  # a link placed where a value should be: not followed, not served
+            if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                return -1, None  # a link, a FIFO or socket, a folder where a value should be
             raise StoreError(f"read {path}: {exc.strerror}") from None
+        finally:
+            os.close(folder)
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
@@ -457,14 +505,17 @@ class SharedFolder(_Storage):
             if len(data) > bound:
                 return len(data), None
             return data, (info.st_ino, info.st_mtime_ns, info.st_size)
+        except OSError as exc:
+            raise StoreError(f"read {path}: {exc.strerror or exc}") from None
         finally:
             os.close(fd)
 
-    def _stage(self, value: bytes) -> Path:
-        """``value`` in a file of its own under ``.incoming/``, flushed to the server."""
-        self._incoming.mkdir(parents=True, exist_ok=True)
-        staged = self._incoming / f"{self._host}.{os.getpid()}.{secrets.token_hex(8)}"
-        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    def _stage(self, incoming: int, value: bytes) -> str:
+        """``value`` in a file of its own in ``.incoming/`` (``incoming``: its descriptor),
+        flushed to the server; its name."""
+        name = f"{self._host}.{os.getpid()}.{secrets.token_hex(8)}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(name, flags, 0o644, dir_fd=incoming)
         try:
             view = memoryview(value)
             while view:
@@ -472,47 +523,76 @@ class SharedFolder(_Storage):
             os.fsync(fd)
         except BaseException:
             os.close(fd)
-            staged.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=incoming)
             raise
         os.close(fd)
-        return staged
+        return name
 
     def _write_now(self, path: str, value: bytes, mode: str, version: Any) -> bool:
-        final = self._file(path)
+        *parts, leaf = path.split("/")
         try:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            staged = self._stage(value)
+            incoming = self._folder([INCOMING], create=True)
+        except _Refused as exc:
+            raise StoreError(f"write {path}: {INCOMING}: {exc}") from None
         except OSError as exc:
             raise StoreError(f"write {path}: {exc.strerror or exc}") from None
         try:
-            if mode == "create":
+            try:
+                folder = self._folder(parts, create=True)
+            except _Refused as exc:
+                logger.warning("shared folder %s: %s; %s not published", self.where, exc, path[:40])
+                return False
+            try:
+                staged = self._stage(incoming, value)
                 try:
-                    os.link(staged, final)
-                except FileExistsError:
-                    # NFS answers a retried link that had succeeded with EEXIST: the staged
-                    # file's two names say whether this one made it.
-                    return os.stat(staged).st_nlink == 2
-                return True
-            if mode == "update":
-                # Compare, then replace: a value written in between (a lease another replica
-                # took over in that moment) is replaced; the loser's next renewal finds so.
-                now = self._read_now(path, 1 << 62)[1]
-                if now is None or now != version:
-                    return False
-            os.replace(staged, final)
-            return True
+                    return self._publish(folder, incoming, staged, leaf, path, mode, version)
+                finally:
+                    with contextlib.suppress(OSError):
+                        os.unlink(staged, dir_fd=incoming)
+            finally:
+                os.close(folder)
         except OSError as exc:
             raise StoreError(f"publish {path}: {exc.strerror or exc}") from None
         finally:
-            staged.unlink(missing_ok=True)
+            os.close(incoming)
+
+    def _publish(
+        self, folder: int, incoming: int, staged: str, leaf: str, path: str, mode: str, version: Any
+    ) -> bool:
+        if mode == "create":
+            try:
+                os.link(staged, leaf, src_dir_fd=incoming, dst_dir_fd=folder, follow_symlinks=False)
+            except FileExistsError:
+                # NFS answers a retried link that had succeeded with EEXIST: the staged file's
+                # two names say whether this one made it.
+                return os.stat(staged, dir_fd=incoming, follow_symlinks=False).st_nlink == 2
+            return True
+        if mode == "update":
+            # Compare, then replace: a value written in between (a lease another replica took
+            # over in that moment) is replaced; the loser's next renewal finds so.
+            if self._read_now(path, 1 << 62)[1] != version or version is None:
+                return False
+        # Over whatever is there (a link, a FIFO: replaced, never opened).
+        os.rename(staged, leaf, src_dir_fd=incoming, dst_dir_fd=folder)
+        return True
 
     def _remove_now(self, path: str) -> None:
+        *parts, leaf = path.split("/")
         try:
-            self._file(path).unlink()
+            folder = self._folder(parts, create=False)
+        except (FileNotFoundError, _Refused):
+            return
+        except OSError as exc:
+            raise StoreError(f"remove {path}: {exc.strerror or exc}") from None
+        try:
+            os.unlink(leaf, dir_fd=folder)
         except FileNotFoundError:
             pass
         except OSError as exc:
             raise StoreError(f"remove {path}: {exc.strerror or exc}") from None
+        finally:
+            os.close(folder)
 
     async def _read(self, path: str, bound: int) -> tuple[bytes | int | None, Any]:
         return await self._thread(self._read_now, path, bound)
@@ -525,7 +605,7 @@ class SharedFolder(_Storage):
 
     def _check_now(self) -> None:
         try:
-            info = os.lstat(self.root)
+            info = os.stat(self.root)
         except FileNotFoundError:
             raise ValueError(
                 f"the shared cache {self.where!r}: the folder does not exist (is the share mounted?)"
@@ -540,15 +620,14 @@ class SharedFolder(_Storage):
             await self._thread(self._check_now)
 
     def _list_now(self, prefix: str) -> list[tuple[str, int, float]]:
-        folder = self._file(store_path(prefix)) if prefix else self.root
         found = []
-        for item in _walk(folder):
-            if Path(item.path).relative_to(self.root).parts[0] == INCOMING:
+        for item in _walk(self.root / store_path(prefix) if prefix else self.root):
+            relative = Path(item.path).relative_to(self.root)
+            if relative.parts[0] == INCOMING:
                 continue
             info = item.stat(follow_symlinks=False)
             if stat.S_ISREG(info.st_mode):
-                name = Path(item.path).relative_to(self.root).as_posix().replace("/", ":")
-                found.append((name, info.st_size, info.st_mtime))
+                found.append((relative.as_posix().replace("/", ":"), info.st_size, info.st_mtime))
         return found
 
     async def names(self, prefix: str) -> Any:
