@@ -497,3 +497,26 @@ async def test_links_and_fifos_planted_in_a_shared_folder_by_another_user_are_ne
         assert (folder / namespace() / key).is_file()
         async with pool(tmp_path / "b", f"file://{folder}", prestart=False) as p:
             assert (await p.compile_with_tier(spec(64)))[1] == "shared"
+
+
+def test_cache_explain_names_the_shared_tiers_that_hold_an_entry(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    from test_cli_shared import make_manifest, warmup
+
+    manifest = make_manifest(tmp_path)
+    folder = tmp_path / "nfs"
+    folder.mkdir()
+    out, _ = warmup(manifest, tmp_path / "a", "--shared-cache", f"file://{folder}", key=KEY)
+    assert out.returncode == 0, out.stdout + out.stderr
+    key = next((folder / namespace()).iterdir()).name
+    chain = f"{redis_server.url} file://{folder}"
+    explained = subprocess.run(
+        [sys.executable, "-m", "acompile", "cache", "explain", key[:12], "--cache-dir", str(tmp_path / "a"),
+         "--shared-cache", chain],
+        capture_output=True, text=True, timeout=120, env=subprocess_env(ACOMPILE_SIGNING_KEY=KEY),
+    )  # fmt: skip
+    assert explained.returncode == 0, explained.stderr
+    lines = explained.stdout.splitlines()
+    assert any(line.startswith(f"  {redis_server.url}: does not hold it") for line in lines), explained.stdout
+    assert any(line.startswith(f"  file://{folder}: holds it") for line in lines), explained.stdout

@@ -77,6 +77,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     explain = cache_sub.add_parser("explain", help="what an entry's key was computed from")
     explain.add_argument("key", help="an entry's key, or the start of one (at least 6 hexadecimal digits)")
     explain.add_argument("--against", default=None, help="another key: show only the factors that differ")
+    explain.add_argument(
+        "--shared-cache",
+        default=None,
+        metavar="URL",
+        help="also say which shared tier holds the entry (one URL, or several separated by spaces: a "
+        "chain); entries are looked up in the namespace of $ACOMPILE_SIGNING_KEY",
+    )
     add_cache_dir(explain)
 
 

@@ -42,8 +42,44 @@ def _resolve_key(root: Path, text: str) -> tuple[str, str, int]:
     return found[0], "", 0
 
 
+async def _held_in(places: list[str], key: str) -> list[tuple[str, str]]:
+    """For each shared tier, in order: its URL as shown and whether it holds ``key`` (verified
+    as a pool would read it), or why it could not say."""
+    from acompile._cache import CorruptEntry, SharedTier, decode_entry, redact_url, signing_key_from
+
+    answers = []
+    for place in places:
+        tier = SharedTier.connect_later(place, signing_key_from(None))
+        shown = redact_url(place).split("?")[0]
+        try:
+            await tier.open()
+            data = await tier.get(key)
+            if data is not None:
+                decode_entry(data, key)
+                said = "holds it"
+            elif tier.counts["rejected"]:
+                said = "holds a value under this key that is refused (see the warning above)"
+            elif not tier.available:
+                said = "could not be reached"
+            else:
+                said = "does not hold it"
+        except CorruptEntry as exc:
+            said = f"holds a damaged copy ({exc})"
+        except ValueError as exc:
+            said = f"cannot be used: {exc}"
+        finally:
+            await tier.close()
+        answers.append((shown, f"{said} (namespace {tier.namespace})"))
+    return answers
+
+
 def run_explain(args: argparse.Namespace, root: Path) -> int:
     from acompile._cache import describe_factor, explain, explain_key, explain_miss
+    from acompile.cli._common import shared_places, shared_url_problem
+
+    if args.shared_cache is not None and (problem := shared_url_problem(args.shared_cache)):
+        print(f"acompile cache explain: --shared-cache: {problem}", file=sys.stderr)
+        return 2
 
     keys = []
     for text in [args.key] + ([args.against] if args.against else []):
@@ -85,12 +121,19 @@ def run_explain(args: argparse.Namespace, root: Path) -> int:
                 print(f"note: {info['key'][:16]}…: {info['note']}", file=out)
         return 0
     info = infos[0]
+    if args.shared_cache is not None:
+        places = shared_places(args.shared_cache)
+        held = anyio.run(_held_in, places if isinstance(places, list) else [places], info["key"])
     written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["written"]))
     print(f"key      {info['key']}", file=out)
     print(f"backend  {info['backend']}", file=out)
     print(f"kernel   {info['name']}", file=out)
     print(f"size     {human_bytes(info['bytes'])}", file=out)
     print(f"written  {written}", file=out)
+    if args.shared_cache is not None:
+        print("shared tiers, in the order a pool reads them:", file=out)
+        for shown, said in held:
+            print(f"  {shown}: {said}", file=out)
     if info["key_parts"] is None:
         print(f"note: {info['note']}", file=out)
         return 0
