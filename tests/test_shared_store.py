@@ -520,3 +520,29 @@ def test_cache_explain_names_the_shared_tiers_that_hold_an_entry(
     lines = explained.stdout.splitlines()
     assert any(line.startswith(f"  {redis_server.url}: does not hold it") for line in lines), explained.stdout
     assert any(line.startswith(f"  file://{folder}: holds it") for line in lines), explained.stdout
+
+
+def test_cache_import_seeds_a_fleets_tier_from_a_bundle(tmp_path: Path, s3_server: S3Server) -> None:
+    from test_cli_shared import make_manifest, warmup
+
+    manifest = make_manifest(tmp_path)
+    out, _ = warmup(manifest, tmp_path / "warm", key=KEY)
+    assert out.returncode == 0, out.stdout + out.stderr
+    env = subprocess_env(ACOMPILE_SIGNING_KEY=KEY)
+
+    def cache(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "acompile", "cache", *args], capture_output=True,
+                              text=True, timeout=120, env=env)  # fmt: skip
+
+    bundle = tmp_path / "fleet.tar.gz"
+    assert cache("export", str(bundle), "--cache-dir", str(tmp_path / "warm")).returncode == 0
+    bucket = s3_server.bucket()
+    url = s3_server.url(bucket)
+    done = cache("import", str(bundle), "--cache-dir", str(tmp_path / "fresh"), "--shared-cache", url)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 of 2 entries there (0 found, 2 published)" in done.stdout, done.stdout
+    assert len([k for k in s3_server.keys(bucket) if k.startswith(f"acompile/{namespace()}/")]) == 2
+    assert SECRET not in done.stdout + done.stderr
+    s3_server.stop()  # the tier gone: the import itself is done, the publication is said to fail
+    gone = cache("import", str(bundle), "--cache-dir", str(tmp_path / "third"), "--shared-cache", url)
+    assert gone.returncode == 1 and "did not reach the shared tier" in gone.stderr, gone.stdout + gone.stderr

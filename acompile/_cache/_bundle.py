@@ -82,6 +82,7 @@ class BundleReport:
     ``repaired``: (import) damaged entries of the folder replaced by the bundle's (among ``entries``).
     ``rejected``: ``(name, reason)`` for each entry left out: damaged, unsafe or unexpected.
     ``missing``: (export) keys asked for that the folder does not hold.
+    ``keys``: (import) the bundle's keys the folder holds now (imported, present or kept).
     ``error``: (import) the archive itself is damaged part-way; what came before it was imported.
     ``signature``: (export) "signed" or "unsigned"; (import) "verified", "unsigned (allowed)",
     "unsigned" or "not verified (no signing key)" (no key configured here: nothing to check
@@ -97,6 +98,8 @@ class BundleReport:
     repaired: int = 0
     rejected: list[tuple[str, str]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+    # (import) every key the folder holds an intact entry of after the import, from the bundle.
+    keys: list[str] = field(default_factory=list)
     error: str | None = None
     bundle_info: dict[str, Any] = field(default_factory=dict)
     signature: str = "unsigned"
@@ -600,6 +603,7 @@ def _check_signature(reader: _BundleReader, signing_key: bytes | None, allow_uns
 
 
 async def _store(disk: DiskTier, key: str, data: bytes, report: BundleReport) -> None:
+    report.keys.append(key)  # the folder holds it now (its own copy, or the bundle's)
     try:
         local = await disk.get(key)
     except OSError:

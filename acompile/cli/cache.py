@@ -42,6 +42,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     imp.add_argument("file", type=Path, help="the bundle to load (a .tar.gz, as export writes it)")
     add_cache_dir(imp)
     imp.add_argument(
+        "--shared-cache",
+        default=None,
+        metavar="URL",
+        help="also publish the bundle's entries to this shared tier (or chain: URLs separated by "
+        "spaces), signed with $ACOMPILE_SIGNING_KEY: a fleet seeded from one bundle",
+    )
+    imp.add_argument(
         "--allow-unsigned",
         action="store_true",
         help="with $ACOMPILE_SIGNING_KEY set, also import a bundle that carries no signature "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -121,6 +121,13 @@ def _torch_entry_keys(root: Path) -> list[str]:
 
 def run_import(args: argparse.Namespace, root: Path) -> int:
     from acompile._cache import import_bundle
+    from acompile.cli._common import shared_url_problem
+
+    if args.shared_cache is not None:
+        problem = shared_url_problem(args.shared_cache) or signing_key_error()
+        if problem:
+            print(f"acompile cache import: --shared-cache: {problem}", file=sys.stderr)
+            return 2
 
     def spelled(text: str) -> str:
         """The API's switches, as this command spells them."""
@@ -143,7 +150,45 @@ def run_import(args: argparse.Namespace, root: Path) -> int:
         print(f"acompile cache import: cannot write to {root}: {exc}", file=sys.stderr)
         return 1
     _print_report(report, root, args.file, "rejected", spelled)
+    if args.shared_cache is not None and report.keys:
+        shared_ok = _publish(args.shared_cache, root, report.keys)
+        return 0 if report.ok and shared_ok else 1
     return 0 if report.ok else 1
+
+
+def _publish(where: str, root: Path, keys: list[str]) -> bool:
+    """Make the shared tier hold every key (published from the folder where absent): True where
+    it does at the end. The entries are read back from the folder, verified, as a pool reads them."""
+    import acompile
+    from acompile.cli._common import shared_places, shown
+
+    async def run() -> tuple[int, int, dict[str, Any]]:
+        # A pool that compiles nothing (no worker starts): any target does; one is named so that
+        # no GPU is looked for.
+        pool = acompile.CompilePool(
+            1, target="cuda:90", cache_dir=root, prestart=False, shared_cache=shared_places(where)
+        )
+        async with pool:
+            found, written = await pool.share(keys)
+        return found, written, dict(pool.stats()["cache"])
+
+    try:
+        found, written, cache = anyio.run(run)
+    except (AcompileError, ValueError) as exc:
+        print(f"acompile cache import: --shared-cache: {exc}", file=sys.stderr)
+        return False
+    there = found + written
+    print(
+        f"shared tier {shown(where)}: {there} of {len(keys)} entries there ({found} found, {written} "
+        f"published); {cache['shared_errors']} failed operations, namespace {cache['shared_namespace']}"
+    )
+    if there < len(keys):
+        print(
+            f"acompile cache import: {len(keys) - there} of {len(keys)} entries did not reach the shared "
+            f"tier {shown(where)}: is it reachable and writable?",
+            file=sys.stderr,
+        )
+    return there == len(keys)
 
 
 def _print_report(
