@@ -546,3 +546,23 @@ def test_cache_import_seeds_a_fleets_tier_from_a_bundle(tmp_path: Path, s3_serve
     s3_server.stop()  # the tier gone: the import itself is done, the publication is said to fail
     gone = cache("import", str(bundle), "--cache-dir", str(tmp_path / "third"), "--shared-cache", url)
     assert gone.returncode == 1 and "did not reach the shared tier" in gone.stderr, gone.stdout + gone.stderr
+
+
+@asyncio_only  # a mount, not the loop
+async def test_a_replica_that_may_only_read_the_folder_reads_it_and_publishes_nothing(
+    tmp_path: Path, mounts: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "acompile")
+    folder, read_only = tmp_path / "nfs", tmp_path / "ro"
+    folder.mkdir()
+    async with pool(tmp_path / "a", f"file://{folder}") as p:
+        await p.compile(spec(64))
+    mounts.read_only(folder, read_only)
+    async with pool(tmp_path / "b", f"file://{read_only}") as p:
+        assert (await p.compile_with_tier(spec(64)))[1] == "shared"
+        assert (await p.compile_with_tier(spec(128)))[1] == "compile"
+        assert (await p.compile_with_tier(spec(256)))[1] == "compile"
+    stats = p.stats()["cache"]
+    assert stats["shared_available"] is True and stats["shared_errors"] == 0  # an answer, not an outage
+    assert stats["shared_write_failures"] == 2 and stats["shared_writes"] == 0
+    assert len([r for r in caplog.records if "may not write there" in r.message]) == 1

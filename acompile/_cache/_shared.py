@@ -512,7 +512,8 @@ class SharedTier:
         An object store or a shared folder is checked too: one that cannot work (no such bucket
         or folder, credentials refused) raises ``ValueError``, saying so at the pool's entry; one
         that does not answer is an outage, as anywhere (its operations are misses until it
-        does). A store that ignores conditional writes holds no leases: said once."""
+        does). Writing is not asked for at entry (a replica may read with credentials that cannot
+        write); a store that ignores conditional writes is found at the first lease."""
         if self.cache is None and self._target is not None:
             self.cache = await anyio.to_thread.run_sync(open_cache, self._target)
             self.max_in_flight = _pool_size(self.cache)
@@ -524,13 +525,6 @@ class SharedTier:
                     await check()
                 except (StoreError, TimeoutError) as exc:
                     self._fault("open", exc, started)
-                if not self.cache.leases:
-                    logger.warning(
-                        "shared cache %s takes a second create of the same object (it ignores "
-                        "conditional writes): no single flight through it; each replica compiles "
-                        "what it misses",
-                        self.cache.where,
-                    )
 
     def stats(self) -> dict[str, Any]:
         """This tier's part of ``stats()["cache"]``."""
@@ -761,9 +755,10 @@ class SharedTier:
             value = self._wrap(name, data)
         else:
             value = await anyio.to_thread.run_sync(self._wrap, name, data)
-        ok, _ = await self._call("set", self.cache.set, name, value)
-        self.counts["writes" if ok else "write_failures"] += 1
-        return ok
+        ok, answer = await self._call("set", self.cache.set, name, value)
+        stored = ok and answer is not False  # False: the store answered that it took nothing
+        self.counts["writes" if stored else "write_failures"] += 1
+        return stored
 
     def too_large(self, data: bytes) -> bool:
         """Whether an entry of ``data`` is over ``max_value`` once signed (not published here)."""
@@ -1035,8 +1030,11 @@ class SharedTier:
         """True: ours to compile; False: another replica compiles it; None: no single flight
         (the tier is unavailable, or the lease found there is not one to honour). ``ttl`` is at
         most ``MAX_LEASE_TTL``: the holder renews the lease to keep it."""
-        if not getattr(self.cache, "leases", True):
-            return None  # an object store that ignores conditional writes (said at open)
+        can_lease = getattr(self.cache, "can_lease", None)
+        if can_lease is not None:
+            ok, able = await self._call("lease", can_lease)
+            if not ok or not able:
+                return None  # it ignores conditional writes, or this process may not write (said)
         ttl = min(ttl, self.max_lease_ttl)
         name = self._lease_name(key)
         value = self._new_lease(key, ttl)

@@ -11,8 +11,9 @@ three more that the tier uses where a storage has them:
 - ``delete_if(name, value)``: delete only a value that is still ``value`` (a lease given back).
 
 ``expires_keys`` is False for both: neither forgets a lease by itself, so a dead holder's lease
-is taken over (by a compare-and-set) rather than waited out. ``leases`` says whether the storage
-can hold one at all (a create that fails where the object exists).
+is taken over (by a compare-and-set) rather than waited out. ``can_lease()`` says whether the
+storage can hold one at all (a create that fails where the object exists, by a process that may
+write).
 
 **Object stores** (``s3://bucket/prefix``, ``gs://``, ``az://``) go through obstore (Rust's
 object_store): async-native, one connection pool for many small reads at once, conditional
@@ -152,10 +153,12 @@ class _Storage:
     def __init__(self) -> None:
         self._known: dict[str, tuple[bytes, Any]] = {}
 
-    # Whether the storage can hold a lease (its creates fail where the object exists). Set by
-    # check(): an object store that ignores the condition has none.
-    leases = True
     kind = ""
+
+    async def can_lease(self) -> bool:
+        """Whether a lease can be held here (a create fails where the object exists, and this
+        process may write): True for a folder; an object store finds out at its first lease."""
+        return True
 
     async def _read(self, path: str, bound: int) -> tuple[bytes | int | None, Any]:
         """(value, version): the value (None: absent; its size where over ``bound``) and what a
@@ -247,6 +250,8 @@ class ObjectStore(_Storage):
         self.where = f"{parts.scheme}://{parts.netloc}/{self.prefix}".rstrip("/")
         query = {k: v[0] for k, v in parse_qs(parts.query).items()}
         self._store = self._make(url, query, max_connections)
+        self._leases: bool | None = None  # found at the first lease
+        self._read_only = False
 
     def _make(self, url: str, query: dict[str, str], max_connections: int) -> Any:
         try:
@@ -339,9 +344,33 @@ class ObjectStore(_Storage):
         data = await self._call("GET", path, result.bytes_async)
         return bytes(data), version
 
+    async def can_lease(self) -> bool:
+        if self._leases is None:
+            probe = f"probe/{secrets.token_hex(8)}"
+            able = await self._write(probe, b"", mode="create")
+            if able:
+                # A second create of the same object must fail: a store that takes it ignores
+                # conditional writes, and a lease there would hold nobody.
+                able = not await self._write(probe, b"", mode="create")
+                await self._remove(probe)
+                if not able:
+                    logger.warning(
+                        "shared cache %s takes a second create of the same object (it ignores "
+                        "conditional writes): no single flight through it; each replica compiles "
+                        "what it misses",
+                        self.where,
+                    )
+            self._leases = able
+        return self._leases
+
     async def _write(self, path: str, value: bytes, *, mode: str, version: Any = None) -> bool:
         import obstore
-        from obstore.exceptions import AlreadyExistsError, PreconditionError
+        from obstore.exceptions import (
+            AlreadyExistsError,
+            PermissionDeniedError,
+            PreconditionError,
+            UnauthenticatedError,
+        )
 
         how: Any = "overwrite"
         if mode == "create":
@@ -352,6 +381,18 @@ class ObjectStore(_Storage):
             result = await obstore.put_async(self._store, path, value, mode=how)
         except (AlreadyExistsError, PreconditionError):
             self._remember(path, None, None)
+            return False
+        except (PermissionDeniedError, UnauthenticatedError) as exc:
+            # An answer, not an outage: this process may read the tier but not write to it (a
+            # replica given read-only credentials). Nothing it compiles is published; said once.
+            if not self._read_only:
+                self._read_only = True
+                logger.warning(
+                    "shared cache %s refuses this process's writes (%s): it reads the fleet's "
+                    "entries, publishes none, and holds no leases",
+                    self.where,
+                    _one_line(exc),
+                )
             return False
         except Exception as exc:
             if mode != "put" and "409" in str(exc):  # S3: another conditional write of it at once
@@ -374,13 +415,11 @@ class ObjectStore(_Storage):
         from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
 
         _run_on_asyncio(f"the shared cache {self.where!r}")
-        probe = f"probe/{secrets.token_hex(8)}"
         try:
             with anyio.fail_after(10):
+                # A listing: the bucket is there and this process may read it. Writing is not
+                # asked for: a replica may read a fleet's tier with credentials that cannot write.
                 await obstore.list_with_delimiter_async(self._store, prefix="probe/none")
-                if await self._write(probe, b"", mode="create"):
-                    self.leases = not await self._write(probe, b"", mode="create")
-                    await self._remove(probe)
         except FileNotFoundError:
             raise ValueError(f"the shared cache {self.where!r}: the bucket does not exist") from None
         except (PermissionDeniedError, UnauthenticatedError) as exc:
@@ -439,6 +478,7 @@ class SharedFolder(_Storage):
         self.root = Path(unquote(urlparse(url).path))
         self.where = f"file://{self.root}"
         self._threads = anyio.CapacityLimiter(max_connections)
+        self._read_only = False
         self._host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:40] or "host"
 
     async def _thread(self, call: Callable[..., T], *args: Any) -> T:
@@ -535,7 +575,9 @@ class SharedFolder(_Storage):
             incoming = self._folder([INCOMING], create=True)
         except _Refused as exc:
             raise StoreError(f"write {path}: {INCOMING}: {exc}") from None
-        except OSError as exc:
+        except (PermissionError, OSError) as exc:
+            if isinstance(exc, PermissionError) or exc.errno == errno.EROFS:
+                return self._refused_write(exc)
             raise StoreError(f"write {path}: {exc.strerror or exc}") from None
         try:
             try:
@@ -553,9 +595,24 @@ class SharedFolder(_Storage):
             finally:
                 os.close(folder)
         except OSError as exc:
+            if isinstance(exc, PermissionError) or exc.errno == errno.EROFS:
+                return self._refused_write(exc)
             raise StoreError(f"publish {path}: {exc.strerror or exc}") from None
         finally:
             os.close(incoming)
+
+    def _refused_write(self, exc: OSError) -> bool:
+        """A write this user may not make (a read-only mount, a folder of another's): an answer,
+        not an outage. The replica reads the fleet's entries and publishes none; said once."""
+        if not self._read_only:
+            self._read_only = True
+            logger.warning(
+                "shared cache %s: this process may not write there (%s): it reads the fleet's "
+                "entries, publishes none, and holds no leases",
+                self.where,
+                exc.strerror or exc,
+            )
+        return False
 
     def _publish(
         self, folder: int, incoming: int, staged: str, leaf: str, path: str, mode: str, version: Any
@@ -612,8 +669,8 @@ class SharedFolder(_Storage):
             ) from None
         if not stat.S_ISDIR(info.st_mode):
             raise ValueError(f"the shared cache {self.where!r} is not a folder")
-        if not os.access(self.root, os.W_OK | os.X_OK):
-            raise ValueError(f"the shared cache {self.where!r}: this user cannot write to the folder")
+        if not os.access(self.root, os.R_OK | os.X_OK):
+            raise ValueError(f"the shared cache {self.where!r}: this user cannot read the folder")
 
     async def check(self) -> None:
         with anyio.fail_after(10):
