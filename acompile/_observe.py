@@ -70,6 +70,8 @@ class CacheStats(_SeveralSharedTiers):
     shared_write_failures: int
     shared_skipped: int
     shared_ignored_leases: int
+    # Leases of dead holders (or planted ones) replaced by this replica's: object stores, folders.
+    shared_leases_taken_over: int
     shared_available: bool | None
     shared_namespace: str | None
     # What the shared tier is kept in: "redis", "memcached", "s3", "gs", "az", "file" (several

@@ -80,6 +80,7 @@ _ABSENT: dict[str, Any] = {
     "shared_write_failures": 0,
     "shared_skipped": 0,
     "shared_ignored_leases": 0,
+    "shared_leases_taken_over": 0,
     "shared_available": None,
     "shared_namespace": None,
     "shared_kind": None,

@@ -27,7 +27,9 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from acompile._cache._entry import CorruptEntry
+import anyio.to_thread
+
+from acompile._cache._entry import CorruptEntry, decode
 from acompile._cache._shared import SharedTier
 
 WRITE_MODES = ("behind", "through")
@@ -103,16 +105,29 @@ class FleetTiers:
         one could not take it (a fault). ``local()`` gives the entry's verified bytes (or None).
         A tier that the entry skips for its size (another follows) is not asked."""
         data: bytes | None = None
-        wrote = False
+        held: bytes | None = None  # a copy one of the tiers holds (verified before it is spread)
+        lacking = []
         for index, tier in enumerate(self.tiers):
-            last = index + 1 == len(self.tiers)
             try:
-                if await tier.get(key) is not None:
-                    continue
+                found = await tier.get(key)
             except CorruptEntry:
-                pass  # a damaged copy there: the good one replaces it
+                found = None  # a damaged copy there: the good one replaces it
+            if found is None:
+                lacking.append(index)
+            elif held is None:
+                held = found
+        wrote = False
+        for index in lacking:
+            tier = self.tiers[index]
+            last = index + 1 == len(self.tiers)
             if data is None:
                 data = await local()
+                if data is None and held is not None:
+                    try:
+                        await anyio.to_thread.run_sync(decode, held, key)
+                        data = held
+                    except CorruptEntry:
+                        pass
                 if data is None:
                     return 0, 0
             if tier.too_large(data) and not last:
@@ -189,11 +204,11 @@ class FleetTiers:
 
 
 def _names(tiers: Sequence[SharedTier]) -> list[str]:
-    """Each tier's name in stats: its kind, numbered where two are of one kind."""
+    """Each tier's name in stats: its kind; a second of one kind is ``<kind>-2``, and so on."""
     kinds = [t.kind for t in tiers]
     seen: Counter[str] = Counter()
     names = []
     for kind in kinds:
         seen[kind] += 1
-        names.append(kind if kinds.count(kind) == 1 else f"{kind}{seen[kind]}")
+        names.append(kind if seen[kind] == 1 else f"{kind}-{seen[kind]}")
     return names

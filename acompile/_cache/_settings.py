@@ -66,6 +66,11 @@ class SharedCache:
                 raise TypeError(f"SharedCache needs a URL or an aiocache cache, got {type(place).__name__}")
             check_target(place)
             _check_client(place)
+        urls = [p for p in places if isinstance(p, str)]
+        if len(set(urls)) != len(urls):
+            raise ValueError(
+                "SharedCache: the same URL twice in one chain (each entry would be written twice)"
+            )
         if not isinstance(copy_back, bool):
             raise TypeError(f"copy_back must be True or False, got {copy_back!r}")
         if write not in ("behind", "through"):

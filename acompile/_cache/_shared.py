@@ -240,10 +240,17 @@ def _bytes_serializer() -> Any:
 
 def redact_url(url: str) -> str:
     """``url`` as it may be printed: a password in it (``redis://:secret@host``) shown as
-    ``***``, so that logs and CI output never carry it."""
+    ``***``, and so is the value of any query option that is not one of the tier's own (a
+    credential put there by mistake, ``?aws_secret_access_key=...``), so that logs and CI output
+    never carry them."""
     parts = urlparse(url)
+    if parts.query:
+        safe = _URL_OPTIONS | STORE_OPTIONS
+        pairs = parse_qs(parts.query, keep_blank_values=True)
+        shown = [f"{k}={v if k in safe else '***'}" for k, vs in pairs.items() for v in vs]
+        parts = parts._replace(query="&".join(shown))
     if parts.password is None:
-        return url
+        return parts.geturl()
     user = parts.username or ""
     host = parts.netloc.rsplit("@", 1)[1]
     return parts._replace(netloc=f"{user}:***@{host}").geturl()
@@ -276,8 +283,8 @@ def check_target(target: Any) -> None:
         options = set(parse_qs(parts.query, keep_blank_values=True))
         if is_store_url(target):
             check_store_url(target, shown)
-            if unknown := sorted(options - _URL_OPTIONS - STORE_OPTIONS - {"namespace"}):
-                known = sorted(_URL_OPTIONS | STORE_OPTIONS - {"namespace"})
+            if unknown := sorted(options - _URL_OPTIONS - STORE_OPTIONS | (options & {"namespace"})):
+                known = sorted((_URL_OPTIONS | STORE_OPTIONS) - {"namespace"})
                 raise ValueError(f"shared cache URL {shown!r}: unknown option(s) {unknown}; known: {known}")
             _url_max_connections(target)
             _url_max_value(target)
@@ -396,8 +403,10 @@ def _url_timeout(url: str) -> float:
     value = parse_qs(urlparse(url).query).get("timeout")
     if not value:
         return STORE_TIMEOUT if is_store_url(url) else DEFAULT_TIMEOUT
+    text = value[0].strip().lower()
+    scale = 0.001 if text.endswith("ms") else 1.0
     try:
-        seconds = float(value[0])
+        seconds = float(text.removesuffix("ms").removesuffix("s")) * scale
     except ValueError:
         seconds = math.nan
     if not 0 < seconds <= 600:
@@ -535,6 +544,7 @@ class SharedTier:
             "shared_write_failures": self.counts["write_failures"],
             "shared_skipped": self.counts["skipped"],
             "shared_ignored_leases": self.counts["ignored_leases"],
+            "shared_leases_taken_over": self.counts["leases_taken_over"],
             "shared_available": self.available,
             "shared_namespace": self.namespace,
             "shared_kind": self.kind,

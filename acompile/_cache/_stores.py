@@ -65,6 +65,7 @@ FOLDER_SCHEME = "file"
 # What an object store's URL may say besides the shared tier's own options.
 STORE_OPTIONS = frozenset({"endpoint", "region", "allow_http", "profile"})
 _NAME_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_KEY = re.compile(r"[0-9a-f]{64}")
 # Where a folder's values are written before they are published.
 INCOMING = ".incoming"
 
@@ -139,10 +140,12 @@ def check_store_url(url: str, shown: str) -> None:
 
 
 def _run_on_asyncio(what: str) -> None:
-    import sniffio
+    import asyncio
 
-    if sniffio.current_async_library() != "asyncio":
-        raise ValueError(f"{what} needs the asyncio event loop (anyio's default backend), not trio")
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        raise ValueError(f"{what} needs the asyncio event loop (anyio's default backend), not trio") from None
 
 
 class _Storage:
@@ -238,11 +241,31 @@ class _Storage:
         return None
 
 
+# obstore answers each call from a thread of its Rust runtime, which takes the interpreter's lock
+# once more after the answer is delivered. A short-lived process (a CLI command) that exits at
+# that moment is aborted by the runtime as the interpreter finalizes (seen: 1 exit in 6 after a
+# single listing). Once an object store is made, the exit first lets those threads finish:
+# an atexit hook runs while the interpreter is whole, and its sleep releases the lock.
+_SETTLE_AT_EXIT = 0.05
+_settling = False
+
+
+def _settle_at_exit() -> None:
+    global _settling
+    if not _settling:
+        import atexit
+        import time
+
+        atexit.register(time.sleep, _SETTLE_AT_EXIT)
+        _settling = True
+
+
 class ObjectStore(_Storage):
     """An S3, GCS or Azure Blob bucket (or an S3-compatible server) through obstore."""
 
     def __init__(self, url: str, *, max_connections: int) -> None:
         super().__init__()
+        _settle_at_exit()
         parts = urlparse(url)
         self.kind = parts.scheme
         self.bucket = parts.netloc
@@ -267,8 +290,6 @@ class ObjectStore(_Storage):
             "timeout": datetime.timedelta(seconds=120),
             "pool_max_idle_per_host": str(max_connections),
         }
-        if _flag(query.get("allow_http", "false"), "allow_http"):
-            client["allow_http"] = True
         retry = {
             "max_retries": 2,
             "retry_timeout": datetime.timedelta(seconds=3),
@@ -280,6 +301,16 @@ class ObjectStore(_Storage):
         }
         config: dict[str, Any] = {}
         credentials = None
+        endpoint = query.get("endpoint") or _env_endpoint(self.kind)
+        allowed = _flag(query.get("allow_http", os.environ.get("AWS_ALLOW_HTTP", "false")), "allow_http")
+        if endpoint and urlparse(endpoint).scheme == "http" and not allowed:
+            raise ValueError(
+                f"the shared cache {self.where!r}: its endpoint {endpoint!r} (from "
+                f"{'the URL' if 'endpoint' in query else 'the environment'}) is http://, which sends entries "
+                "in clear: add &allow_http=true to the URL (or set AWS_ALLOW_HTTP=true) to say that is meant"
+            )
+        if allowed:
+            client["allow_http"] = True
         if self.kind == "s3":
             # Compare-and-set through If-Match on the object's ETag (creates use If-None-Match).
             config["conditional_put"] = "etag"
@@ -296,7 +327,13 @@ class ObjectStore(_Storage):
                         f"the shared cache {self.where!r} names a profile, read through boto3 ({exc}): "
                         "pip install boto3, or set the credentials in the environment"
                     ) from exc
-                credentials = Boto3CredentialProvider(boto3.Session(profile_name=query["profile"]))
+                try:
+                    credentials = Boto3CredentialProvider(boto3.Session(profile_name=query["profile"]))
+                except Exception as exc:  # botocore's ProfileNotFound, a malformed ~/.aws/config
+                    raise ValueError(
+                        f"the shared cache {self.where!r}: profile {query['profile']!r}: "
+                        f"{type(exc).__name__}: {_one_line(exc)}"
+                    ) from None
         elif "endpoint" in query:  # a GCS or Azure emulator, a private endpoint
             config["base_url" if self.kind == "gs" else "endpoint"] = query["endpoint"]
         try:
@@ -450,9 +487,12 @@ class ObjectStore(_Storage):
         stream = obstore.list(
             self._store, prefix=store_path(prefix) + "/" if prefix else None, chunk_size=1000
         )
-        async for chunk in stream:
-            for item in chunk:
-                yield item["path"].replace("/", ":"), int(item["size"]), item["last_modified"].timestamp()
+        try:
+            async for chunk in stream:
+                for item in chunk:
+                    yield item["path"].replace("/", ":"), int(item["size"]), item["last_modified"].timestamp()
+        finally:
+            del stream
 
 
 class _Refused(Exception):
@@ -722,8 +762,8 @@ async def prune_storage(url: str, max_age_s: float, *, dry_run: bool = False) ->
     report: dict[str, Any] = {"removed": 0, "removed_bytes": 0, "kept": 0, "leases_removed": 0, "errors": []}
     async for name, size, modified in storage.names(""):
         lease = name.startswith("lease:")
-        if name.startswith("probe:") or ":" not in name:
-            continue
+        if not _KEY.fullmatch(name.rsplit(":", 1)[-1]):
+            continue  # not an entry nor a lease: the fleet's documents (compile times), probes
         if not (now - modified > (STALE_LEASE_S if lease else max_age_s)):
             report["kept"] += not lease
             continue
@@ -740,6 +780,16 @@ async def prune_storage(url: str, max_age_s: float, *, dry_run: bool = False) ->
             report["removed_bytes"] += size
     await storage.close()
     return report
+
+
+def _env_endpoint(kind: str) -> str | None:
+    """The endpoint the environment gives an object store, as its SDK reads it."""
+    names = {
+        "s3": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"),
+        "gs": ("GOOGLE_BASE_URL",),
+        "az": ("AZURE_STORAGE_ENDPOINT", "AZURE_ENDPOINT"),
+    }.get(kind, ())
+    return next((os.environ[n] for n in names if os.environ.get(n)), None)
 
 
 def open_storage(url: str, *, max_connections: int) -> _Storage:

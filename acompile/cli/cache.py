@@ -190,37 +190,65 @@ def _prune(args: argparse.Namespace, root: Path) -> int:
 
 
 def _prune_shared(args: argparse.Namespace) -> int:
-    """``acompile cache prune --shared-cache URL --max-age AGE``: an object store or a folder."""
-    from acompile._cache import check_target, is_store_url, parse_age, prune_storage, redact_url
+    """``acompile cache prune --shared-cache URL --max-age AGE``: the object stores and folders
+    of a shared tier (or of a chain: URLs separated by spaces; a memory cache in it is skipped:
+    it forgets entries by itself)."""
+    from acompile._cache import is_store_url, parse_age, prune_storage, redact_url
+    from acompile._cache._stores import StoreError
+    from acompile.cli._common import shared_places, shared_url_problem
 
-    url = args.shared_cache
     if args.max_size is not None or args.max_age is None:
         print(
             "acompile cache prune: a shared tier is pruned by age only: say --max-age (e.g. 30d)",
             file=sys.stderr,
         )
         return 2
+    if problem := shared_url_problem(args.shared_cache):
+        print(f"acompile cache prune: --shared-cache: {problem}", file=sys.stderr)
+        return 2
     try:
-        check_target(url)
-        if not is_store_url(url):
-            raise ValueError(
-                f"{redact_url(url)!r} is a memory cache: it forgets entries by itself (Redis's maxmemory "
-                "policy, Memcached's LRU); --shared-cache here takes s3://, gs://, az:// or file:// URLs"
-            )
         max_age = parse_age(args.max_age)
-        report = anyio.run(lambda: prune_storage(url, max_age, dry_run=args.dry_run))
     except ValueError as exc:
         print(f"acompile cache prune: {exc}", file=sys.stderr)
         return 2
+    places = shared_places(args.shared_cache)
+    urls = places if isinstance(places, list) else [places]
+    stores = [u for u in urls if is_store_url(u)]
+    for url in urls:
+        if url not in stores:
+            print(
+                f"{redact_url(url).split('?')[0]}: a memory cache forgets entries by itself (Redis's "
+                "maxmemory policy, Memcached's LRU): not pruned"
+            )
+    if not stores:
+        print(
+            "acompile cache prune: --shared-cache names no object store (s3://, gs://, az://) or shared "
+            "folder (file://) to prune",
+            file=sys.stderr,
+        )
+        return 2
     verb = "would remove" if args.dry_run else "removed"
-    print(f"shared tier: {url.split('?')[0]}")
-    print(
-        f"{verb} {report['removed']} entries ({human_bytes(report['removed_bytes'])}) written more than "
-        f"{args.max_age} ago and {report['leases_removed']} leases of dead replicas; kept {report['kept']}"
-    )
-    for error in report["errors"]:
-        print(f"  {error}", file=sys.stderr)
-    return 1 if report["errors"] else 0
+    status = 0
+    for url in stores:
+        shown = redact_url(url).split("?")[0]
+        try:
+            report = anyio.run(lambda: prune_storage(url, max_age, dry_run=args.dry_run))  # noqa: B023
+        except ValueError as exc:
+            print(f"acompile cache prune: {exc}", file=sys.stderr)
+            return 2
+        except (StoreError, TimeoutError, OSError) as exc:
+            print(f"acompile cache prune: {shown} could not be pruned: {exc or 'timed out'}", file=sys.stderr)
+            status = 1
+            continue
+        print(
+            f"{shown}: {verb} {report['removed']} entries ({human_bytes(report['removed_bytes'])}) "
+            f"written more than {max_age:g} s ago and {report['leases_removed']} leases of dead "
+            f"replicas; kept {report['kept']}"
+        )
+        for error in report["errors"]:
+            print(f"  {error}", file=sys.stderr)
+        status = status or (1 if report["errors"] else 0)
+    return status
 
 
 # Each sub-command of ``acompile cache`` by its name: what runs it, handed the cache folder.

@@ -496,6 +496,13 @@ async def _confirm_local_hits(pool: Any, rows: list[dict[str, Any]]) -> int:
     from_pool = {r["key"] for r in rows if r.get("tier") in ("compile", "shared")}
     local = sorted({r["key"] for r in rows if r.get("tier") in ("memory", "disk")} - from_pool)
     found, _ = await pool.share(local)
+    if "shared_tiers" in pool.stats()["cache"]:
+        # A chain: a kernel found in its first tier may be missing from a later one (a new
+        # object store behind a warm Redis). Each must hold it: they are filled from the tier
+        # that has it. Counted as found where every tier held it already.
+        hits = sorted({r["key"] for r in rows if r.get("tier") == "shared"})
+        also, _ = await pool.share(hits)
+        found += also - len(hits)  # the rows already count these as found
     return int(found)
 
 
