@@ -745,7 +745,8 @@ def _walk(folder: Path) -> Iterator[os.DirEntry[str]]:
 
 
 # A lease object not rewritten for this long is a dead holder's (a live one rewrites it every
-# two seconds): ``prune_storage`` removes it whatever the age asked for.
+# ten seconds on a store or a folder, whose leases last 30 s): ``prune_storage`` removes it
+# whatever the age asked for.
 STALE_LEASE_S = 60.0
 
 
