@@ -68,7 +68,7 @@ async def fill(args: argparse.Namespace) -> dict[str, Any]:
     import anyio
 
     import acompile
-    from acompile._cache._stores import open_storage
+    from acompile._cache import open_storage
 
     requests = _specs(None, args.limit)
     cache = _cache(args, [args.redis, args.store, args.folder], write="through")
@@ -123,7 +123,7 @@ async def fetch_obstore(args: argparse.Namespace) -> dict[str, Any]:
     """The small entries through acompile's object-store client, CONCURRENCY at once."""
     import anyio
 
-    from acompile._cache._stores import open_storage
+    from acompile._cache import open_storage
 
     stamps = {"imported": time.time()}
     storage = open_storage(args.store_small, max_connections=CONCURRENCY)

@@ -78,6 +78,8 @@ _NAMES: dict[str, str | tuple[str, str]] = {
     "SharedTier": "_shared",
     "is_store_url": "_shared",
     "prune_storage": "_stores",
+    "open_storage": "_stores",
+    "StoreError": "_stores",
     "check_target": "_shared",
     "open_shared_cache": ("_shared", "open_cache"),
     "redact_url": "_shared",
@@ -130,7 +132,7 @@ if _typing.TYPE_CHECKING:
     from acompile._cache._shared import SharedTier, check_target, is_store_url, redact_url, signing_key_from
     from acompile._cache._shared import key_id as signing_key_id
     from acompile._cache._shared import open_cache as open_shared_cache
-    from acompile._cache._stores import prune_storage
+    from acompile._cache._stores import StoreError, open_storage, prune_storage
     from acompile._cache._tier import LeaseTier, Tier
 __getattr__, __dir__ = _lazy.face(__name__, _NAMES, eager=True)
 
@@ -159,6 +161,7 @@ __all__ = [
     "SharedCache",
     "SharedTier",
     "StaleEntry",
+    "StoreError",
     "Tier",
     "TierChain",
     "blob_isascii",
@@ -180,6 +183,7 @@ __all__ = [
     "logs_dir",
     "make_key",
     "open_shared_cache",
+    "open_storage",
     "parse_age",
     "prune",
     "prune_storage",

@@ -193,8 +193,7 @@ def _prune_shared(args: argparse.Namespace) -> int:
     """``acompile cache prune --shared-cache URL --max-age AGE``: the object stores and folders
     of a shared tier (or of a chain: URLs separated by spaces; a memory cache in it is skipped:
     it forgets entries by itself)."""
-    from acompile._cache import is_store_url, parse_age, prune_storage, redact_url
-    from acompile._cache._stores import StoreError
+    from acompile._cache import StoreError, is_store_url, parse_age, prune_storage, redact_url
     from acompile.cli._common import shared_places, shared_url_problem
 
     if args.max_size is not None or args.max_age is None:
