@@ -618,3 +618,20 @@ anyio.run(lambda: prune_storage({url!r}, 1e9, dry_run=True))  # one listing, as 
 
     codes = await anyio.to_thread.run_sync(runs)
     assert codes == [0] * 20, codes
+
+
+@asyncio_only  # a stopped server at the pool's entry, not the loop
+async def test_a_store_stopped_before_the_pool_starts_delays_its_entry_by_two_deadlines_at_most(
+    tmp_path: Path, s3_server: S3Server
+) -> None:
+    url = s3_server.url(s3_server.bucket())
+    assert s3_server.process is not None
+    os.kill(s3_server.process.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        async with pool(tmp_path / "a", url) as p:
+            entered = time.monotonic() - t0
+            assert p.stats()["cache"]["shared_available"] is False
+    finally:
+        os.kill(s3_server.process.pid, signal.SIGCONT)
+    assert entered < 2 * 2.0 + 3, f"entering the pool took {entered:.1f} s"

@@ -82,7 +82,7 @@ class FleetTiers:
             self.counts[f"hits_{self._names[index]}"] += 1
             if self.copy_back and index and self._later is not None:
                 for faster in self.tiers[:index]:
-                    if len(data) <= faster.max_value:
+                    if not faster.too_large(data):
                         self._later(faster.set, key, data)
             return data
         return None

@@ -531,7 +531,10 @@ class SharedTier:
             if check is not None:
                 started = time.monotonic()
                 try:
-                    await check()
+                    # Bounded as two operations are: a store that does not answer (stopped, a
+                    # hung mount) holds the pool's entry this long at most, then is an outage.
+                    with anyio.fail_after(2 * self.timeout):
+                        await check()
                 except (StoreError, TimeoutError) as exc:
                     self._fault("open", exc, started)
 
