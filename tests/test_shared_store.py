@@ -635,3 +635,33 @@ async def test_a_store_stopped_before_the_pool_starts_delays_its_entry_by_two_de
     finally:
         os.kill(s3_server.process.pid, signal.SIGCONT)
     assert entered < 2 * 2.0 + 3, f"entering the pool took {entered:.1f} s"
+
+
+@asyncio_only  # a cancelled lease, not the loop
+async def test_a_lease_whose_taker_was_cancelled_holds_nobody_and_is_given_back(tmp_path: Path) -> None:
+    folder = tmp_path / "nfs"
+    folder.mkdir()
+    tier = SharedTier.connect_later(f"file://{folder}", KEY.encode())
+    await tier.open()
+    create = tier.cache.add
+
+    async def slow_answer(*args: Any, **kwargs: Any) -> Any:
+        # The create lands at once; its answer is slow (a network that stalls on the way back).
+        answer = await create(*args, **kwargs)
+        await anyio.sleep(30)
+        return answer
+
+    tier.cache.add = slow_answer
+    with anyio.move_on_after(0.5):  # the caller's deadline fires while the answer is on its way
+        await tier.take_lease("c" * 64, 6)
+    with anyio.move_on_after(0.5):
+        await tier.take_lease("d" * 64, 6)
+    tier.cache.add = create
+    leases = folder / "lease" / namespace()
+    assert (leases / ("c" * 64)).exists() and (leases / ("d" * 64)).exists()  # both landed
+    # The same replica asks again: its own orphan holds it up for no time at all.
+    assert await tier.take_lease("c" * 64, 6) is True
+    await tier.release_lease("c" * 64)
+    assert not (leases / ("c" * 64)).exists()
+    await tier.close()  # the other orphan is given back as the tier closes
+    assert not (leases / ("d" * 64)).exists()

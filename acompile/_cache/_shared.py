@@ -492,6 +492,9 @@ class SharedTier:
         self._warned: set[str] = set()
         # The leases this replica holds: lease name to (cache key, the value it last wrote).
         self._held: dict[str, tuple[str, bytes]] = {}
+        # Leases whose create may have landed though no answer said so (a fault, a cancelled
+        # caller): not held (nothing waits on them), but given back at close where they are there.
+        self._maybe_held: dict[str, tuple[str, bytes]] = {}
         self._serial = 0
         # Other replicas' lease values, by lease name: the value and when it was first seen.
         self._sightings: dict[str, tuple[bytes, float]] = {}
@@ -786,11 +789,11 @@ class SharedTier:
         a server that is gone must not hold up the exit)."""
         if self.cache is None:
             return
-        if self._held:
+        if self._held or self._maybe_held:
             # Their release failed (an outage, its back-off): one more try each, past the
             # back-off. Those that stay expire within MAX_LEASE_TTL anyway.
             with anyio.move_on_after(_RELEASE_AT_CLOSE):
-                for name, (key, value) in list(self._held.items()):
+                for name, (key, value) in [*self._held.items(), *self._maybe_held.items()]:
                     try:
                         with anyio.fail_after(self.timeout):
                             await self._give_back_now(key, name, value)
@@ -1009,7 +1012,12 @@ class SharedTier:
             self._ignore(key, "is unsigned, forged, damaged or expired")
             return None
         if owner == self.owner:
-            return owner
+            if name in self._held and self._held[name][1] == raw:
+                return owner
+            # This replica's own, but not one it holds: left by a request cancelled while it was
+            # taken. Nobody is compiling under it.
+            self._ignore(key, "is this replica's own, left by a cancelled request")
+            return None
         now = time.monotonic()
         seen = self._sightings.pop(name, None)
         if seen is not None and seen[0] == raw:
@@ -1051,7 +1059,14 @@ class SharedTier:
         ttl = min(ttl, self.max_lease_ttl)
         name = self._lease_name(key)
         value = self._new_lease(key, ttl)
+        # Held before it is asked for: a caller cancelled while the create is on its way (it may
+        # land all the same) leaves a lease that close() gives back, not an orphan.
+        self._maybe_held[name] = (key, value)
+        while len(self._maybe_held) > _MAX_SIGHTINGS:  # an outage's worth: the oldest expire anyway
+            del self._maybe_held[next(iter(self._maybe_held))]
         ok, added = await self._call("lease", self.cache.add, name, value, ttl=self._ttl(ttl))
+        if ok:  # an answer: it was taken, or it was not
+            del self._maybe_held[name]
         if not ok:
             return None
         if added:
