@@ -665,3 +665,47 @@ async def test_a_lease_whose_taker_was_cancelled_holds_nobody_and_is_given_back(
     assert not (leases / ("c" * 64)).exists()
     await tier.close()  # the other orphan is given back as the tier closes
     assert not (leases / ("d" * 64)).exists()
+
+
+async def test_prune_removes_only_the_tiers_own_layout_and_refuses_a_root_in_disguise(tmp_path: Path) -> None:
+    from acompile._cache import prune_storage
+
+    folder = tmp_path / "nfs"
+    ns, key = namespace(), "e" * 64
+    (folder / ns).mkdir(parents=True)
+    (folder / ns / key).write_bytes(b"an old entry")
+    (folder / "lease" / ns).mkdir(parents=True)
+    (folder / "lease" / ns / key).write_bytes(b"an old lease")
+    # Files of other programs, under the folder, whose names look like keys: never the tier's.
+    (folder / "var" / "lib" / "blobs" / "sha256").mkdir(parents=True)
+    (folder / "var" / "lib" / "blobs" / "sha256" / key).write_bytes(b"someone else's blob")
+    (folder / "costs").mkdir()
+    (folder / "costs" / ns).write_bytes(b"the fleet's compile times")
+    (folder / ".incoming").mkdir()
+    (folder / ".incoming" / "host.1.dead").write_bytes(b"staged by a writer that died")
+    old = time.time() - 90 * 86400
+    for path in folder.rglob("*"):
+        if path.is_file():
+            os.utime(path, (old, old))
+    report = await prune_storage(f"file://{folder}", 30 * 86400)
+    assert (report["removed"], report["leases_removed"], report["staged_removed"]) == (1, 1, 1), report
+    assert (folder / "var" / "lib" / "blobs" / "sha256" / key).exists()
+    assert (folder / "costs" / ns).exists()
+    for disguised in ["file:///.", "file:////", "file:///tmp/..", "file:///%2F", f"file://{folder}/../nfs"]:
+        with pytest.raises(ValueError):
+            acompile.SharedCache(disguised)
+
+
+@asyncio_only  # files, not the loop
+async def test_one_unreadable_value_is_refused_and_the_tier_stays_on(tmp_path: Path) -> None:
+    folder = tmp_path / "nfs"
+    folder.mkdir()
+    key = await key_of(spec(64), tmp_path)
+    (folder / namespace() / key).mkdir(parents=True)  # a folder where an entry goes
+    (folder / "lease" / namespace() / key).mkdir(parents=True)  # and where its lease goes
+    async with pool(tmp_path / "a", f"file://{folder}") as p:
+        assert (await p.compile_with_tier(spec(64)))[1] == "compile"
+        await p.compile(spec(128))  # another kernel goes through the tier as ever
+    stats = p.stats()["cache"]  # after the exit: its publications are out
+    assert stats["shared_available"] is True and stats["shared_errors"] == 0
+    assert stats["shared_rejected"] >= 1 and stats["shared_writes"] >= 1

@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import anyio
 import anyio.to_thread
 
 from acompile._cache._entry import CorruptEntry, decode
@@ -71,8 +72,21 @@ class FleetTiers:
         self._later = later
 
     async def open(self) -> None:
-        for tier in self.tiers:
-            await tier.open()
+        """Open every tier at once: a stalled one delays the pool's entry by its own bound, not
+        by the sum of theirs. A tier that cannot work raises (``ValueError``), as alone."""
+        problems: list[BaseException] = []
+
+        async def open_one(tier: SharedTier) -> None:
+            try:
+                await tier.open()
+            except ValueError as exc:
+                problems.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for tier in self.tiers:
+                tg.start_soon(open_one, tier)
+        if problems:
+            raise problems[0]
 
     async def get(self, key: str) -> bytes | None:
         for index, tier in enumerate(self.tiers):

@@ -382,8 +382,8 @@ def _url_max_connections(url: str) -> int:
         size = int(value)
     except ValueError:
         size = 0
-    if size < 1:
-        raise ValueError(f"max_connections in the shared cache URL must be a positive integer, got {value!r}")
+    if not 1 <= size <= 1024:
+        raise ValueError(f"max_connections in the shared cache URL must be from 1 to 1024, got {value!r}")
     return size
 
 
@@ -476,6 +476,8 @@ class SharedTier:
         self.max_value = max_value
         self.unsafe_unsigned_host_code = unsafe_unsigned_host_code
         self.counts: Counter[str] = Counter()
+        # Each operation's deadline (an object store's transfers are timed by their size).
+        self._deadline = timeout
         self.owner = secrets.token_hex(8)
         self._turns = anyio.Semaphore(self.max_in_flight)
         self._target: Any = None
@@ -530,6 +532,11 @@ class SharedTier:
             self.cache = await anyio.to_thread.run_sync(open_cache, self._target)
             self.max_in_flight = _pool_size(self.cache)
             self._turns = anyio.Semaphore(self.max_in_flight)
+            if hasattr(self.cache, "first_byte"):
+                # An object store times each transfer by its size (the first byte within the
+                # tier's timeout, the rest at a floor rate): this deadline is only a backstop.
+                self.cache.first_byte = self.timeout
+                self._deadline = self.cache._seconds(self.max_value) + self.timeout
             check = getattr(self.cache, "check", None)
             if check is not None:
                 started = time.monotonic()
@@ -626,7 +633,7 @@ class SharedTier:
             self._probing = self._probing or probe
             started = time.monotonic()
             try:
-                with anyio.fail_after(self.timeout):
+                with anyio.fail_after(self._deadline):
                     result = await operation(*args, **kwargs)
             except anyio.get_cancelled_exc_class():
                 raise

@@ -66,6 +66,13 @@ FOLDER_SCHEME = "file"
 STORE_OPTIONS = frozenset({"endpoint", "region", "allow_http", "profile"})
 _NAME_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _KEY = re.compile(r"[0-9a-f]{64}")
+# What prune may remove: an entry (<namespace>:<key>) or a lease (lease:<namespace>:<key>), the
+# namespace a signing key's id or "unsigned"; nothing else it finds under the folder or prefix.
+_LAYOUT = re.compile(r"(lease:)?(k[0-9a-f]{16}|unsigned):[0-9a-f]{64}")
+# A staged value older than this was left by a writer that died (prune removes it).
+_STALE_STAGED_S = 3600.0
+# The slowest transfer rate a value's deadline allows for, past its first byte (bytes a second).
+_MIN_RATE = 16 << 20
 # Where a folder's values are written before they are published.
 INCOMING = ".incoming"
 
@@ -102,13 +109,17 @@ def check_store_url(url: str, shown: str) -> None:
     """Refuse an object-store or folder URL that cannot work (``ValueError``), importing nothing."""
     parts = urlparse(url)
     query = parse_qs(parts.query, keep_blank_values=True)
+    if parts.fragment or "#" in url:
+        raise ValueError(f"shared cache URL {shown!r}: a '#' has no place in it (it would hide what follows)")
+    path = unquote(parts.path)
+    if any(part in (".", "..") for part in path.split("/")) or "//" in path.strip("/") or "\0" in path:
+        raise ValueError(f"shared cache URL {shown!r}: the path must be plain, without '.', '..' or '//'")
     if parts.scheme == FOLDER_SCHEME:
         if parts.netloc not in ("", "localhost"):
             raise ValueError(
                 f"shared cache URL {shown!r}: a folder URL names no host (file:///mnt/nfs/acompile)"
             )
-        path = unquote(parts.path)
-        if not path.startswith("/") or path == "/":
+        if not path.startswith("/") or os.path.normpath(path) in ("/", "//"):
             raise ValueError(
                 f"shared cache URL {shown!r}: give the folder's absolute path (file:///mnt/nfs/acompile)"
             )
@@ -126,8 +137,15 @@ def check_store_url(url: str, shown: str) -> None:
         raise ValueError(f"shared cache URL {shown!r}: {extra} are options of s3:// URLs")
     if "allow_http" in query:
         _flag(query["allow_http"][0], "allow_http")
+    if "region" in query and not re.fullmatch(r"[a-z0-9-]{1,40}", query["region"][0]):
+        raise ValueError(f"shared cache URL {shown!r}: region must be a region's name, such as us-east-1")
     if "endpoint" in query:
         endpoint = urlparse(query["endpoint"][0])
+        if "@" in endpoint.netloc:
+            raise ValueError(
+                f"shared cache URL {shown!r}: credentials do not go in the endpoint: set them in the "
+                "environment (AWS_ACCESS_KEY_ID, ...) or name a profile (?profile=)"
+            )
         if endpoint.scheme not in ("http", "https") or not endpoint.hostname:
             raise ValueError(
                 f"shared cache URL {shown!r}: endpoint must be an http(s) URL, got {query['endpoint'][0]!r}"
@@ -275,6 +293,10 @@ class ObjectStore(_Storage):
         self._store = self._make(url, query, max_connections)
         self._leases: bool | None = None  # found at the first lease
         self._read_only = False
+        self._pid = os.getpid()
+        # The first byte's deadline (the tier's ?timeout=, set as it opens); the rest of a
+        # transfer is given time at _MIN_RATE, so that a large value is not a timeout.
+        self.first_byte = 2.0
 
     def _make(self, url: str, query: dict[str, str], max_connections: int) -> Any:
         try:
@@ -348,14 +370,35 @@ class ObjectStore(_Storage):
         except Exception as exc:  # a malformed endpoint, an unknown region: said at the pool's entry
             raise ValueError(f"the shared cache {self.where!r} cannot be opened: {_one_line(exc)}") from None
 
-    async def _call(self, what: str, path: str, run: Callable[[], Any]) -> Any:
+    async def _call(self, what: str, path: str, run: Callable[[], Any], seconds: float) -> Any:
+        """``run()`` within ``seconds``; obstore's errors as one-line ``StoreError``s, but for an
+        absent object (``FileNotFoundError``) and one this process may not read (``_Refused``)."""
+        from obstore.exceptions import PermissionDeniedError
+
+        if os.getpid() != self._pid:
+            # obstore's runtime does not survive fork(): every call of a child would hang.
+            raise StoreError(
+                f"{self.where} was opened before this process was forked (obstore's runtime does not "
+                "survive fork()): open the pool in the child"
+            )
         try:
-            return await run()
+            with anyio.fail_after(seconds):
+                return await run()
         except FileNotFoundError:
             raise
+        except PermissionDeniedError as exc:
+            # One object this process may not read (archived to a cold storage class, a key it
+            # may not decrypt): that value is refused; the tier stays on.
+            raise _Refused(_one_line(exc)) from None
+        except TimeoutError:
+            raise StoreError(f"{what} {path}: no answer within {seconds:.1f} s") from None
         except Exception as exc:
             # obstore's errors carry the request and a debug dump; the tier logs one line.
             raise StoreError(f"{what} {path}: {type(exc).__name__}: {_one_line(exc)}") from None
+
+    def _seconds(self, size: int) -> float:
+        """A deadline for moving ``size`` bytes: the first byte's, and the rest at _MIN_RATE."""
+        return self.first_byte + size / _MIN_RATE
 
     async def _read(self, path: str, bound: int) -> tuple[bytes | int | None, Any]:
         import obstore
@@ -365,20 +408,27 @@ class ObjectStore(_Storage):
         try:
             try:
                 result = await self._call(
-                    "GET", path, lambda: obstore.get_async(self._store, path, options=options)
+                    "GET",
+                    path,
+                    lambda: obstore.get_async(self._store, path, options=options),
+                    self.first_byte,
                 )
             except StoreError as exc:
                 if "416" not in str(exc):
                     raise
                 # An empty object: no byte range of it can be satisfied. Read it plainly.
-                result = await self._call("GET", path, lambda: obstore.get_async(self._store, path))
+                result = await self._call(
+                    "GET", path, lambda: obstore.get_async(self._store, path), self.first_byte
+                )
         except FileNotFoundError:
             return None, None
+        except _Refused:
+            return -1, None
         size = int(result.meta["size"])
         version = {"e_tag": result.meta["e_tag"], "version": result.meta.get("version")}
         if size > bound:
             return size, version
-        data = await self._call("GET", path, result.bytes_async)
+        data = await self._call("GET", path, result.bytes_async, self._seconds(size))
         return bytes(data), version
 
     async def can_lease(self) -> bool:
@@ -414,8 +464,15 @@ class ObjectStore(_Storage):
             how = "create"
         elif mode == "update":
             how = {k: v for k, v in version.items() if v is not None}
+        if os.getpid() != self._pid:
+            raise StoreError(
+                f"{self.where} was opened before this process was forked: open the pool in the child"
+            )
         try:
-            result = await obstore.put_async(self._store, path, value, mode=how)
+            with anyio.fail_after(self._seconds(len(value))):
+                result = await obstore.put_async(self._store, path, value, mode=how)
+        except TimeoutError:
+            raise StoreError(f"PUT {path}: no answer within {self._seconds(len(value)):.1f} s") from None
         except (AlreadyExistsError, PreconditionError):
             self._remember(path, None, None)
             return False
@@ -443,8 +500,8 @@ class ObjectStore(_Storage):
         import obstore
 
         try:
-            await self._call("DELETE", path, lambda: obstore.delete_async(self._store, path))
-        except FileNotFoundError:
+            await self._call("DELETE", path, lambda: obstore.delete_async(self._store, path), self.first_byte)
+        except (FileNotFoundError, _Refused):
             pass
 
     async def check(self) -> None:
@@ -488,7 +545,16 @@ class ObjectStore(_Storage):
             self._store, prefix=store_path(prefix) + "/" if prefix else None, chunk_size=1000
         )
         try:
-            async for chunk in stream:
+            while True:
+                try:
+                    with anyio.fail_after(30):
+                        chunk = await stream.__anext__()
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise StoreError(f"LIST {self.where}: no answer within 30 s") from None
+                except Exception as exc:
+                    raise StoreError(f"LIST {self.where}: {type(exc).__name__}: {_one_line(exc)}") from None
                 for item in chunk:
                     yield item["path"].replace("/", ":"), int(item["size"]), item["last_modified"].timestamp()
         finally:
@@ -501,6 +567,13 @@ class _Refused(Exception):
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# Errors about one path (what another user placed there, its mode), not about the folder's
+# server: that value is refused (a read), not published (a write), or left (a removal); the
+# tier stays on. Any other error (EIO, ESTALE, a timeout) is the mount's: an outage.
+_ONE_PATH = frozenset(
+    {errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY, errno.EEXIST,
+     errno.ELOOP, errno.ENXIO, errno.ENAMETOOLONG, errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+)  # fmt: skip
 
 
 class SharedFolder(_Storage):
@@ -519,6 +592,7 @@ class SharedFolder(_Storage):
         self.where = f"file://{self.root}"
         self._threads = anyio.CapacityLimiter(max_connections)
         self._read_only = False
+        self._said: set[str] = set()
         self._host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:40] or "host"
 
     async def _thread(self, call: Callable[..., T], *args: Any) -> T:
@@ -542,6 +616,8 @@ class SharedFolder(_Storage):
                 except OSError as exc:
                     if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                         raise _Refused(f"{part} is not a folder (a link or a file): not followed") from None
+                    if exc.errno in _ONE_PATH:
+                        raise _Refused(f"{part}: {exc.strerror}") from None
                     raise
                 os.close(fd)
                 fd = inner
@@ -565,8 +641,8 @@ class SharedFolder(_Storage):
         except FileNotFoundError:
             return None, None
         except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
-                return -1, None  # a link, a FIFO or socket, a folder where a value should be
+            if exc.errno in _ONE_PATH:
+                return -1, None  # a link, a FIFO or socket, a folder, a file it may not read
             raise StoreError(f"read {path}: {exc.strerror}") from None
         finally:
             os.close(folder)
@@ -614,17 +690,16 @@ class SharedFolder(_Storage):
         try:
             incoming = self._folder([INCOMING], create=True)
         except _Refused as exc:
-            raise StoreError(f"write {path}: {INCOMING}: {exc}") from None
-        except (PermissionError, OSError) as exc:
-            if isinstance(exc, PermissionError) or exc.errno == errno.EROFS:
+            return self._not_published(path, f"{INCOMING}: {exc}")
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
                 return self._refused_write(exc)
             raise StoreError(f"write {path}: {exc.strerror or exc}") from None
         try:
             try:
                 folder = self._folder(parts, create=True)
             except _Refused as exc:
-                logger.warning("shared folder %s: %s; %s not published", self.where, exc, path[:40])
-                return False
+                return self._not_published(path, str(exc))
             try:
                 staged = self._stage(incoming, value)
                 try:
@@ -635,11 +710,22 @@ class SharedFolder(_Storage):
             finally:
                 os.close(folder)
         except OSError as exc:
-            if isinstance(exc, PermissionError) or exc.errno == errno.EROFS:
+            if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
                 return self._refused_write(exc)
+            if exc.errno in _ONE_PATH:
+                return self._not_published(path, exc.strerror or str(exc))
             raise StoreError(f"publish {path}: {exc.strerror or exc}") from None
         finally:
             os.close(incoming)
+
+    def _not_published(self, path: str, why: str) -> bool:
+        """A value that cannot go where the layout puts it (something of another user's there, a
+        full disk): not published, said once per kind of reason; the tier stays on."""
+        topic = why.split(":")[-1].strip()
+        level = logging.DEBUG if topic in self._said else logging.WARNING
+        self._said.add(topic)
+        logger.log(level, "shared folder %s: %s not published: %s", self.where, path[:48], why)
+        return False
 
     def _refused_write(self, exc: OSError) -> bool:
         """A write this user may not make (a read-only mount, a folder of another's): an answer,
@@ -687,7 +773,9 @@ class SharedFolder(_Storage):
         except FileNotFoundError:
             pass
         except OSError as exc:
-            raise StoreError(f"remove {path}: {exc.strerror or exc}") from None
+            if exc.errno not in _ONE_PATH:
+                raise StoreError(f"remove {path}: {exc.strerror or exc}") from None
+            logger.debug("shared folder %s: %s not removed: %s", self.where, path[:48], exc.strerror)
         finally:
             os.close(folder)
 
@@ -731,6 +819,30 @@ class SharedFolder(_Storage):
         for found in await self._thread(self._list_now, prefix):
             yield found
 
+    def _remove_staged_now(self, before: float, dry_run: bool) -> int:
+        removed = 0
+        try:
+            incoming = self._folder([INCOMING], create=False)
+        except (FileNotFoundError, _Refused):
+            return 0
+        try:
+            for name in os.listdir(incoming):
+                try:
+                    info = os.stat(name, dir_fd=incoming, follow_symlinks=False)
+                    if info.st_mtime < before:
+                        if not dry_run:
+                            os.unlink(name, dir_fd=incoming)
+                        removed += 1
+                except OSError:
+                    continue
+        finally:
+            os.close(incoming)
+        return removed
+
+    async def remove_staged(self, before: float, *, dry_run: bool = False) -> int:
+        """Remove the values staged under ``.incoming/`` before ``before`` (their writers died)."""
+        return await self._thread(self._remove_staged_now, before, dry_run)
+
 
 def _walk(folder: Path) -> Iterator[os.DirEntry[str]]:
     try:
@@ -763,22 +875,25 @@ async def prune_storage(url: str, max_age_s: float, *, dry_run: bool = False) ->
     report: dict[str, Any] = {"removed": 0, "removed_bytes": 0, "kept": 0, "leases_removed": 0, "errors": []}
     async for name, size, modified in storage.names(""):
         lease = name.startswith("lease:")
-        if not _KEY.fullmatch(name.rsplit(":", 1)[-1]):
-            continue  # not an entry nor a lease: the fleet's documents (compile times), probes
+        if not _LAYOUT.fullmatch(name):
+            continue  # not an entry nor a lease of the tier's: its documents, probes, anything else
         if not (now - modified > (STALE_LEASE_S if lease else max_age_s)):
             report["kept"] += not lease
             continue
         if not dry_run:
             try:
-                await storage.delete(name)
-            except (StoreError, ValueError) as exc:
-                report["errors"].append(str(exc))
+                with anyio.fail_after(30):
+                    await storage.delete(name)
+            except (StoreError, ValueError, TimeoutError) as exc:
+                report["errors"].append(str(exc) or f"{name}: no answer within 30 s")
                 continue
         if lease:
             report["leases_removed"] += 1
         else:
             report["removed"] += 1
             report["removed_bytes"] += size
+    if isinstance(storage, SharedFolder):
+        report["staged_removed"] = await storage.remove_staged(now - _STALE_STAGED_S, dry_run=dry_run)
     await storage.close()
     return report
 

@@ -243,6 +243,11 @@ def _prune_shared(args: argparse.Namespace) -> int:
             f"{shown}: {verb} {report['removed']} entries ({human_bytes(report['removed_bytes'])}) "
             f"written more than {max_age:g} s ago and {report['leases_removed']} leases of dead "
             f"replicas; kept {report['kept']}"
+            + (
+                f"; {report['staged_removed']} values staged by writers that died"
+                if report.get("staged_removed")
+                else ""
+            )
         )
         for error in report["errors"]:
             print(f"  {error}", file=sys.stderr)
