@@ -212,6 +212,9 @@ def test_urls_that_cannot_work_are_refused_when_the_tier_is_made() -> None:
     with pytest.raises(ValueError, match="unknown option") as caught:
         acompile.SharedCache("s3://bucket/p?aws_secret_access_key=hunter2-secret")
     assert "hunter2" not in str(caught.value)
+    with pytest.raises(ValueError, match="credentials do not go in the endpoint") as caught:
+        acompile.SharedCache("s3://bucket/p?endpoint=https://user:hunter2-pw@minio.internal")
+    assert "hunter2" not in str(caught.value)
     assert acompile.SharedCache("s3://bucket/p?timeout=1500ms") and acompile.SharedCache(
         "s3://b/p?timeout=2s"
     )

@@ -247,7 +247,16 @@ def redact_url(url: str) -> str:
     if parts.query:
         safe = _URL_OPTIONS | STORE_OPTIONS
         pairs = parse_qs(parts.query, keep_blank_values=True)
-        shown = [f"{k}={v if k in safe else '***'}" for k, vs in pairs.items() for v in vs]
+
+        def show(name: str, value: str) -> str:
+            if name not in safe:
+                return "***"
+            if "@" in value:  # an endpoint carrying credentials (refused, but never printed)
+                inner = urlparse(value)
+                return inner._replace(netloc="***@" + inner.netloc.rsplit("@", 1)[1]).geturl()
+            return value
+
+        shown = [f"{k}={show(k, v)}" for k, vs in pairs.items() for v in vs]
         parts = parts._replace(query="&".join(shown))
     if parts.password is None:
         return parts.geturl()
