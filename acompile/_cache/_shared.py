@@ -392,7 +392,9 @@ def _url_max_connections(url: str) -> int:
     except ValueError:
         size = 0
     if not 1 <= size <= 1024:
-        raise ValueError(f"max_connections in the shared cache URL must be from 1 to 1024, got {value!r}")
+        raise ValueError(
+            f"max_connections in the shared cache URL must be a positive integer, at most 1024, got {value!r}"
+        )
     return size
 
 
