@@ -713,3 +713,57 @@ def test_a_static_library_the_link_takes_is_in_the_key(
         answers.append(json.loads(done.stdout.strip().splitlines()[-1]))
     assert [a.get("answer") for a in answers] == [100, 200], answers
     assert answers[1]["jit"]["builds"] == 1 and answers[1]["jit"]["hits"]["shared"] == 0
+
+
+def test_a_stopped_build_holds_its_folder_until_its_last_command_is_gone(tmp_path: Path) -> None:
+    """A worker killed mid-build (a limit, a cancel): its ninja interrupts the commands, and each
+    removes what it left half-written as it dies (a linker does), which could be the module the
+    library builds at once in the same folder. The folder's lock is held until the last of them
+    is gone, and the library's build takes it first."""
+    import signal
+    import time
+
+    from acompile._jit._worker import folder_lock
+
+    # The command dies slowly on ninja's interrupt and removes its output as it goes (ninja, which
+    # sends its own SIGTERM on to each command's group, exits at once without waiting for it).
+    (tmp_path / "build.ninja").write_text(
+        "rule slow\n"
+        "  command = sh -c 'exec >/dev/null 2>&1; echo part > $out; "
+        'trap "sleep 1; rm -f $out; exit 1" INT TERM; touch started; '
+        "while :; do sleep 0.05; done'\n"
+        "build out.so: slow\n"
+    )
+    job = {
+        "name": "slow",
+        "folder": str(tmp_path),
+        "build_file": "build.ninja",
+        "ninja": "ninja",
+        "env": None,
+        "products": [],
+    }
+    code = (
+        "import json, sys\nfrom acompile._jit import _worker\n"
+        "_worker.compile(sys.argv[1].encode())\n"
+    )
+    worker = subprocess.Popen([sys.executable, "-c", code, json.dumps(job)], env=subprocess_env())
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "started").exists():
+            assert worker.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+        with folder_lock(str(tmp_path), 30) as lock:
+            assert lock is not None
+            (tmp_path / "out.so").write_text("the library's own build")  # as run_here makes it
+        deadline = time.monotonic() + 10
+        while _processes_naming(str(tmp_path)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # Nothing of the stopped build was left to remove what the library built.
+        assert (tmp_path / "out.so").read_text() == "the library's own build"
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert not _processes_naming(str(tmp_path))

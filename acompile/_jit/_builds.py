@@ -54,7 +54,7 @@ from acompile._jit._ninja import (
     relative_name,
     resolve_name,
 )
-from acompile._jit._worker import NINJA_FAILED
+from acompile._jit._worker import LOCK_WAIT, NINJA_FAILED, folder_lock
 from acompile._outputs import output_problem, write_output
 from acompile._torch import LoopThreadError, PortalTimeout
 from acompile._workers import URGENT, Job
@@ -479,7 +479,19 @@ class ServedBuilds:
         )
 
     def _run_here(self, build: Build, run_here: Callable[[], None]) -> None:
-        run_here()
+        # A build of this folder on the pool that was stopped (a limit, a cancel, a dead worker)
+        # may still be ending: its ninja removes what its commands left half-done, which could be
+        # what the library's build has just made. Its lock is held until its last process is gone.
+        with folder_lock(build.folder, LOCK_WAIT) as lock:
+            if lock is None and os.path.isdir(build.folder):
+                logger.warning(
+                    "acompile: the build folder %s stayed locked %.0f s; %s builds %s anyway",
+                    build.folder,
+                    LOCK_WAIT,
+                    build.library,
+                    build.name,
+                )
+            run_here()
         self.count(f"{build.library}:local_builds")
 
     def _late(self, build: _Named) -> None:

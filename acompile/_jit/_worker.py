@@ -10,17 +10,25 @@ cancel, a time limit, the pool's exit, the pool's process killed) would not reac
 they would run on and write into the library's folder under the next build. So ninja runs in a
 session of its own, and is sent SIGTERM by the kernel when its worker dies, however it dies
 (``PR_SET_PDEATHSIG``); on SIGTERM ninja stops every command it runs (their groups) and exits.
+
+Stopping is not instant: ninja interrupts its commands, waits for them, then removes the outputs
+they left half-written, and a linker removes its own output as it dies. Meanwhile the library may
+already be building the same module in the same folder (the pool's fault: the library builds it
+itself). So the whole ninja tree holds a lock on the build folder (``flock`` on the folder,
+through a descriptor each of its processes inherits) until its last process is gone, and the
+library's own build takes that lock first (``folder_lock``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from acompile import _linux
@@ -30,6 +38,9 @@ from acompile._errors import CompileError
 NINJA_FAILED = "ninja"
 # ninja's output kept for the error of a failed build (the compiler's message is at its end).
 _LOG_TAIL = 64 * 1024
+# How long a build waits for its folder's lock (another build there, or one being stopped) before
+# it goes on without it: a lock another process holds for ever must not stop builds for ever.
+LOCK_WAIT = 120.0
 
 
 def _dies_with(worker: int) -> Callable[[], None]:
@@ -44,6 +55,32 @@ def _dies_with(worker: int) -> Callable[[], None]:
     return arrange
 
 
+@contextlib.contextmanager
+def folder_lock(folder: str, timeout: float | None = None) -> Iterator[int | None]:
+    """Hold the build lock of ``folder`` (exclusive; the descriptor, which a child inherits to
+    hold it too). ``timeout``: how long to wait for it (None: until it is free); past that, or
+    where the folder cannot be opened, yields None (the caller goes on without it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        yield None
+        return
+    try:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if deadline is None else fcntl.LOCK_NB))
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:  # type: ignore[operator]
+                    yield None
+                    return
+                time.sleep(0.02)
+        yield fd
+    finally:
+        os.close(fd)
+
+
 def setup(config: Any) -> None:
     """Nothing to set up: ninja is a program of its own."""
 
@@ -54,6 +91,13 @@ def preload(config: Any) -> None:
 
 def compile(payload: bytes) -> bytes:
     job = json.loads(payload)
+    # The folder's lock, held by ninja and every command it runs until the last of them is gone
+    # (a build killed before, of this pool's or the library's own, is waited for).
+    with folder_lock(job["folder"], LOCK_WAIT) as lock:
+        return _build(job, lock)
+
+
+def _build(job: dict[str, Any], lock: int | None) -> bytes:
     # Each product is built anew: this job may be the retry of one whose worker was killed while
     # a compiler wrote it in place, and ninja takes a product newer than its inputs as built.
     for path in job["products"]:
@@ -71,6 +115,7 @@ def compile(payload: bytes) -> bytes:
         env=job["env"] or None,
         check=False,
         start_new_session=True,  # out of the worker's group: a group kill must not SIGKILL it
+        pass_fds=() if lock is None else (lock,),
         preexec_fn=_dies_with(os.getpid()),  # the worker runs one job at a time: no thread forks
     )
     output = done.stdout.decode(errors="replace")
