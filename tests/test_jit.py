@@ -742,10 +742,7 @@ def test_a_stopped_build_holds_its_folder_until_its_last_command_is_gone(tmp_pat
         "env": None,
         "products": [],
     }
-    code = (
-        "import json, sys\nfrom acompile._jit import _worker\n"
-        "_worker.compile(sys.argv[1].encode())\n"
-    )
+    code = "import json, sys\nfrom acompile._jit import _worker\n_worker.compile(sys.argv[1].encode())\n"
     worker = subprocess.Popen([sys.executable, "-c", code, json.dumps(job)], env=subprocess_env())
     try:
         deadline = time.monotonic() + 60

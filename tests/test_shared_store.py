@@ -591,7 +591,7 @@ async def test_a_replica_that_may_only_read_the_folder_reads_it_and_publishes_no
     stats = p.stats()["cache"]
     assert stats["shared_available"] is True and stats["shared_errors"] == 0  # an answer, not an outage
     assert stats["shared_write_failures"] == 2 and stats["shared_writes"] == 0
-    assert len([r for r in caplog.records if "may not write there" in r.message]) == 1
+    assert len([r for r in caplog.records if "refuses this process's writes" in r.message]) == 1
 
 
 @asyncio_only  # the environment's endpoint and a process's exit, not the loop

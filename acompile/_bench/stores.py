@@ -360,16 +360,13 @@ def _boot(
 
 
 def _leases(endpoint: str) -> list[str]:
-    import re
-
     import obstore
     from obstore.store import S3Store
 
     store = S3Store("boot", endpoint=endpoint, region="us-east-1", client_options={"allow_http": True},
                     access_key_id=_CREDENTIALS["AWS_ACCESS_KEY_ID"],
                     secret_access_key=_CREDENTIALS["AWS_SECRET_ACCESS_KEY"])  # fmt: skip
-    names = [item["path"] for chunk in obstore.list(store, prefix="acompile/lease/") for item in chunk]
-    return [n for n in names if re.search(r"lease/", n)]
+    return [item["path"] for chunk in obstore.list(store, prefix="acompile/lease/") for item in chunk]
 
 
 def _importable(module: str) -> bool:

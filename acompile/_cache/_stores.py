@@ -173,8 +173,24 @@ class _Storage:
 
     def __init__(self) -> None:
         self._known: dict[str, tuple[bytes, Any]] = {}
+        self._read_only = False
 
     kind = ""
+    where = ""
+
+    def _refused_write(self, why: object) -> bool:
+        """A write this process may not make (a read-only mount, a folder of another user's,
+        read-only credentials): an answer, not an outage. The replica reads the fleet's entries
+        and publishes none; said once."""
+        if not self._read_only:
+            self._read_only = True
+            logger.warning(
+                "shared cache %s refuses this process's writes (%s): it reads the fleet's "
+                "entries, publishes none, and holds no leases",
+                self.where,
+                why,
+            )
+        return False
 
     async def can_lease(self) -> bool:
         """Whether a lease can be held here (a create fails where the object exists, and this
@@ -292,7 +308,6 @@ class ObjectStore(_Storage):
         query = {k: v[0] for k, v in parse_qs(parts.query).items()}
         self._store = self._make(url, query, max_connections)
         self._leases: bool | None = None  # found at the first lease
-        self._read_only = False
         self._pid = os.getpid()
         # The first byte's deadline (the tier's ?timeout=, set as it opens); the rest of a
         # transfer is given time at _MIN_RATE, so that a large value is not a timeout.
@@ -477,17 +492,7 @@ class ObjectStore(_Storage):
             self._remember(path, None, None)
             return False
         except (PermissionDeniedError, UnauthenticatedError) as exc:
-            # An answer, not an outage: this process may read the tier but not write to it (a
-            # replica given read-only credentials). Nothing it compiles is published; said once.
-            if not self._read_only:
-                self._read_only = True
-                logger.warning(
-                    "shared cache %s refuses this process's writes (%s): it reads the fleet's "
-                    "entries, publishes none, and holds no leases",
-                    self.where,
-                    _one_line(exc),
-                )
-            return False
+            return self._refused_write(_one_line(exc))  # read-only credentials
         except Exception as exc:
             if mode != "put" and "409" in str(exc):  # S3: another conditional write of it at once
                 return False
@@ -591,7 +596,6 @@ class SharedFolder(_Storage):
         self.root = Path(unquote(urlparse(url).path))
         self.where = f"file://{self.root}"
         self._threads = anyio.CapacityLimiter(max_connections)
-        self._read_only = False
         self._said: set[str] = set()
         self._host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:40] or "host"
 
@@ -693,7 +697,7 @@ class SharedFolder(_Storage):
             return self._not_published(path, f"{INCOMING}: {exc}")
         except OSError as exc:
             if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-                return self._refused_write(exc)
+                return self._refused_write(exc.strerror or exc)
             raise StoreError(f"write {path}: {exc.strerror or exc}") from None
         try:
             try:
@@ -711,7 +715,7 @@ class SharedFolder(_Storage):
                 os.close(folder)
         except OSError as exc:
             if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-                return self._refused_write(exc)
+                return self._refused_write(exc.strerror or exc)
             if exc.errno in _ONE_PATH:
                 return self._not_published(path, exc.strerror or str(exc))
             raise StoreError(f"publish {path}: {exc.strerror or exc}") from None
@@ -725,19 +729,6 @@ class SharedFolder(_Storage):
         level = logging.DEBUG if topic in self._said else logging.WARNING
         self._said.add(topic)
         logger.log(level, "shared folder %s: %s not published: %s", self.where, path[:48], why)
-        return False
-
-    def _refused_write(self, exc: OSError) -> bool:
-        """A write this user may not make (a read-only mount, a folder of another's): an answer,
-        not an outage. The replica reads the fleet's entries and publishes none; said once."""
-        if not self._read_only:
-            self._read_only = True
-            logger.warning(
-                "shared cache %s: this process may not write there (%s): it reads the fleet's "
-                "entries, publishes none, and holds no leases",
-                self.where,
-                exc.strerror or exc,
-            )
         return False
 
     def _publish(
