@@ -39,6 +39,7 @@ _NAMES: dict[str, str | tuple[str, str]] = {
     "BackendUnavailableError": "_errors",
     "CompileError": "_errors",
     "CompileTimeoutError": "_errors",
+    "CompiledAfterReadyError": "_errors",
     "CppCompileError": "_errors",
     "CUDACompileError": "_errors",
     "DeviceUnavailableError": "_errors",
@@ -87,6 +88,7 @@ if _typing.TYPE_CHECKING:
     from acompile._compiler import CompilePool as CompilePool
     from acompile._errors import AcompileError as AcompileError
     from acompile._errors import BackendUnavailableError as BackendUnavailableError
+    from acompile._errors import CompiledAfterReadyError as CompiledAfterReadyError
     from acompile._errors import CompileError as CompileError
     from acompile._errors import CompileTimeoutError as CompileTimeoutError
     from acompile._errors import CppCompileError as CppCompileError
@@ -124,6 +126,7 @@ __all__ = (
     "CompileError",
     "CompilePool",
     "CompileTimeoutError",
+    "CompiledAfterReadyError",
     "CppCompileError",
     "CppSpec",
     "CudaFunction",

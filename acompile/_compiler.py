@@ -41,10 +41,17 @@ from acompile._cache import (
     default_cache_dir,
     shared_cache_argument,
 )
-from acompile._errors import AcompileError, CompileError, DeviceUnavailableError, PoolClosedError, PoolError
+from acompile._errors import (
+    AcompileError,
+    CompiledAfterReadyError,
+    CompileError,
+    DeviceUnavailableError,
+    PoolClosedError,
+    PoolError,
+)
 from acompile._farm import RayFarm
 from acompile._manifest import Recorder
-from acompile._observe import Tracer
+from acompile._observe import AfterReady, Listener, RequestDone, Tracer
 from acompile._progressive import BackgroundKernel, ProgressiveKernel
 from acompile._sizing import default_workers
 from acompile._targets import Target, local_target, parse_target
@@ -164,6 +171,9 @@ class _Flight:
     tier: str = ""
     error: BaseException | None = None
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    backend: str = ""
+    captured: Any = None  # the listeners' capture(), in the first caller's task
+    started: float = 0.0  # when its work in the pool's task group began
 
     def finish(self, result: Any = None, error: BaseException | None = None) -> None:
         if not self.done.is_set():
@@ -346,6 +356,8 @@ class CompilePool:
         self._state = "new"
         self._flights: dict[str, _Flight] = {}
         self._counts: Counter[str] = Counter()
+        self._after_ready = AfterReady()
+        self._listeners: list[Listener] = []
         self._tg: anyio.abc.TaskGroup | None = None
         self._workers: Executor | None = None
         self._queue_seen = (-1.0, False)  # when jobs_queue() last looked, and what it saw
@@ -576,6 +588,49 @@ class CompilePool:
         """
         await self.executor.wait_ready()
 
+    def mark_ready(self, on_late: Literal["warn", "refuse"] = "warn") -> None:
+        """Say that the server is ready: what it serves should be warm by now.
+
+        From then on every compile is counted and named (``stats()["after_ready"]``, the
+        ``acompile_compiles_after_ready_total`` metric, one warning per kernel): this pool's
+        requests, torch.compile's jobs and the served JIT libraries' builds
+        (``acompile.inductor.serve``). ``on_late="warn"`` compiles them anyway, and publishes the
+        result to the fleet's tier so that the next replica has it; ``"refuse"`` raises
+        ``CompiledAfterReadyError`` from a request (or a served JIT library's build) that would
+        compile, while cache hits are served as before. torch.compile's own graphs are counted,
+        never refused here: ``torch.compiler.set_stance("fail_on_recompile")`` is torch's
+        refusal. May be called again to change ``on_late``; callable from any thread."""
+        self._after_ready.mark(on_late)
+
+    @property
+    def ready(self) -> bool:
+        """Whether ``mark_ready()`` was called."""
+        return self._after_ready.ready_at is not None
+
+    def _late(self, backend: str, name: str, *, say: bool = True) -> None:
+        """A compile of ``name`` is about to start: counted after ready (named in a warning
+        unless the caller names it), or refused. Callable from any thread."""
+        if self._after_ready.ready_at is None:
+            return
+        if self._after_ready.refuses():
+            self._after_ready.note(backend, name, say=say)
+            raise CompiledAfterReadyError(
+                f"{name} ({backend}) is not in the cache, and the server said it was ready with "
+                "on_late='refuse': warm it up before mark_ready() (the pool's record= holds what "
+                "a server compiled, for the next start)",
+                kernel=name,
+                backend=backend,
+            )
+        self._after_ready.note(backend, name, say=say)
+
+    def _add_listener(self, listener: Listener) -> None:
+        """Tell ``listener`` of every request that misses memory and every job (acompile.metrics)."""
+        self._listeners.append(listener)
+
+    def _remove_listener(self, listener: Listener) -> None:
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(listener)
+
     async def quiesce(self) -> None:
         """Stop every worker and return at once; the pool and its cache stay.
 
@@ -786,7 +841,8 @@ class CompilePool:
         """Like ``compile()``, and say where the result came from: ``"memory"``, ``"disk"``,
         ``"shared"`` or ``"compile"`` (a worker compiled it for this request or one it joined)."""
         self._check_running()
-        backend = load_parent(backend_of(spec))
+        backend_name = backend_of(spec)
+        backend = load_parent(backend_name)
         # What prepare() starts outside the workers (a source string's probe) is held to the
         # limit the workers are.
         with _linux.under_memory_limit(self._settings.memory_limit):
@@ -801,7 +857,9 @@ class CompilePool:
         self._check_running()  # again: the pool may have closed while the request was prepared
         flight = self._flights.get(request.key)
         if flight is None:
-            flight = _Flight(request.key, background=background)
+            flight = _Flight(request.key, background=background, backend=backend_name)
+            if self._listeners:
+                flight.captured = [listener.capture() for listener in self._listeners]
             self._flights[request.key] = flight
             # This caller looks in the local tier itself; the flight goes on in the pool's task
             # group only where that finds nothing to load.
@@ -918,6 +976,8 @@ class CompilePool:
         if self._tracer is not None:
             done = time.perf_counter()
             self._tracer.request(request, self._cache.local.name, start, done, None, (loading, done))
+        if self._listeners:
+            self._tell(flight, request, self._cache.local.name, start)
         self._cache.keep_loaded(request.key, kernel)
         flight.tier = self._cache.local.name
         flight.finish(kernel)
@@ -949,9 +1009,37 @@ class CompilePool:
         if self._flights.get(flight.key) is flight:
             del self._flights[flight.key]
 
+    def _tell(
+        self, flight: _Flight, request: Request, tier: str, start: float, error: BaseException | None = None
+    ) -> None:
+        """The listeners' account of a request that did not come from memory."""
+        outcome = "ok" if error is None else "cancelled" if isinstance(error, JobCancelled) else "error"
+        job = flight.job if tier == "compile" or error is not None else None
+        event = RequestDone(
+            backend=flight.backend,
+            name=request.name,
+            key=request.key,
+            tier=tier,
+            outcome=outcome,
+            error=None if error is None else type(error).__name__,
+            start=start,
+            end=time.perf_counter(),
+            job=job,
+            nbytes=0,
+            captured=None,
+        )
+        for i, listener in enumerate(self._listeners):
+            event.captured = flight.captured[i] if flight.captured and i < len(flight.captured) else None
+            try:
+                listener.request_done(event)
+            except Exception:  # an observer's fault is never the request's
+                logger.debug("a listener of the pool failed", exc_info=True)
+
     def _flight_failed(self, flight: _Flight, request: Request, exc: Exception) -> None:
         """A flight's work raised ``exc``: every caller raises a copy of it."""
-        if isinstance(exc, AcompileError) and not isinstance(exc, JobCancelled):
+        if self._listeners:
+            self._tell(flight, request, flight.tier, flight.started or time.perf_counter(), exc)
+        if isinstance(exc, AcompileError) and not isinstance(exc, (JobCancelled, CompiledAfterReadyError)):
             self._counts["failed"] += 1
             # One line (a log record per failure, whole), made of the first lines of the
             # message without the compiler's stderr tail: the error carries all of it.
@@ -977,7 +1065,7 @@ class CompilePool:
         ``after_local``; none where the local tier's entry was ``rejected``), then a compile."""
         try:
             with flight.scope:
-                start = time.perf_counter()
+                start = flight.started = time.perf_counter()
                 if rejected:
                     entry, tier = None, ""
                 else:
@@ -988,6 +1076,7 @@ class CompilePool:
                 if kernel is None:
 
                     async def compile() -> bytes:
+                        self._late(flight.backend, request.name)
                         payload = await backend.payload(request)
                         data: bytes = await self._run(
                             backend.WORKER_MODULE, payload, request.name, flight=flight
@@ -1027,6 +1116,8 @@ class CompilePool:
                     done = time.perf_counter()
                     job = flight.job if tier == "compile" else None
                     self._tracer.request(request, tier, start, done, job, (loading, done))
+                if self._listeners:
+                    self._tell(flight, request, tier, start)
                 self._cache.keep_loaded(request.key, kernel)
                 flight.tier = tier
                 flight.finish(kernel)
@@ -1092,10 +1183,21 @@ class CompilePool:
         job = Job(backend_module, payload, name, BACKGROUND if background else URGENT, expected)
         if flight is not None:
             flight.job = job
-        result = await executor.run(job)
+        try:
+            result = await executor.run(job)
+        finally:
+            if self._listeners:
+                self._job_done(flight.backend if flight is not None else _job_backend(job), job)
         if job.seconds > 0 and costs.record(features, job.seconds):
             self._cache.write_behind(costs.save)
         return result
+
+    def _job_done(self, backend: str, job: Job) -> None:
+        for listener in self._listeners:
+            try:
+                listener.job_done(backend, job)
+            except Exception:  # an observer's fault is never the job's
+                logger.debug("a listener of the pool failed", exc_info=True)
 
     async def autotune(self, fn: Any, configs: Any = None, **options: Any) -> TunedKernel:
         """Pick the fastest of several configs of a Triton kernel, once per fleet.
@@ -1162,16 +1264,25 @@ class CompilePool:
             cache_root=self._cache.root,
             fleet_wait=self._cache.fleet_wait,
             record=self._record_module if self._recorder is not None else None,
+            late=self._late,
+            is_ready=lambda: self.ready,
         )
 
     async def _run_traced(self, job: Job) -> Any:
-        """A job of torch.compile's on the executor, in this pool's traces."""
+        """A job of torch.compile's (or a served JIT library's build) on the executor, in this
+        pool's traces and metrics; torch.compile's counted after ready (a build's is counted by
+        ``ServedBuilds``, which may refuse it)."""
         start = time.perf_counter()
+        backend = _job_backend(job)
+        if backend == "torch":
+            self._after_ready.note("torch", job.name)
         try:
             return await self.executor.run(job)
         finally:
             if self._tracer is not None:
                 self._tracer.job(job, start, time.perf_counter())
+            if self._listeners:
+                self._job_done(backend, job)
 
     def _progressive_host(self) -> _progressive.ProgressiveHost:
         """What progressive and background compiles may use of this pool (it must be running):
@@ -1302,7 +1413,8 @@ class CompilePool:
         resident memory per worker in MiB (measured every few seconds) and its mean.
         ``jobs``: queued, running, done, failed, cancelled, retried. ``cache``: entries and hits
         by tier. ``compile_seconds``: p50, p90, p99, max of recent jobs; ``slowest``: the ten
-        slowest compiles as [name, seconds].
+        slowest compiles as [name, seconds]. ``after_ready``: whether ``mark_ready()`` was
+        called, and what was compiled since (counts by backend, the latest names).
         """
         workers = self._workers
         ex = workers.stats() if workers else idle_stats(self._size)
@@ -1317,7 +1429,21 @@ class CompilePool:
             "failed": self._counts["failed"],
             "compile_seconds": _percentiles(sorted(ex["job_seconds"])),
             "slowest": [[name, round(sec, 4)] for sec, name in sorted(ex["slowest"], reverse=True)],
+            "after_ready": self._after_ready.stats(),
         }
+
+
+# The backend a job's worker-side module compiles for (metrics' label).
+_JOB_BACKENDS = {
+    "acompile._backends._triton_worker": "triton",
+    "acompile._backends._native_worker": "native",
+    "acompile._torch._worker": "torch",
+    "acompile._jit._worker": "jit",
+}
+
+
+def _job_backend(job: Job) -> str:
+    return _JOB_BACKENDS.get(job.backend, "other")
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:

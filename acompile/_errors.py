@@ -207,6 +207,21 @@ class FarmToolchainError(PoolError):
     and what differs. Raised by ``wait_ready()`` and by the requests that were waiting."""
 
 
+class CompiledAfterReadyError(AcompileError):
+    """A compile the server refused because it said it was ready
+    (``pool.mark_ready(on_late="refuse")``): every kernel it serves should have been warmed up.
+
+    Raised by the request (``pool.triton()`` and friends) and by a served JIT library's build
+    instead of compiling; a cache hit (memory, disk, the fleet's tier) is still served. The
+    message names the kernel; ``kernel`` and ``backend`` carry them.
+    """
+
+    def __init__(self, message: str, *, kernel: str = "", backend: str = "") -> None:
+        super().__init__(message)
+        self.kernel = kernel
+        self.backend = backend
+
+
 class KernelNotReadyError(AcompileError, RuntimeError):
     """A ``ProgressiveKernel`` was launched before any of its kernels existed.
 

@@ -16,8 +16,10 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, Protocol, TypedDict
 
 from acompile import _files
 
@@ -78,12 +80,26 @@ class CacheStats(_SeveralSharedTiers):
     # joined by "+", each then in shared_tiers: its own counts and hits); None without one.
     shared_kind: str | None
     fleet_waits: int
+    # Bytes of entries read from each tier after memory ("disk", "shared"), hits only.
+    bytes_read: dict[str, int]
     misses: int
     disk_corrupt: int
     stale: int
     disk_writes: int
     costs_from_fleet: int
     costs_published: int
+
+
+class AfterReadyStats(TypedDict):
+    """``stats()["after_ready"]``: what was compiled after the server said it was ready."""
+
+    ready: bool
+    on_late: str | None
+    compiles: int
+    # By "backend" or "backend:library" ("triton", "torch", "jit:flashinfer").
+    by_backend: dict[str, int]
+    # The latest kernels and modules named (at most _LATE_NAMES), oldest first.
+    names: list[str]
 
 
 class Stats(TypedDict):
@@ -98,6 +114,101 @@ class Stats(TypedDict):
     failed: int
     compile_seconds: dict[str, float]
     slowest: list[list[str | float]]
+    after_ready: AfterReadyStats
+
+
+# How many names of compiles after ready the stats keep (the latest).
+_LATE_NAMES = 100
+LATE_MODES = ("warn", "refuse")
+
+
+class AfterReady:
+    """The server's "ready" and what was compiled after it (``CompilePool.mark_ready``).
+
+    Called from the pool's loop (its requests, torch.compile's jobs) and from a JIT library's
+    thread (its builds): every method takes the lock."""
+
+    def __init__(self) -> None:
+        self.ready_at: float | None = None
+        self.on_late: str | None = None
+        self.counts: Counter[str] = Counter()
+        self.names: list[str] = []
+        self._said: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def mark(self, on_late: str) -> None:
+        if on_late not in LATE_MODES:
+            raise ValueError(f"on_late must be 'warn' or 'refuse', got {on_late!r}")
+        with self._lock:
+            if self.ready_at is None:
+                self.ready_at = time.monotonic()
+            self.on_late = on_late
+
+    def refuses(self) -> bool:
+        return self.ready_at is not None and self.on_late == "refuse"
+
+    def note(self, backend: str, name: str, *, say: bool = True) -> bool:
+        """A compile of ``name`` (by ``backend``: "triton", "torch", "jit:<library>") is about
+        to happen: counted and named once in a warning where the server said it was ready.
+        True where it happened after ready."""
+        if self.ready_at is None:
+            return False
+        with self._lock:
+            self.counts[backend] += 1
+            self.names.append(f"{backend}:{name}")
+            del self.names[:-_LATE_NAMES]
+            first = (backend, name) not in self._said
+            self._said.add((backend, name))
+        if first and say:
+            logger.warning(
+                "acompile: %s compiled %s after the server said it was ready "
+                "(warm it up: the pool's record holds it for the next start)",
+                backend,
+                name,
+            )
+        return True
+
+    def stats(self) -> AfterReadyStats:
+        with self._lock:
+            return {
+                "ready": self.ready_at is not None,
+                "on_late": self.on_late,
+                "compiles": sum(self.counts.values()),
+                "by_backend": dict(self.counts),
+                "names": list(self.names),
+            }
+
+
+@dataclass
+class RequestDone:
+    """A request of the pool's that did not come from the memory tier, as it ended."""
+
+    backend: str  # "triton", "cuda", "cpp"
+    name: str
+    key: str
+    tier: str  # "disk", "shared", "compile"; "" where it failed before any answered
+    outcome: str  # "ok", "error", "cancelled"
+    error: str | None  # the error's class name
+    start: float  # perf_counter
+    end: float
+    job: Any  # its compile job where it compiled here, else None
+    nbytes: int  # the entry's bytes read from ``tier`` (0 for a compile)
+    captured: Any  # what the listener's capture() returned in the caller's task
+
+
+class Listener(Protocol):
+    """What a pool tells an observer (``acompile.metrics``): a listener's methods run on the
+    pool's loop and must return at once."""
+
+    def capture(self) -> Any:
+        """Called in the caller's task as a request misses the memory tier (its tracing
+        context, say); handed back in ``RequestDone.captured``."""
+
+    def request_done(self, event: RequestDone) -> None: ...
+
+    def job_done(self, backend: str, job: Any) -> None:
+        """A job on the executor ended (done, failed, cancelled): ``job.state``, ``job.error``,
+        ``job.queued_at``, ``started_at``, ``ended_at``, ``worker_pid``."""
 
 
 def _us(t: float) -> float:
@@ -207,4 +318,14 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-__all__ = ["CacheStats", "JobStats", "Stats", "Tracer", "WorkerStats"]
+__all__ = [
+    "AfterReady",
+    "AfterReadyStats",
+    "CacheStats",
+    "JobStats",
+    "Listener",
+    "RequestDone",
+    "Stats",
+    "Tracer",
+    "WorkerStats",
+]

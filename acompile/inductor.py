@@ -41,7 +41,7 @@ import time
 import warnings
 from collections.abc import Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 
@@ -367,10 +367,14 @@ class Serving:
                 self._last_stats["pool"] = own.pool.stats()  # closed now: its final state
         self.active = False
 
-    def mark_ready(self) -> None:
-        """Say that the server is ready: from now on every build of a served JIT library is
-        counted (``stats()["jit"][lib]["after_ready"]``) and named in a warning, and still
-        published to the fleet's tiers so that the next replica has it."""
+    def mark_ready(self, on_late: Literal["warn", "refuse"] = "warn") -> None:
+        """Say that the server is ready: the serving pool's ``mark_ready(on_late)``. From now on
+        every build of a served JIT library, and every compile of the pool's, is counted
+        (``stats()["jit"][lib]["after_ready"]``, the pool's ``stats()["after_ready"]``) and named
+        in a warning, and still published to the fleet's tiers so that the next replica has it
+        (``on_late="refuse"``: a JIT library's build raises ``CompiledAfterReadyError``)."""
+        if self.pool is not None:
+            self.pool.mark_ready(on_late)
         if self._jits is not None:
             self._jits.builds.mark_ready()
 

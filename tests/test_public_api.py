@@ -35,6 +35,7 @@ EXPECTED = {
     "CompileError",
     "CompilePool",
     "CompileTimeoutError",
+    "CompiledAfterReadyError",
     "DeviceUnavailableError",
     "FarmToolchainError",
     "FarmUnreachableError",

@@ -441,6 +441,7 @@ class TierChain:
             "costs_from_fleet": self.costs.counts["shared_loaded"],
             "costs_published": self.costs.counts["shared_published"],
         }
+        stats["bytes_read"] = {tier.name: self.counts[f"bytes_{tier.name}"] for tier in self.tiers}
         for tier in self.tiers:
             stats[f"hits_{tier.name}"] = self.counts[f"hits_{tier.name}"]
             stats[f"{tier.name}_corrupt"] = self.counts[f"{tier.name}_corrupt"]
@@ -465,10 +466,17 @@ class TierChain:
         try:
             if tier is self.local:
                 # Read and verified on a disk thread, in one hop; no tier is faster to back-fill.
-                return await self.local.get_entry(key)
+                found = await self.local.get_entry(key)
+                if found is not None:
+                    blobs = found.blobs
+                    self.counts[f"bytes_{tier.name}"] += (
+                        blobs.nbytes() if isinstance(blobs, _entry.Blobs) else sum(map(len, blobs.values()))
+                    )
+                return found
             data = await tier.get(key)
             if data is None:
                 return None
+            self.counts[f"bytes_{tier.name}"] += len(data)
             if len(data) < _VERIFY_INLINE_MAX:
                 entry = _entry.decode(data, key)
             else:

@@ -96,6 +96,10 @@ class Blobs(MutableMapping[str, bytes]):
         # Held while pending blobs are read: one read of the file for threads asking at once.
         self._reading = threading.Lock() if source is not None else None
 
+    def nbytes(self) -> int:
+        """The blobs' bytes in all, read or not (nothing is read to say it)."""
+        return sum(len(item) if isinstance(item, bytes) else item[1] - item[0] for item in self._items.values())
+
     def __getitem__(self, name: str) -> bytes:
         item = self._items[name]
         if isinstance(item, tuple):

@@ -495,7 +495,12 @@ class ServedBuilds:
         self.count(f"{build.library}:local_builds")
 
     def _late(self, build: _Named) -> None:
-        if self.ready_at is None:
+        """A build about to run (here or on the pool): counted and named once the server said it
+        was ready (``Serving.mark_ready`` or the pool's ``mark_ready``); the pool's
+        ``on_late="refuse"`` raises ``CompiledAfterReadyError`` into the library instead."""
+        host = self.served.host
+        pool_ready = host.is_ready is not None and host.is_ready()
+        if self.ready_at is None and not pool_ready:
             return
         with self._lock:
             self.counts[f"{build.library}:after_ready"] += 1
@@ -506,6 +511,8 @@ class ServedBuilds:
             build.library,
             build.name,
         )
+        if pool_ready and host.late is not None:
+            host.late(f"jit:{build.library}", build.name, say=False)
 
     def _publish(self, build: Build, graph: Graph, direct: dict[str, Any]) -> None:
         """The products under the full key, then the manifest under the direct key (a replica

@@ -38,6 +38,9 @@ class TorchHost:
         record: ``record(key, library, fields)``: add a JIT library's module to the pool's
             warm-up record (blocking; a record that cannot be written is the pool's to say), or
             None where the pool keeps no record.
+        late: ``late(backend, name, say=...)``: a compile about to start after the server said
+            it was ready: counted, or refused (raises ``CompiledAfterReadyError``); any thread.
+        is_ready: whether the server said it was ready (``CompilePool.mark_ready``).
     """
 
     portal: Portal
@@ -53,3 +56,5 @@ class TorchHost:
     cache_root: Path
     fleet_wait: float
     record: Callable[[str, str, dict[str, Any]], None] | None = None
+    late: Callable[..., None] | None = None
+    is_ready: Callable[[], bool] | None = None
