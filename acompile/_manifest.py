@@ -78,26 +78,81 @@ _KERNEL_FIELDS = {
 }
 
 
+# The largest manifest read: a record of every kernel a large server ever served is a few MiB.
+# Anything larger is not a manifest (a log, a disk image named by mistake) and would be read
+# whole into memory before a word of it is checked.
+MANIFEST_LIMIT = 64 << 20
+
+_FILE_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """A manifest's TOML, parsed (blocking). ``InvalidSpecError`` saying what is wrong: no such
+    file, not a regular file, over ``MANIFEST_LIMIT``, not UTF-8, not TOML, nested too deep.
+
+    Opened without blocking and checked before a byte is read: a FIFO without a writer would
+    wait for ever, a device such as /dev/zero never ends."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise InvalidSpecError(f"no manifest at {path}") from None
+    except OSError as exc:
+        raise InvalidSpecError(f"cannot read the manifest {path}: {exc.strerror or exc}") from None
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise InvalidSpecError(f"{path} is a folder: name a manifest file (a .toml) in it")
+        if not stat.S_ISREG(info.st_mode):
+            kind = next((name for test, name in _FILE_KINDS if test(info.st_mode)), "a special file")
+            raise InvalidSpecError(f"{path} is not a regular file ({kind}): name a manifest file (a .toml)")
+        if info.st_size > MANIFEST_LIMIT:
+            raise InvalidSpecError(
+                f"{path} is {info.st_size / (1 << 20):.1f} MiB: a manifest is at most "
+                f"{MANIFEST_LIMIT >> 20} MiB (is it the file you meant? split a larger one)"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    with open(fd, "rb") as f:
+        try:
+            # One byte over the bound: a file that grows while it is read is refused too.
+            raw = f.read(MANIFEST_LIMIT + 1)
+        except OSError as exc:
+            raise InvalidSpecError(f"cannot read the manifest {path}: {exc.strerror or exc}") from None
+    if len(raw) > MANIFEST_LIMIT:
+        raise InvalidSpecError(f"{path} grew past {MANIFEST_LIMIT >> 20} MiB while it was read")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidSpecError(
+            f"{path} is not a text file (not UTF-8: {exc.reason} at byte {exc.start})"
+        ) from None
+    try:
+        data: dict[str, Any] = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise InvalidSpecError(f"{path} is not valid TOML: {exc}") from None
+    except RecursionError:
+        # TOML's parser recurses once an array or inline table: a file nested thousands deep
+        # (no manifest is) would otherwise end in a traceback.
+        raise InvalidSpecError(
+            f"{path} nests arrays or tables too deep to be a manifest (over {sys.getrecursionlimit()} levels)"
+        ) from None
+    return data
+
+
 def load_manifest(path: str | Path) -> list[TritonSpec]:
     """Read a manifest and import its kernels (blocking: imports run module code).
 
     Raises ``InvalidSpecError`` naming the manifest entry at fault.
     """
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InvalidSpecError(f"no manifest at {path}") from None
-    except IsADirectoryError:
-        raise InvalidSpecError(f"{path} is a folder: name a manifest file (a .toml) in it") from None
-    except UnicodeDecodeError as exc:
-        raise InvalidSpecError(
-            f"{path} is not a text file (not UTF-8: {exc.reason} at byte {exc.start})"
-        ) from None
-    except OSError as exc:
-        raise InvalidSpecError(f"cannot read the manifest {path}: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise InvalidSpecError(f"{path} is not valid TOML: {exc}") from None
+    data = read_manifest(path)
     unknown_top = set(data) - {"defaults", "kernel", "torch", "flashinfer"}
     if unknown_top:
         raise InvalidSpecError(
@@ -126,13 +181,14 @@ def load_manifest(path: str | Path) -> list[TritonSpec]:
             )
         if "kernel" not in entry or "signature" not in entry:
             raise InvalidSpecError(f'{where}: needs kernel = "file.py:name" and signature = {{...}}')
-        fn = _import_kernel(entry["kernel"], path.parent, where)
         variants = entry.get("constexprs", [{}])
         if isinstance(variants, Mapping):
             variants = [variants]
         targets = entry.get("targets", [None])
         if isinstance(targets, str):
             targets = [targets]
+        _check_shapes(entry, variants, targets, where)
+        fn = _import_kernel(entry["kernel"], path.parent, where)
         for target in targets:
             for constexprs in variants:
                 specs.append(
@@ -148,6 +204,25 @@ def load_manifest(path: str | Path) -> list[TritonSpec]:
                     )
                 )
     return specs
+
+
+def _check_shapes(entry: Mapping[str, Any], variants: Any, targets: Any, where: str) -> None:
+    """The shapes of a ``[[kernel]]`` entry's fields (a table, a list of tables, ...), so that a
+    wrong one is named, not a ``TypeError`` from deep inside; their values are the spec's checks."""
+    if not isinstance(entry["signature"], Mapping):
+        raise InvalidSpecError(
+            f'{where}: signature must be a table of parameter types, such as {{ x_ptr = "*fp32", n = "i32" }}'
+        )
+    if not isinstance(variants, list) or not all(isinstance(v, Mapping) for v in variants):
+        raise InvalidSpecError(
+            f"{where}: constexprs must be a table, such as {{ BLOCK = 256 }}, or a list of them "
+            "(one a variant)"
+        )
+    if not isinstance(targets, list) or not all(t is None or isinstance(t, str) for t in targets):
+        raise InvalidSpecError(f'{where}: targets must be a list of targets, such as ["cuda:90", "cuda:80"]')
+    for name in ("options", "attrs"):
+        if not isinstance(entry.get(name, {}), Mapping):
+            raise InvalidSpecError(f"{where}: {name} must be a table")
 
 
 @dataclass(frozen=True)
@@ -166,11 +241,7 @@ def load_torch_entries(path: str | Path) -> list[TorchWarmup]:
     """The ``[[torch]]`` entries of a manifest, their callables imported (blocking). Raises
     ``InvalidSpecError`` naming the entry at fault; ``[]`` where there are none."""
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
-        load_manifest(path)  # raises the error that names the problem
-        raise
+    data = read_manifest(path)
     entries = data.get("torch", [])
     if not isinstance(entries, list):
         raise InvalidSpecError(
@@ -228,11 +299,7 @@ def load_flashinfer_entries(path: str | Path) -> list[FlashInferWarmup]:
     import sys
 
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
-        load_manifest(path)  # raises the error that names the problem
-        raise
+    data = read_manifest(path)
     entries = data.get("flashinfer", [])
     if not isinstance(entries, list):
         raise InvalidSpecError(

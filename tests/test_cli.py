@@ -167,6 +167,12 @@ def test_warmup_explains_a_bad_manifest(tmp_path: Path) -> None:
         "defaults = 3\n[[kernel]]\nkernel = 'x.py:k'\n": "[defaults] must be a table",
         "not toml [": "is not valid TOML",
         "[defaults]\n": "lists no [[kernel]] (or [[torch]], [[flashinfer]]) entries",
+        # Fields of the wrong shape: named, never a TypeError from inside.
+        "[[kernel]]\nkernel = 'x.py:k'\nsignature = 3\n": "signature must be a table of parameter types",
+        "[[kernel]]\nkernel = 'x.py:k'\nsignature = {}\nconstexprs = 3\n": "constexprs must be a table",
+        "[[kernel]]\nkernel = 'x.py:k'\nsignature = {}\nconstexprs = [1]\n": "constexprs must be a table",
+        "[[kernel]]\nkernel = 'x.py:k'\nsignature = {}\ntargets = 5\n": "targets must be a list of targets",
+        "[[kernel]]\nkernel = 'x.py:k'\nsignature = {}\noptions = 3\n": "options must be a table",
     }
     for text, message in cases.items():
         manifest = tmp_path / "m.toml"
@@ -185,6 +191,56 @@ def test_warmup_explains_a_bad_manifest(tmp_path: Path) -> None:
     for workers, message in (("0", "must be at least 1, got 0"), ("two", "not a whole number: 'two'")):
         out = acompile_cmd("warmup", str(manifest), "--workers", workers)
         assert out.returncode == 2 and f"argument --workers: {message}" in out.stderr, out.stderr
+
+
+def test_warmup_refuses_a_manifest_that_is_no_regular_file_too_large_or_nested_too_deep(
+    tmp_path: Path,
+) -> None:
+    """A manifest is read whole before any work: a device (/dev/zero never ends), a FIFO (no
+    writer: the read would wait for ever), a file over the size bound, and TOML nested deeper
+    than Python's recursion limit are each refused at once, with exit code 2 and no traceback."""
+    fifo = tmp_path / "manifest.fifo"
+    os.mkfifo(fifo)
+    huge = tmp_path / "huge.toml"
+    with huge.open("wb") as f:
+        f.truncate(65 << 20)  # sparse: nothing written, yet over the bound by its size
+    deep = tmp_path / "deep.toml"
+    deep.write_text("[[kernel]]\nkernel = 'x.py:k'\nsignature = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    cases = {
+        "/dev/zero": "/dev/zero is not a regular file (a character device): name a manifest file",
+        str(fifo): f"{fifo} is not a regular file (a FIFO): name a manifest file",
+        str(huge): f"{huge} is 65.0 MiB: a manifest is at most 64 MiB",
+        str(deep): f"{deep} nests arrays or tables too deep",
+    }
+    for path, message in cases.items():
+        out = acompile_cmd("warmup", path, "--cache-dir", str(tmp_path / "cache"), timeout=60)
+        assert out.returncode == 2, (path, out.stdout[-2000:], out.stderr[-2000:])
+        assert message in out.stderr, (path, out.stderr[-2000:])
+        assert "Traceback" not in out.stderr, (path, out.stderr[-2000:])
+    assert not (tmp_path / "cache").exists()  # refused before any pool
+
+
+def test_warmup_counts_distinct_variants_and_says_how_many_duplicates_it_skipped(tmp_path: Path) -> None:
+    """A manifest that lists the same variant many times (a record concatenated with itself,
+    defaults that make two entries equal) is not "N compiled": each distinct variant is one row,
+    counted once, and the summary says how many duplicates were skipped."""
+    (tmp_path / "kernels_dup.py").write_text(
+        "import triton, triton.language as tl\n\n"
+        "@triton.jit\ndef fill(x_ptr, BLOCK: tl.constexpr):\n    tl.store(x_ptr + tl.arange(0, BLOCK), 1.0)\n"
+    )
+    variants = ", ".join(["{ BLOCK = 64 }", "{ BLOCK = 128 }"] * 100)
+    entry = f'[[kernel]]\nkernel = "kernels_dup.py:fill"\nsignature = {{ x_ptr = "*fp32" }}\nconstexprs = [{variants}]\n'
+    manifest = tmp_path / "dup.toml"
+    manifest.write_text('[defaults]\ntargets = ["cuda:90"]\n' + entry * 3)
+    report = tmp_path / "report.json"
+    out = acompile_cmd("warmup", str(manifest), "--cache-dir", str(tmp_path / "cache"), "--workers", "1",
+                       "--json", str(report))  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "2 kernels: 2 compiled, 0 cached, 0 failed" in out.stdout, out.stdout
+    assert "598 duplicate variants skipped" in out.stdout, out.stdout
+    document = json.loads(report.read_text())
+    assert len(document["kernels"]) == 2 and document["duplicates"] == 598
+    assert len({r["key"] for r in document["kernels"]}) == 2
 
 
 def test_warmup_log_lines_start_on_their_own_line_under_the_progress_bar(tmp_path: Path) -> None:

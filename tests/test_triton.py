@@ -442,6 +442,52 @@ async def test_argument_mistakes_raise_before_any_worker_starts(cache_dir: Path)
     assert issubclass(acompile.InvalidSpecError, ValueError)
 
 
+async def test_deep_constexprs_and_wrong_triton_options_are_refused_in_the_parent_naming_them(
+    cache_dir: Path,
+) -> None:
+    """A constexpr of tuples nested 1,000 deep used to end in a bare RecursionError, and an
+    option of the wrong type (maxnreg="x") reached a worker and came back as Triton's pybind
+    message: both are the caller's mistakes, told before any worker starts, naming what to change."""
+    deep: object = 1
+    for _ in range(1000):
+        deep = (deep,)
+    async with pool(cache_dir, prestart=False) as p:
+        with pytest.raises(
+            acompile.InvalidSpecError, match=r"constexpr BLOCK nests tuples more than \d+ deep"
+        ):
+            await p.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": deep})
+        cases = [
+            (dict(maxnreg="x"), r"option maxnreg must be an integer from 1 to 255 \(or None\), got 'x'"),
+            (dict(maxnreg=0), r"option maxnreg must be an integer from 1 to 255"),
+            (dict(maxnreg=True), r"option maxnreg must be an integer"),
+            (dict(num_ctas=0), r"option num_ctas must be an integer from 1 to 16, got 0"),
+            (dict(num_ctas="2"), r"option num_ctas must be an integer"),
+            (dict(num_stages="3"), r"num_stages must be a positive integer, got '3'"),
+            (dict(enable_fp_fusion="yes"), r"option enable_fp_fusion must be True or False, got 'yes'"),
+            (dict(ptx_options=7), r"option ptx_options must be a string \(or None\), got 7"),
+            (dict(ptx_version=-1), r"option ptx_version must be a non-negative integer"),
+            (
+                dict(allowed_dot_input_precisions="tf32"),
+                r"option allowed_dot_input_precisions must be a list of strings",
+            ),
+            (dict(debug=1), r"option debug must be True or False, got 1"),
+        ]
+        for options, message in cases:
+            with pytest.raises(acompile.InvalidSpecError, match=message):
+                await p.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 64}, **options)  # type: ignore[arg-type]
+        # A nested option value as deep as the constexpr above: the same clear refusal.
+        with pytest.raises(acompile.InvalidSpecError, match=r"option extern_libs"):
+            await p.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 64}, extern_libs=deep)  # type: ignore[arg-type]
+        assert p.stats()["workers"]["started"] == 0
+    # Right values pass the checks, as Triton's own types have them.
+    from acompile._backends._triton_spec import check_options
+
+    for options in ({"maxnreg": 128}, {"maxnreg": None}, {"num_ctas": 2}, {"ptx_options": "-v"},
+                    {"allowed_dot_input_precisions": ["tf32", "ieee"]}, {"enable_fp_fusion": False}):  # fmt: skip
+        spec = acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 64}, num_stages=1, options=options)
+        assert check_options(acompile.Target("cuda", 90), spec)["num_stages"] == 1
+
+
 async def test_a_grid_of_the_wrong_shape_is_refused_before_the_kernel_is_loaded(cache_dir: Path) -> None:
     async with pool(cache_dir, workers=1) as p:
         k = await p.triton(add_kernel, signature=ADD_SIG, constexprs={"BLOCK": 64})

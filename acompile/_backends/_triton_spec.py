@@ -199,6 +199,8 @@ def _attr_pairs(k: Any, v: Any) -> list[list[Any]]:
 
 # The options each of Triton's compiler backends takes, by backend name ("cuda", "hip").
 _option_names_memo: dict[str, frozenset[str]] = remembered({})
+# And the kind of value each takes (see ``_option_kind``), read off the same dataclass.
+_option_kinds_memo: dict[str, dict[str, tuple[str, bool]]] = remembered({})
 
 
 def option_names(backend: str) -> frozenset[str]:
@@ -210,8 +212,96 @@ def option_names(backend: str) -> frozenset[str]:
             from triton.backends.nvidia.compiler import CUDAOptions as options_cls
         else:
             from triton.backends.amd.compiler import HIPOptions as options_cls
-        names = _option_names_memo[backend] = frozenset(options_cls.__dataclass_fields__)
+        fields = options_cls.__dataclass_fields__
+        _option_kinds_memo[backend] = {name: _option_kind(name, f) for name, f in fields.items()}
+        names = _option_names_memo[backend] = frozenset(fields)
     return names
+
+
+# Options whose value Triton takes in a range narrower than its type says: outside it, the
+# compile fails in a worker with a message of Triton's (or ptxas's) that names no option.
+# (low, high): inclusive; None for no bound.
+_OPTION_RANGES: dict[str, tuple[int, int | None]] = {
+    "maxnreg": (1, 255),  # registers a thread: ptxas's .maxnreg, at most 255 on every NVIDIA GPU
+    "num_ctas": (1, 16),  # a thread block cluster: 16 at most (8 portable)
+    "kpack": (1, 2),
+}
+# Options typed loosely in Triton's dataclass: CUDA's says bool, yet the value is a count.
+_OPTION_KIND_OVERRIDES = {"max_num_imprecise_acc_default": "int"}
+
+
+def _option_kind(name: str, field_: Any) -> tuple[str, bool]:
+    """The kind of value an option of Triton's takes, from its dataclass field: "int", "bool",
+    "str", "strs" (a list of strings), "map" (names to strings) or "any" (a type this does not
+    check: its value need only be plain), and whether None is allowed."""
+    import dataclasses
+    import typing
+
+    annotation = field_.type
+    nullable = field_.default is None
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Union and type(None) in args:
+        nullable = True
+        rest = [a for a in args if a is not type(None)]
+        annotation = rest[0] if len(rest) == 1 else Any
+        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if field_.default is dataclasses.MISSING and field_.default_factory is dataclasses.MISSING:
+        nullable = False
+    kind = _OPTION_KIND_OVERRIDES.get(name)
+    if kind is None:
+        if annotation is bool:
+            kind = "bool"
+        elif annotation is int:
+            kind = "int"
+        elif annotation is str:
+            kind = "str"
+        elif (origin or annotation) in (tuple, list) and all(a in (str, Ellipsis) for a in args):
+            kind = "strs"
+        elif (origin or annotation) is dict:
+            kind = "map"
+        else:
+            kind = "any"
+    return kind, nullable
+
+
+def _check_option(name: str, value: Any, kind: str, nullable: bool) -> None:
+    """``InvalidSpecError`` naming the option where ``value`` is not of its ``kind`` (see
+    ``_option_kind``) or out of its range: Triton would fail on it in a worker, in words of
+    its own (a pybind signature), or worse take it."""
+    if value is None and nullable:
+        return
+    either = " (or None)" if nullable else ""
+    if kind == "int":
+        low, high = _OPTION_RANGES.get(name, (0, None))
+        if (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and value >= low
+            and (high is None or value <= high)
+        ):
+            return
+        if high is not None:
+            wanted = f"an integer from {low} to {high}"
+        else:
+            wanted = "a non-negative integer" if low == 0 else f"an integer of at least {low}"
+        raise InvalidSpecError(f"option {name} must be {wanted}{either}, got {show(value)}")
+    if kind == "bool" and not isinstance(value, bool):
+        raise InvalidSpecError(f"option {name} must be True or False{either}, got {show(value)}")
+    if kind == "str" and not isinstance(value, str):
+        raise InvalidSpecError(f"option {name} must be a string{either}, got {show(value)}")
+    if kind == "strs" and (
+        isinstance(value, (str, bytes))
+        or not isinstance(value, (list, tuple))
+        or not all(isinstance(v, str) for v in value)
+    ):
+        raise InvalidSpecError(
+            f'option {name} must be a list of strings{either}, such as ["a", "b"], got {show(value)}'
+        )
+    if kind == "map" and (
+        not isinstance(value, Mapping)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+    ):
+        raise InvalidSpecError(f"option {name} must map names to strings{either}, got {show(value)}")
 
 
 def knows_options(backend: str) -> bool:
@@ -240,24 +330,39 @@ def check_options(target: Target, spec: TritonSpec) -> dict[str, Any]:
     stages = options["num_stages"]
     if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
         raise InvalidSpecError(f"num_stages must be a positive integer, got {show(stages)}")
+    kinds = _option_kinds_memo.get(target.backend, {})
     for name, value in options.items():
+        if name in kinds:
+            _check_option(name, value, *kinds[name])
         if type(value) is int or type(value) is bool or (type(value) is str and "\0" not in value):
             continue  # a plain value as it is (most are): nothing to encode to know it
         try:
             text = json.dumps(value)
         except (TypeError, ValueError):
             raise InvalidSpecError(f"option {name}={show(value)} is not a plain value") from None
+        except RecursionError:
+            raise InvalidSpecError(
+                f"option {name} nests lists or tables too deep to be a plain value"
+            ) from None
         if "\\u0000" in text:
             raise InvalidSpecError(f"option {name} contains a NUL character (\\0)")
     return dict(sorted(options.items()))
 
 
 def show(value: Any) -> str:
-    """A value's repr for a message, short however large the value is."""
-    return bounded(repr(value), 200)
+    """A value's repr for a message, short however large (or deep) the value is."""
+    try:
+        return bounded(repr(value), 200)
+    except RecursionError:
+        return f"a {type(value).__name__} nested too deep to show"
 
 
-def canonical(name: str, value: Any) -> Any:
+# How deep a constexpr's tuples may nest: far more than any kernel's, and far enough under
+# Python's recursion limit that a key (and Triton's own walks of the value) are computed.
+CONSTEXPR_DEPTH = 32
+
+
+def canonical(name: str, value: Any, depth: int = 0) -> Any:
     """A JSON form of a constexpr value that tells 1, 1.0 and True apart."""
     if value is None or isinstance(value, str):
         return value
@@ -268,10 +373,17 @@ def canonical(name: str, value: Any) -> Any:
     if isinstance(value, float):
         return ["float", repr(value)]
     if isinstance(value, (tuple, list)):
-        return ["tuple", [canonical(name, v) for v in value]]
+        if depth >= CONSTEXPR_DEPTH:
+            raise InvalidSpecError(
+                f"constexpr {name} nests tuples more than {CONSTEXPR_DEPTH} deep: no kernel takes such a "
+                "value (is it built by a loop that does not end?)"
+            )
+        return ["tuple", [canonical(name, v, depth + 1) for v in value]]
     inner = getattr(value, "value", None)
     if type(value).__name__ == "constexpr":
-        return canonical(name, inner)
+        if depth >= CONSTEXPR_DEPTH:
+            raise InvalidSpecError(f"constexpr {name} nests constexprs more than {CONSTEXPR_DEPTH} deep")
+        return canonical(name, inner, depth + 1)
     cache_key = getattr(value, "cache_key", None)
     if isinstance(cache_key, str):
         return ["obj", type(value).__name__, cache_key]

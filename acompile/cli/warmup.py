@@ -34,7 +34,8 @@ from acompile.cli._common import (
 
 WARMUP_EPILOG = """\
 columns: wait is the time a kernel queued for a free worker, compile the time a worker spent on it
-(both empty for a kernel the cache answered).
+(both empty for a kernel the cache answered). A variant the manifest lists more than once is
+compiled and counted once; the summary says how many such duplicates were skipped.
 
 with --shared-cache, the kernels are also published to the shared tier, and the summary says how
 many were found there, published, refused (entries that failed their signature check) and how
@@ -124,6 +125,9 @@ def run(args: argparse.Namespace) -> int:
             return 2
     args.models = models
     args.jits = jits
+    # A variant listed more than once (records concatenated, defaults that make two entries
+    # equal) is one kernel: compiled once, and counted once in the summary.
+    specs, args.duplicates = _distinct(specs)
     if args.target is None and any(s.target is None for s in specs):
         print(
             'acompile warmup: some kernels name no target: add targets = ["cuda:90"] to the manifest '
@@ -221,10 +225,14 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
                     shared["torch_entries"] = len(torch_keys)
                     shared["torch_missing"] = len(torch_keys) - found - written
         _add_job_times(rows, trace_path)
+    # Variants spelled apart that are one kernel (its target named, or left to --target): one
+    # key, one row.
+    rows, also = _one_row_a_key(rows)
+    args.duplicates += also
     elapsed = time.perf_counter() - t0
     progress.close()
     if rows:
-        _print_summary(rows, elapsed, pool.cache_dir, sys.stdout)
+        _print_summary(rows, elapsed, pool.cache_dir, sys.stdout, duplicates=args.duplicates)
     if models:
         _print_models(models, sys.stdout)
     if modules:
@@ -284,7 +292,7 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
             )
             ok = False
     if args.json_path:
-        document: dict[str, Any] = {"seconds": elapsed, "kernels": rows}
+        document: dict[str, Any] = {"seconds": elapsed, "kernels": rows, "duplicates": args.duplicates}
         if models:
             document["torch"] = models
         if shared:
@@ -530,7 +538,48 @@ def _add_job_times(rows: list[dict[str, Any]], trace_path: Path) -> None:
         row["compile_seconds"] = compiles.get(row.get("key", "")) if compiled else None
 
 
-def _print_summary(rows: list[dict[str, Any]], elapsed: float, cache_dir: Path, out: TextIO) -> None:
+def _distinct(specs: list[Any]) -> tuple[list[Any], int]:
+    """``specs`` without the ones equal to an earlier one (field by field, the kernel by
+    identity), and how many were left out. A spec whose fields are not plain data is kept: the
+    pool's single flight compiles it once all the same, and ``_one_row_a_key`` counts it once."""
+    seen: set[str] = set()
+    kept = []
+    for spec in specs:
+        fields = [id(spec.fn), spec.kernel_name, spec.signature, spec.constexprs, spec.num_warps,
+                  spec.num_stages, str(spec.target), spec.attrs, spec.options]  # fmt: skip
+        try:
+            identity = json.dumps(fields, sort_keys=True)
+        except (TypeError, ValueError, RecursionError):
+            kept.append(spec)
+            continue
+        if identity not in seen:
+            seen.add(identity)
+            kept.append(spec)
+    return kept, len(specs) - len(kept)
+
+
+# Which of the rows of one key is shown: the one that says what this run did to it.
+_RESULT_ORDER = {"compiled": 0, "cached": 1, "failed": 2}
+
+
+def _one_row_a_key(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """One row a kernel's key (rows without a key, failed before one was computed, each stay),
+    and how many rows were left out."""
+    best: dict[str, dict[str, Any]] = {}
+    kept: list[dict[str, Any]] = []
+    for row in rows:
+        key = row.get("key")
+        if key is None:
+            kept.append(row)
+        elif key not in best or _RESULT_ORDER[row["result"]] < _RESULT_ORDER[best[key]["result"]]:
+            best[key] = row
+    kept.extend(best.values())
+    return kept, len(rows) - len(kept)
+
+
+def _print_summary(
+    rows: list[dict[str, Any]], elapsed: float, cache_dir: Path, out: TextIO, *, duplicates: int = 0
+) -> None:
     rows = sorted(rows, key=lambda r: (r["kernel"], r["target"], json.dumps(r["constexprs"], sort_keys=True)))
     table = [("kernel", "target", "constexprs", "warps", "result", "wait s", "compile s")]
     for r in rows:
@@ -558,6 +607,12 @@ def _print_summary(rows: list[dict[str, Any]], elapsed: float, cache_dir: Path, 
         f"{counts['failed']} failed in {elapsed:.2f} s  (cache: {cache_dir})",
         file=out,
     )
+    if duplicates:
+        print(
+            f"{duplicates} duplicate variant{'' if duplicates == 1 else 's'} skipped (listed more than once "
+            "in the manifest: each distinct one is compiled and counted once)",
+            file=out,
+        )
     print("wait s: queued for a free worker; compile s: on the worker", file=out)
     for r in rows:
         if r["result"] == "failed":
