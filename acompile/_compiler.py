@@ -890,10 +890,10 @@ class CompilePool:
             # would collect all their tracebacks.
             # The original, with the traceback of where it happened, is the copy's cause.
             raise copy.copy(flight.error) from flight.error
-        self._record(request, spec)
+        self._record(request, spec, after_ready=flight.tier == "compile" and self.ready)
         return flight.result, flight.tier
 
-    def _record(self, request: Request, spec: Spec) -> None:
+    def _record(self, request: Request, spec: Spec, *, after_ready: bool = False) -> None:
         """Add a request this pool served (successfully) to the warm-up record, in the
         background: a failed request would only fail again at every replay."""
         recorder = self._recorder
@@ -902,14 +902,21 @@ class CompilePool:
         assert self._tg is not None
         if recorder.recorded(request.key):
             return
-        self._tg.start_soon(self._write_record, recorder, request, spec)
+        self._tg.start_soon(self._write_record, recorder, request, spec, after_ready)
 
-    async def _write_record(self, recorder: Recorder, request: Request, spec: Spec) -> None:
+    async def _write_record(
+        self, recorder: Recorder, request: Request, spec: Spec, after_ready: bool = False
+    ) -> None:
         """One entry of the record, off the loop. A record that cannot be written (a folder
         that cannot be made, a full or read-only disk) costs the record, never the pool: one
         warning, and this pool records nothing more."""
         try:
-            await anyio.to_thread.run_sync(recorder.add, request, spec)
+            # Shielded: a request served just before the pool's exit is recorded too (the write
+            # is short; the record's lock is waited for _LOCK_WAIT at most).
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(
+                    functools.partial(recorder.add, request, spec, after_ready=after_ready)
+                )
         except OSError as exc:
             self._record_lost(recorder, exc)
 

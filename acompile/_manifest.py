@@ -458,6 +458,8 @@ def _import_kernel(ref: str, base: Path, where: str, what: str = "kernel") -> An
 
 # --- writing: the record of what a pool served -------------------------------------------------
 
+# The comment on a record's entry compiled after the server said it was ready.
+AFTER_READY_NOTE = "# compiled after the server said it was ready: the warm-up missed it"
 # A kernel's key is a comment above its fields; a module's, a field of its own (warm-up checks it).
 _KEY_LINE = re.compile(r'^(?:# key: |key = ")([0-9a-f]{64})"?$', re.MULTILINE)
 
@@ -481,10 +483,13 @@ class Recorder:
         seen = self._seen
         return seen is not None and key in seen
 
-    def add(self, request: Any, spec: Any) -> bool:
+    def add(self, request: Any, spec: Any, *, after_ready: bool = False) -> bool:
         """Record one Triton request (once per key); False if it cannot be written as a
-        manifest entry, or was recorded already."""
+        manifest entry, or was recorded already. ``after_ready``: it was compiled after the
+        server said it was ready (a comment says so: what the warm-up missed)."""
         text = _manifest_entry(request, spec)
+        if text is not None and after_ready:
+            text = text.replace("\n[[kernel]]\n", f"\n[[kernel]]\n{AFTER_READY_NOTE}\n", 1)
         return text is not None and self._append(request.key, text)
 
     def add_module(self, key: str, library: str, fields: Mapping[str, Any]) -> bool:

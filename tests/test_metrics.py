@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from conftest import TARGET, subprocess_env
 from kernels_for_tests import ADD_SIG, add_kernel, scale_add_kernel
@@ -68,7 +69,9 @@ async def test_a_scrape_says_what_the_pool_did(tmp_path: Path) -> None:
     assert seen2["acompile_cache_requests_total"][(("result", "hit"), ("tier", "disk"))] == 1
     assert seen2["acompile_cache_read_bytes_total"][(("tier", "disk"),)] > 1000
     assert seen2["acompile_compiles_total"][()] == 0
-    assert seen2["acompile_workers"][(("state", "down"),)] + seen2["acompile_workers"][(("state", "idle"),)] == 1
+    assert (
+        seen2["acompile_workers"][(("state", "down"),)] + seen2["acompile_workers"][(("state", "idle"),)] == 1
+    )
 
 
 async def test_a_memory_hit_costs_no_observer_call(tmp_path: Path) -> None:
@@ -181,6 +184,37 @@ def test_without_the_extra_there_is_no_metric_and_a_clear_error() -> None:
         "except acompile.BackendUnavailableError as exc:\n"
         "    print(json.dumps(str(exc)))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), check=False
+    )
     assert done.returncode == 0, done.stderr
-    assert 'pip install \\"acompile[metrics]\\"' in done.stdout or "acompile[metrics]" in json.loads(done.stdout)
+    assert 'pip install \\"acompile[metrics]\\"' in done.stdout or "acompile[metrics]" in json.loads(
+        done.stdout
+    )
+
+
+async def test_the_record_names_what_the_warm_up_missed(tmp_path: Path) -> None:
+    """A kernel compiled after ready lands in the pool's record with a comment that says so: the
+    next start's warm-up (``acompile warmup RECORD``) compiles it before the server is ready."""
+    record = tmp_path / "served.toml"
+    async with acompile.CompilePool(1, target=TARGET, cache_dir=tmp_path / "c", record=record) as pool:
+        await pool.compile(spec(128))  # the warm-up
+        pool.mark_ready()
+        await pool.compile(spec(64, scale_add_kernel))  # missed by the warm-up
+    text = record.read_text()
+    entries = text.split("[[kernel]]")[1:]
+    assert len(entries) == 2, text
+    late = [e for e in entries if "compiled after the server said it was ready" in e]
+    assert len(late) == 1 and "scale_add_kernel" in late[0], text
+    command = [
+        sys.executable,
+        "-m",
+        "acompile.cli",
+        "warmup",
+        str(record),
+        "--cache-dir",
+        str(tmp_path / "next"),
+    ]
+    done = await anyio.run_process(command, check=False, env=subprocess_env())
+    assert done.returncode == 0, done.stderr.decode()
+    assert "2 kernels: 2 compiled" in done.stdout.decode(), done.stdout.decode()
