@@ -5,8 +5,11 @@
     python examples/server.py --host 0.0.0.0 --port 8000
 
 Routes:
-    GET  /health    answers at once, whatever is compiling: the warm-up's and the replay's
-                    state, the progressive matmul's stage and stats, and ``pool.stats()``.
+    GET  /health    answers at once, whatever is compiling: ``acompile.asgi.Serving.health()``
+                    (the pool's state, the warm-up's progress, ``pool.stats()`` under ``pool``)
+                    and the progressive matmul's stage and stats (``matmul``).
+    GET  /ready     503 while the warm-up runs, 200 once it is over (``acompile.asgi.ready``).
+    GET  /metrics   the pool's Prometheus metrics (a 404 without the ``metrics`` extra).
     POST /compile   ``{"kernel": "add_kernel", "constexprs": {"BLOCK": 512}, "num_warps": 4}``
                     compiles (or takes from the cache) and answers ``{"name", "key", "tier",
                     "cubin_bytes", "seconds"}``; a wrong request is a 400, a kernel Triton
@@ -20,12 +23,12 @@ Routes:
                     wakes them (``pool.stats()["workers"]["awake"]`` is true again).
 
 The server starts accepting requests as soon as the pool is entered. Meanwhile, in the
-background lane (``background=True``, so a request that someone waits on never queues behind
-them), it compiles the kernels it knows and replays the record of the previous run: every Triton
-request this server serves is appended to a warm-up manifest (``CompilePool(record=...)``), and
-the next start loads that file and compiles (or loads from disk) what production used. The
-matmul is progressive: a small-tile version compiles first and is served at once, and the tuned
-version is swapped in when it lands.
+background lane (so a request that someone waits on never queues behind them), it compiles the
+kernels of ``manifest.toml`` (those for its own target) and replays the record of the previous
+run: every Triton request this server serves is appended to a warm-up manifest
+(``CompilePool(record=...)``), and the next start compiles (or loads from disk) what production
+used. The matmul is progressive: a small-tile version compiles first and is served at once, and
+the tuned version is swapped in when it lands.
 
 Environment: ``ACOMPILE_TARGET`` (default ``cuda:90``; compiling needs no GPU),
 ``ACOMPILE_WORKERS`` (compile processes; default one per usable CPU), ``ACOMPILE_CACHE_DIR``
@@ -38,28 +41,24 @@ many idle seconds; default never), ``ACOMPILE_HOST`` and ``ACOMPILE_PORT`` (for
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import logging
 import os
-import signal
 import sys
-import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
-from types import FrameType
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 from starlette.applications import Starlette
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 import acompile
-from acompile import load_manifest
+import acompile.asgi
 
 # The kernels live next to this file. Import them as the top-level module `kernels` however the
 # server is started (`uvicorn examples.server:app`, `--app-dir examples`, or as a script); the
@@ -73,7 +72,7 @@ import kernels  # noqa: E402
 logger = logging.getLogger("acompile.example")
 
 # On SIGTERM, uvicorn's bound on the wait for requests in flight (its --timeout-graceful-shutdown).
-# The handlers that await the pool answer a 503 at once (stop_signals_set): this is only a
+# The handlers that await the pool answer a 503 at once (acompile.asgi.cancellable): this is only a
 # backstop, for a client slow to read its answer, say. Past it, uvicorn cancels what is left.
 GRACEFUL_SHUTDOWN_S = 5
 
@@ -115,168 +114,20 @@ KERNELS: dict[str, tuple[Any, dict[str, str]]] = {
     "unrolled_kernel": (kernels.unrolled_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"}),
 }
 
-# The variants compiled at start-up (those of examples/manifest.toml), as
-# (kernel, constexprs, num_warps, num_stages).
-WARMUP: list[tuple[str, dict[str, int], int, int]] = [
-    ("add_kernel", {"BLOCK": 256}, 4, 3),
-    ("add_kernel", {"BLOCK": 1024}, 4, 3),
-    ("bias_gelu_kernel", {"BLOCK": 1024}, 4, 3),
-    ("softmax_kernel", {"BLOCK": 1024}, 8, 3),
-    ("softmax_kernel", {"BLOCK": 4096}, 8, 3),
-    ("matmul_kernel", {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}, 4, 3),
-    ("matmul_kernel", {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, 4, 3),
-]
-
 # The matmul is served progressively: small tiles that compile fast (in the urgent lane, at
 # start-up), then tiles tuned for an H100 swapped in when they land (in the background lane).
 MATMUL_FAST: tuple[dict[str, int], int, int] = ({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32}, 4, 2)
 MATMUL_BEST: tuple[dict[str, int], int, int] = ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, 8, 3)
+
+# What the server compiles at start-up: the kernels of this manifest for its own target (the
+# manifest also lists cuda:80 variants, for a build box's `acompile warmup`).
+MANIFEST = Path(__file__).resolve().parent / "manifest.toml"
 
 _REQUEST_FIELDS = {"kernel", "constexprs", "num_warps", "num_stages"}
 
 
 class BadRequest(Exception):
     """The request body is wrong before acompile sees it (answered with a 400)."""
-
-
-# Ending the work of a request nobody waits for any more. Two helpers a server can copy as they
-# are: run_unless_gone() around a handler's await, stop_signals_set() in the lifespan.
-
-T = TypeVar("T")
-
-
-class ClientGone(Exception):
-    """The client hung up before its answer was ready; its work was cancelled."""
-
-
-class ShuttingDown(Exception):
-    """The server began to shut down before the answer was ready; its work was cancelled
-    (answered with a 503, so that the client retries elsewhere)."""
-
-
-async def run_unless_gone(
-    request: Request, stopping: anyio.Event, fn: Callable[..., Awaitable[T]], *args: Any
-) -> T:
-    """Return ``await fn(*args)``, unless the client hangs up or ``stopping`` is set first: then
-    cancel it and raise ``ClientGone`` or ``ShuttingDown``. Call it once the body is read.
-
-    Why: for a plain (non-streaming) response nothing tells a handler that its client hung up:
-    Starlette awaits it to its end (a 27 s compile, for nobody) and the server drops the answer.
-    The ASGI server knows, and answers ``receive()`` with ``http.disconnect``: whoever reads it
-    must cancel the work. acompile then drops the job if it is queued, or stops the worker
-    running it (a fresh one takes its place) if nobody else waits for the same kernel.
-    """
-    gone: Exception | None = None
-    result: list[T] = []
-    failure: list[Exception] = []
-    async with anyio.create_task_group() as watchers:
-
-        async def watch_client() -> None:
-            nonlocal gone
-            # The body has been read: the next message comes when the client hangs up.
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            gone = ClientGone("the client closed the connection")
-            watchers.cancel_scope.cancel()
-
-        async def watch_server() -> None:
-            nonlocal gone
-            await stopping.wait()
-            gone = ShuttingDown("the server is shutting down; send the request again (to another replica)")
-            watchers.cancel_scope.cancel()
-
-        watchers.start_soon(watch_client)
-        watchers.start_soon(watch_server)
-        try:
-            result.append(await fn(*args))
-        except Exception as exc:
-            # Raised as it is after the task group: raised in it, it would come out wrapped in
-            # an ExceptionGroup. (A cancellation is no Exception: it goes through untouched.)
-            failure.append(exc)
-        watchers.cancel_scope.cancel()
-    if result:  # an answer wins over a hang-up that came with it
-        return result[0]
-    if failure:
-        raise failure[0]
-    assert gone is not None  # the work can only have been cancelled by a watcher
-    raise gone
-
-
-@contextlib.contextmanager
-def stop_signals_set(stopping: anyio.Event) -> Iterator[None]:
-    """Set ``stopping`` as soon as the process receives SIGTERM or SIGINT, then hand the signal
-    on to the handler that was there before (the server's own, which starts its shutdown).
-
-    Why: on SIGTERM uvicorn stops accepting connections, then waits for every request in flight
-    before it runs the lifespan's shutdown: a handler awaiting a long compile holds the process
-    up to the end of that compile (59 s measured). ``--timeout-graceful-shutdown`` bounds the
-    wait by cancelling the handlers' tasks from outside, which logs a ``CancelledError``
-    traceback and answers a 500 for each. The app is told nothing before that, so it listens for
-    the signal itself, with a handler put in front of the server's; requests in flight then
-    answer a 503 at once and the server's shutdown finds nothing to wait for.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        # Only the main thread may set signal handlers (a server run in a thread, in a test):
-        # there ``stopping`` is set when the lifespan exits, after the requests in flight.
-        yield
-        return
-    loop = asyncio.get_running_loop()  # uvicorn runs on asyncio (or uvloop)
-    previous: dict[int, Any] = {}
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        # A signal handler runs between two bytecodes of whatever the main thread does, the
-        # event loop's own code included: it only schedules the event's setting.
-        loop.call_soon_threadsafe(stopping.set)
-        chained = previous[signum]
-        if callable(chained):
-            chained(signum, frame)
-        else:  # SIG_DFL or SIG_IGN: do what it would have done
-            signal.signal(signum, chained)
-            signal.raise_signal(signum)
-
-    for stop_signal in (signal.SIGTERM, signal.SIGINT):
-        previous[stop_signal] = signal.signal(stop_signal, handler)
-    try:
-        yield
-    finally:
-        for signum, chained in previous.items():
-            if chained is not None:  # None: set outside Python; nothing to restore
-                signal.signal(signum, chained)
-
-
-class _Warmup:
-    """What /health reports of the warm-up: "running", then "done" or "failed"."""
-
-    def __init__(self) -> None:
-        self.state = "running"
-        self.total = len(WARMUP)
-        self.errors: list[str] = []
-        self.seconds: float | None = None
-
-    def report(self) -> dict[str, Any]:
-        return {"total": self.total, "errors": self.errors, "seconds": self.seconds}
-
-
-class _Replay:
-    """What /health reports of the replay of the last run's record: "none" (no record yet),
-    "running", then "done" or "failed"."""
-
-    def __init__(self, path: Path, exists: bool) -> None:
-        self.path = path
-        # Known before the server answers its first request: "none" must never read "running".
-        self.state = "running" if exists else "none"
-        self.total = 0
-        self.errors: list[str] = []
-        self.seconds: float | None = None
-
-    def report(self) -> dict[str, Any]:
-        return {
-            "state": self.state,
-            "path": str(self.path),
-            "total": self.total,
-            "errors": self.errors,
-            "seconds": self.seconds,
-        }
 
 
 def default_record_path() -> Path:
@@ -300,49 +151,6 @@ def _spec(kernel: Any, constexprs: Any, num_warps: Any, num_stages: Any) -> acom
     # acompile checks the rest (constexpr names and values, num_warps, num_stages) and says
     # what is wrong with an InvalidSpecError.
     return acompile.TritonSpec(fn, signature, constexprs, num_warps=num_warps, num_stages=num_stages)
-
-
-async def _warm_up(pool: acompile.CompilePool, warmup: _Warmup) -> None:
-    t0 = time.perf_counter()
-    try:
-        await pool.wait_ready()
-        specs = [_spec(name, c, w, s) for name, c, w, s in WARMUP]
-        results = await pool.gather(*specs, return_exceptions=True, background=True)
-    except acompile.AcompileError as exc:  # the workers could not start: the message says why
-        warmup.errors.append(str(exc))
-    else:
-        for (name, constexprs, _, _), result in zip(WARMUP, results, strict=True):
-            if isinstance(result, Exception):
-                warmup.errors.append(f"{name} {constexprs}: {result}")
-    warmup.seconds = round(time.perf_counter() - t0, 3)
-    warmup.state = "failed" if warmup.errors else "done"
-    logger.info("warm-up %s: %d kernels in %.2f s", warmup.state, len(WARMUP), warmup.seconds)
-
-
-async def _replay(pool: acompile.CompilePool, replay: _Replay) -> None:
-    """Compile (or load from disk) every kernel the previous run served, in the background lane."""
-    if replay.state == "none":  # the first run with this record: nothing to replay
-        return
-    t0 = time.perf_counter()
-    try:
-        # Reading the manifest imports the kernels' modules: blocking, so in a thread.
-        specs = await anyio.to_thread.run_sync(load_manifest, replay.path)
-    except acompile.InvalidSpecError as exc:
-        # A record naming a kernel that no longer exists, say: the message names the entry.
-        replay.errors.append(str(exc))
-    else:
-        replay.total = len(specs)
-        results = await pool.gather(*specs, return_exceptions=True, background=True)
-        for spec, result in zip(specs, results, strict=True):
-            if isinstance(result, Exception):
-                replay.errors.append(f"{spec.fn.__name__} {spec.constexprs}: {result}")
-    replay.seconds = round(time.perf_counter() - t0, 3)
-    replay.state = "failed" if replay.errors else "done"
-    logger.info(
-        "replay of %s %s: %d kernels in %.2f s", replay.path, replay.state, replay.total, replay.seconds
-    )
-    for error in replay.errors:
-        logger.warning("replay: %s", error.splitlines()[0])
 
 
 def _matmul_spec(config: tuple[dict[str, int], int, int]) -> acompile.TritonSpec:
@@ -372,50 +180,22 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
-        warmup = _Warmup()
-        replay = _Replay(record_path, await anyio.Path(record_path).exists())
-        # Set on SIGTERM or SIGINT: requests in flight then answer a 503 (run_unless_gone).
-        stopping = anyio.Event()
-        async with (
-            acompile.CompilePool(
-                workers, target=target, record=record_path, idle_timeout=idle_timeout
-            ) as pool,
-            anyio.create_task_group() as tg,
-        ):
-            # First, so that the fast matmul is the first urgent job and the best one the first
-            # in the background lane. Its compiles run in the pool's task group.
+        pool = acompile.CompilePool(workers, target=target, record=record_path, idle_timeout=idle_timeout)
+        # Enters the pool, warms it up from the manifest and the last run's record in the
+        # background lane (requests are served meanwhile; /ready says when it is over), and
+        # answers the requests in flight with a 503 on SIGTERM or SIGINT.
+        async with acompile.asgi.serving(pool, warmup=MANIFEST, replay=record_path) as serving:
+            # Before the warm-up's jobs are queued, so that the fast matmul is the first urgent
+            # job and the best one the first in the background lane. Its compiles run in the
+            # pool's task group; leaving the pool cancels them if they are still pending.
             matmul = pool.progressive(_matmul_spec(MATMUL_FAST), _matmul_spec(MATMUL_BEST))
-            # Not awaited here: the server takes requests while these run.
-            tg.start_soon(_warm_up, pool, warmup)
-            tg.start_soon(_replay, pool, replay)
-            with stop_signals_set(stopping):
-                yield {
-                    "pool": pool,
-                    "warmup": warmup,
-                    "replay": replay,
-                    "matmul": matmul,
-                    "stopping": stopping,
-                }
-            # Shutting down: warm-up and replay still running are dropped; leaving the pool
-            # stops the workers and cancels the matmul's compiles if they are still pending.
-            stopping.set()
-            tg.cancel_scope.cancel()
+            # Handlers read these as request.state.pool, request.state.matmul; acompile.asgi's
+            # own endpoints and cancellable() find the Serving under "acompile".
+            yield {acompile.asgi.STATE_KEY: serving, "pool": pool, "matmul": matmul}
 
     async def health(request: Request) -> JSONResponse:
-        pool: acompile.CompilePool = request.state.pool
-        warmup: _Warmup = request.state.warmup
-        replay: _Replay = request.state.replay
         matmul: acompile.ProgressiveKernel = request.state.matmul
-        return JSONResponse(
-            {
-                "status": "ok",
-                "warmup": warmup.state,
-                "warmup_detail": warmup.report(),
-                "replay": replay.report(),
-                "matmul": matmul.stats(),
-                "pool": pool.stats(),
-            }
-        )
+        return JSONResponse({**acompile.asgi.serving_of(request).health(), "matmul": matmul.stats()})
 
     async def matmul_served(request: Request) -> JSONResponse:
         matmul: acompile.ProgressiveKernel = request.state.matmul
@@ -438,29 +218,20 @@ def create_app(
             }
         )
 
+    @acompile.asgi.cancellable
     async def quiesce(request: Request) -> JSONResponse:
         pool: acompile.CompilePool = request.state.pool
         t0 = time.perf_counter()
         await pool.quiesce()
-
-        async def stopped() -> None:
-            # quiesce() returns at once and the workers stop within milliseconds: answer once
-            # they have, so that a caller about to capture CUDA graphs knows the machine is
-            # quiet. Work still queued (a warm-up) wakes the pool again by itself: the answer
-            # then says so.
-            with anyio.move_on_after(5):
-                while True:
-                    workers = pool.stats()["workers"]
-                    if workers["alive"] == 0 or workers["awake"]:
-                        break
-                    await anyio.sleep(0.005)
-
-        try:
-            await run_unless_gone(request, request.state.stopping, stopped)
-        except ShuttingDown as exc:
-            return _error(503, str(exc))
-        except ClientGone as exc:
-            return _error(499, str(exc))  # nobody reads it
+        # quiesce() returns at once and the workers stop within milliseconds: answer once they
+        # have, so that a caller about to capture CUDA graphs knows the machine is quiet. Work
+        # still queued (a warm-up) wakes the pool again by itself: the answer then says so.
+        with anyio.move_on_after(5):
+            while True:
+                workers = pool.stats()["workers"]
+                if workers["alive"] == 0 or workers["awake"]:
+                    break
+                await anyio.sleep(0.005)
         stats = pool.stats()
         return JSONResponse(
             {
@@ -471,6 +242,9 @@ def create_app(
             }
         )
 
+    # A client that hangs up cancels its compile (acompile then stops it, unless another request
+    # waits for the same kernel); on SIGTERM or SIGINT it is cancelled and answered with a 503.
+    @acompile.asgi.cancellable
     async def compile_kernel(request: Request) -> JSONResponse:
         pool: acompile.CompilePool = request.state.pool
         t0 = time.perf_counter()
@@ -482,22 +256,12 @@ def create_app(
                 body.get("num_warps", 4),
                 body.get("num_stages", 3),
             )
-            # A client that hangs up, or a server told to stop, cancels the compile: acompile
-            # then stops it, unless another request waits for the same kernel.
             with anyio.fail_after(COMPILE_DEADLINE_S):
-                kernel, tier = await run_unless_gone(
-                    request, request.state.stopping, pool.compile_with_tier, spec
-                )
+                kernel, tier = await pool.compile_with_tier(spec)
         except (BadRequest, acompile.InvalidSpecError) as exc:
             return _error(400, str(exc))
         except acompile.CompileError as exc:
             return _error(422, str(exc))
-        except (acompile.PoolClosedError, ShuttingDown) as exc:
-            return _error(503, str(exc))
-        except ClientGone as exc:
-            # The ASGI server drops an answer to a connection that is gone; 499 is what proxies
-            # log for a client that closed its request.
-            return _error(499, str(exc))
         except TimeoutError:
             return _error(504, f"the compile took longer than {COMPILE_DEADLINE_S:g} s and was abandoned")
         return JSONResponse(
@@ -513,6 +277,8 @@ def create_app(
     return Starlette(
         routes=[
             Route("/health", health),
+            Route("/ready", acompile.asgi.ready),
+            Route("/metrics", acompile.asgi.metrics),
             Route("/compile", compile_kernel, methods=["POST"]),
             Route("/matmul", matmul_served),
             Route("/quiesce", quiesce, methods=["POST"]),
@@ -526,8 +292,6 @@ async def _read_body(request: Request) -> dict[str, Any]:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the body is not JSON: {exc}") from None
-    except ClientDisconnect:  # hung up before the whole body came
-        raise ClientGone("the client closed the connection while sending its request") from None
     if not isinstance(body, dict):
         raise BadRequest(f"the body must be a JSON object such as {_EXAMPLE}, got {type(body).__name__}")
     unknown = sorted(set(body) - _REQUEST_FIELDS)

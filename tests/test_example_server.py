@@ -67,6 +67,10 @@ SLOW: dict[str, Any] = {
 # for a loaded CI machine (the compiles it stops would take far longer: the test prints both).
 SHUTDOWN_BOUND_S = 4.0
 
+# The example's warm-up manifest: its cuda:90 variants are compiled at start-up, its cuda:80 ones
+# skipped (another target than the server's).
+MANIFEST = ROOT / "examples" / "manifest.toml"
+
 # The server's progressive matmul (examples/server.py: MATMUL_FAST, MATMUL_BEST), as /matmul says.
 MATMUL_FAST = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
 MATMUL_BEST = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 8, "num_stages": 3}
@@ -188,13 +192,16 @@ async def wait_until_settled(client: httpx.AsyncClient, deadline: float = 60) ->
     with anyio.fail_after(deadline):
         while True:
             health: dict[str, Any] = (await client.get("/health")).json()
-            if (
-                health["warmup"] != "running"
-                and health["replay"]["state"] != "running"
-                and health["matmul"]["stage"] in ("best", "failed")
-            ):
+            if health["warmup"]["state"] != "running" and health["matmul"]["stage"] in ("best", "failed"):
                 return health
             await anyio.sleep(0.05)
+
+
+def replay_of(health: dict[str, Any]) -> dict[str, Any]:
+    """The warm-up's entry for the record of the previous run: the source that is not the
+    example's manifest (each source's entry is under its path)."""
+    (entry,) = [e for path, e in health["warmup"]["sources"].items() if path != str(MANIFEST)]
+    return entry
 
 
 def restarts(health: dict[str, Any]) -> dict[str, int]:
@@ -217,7 +224,7 @@ def recorded_keys(record: Path) -> list[str]:
 async def test_health_answers_at_once_while_warmup_and_compiles_run(tmp_path: Path, server_loop: str) -> None:
     async with serve(tmp_path / "cache", server_loop) as server:
         # The server answered before its warm-up finished: start-up does not wait for it.
-        assert server.first_health["warmup"] == "running", server.first_health
+        assert server.first_health["warmup"]["state"] == "running", server.first_health
 
         latencies: list[float] = []
         answers: list[dict[str, Any]] = []
@@ -271,15 +278,15 @@ async def test_health_answers_at_once_while_warmup_and_compiles_run(tmp_path: Pa
     assert worst < HEALTH_BOUND_S, summary
     # The answers came while compiles were running, not only before or after them.
     assert any(a["pool"]["jobs"]["running"] > 0 for a in answers), summary
-    assert health["warmup"] == "done", health
-    assert health["replay"]["state"] == "none", health  # a fresh cache folder: no record yet
+    assert health["warmup"]["state"] == "done", health
+    assert replay_of(health)["state"] == "none", health  # a fresh cache folder: no record yet
     stats = health["pool"]
     # The progressive matmul compiled its two versions (the fast one only if the tuned one had
     # not landed first: then the fast compile is stopped).
     matmul = health["matmul"]
     progressive = [matmul["fast_tier"], matmul["best_tier"]].count("compile")
     assert matmul["best_tier"] == "compile", matmul
-    assert stats["compiled"] == len(STORM) + health["warmup_detail"]["total"] + progressive, stats
+    assert stats["compiled"] == len(STORM) + health["warmup"]["total"] + progressive, stats
     assert stats["failed"] == 0 and restarts(health) == {}, stats
 
 
@@ -307,7 +314,7 @@ async def test_compile_answers_with_the_kernel_and_where_it_came_from(
         assert first.status_code == 200, f"{first.text}\n{server.log}"
         # It went ahead of the warm-up (queued with background=True), which is still going on.
         during = (await client.get("/health")).json()
-        assert during["warmup"] == "running", during
+        assert during["warmup"]["state"] == "running", during
         again = await post_compile(client, body)
         assert again.status_code == 200, again.text
 
@@ -378,6 +385,83 @@ async def test_bad_requests_get_400_and_kernels_triton_rejects_get_422(
     assert health["pool"]["failed"] == 1 and restarts(health) == {}, health
 
 
+@asyncio_only
+@pytest.mark.timeout(180)
+async def test_ready_answers_503_while_warming_up_then_200_and_the_pool_is_marked_ready(
+    tmp_path: Path, server_loop: str
+) -> None:
+    async with serve(tmp_path / "cache", server_loop) as server, client_of(server) as client:
+        # At once: the server answers, and says it is not ready (a fresh cache: the warm-up's
+        # seven compiles take seconds).
+        early = await client.get("/ready")
+        early_health = (await client.get("/health")).json()
+        # Then ready, once the warm-up is over.
+        with anyio.fail_after(60):
+            while (late := await client.get("/ready")).status_code != 200:
+                assert late.status_code == 503, late.text
+                await anyio.sleep(0.05)
+        health = (await client.get("/health")).json()
+        # A kernel no warm-up compiled, asked for after ready: compiled, and counted as late.
+        miss = await post_compile(client, STORM[0])
+        after = (await client.get("/health")).json()
+
+    assert early.status_code == 503, early.text
+    assert early.json()["ready"] is False and early.json()["reason"].startswith("warming up"), early.json()
+    assert early.json()["warmup"]["state"] == "running", early.json()
+    assert early_health["ready"] is False and early_health["pool"]["after_ready"]["ready"] is False, (
+        early_health
+    )
+
+    assert late.json()["ready"] is True and late.json()["warmup"]["state"] == "done", late.json()
+    warmup = health["warmup"]
+    # The manifest's cuda:90 variants were compiled; its cuda:80 ones are another target's.
+    assert (warmup["total"], warmup["failed"], warmup["skipped"]) == (7, 0, 7), warmup
+    assert warmup["sources"][str(MANIFEST)]["state"] == "done", warmup
+    assert health["ready"] is True and health["status"] == "ok", health
+    assert health["pool"]["after_ready"]["ready"] is True, health  # pool.mark_ready() was called
+    assert health["shared"] == {"kind": None, "available": None}, health
+    assert health["workers"]["alive"] == health["workers"]["size"], health
+
+    assert miss.status_code == 200 and miss.json()["tier"] == "compile", miss.text
+    assert after["compiled_after_ready"] >= health["compiled_after_ready"] + 1, after
+    assert "add_kernel" in " ".join(after["pool"]["after_ready"]["names"]), after
+
+
+@asyncio_only
+@pytest.mark.timeout(180)
+async def test_metrics_are_scraped_over_http_and_parse(tmp_path: Path, server_loop: str) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with serve(tmp_path / "cache", server_loop) as server, client_of(server) as client:
+        compiled = await post_compile(client, STORM[3])
+        again = await post_compile(client, STORM[3])
+        scraped = await client.get("/metrics")
+
+    assert compiled.status_code == 200 and again.status_code == 200, (compiled.text, again.text)
+    assert scraped.status_code == 200, scraped.text
+    assert scraped.headers["content-type"].startswith("text/plain"), scraped.headers
+    families = {family.name: family for family in text_string_to_metric_families(scraped.text)}
+
+    duration = families["acompile_compile_duration_seconds"]
+    assert duration.type == "histogram", duration
+    counts = [s for s in duration.samples if s.name == "acompile_compile_duration_seconds_count"]
+    assert sum(s.value for s in counts) >= 1, duration.samples
+
+    # A counter's family drops "_total"; its samples keep it.
+    requests = [
+        sample
+        for family in families.values()
+        for sample in family.samples
+        if sample.name == "acompile_cache_requests_total"
+    ]
+    assert requests, sorted(families)
+    # The second request was a memory hit.
+    assert any(
+        s.labels.get("tier") == "memory" and s.labels.get("result") == "hit" and s.value >= 1
+        for s in requests
+    ), requests
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 async def test_signal_stops_the_server_and_its_workers(
@@ -397,7 +481,7 @@ async def test_signal_stops_the_server_and_its_workers(
         # Workers are forked from a template process, itself a child of the server.
         templates = [p for p in ours if p.ppid() == server.process.pid and "--template" in _cmdline(p)]
         assert len(templates) <= 1 and len(ours) - len(templates) == workers["size"], (children, health)
-        warmup_when_signalled = health["warmup"]
+        warmup_when_signalled = health["warmup"]["state"]
 
         t0 = time.perf_counter()
         server.process.send_signal(signum)
@@ -425,15 +509,15 @@ async def test_served_kernels_are_recorded_and_replayed_by_the_next_start(
     record = cache_dir / "served.toml"  # the default: next to the cache
     on_demand = [STORM[0], STORM[5]]
     async with serve(cache_dir, server_loop) as server, client_of(server) as client:
-        assert server.first_health["replay"]["state"] == "none", server.first_health
+        assert replay_of(server.first_health)["state"] == "none", server.first_health
         first = [await post_compile(client, body) for body in on_demand]
         assert all(r.status_code == 200 for r in first), [r.text for r in first]
         health = await wait_until_settled(client)
-    assert health["warmup"] == "done" and health["matmul"]["stage"] == "best", health
+    assert health["warmup"]["state"] == "done" and health["matmul"]["stage"] == "best", health
 
     # Everything served was recorded once: the warm-up, both matmul versions, the requests.
     keys = recorded_keys(record)
-    served = health["warmup_detail"]["total"] + 2 + len(on_demand)
+    served = health["warmup"]["total"] + 2 + len(on_demand)
     assert len(keys) == len(set(keys)) == served, record.read_text()
     assert {r.json()["key"] for r in first} <= set(keys)
     entries = tomllib.loads(record.read_text())["kernel"]
@@ -454,9 +538,9 @@ async def test_served_kernels_are_recorded_and_replayed_by_the_next_start(
     async with serve(cache_dir, server_loop) as server, client_of(server) as client:
         health = await wait_until_settled(client)
         again = [await post_compile(client, body) for body in on_demand]
-    replay = health["replay"]
+    replay = health["warmup"]["sources"][str(record)]
     assert replay["state"] == "done", health
-    assert (replay["total"], replay["errors"], replay["path"]) == (served, [], str(record)), replay
+    assert (replay["total"], replay["errors"]) == (served, []), replay
     assert [r.json()["tier"] for r in again] == ["memory"] * len(on_demand), [r.text for r in again]
     assert [r.json()["key"] for r in again] == [r.json()["key"] for r in first]
     stats = health["pool"]

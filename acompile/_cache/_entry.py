@@ -98,7 +98,8 @@ class Blobs(MutableMapping[str, bytes]):
 
     def nbytes(self) -> int:
         """The blobs' bytes in all, read or not (nothing is read to say it)."""
-        return sum(len(item) if isinstance(item, bytes) else item[1] - item[0] for item in self._items.values())
+        items = self._items.values()
+        return sum(len(item) if isinstance(item, bytes) else item[1] - item[0] for item in items)
 
     def __getitem__(self, name: str) -> bytes:
         item = self._items[name]
