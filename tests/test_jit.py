@@ -284,6 +284,38 @@ jit_machine.main()
     assert "built module answer_ext after the server said it was ready" in done.stderr
 
 
+def test_a_server_that_refuses_builds_after_ready_gets_the_named_error(
+    tmp_path: Path, source: tuple[Path, Path]
+) -> None:
+    """``mark_ready(on_late="refuse")``: a build the warm-up missed raises CompiledAfterReadyError
+    into the library (naming the module) instead of building on the request path."""
+    code = f"""
+import json, sys
+sys.argv = ["x", json.dumps({{"workers": 1, "jits": ["cpp_extension"]}}), {str(source[0])!r}, "42", {str(source[1])!r}]
+from acompile import inductor
+import jit_machine
+real_serve = inductor.serve
+def serve(**options):
+    serving = real_serve(**options)
+    enter = serving.__enter__
+    def entered():
+        enter()
+        serving.mark_ready(on_late="refuse")
+        return serving
+    serving.__enter__ = entered
+    return serving
+inductor.serve = serve
+jit_machine.main()
+"""
+    env = subprocess_env(**machine(tmp_path, "m"))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report.get("error", "").startswith("CompiledAfterReadyError: answer_ext"), report
+    assert report["jit"]["after_ready"] == 1 and report["jit"]["builds"] == 0
+    assert report["jit"]["local_builds"] == 0
+
+
 def test_an_unsupported_release_is_one_warning_and_the_library_left_as_it_was(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
