@@ -613,12 +613,12 @@ class CompilePool:
         if self._after_ready.ready_at is None:
             return
         if self._after_ready.refuses():
-            self._after_ready.note(backend, name, say=say)
+            self._after_ready.note(backend, name, say=say, refused=True)
             raise CompiledAfterReadyError(
                 f"{name} ({backend}) is not in the cache, and the server said it was ready with "
-                "on_late='refuse': warm it up before mark_ready() (the pool's record= holds what "
-                "a server compiled, for the next start)",
-                kernel=name,
+                "on_late='refuse': warm it up before mark_ready() (the pool's record=, where it "
+                "keeps one, names it for the next start)",
+                kernel=name.partition("[")[0],
                 backend=backend,
             )
         self._after_ready.note(backend, name, say=say)
@@ -886,6 +886,10 @@ class CompilePool:
                     del self._flights[flight.key]
                 flight.scope.cancel()
         if flight.error is not None:
+            if isinstance(flight.error, CompiledAfterReadyError):
+                # The record names it, so that the next start warms it up (a refused request
+                # must not be refused again at every start).
+                self._record(request, spec, after_ready=True)
             # Each caller raises its own copy: one exception object raised in several tasks
             # would collect all their tracebacks.
             # The original, with the traceback of where it happened, is the copy's cause.
@@ -894,8 +898,8 @@ class CompilePool:
         return flight.result, flight.tier
 
     def _record(self, request: Request, spec: Spec, *, after_ready: bool = False) -> None:
-        """Add a request this pool served (successfully) to the warm-up record, in the
-        background: a failed request would only fail again at every replay."""
+        """Add a request this pool served (successfully, or refused after ready) to the warm-up
+        record, in the background: a failed request would only fail again at every replay."""
         recorder = self._recorder
         if recorder is None or self._state != "running" or backend_of(spec) != "triton":
             return
@@ -1083,7 +1087,7 @@ class CompilePool:
                 if kernel is None:
 
                     async def compile() -> bytes:
-                        self._late(flight.backend, request.name)
+                        self._late(flight.backend, _variant(request))
                         payload = await backend.payload(request)
                         data: bytes = await self._run(
                             backend.WORKER_MODULE, payload, request.name, flight=flight
@@ -1451,6 +1455,17 @@ _JOB_BACKENDS = {
 
 def _job_backend(job: Job) -> str:
     return _JOB_BACKENDS.get(job.backend, "other")
+
+
+def _variant(request: Request) -> str:
+    """A request as a warning names it: the kernel and its constexprs (``add_kernel[BLOCK=128]``),
+    or its key's first characters."""
+    payload = getattr(request, "payload", None)
+    constexprs = payload.get("constexprs") if isinstance(payload, dict) else None
+    if constexprs:
+        text = ", ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in constexprs.items())
+        return f"{request.name}[{text[:200]}]"
+    return f"{request.name}[{request.key[:12]}]"
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:

@@ -459,7 +459,7 @@ def _import_kernel(ref: str, base: Path, where: str, what: str = "kernel") -> An
 # --- writing: the record of what a pool served -------------------------------------------------
 
 # The comment on a record's entry compiled after the server said it was ready.
-AFTER_READY_NOTE = "# compiled after the server said it was ready: the warm-up missed it"
+AFTER_READY_NOTE = "# asked for after the server said it was ready: the warm-up missed it"
 # A kernel's key is a comment above its fields; a module's, a field of its own (warm-up checks it).
 _KEY_LINE = re.compile(r'^(?:# key: |key = ")([0-9a-f]{64})"?$', re.MULTILINE)
 

@@ -75,6 +75,8 @@ class CacheStats(_SeveralSharedTiers):
     # Leases of dead holders (or planted ones) replaced by this replica's: object stores, folders.
     shared_leases_taken_over: int
     shared_available: bool | None
+    # Why the shared tier is off (what its server said, or that it did not answer), else None.
+    shared_problem: str | None
     shared_namespace: str | None
     # What the shared tier is kept in: "redis", "memcached", "s3", "gs", "az", "file" (several
     # joined by "+", each then in shared_tiers: its own counts and hits); None without one.
@@ -95,10 +97,14 @@ class AfterReadyStats(TypedDict):
 
     ready: bool
     on_late: str | None
+    # Compiles started after ready (each kernel variant, module or graph; one whose client then
+    # hung up included), by "backend" or "backend:library" ("triton", "torch", "jit:flashinfer").
     compiles: int
-    # By "backend" or "backend:library" ("triton", "torch", "jit:flashinfer").
     by_backend: dict[str, int]
-    # The latest kernels and modules named (at most _LATE_NAMES), oldest first.
+    # Requests refused instead (on_late="refuse"), by the same names.
+    refused: int
+    refused_by_backend: dict[str, int]
+    # The latest variants named ("triton:add_kernel[BLOCK=128]"; at most _LATE_NAMES), oldest first.
     names: list[str]
 
 
@@ -132,6 +138,7 @@ class AfterReady:
         self.ready_at: float | None = None
         self.on_late: str | None = None
         self.counts: Counter[str] = Counter()
+        self.refused: Counter[str] = Counter()
         self.names: list[str] = []
         self._said: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
@@ -147,25 +154,33 @@ class AfterReady:
     def refuses(self) -> bool:
         return self.ready_at is not None and self.on_late == "refuse"
 
-    def note(self, backend: str, name: str, *, say: bool = True) -> bool:
-        """A compile of ``name`` (by ``backend``: "triton", "torch", "jit:<library>") is about
-        to happen: counted and named once in a warning where the server said it was ready.
-        True where it happened after ready."""
+    def note(self, backend: str, name: str, *, say: bool = True, refused: bool = False) -> bool:
+        """A compile of ``name`` (a kernel's variant, a module; by ``backend``: "triton",
+        "torch", "jit:<library>") is about to start, or is ``refused``: counted, and named once
+        in a warning, where the server said it was ready. True where it was after ready."""
         if self.ready_at is None:
             return False
         with self._lock:
-            self.counts[backend] += 1
+            (self.refused if refused else self.counts)[backend] += 1
             self.names.append(f"{backend}:{name}")
             del self.names[:-_LATE_NAMES]
             first = (backend, name) not in self._said
             self._said.add((backend, name))
         if first and say:
-            logger.warning(
-                "acompile: %s compiled %s after the server said it was ready "
-                "(warm it up: the pool's record holds it for the next start)",
-                backend,
-                name,
-            )
+            if refused:
+                logger.warning(
+                    "acompile: refused to compile %s (%s) after the server said it was ready "
+                    "(on_late='refuse'); the pool's record, where it keeps one, names it for the "
+                    "next warm-up",
+                    name,
+                    backend,
+                )
+            else:
+                logger.warning(
+                    "acompile: compiling %s (%s) after the server said it was ready: the warm-up missed it",
+                    name,
+                    backend,
+                )
         return True
 
     def stats(self) -> AfterReadyStats:
@@ -175,6 +190,8 @@ class AfterReady:
                 "on_late": self.on_late,
                 "compiles": sum(self.counts.values()),
                 "by_backend": dict(self.counts),
+                "refused": sum(self.refused.values()),
+                "refused_by_backend": dict(self.refused),
                 "names": list(self.names),
             }
 

@@ -279,7 +279,7 @@ async def serving(
     instrumentation = _instrument(server, metrics)
     try:
         async with pool, anyio.create_task_group() as tg:
-            tg.start_soon(_warm_up, server, entries, on_late)
+            tg.start_soon(_warm_up, server, entries, on_late, None if replay is None else str(replay))
             tg.start_soon(_stop_warmup_on_stop, server, tg.cancel_scope)
             with _stop_signals(server) if signals else contextlib.nullcontext():
                 try:
@@ -475,7 +475,9 @@ def _sources(warmup: WarmupSource | Iterable[WarmupSource]) -> list[Path | list[
         if isinstance(item, TritonSpec):
             specs.append(item)
         elif isinstance(item, (str, os.PathLike)):
-            sources.append(Path(item))
+            # Absolute as the server starts: a relative path is the start folder's, and says so
+            # in /ready and the log (a server started from another folder finds no manifest).
+            sources.append(Path(os.path.abspath(item)))
         else:
             raise TypeError(f"warmup takes manifests' paths and TritonSpecs, got {item!r}")
     if specs:
@@ -508,7 +510,10 @@ async def _warm_up(
     server: Serving,
     entries: Sequence[tuple[Path | list[TritonSpec], dict[str, Any]]],
     on_late: Literal["warn", "refuse"],
+    replayed: str | None = None,
 ) -> None:
+    """Warm up from ``entries``, then say the pool is ready; a manifest that cannot be read
+    (``replayed``, the record of a previous run, aside) keeps it not ready."""
     warmup = server.warmup
     try:
         await server.pool.wait_ready()
@@ -539,6 +544,22 @@ async def _warm_up(
     )
     for error in warmup.errors:
         logger.warning("warm-up: %s", error.splitlines()[0] if error else error)
+    unreadable = [
+        (name, entry)
+        for name, entry in warmup.sources.items()
+        if entry.pop("unreadable", False) and name != replayed
+    ]
+    if unreadable:
+        # A manifest the deploy names and that cannot be read (a wrong path, a kernel module
+        # that does not import) is the deploy's mistake: a replica that would serve cold stays
+        # out of rotation, saying why. A kernel that fails to compile does not hold it back.
+        name, entry = unreadable[0]
+        first = entry["errors"][0].splitlines()[0]
+        server._broken = f"the warm-up manifest {name} cannot be used: {first}"
+        logger.error(
+            "warm-up: %s; /ready answers 503 until the server restarts with it fixed", server._broken
+        )
+        return
     server.pool.mark_ready(on_late=on_late)
     server._ready = True
 
@@ -553,6 +574,7 @@ async def _warm_up_source(pool: CompilePool, source: Path | list[TritonSpec], en
             specs = source
     except InvalidSpecError as exc:  # the message names the entry at fault
         entry["errors"].append(str(exc))
+        entry["unreadable"] = True  # taken out below, before anyone reads the report
     else:
         mine = [spec for spec in specs if _for_target(spec, pool)]
         entry["skipped"] = len(specs) - len(mine)

@@ -61,6 +61,9 @@ WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 # A request that missed memory: a disk hit (under a millisecond) to a compile.
 REQUEST_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 
+# Why a worker is replaced (``stats()["workers"]["restarts"]``'s keys).
+RESTART_CAUSES = ("crash", "killed", "memory", "timeout", "abandoned", "stopped")
+
 _instrumented: dict[int, Instrumentation] = {}  # by registry
 _lock = threading.Lock()
 
@@ -153,7 +156,8 @@ class _StatsCollector(Collector):
             "Workers replaced, by cause (crash: it died; memory, timeout: stopped by a limit).",
             labels=["cause"],
         )
-        for cause, count in sorted(workers["restarts"].items()):
+        # Every cause from the start (0 until it happens): an alert on one matches a series.
+        for cause, count in sorted({**dict.fromkeys(RESTART_CAUSES, 0), **workers["restarts"]}.items()):
             restarts.add_metric([cause], float(count))
         yield restarts
 
@@ -201,6 +205,15 @@ class _StatsCollector(Collector):
             backend, _, library = name.partition(":")
             late.add_metric([backend, library], float(count))
         yield late
+        refused = CounterMetricFamily(
+            "acompile_refused_after_ready",
+            "Compiles refused after the server said it was ready (on_late='refuse'), by backend and library.",
+            labels=["backend", "library"],
+        )
+        for name, count in sorted(after["refused_by_backend"].items()):
+            backend, _, library = name.partition(":")
+            refused.add_metric([backend, library], float(count))
+        yield refused
 
 
 class Instrumentation:
@@ -261,10 +274,9 @@ class Instrumentation:
     def job_done(self, backend: str, job: Any) -> None:
         if job.started_at:
             self.wait_seconds.labels(backend).observe(max(0.0, job.started_at - job.queued_at))
-            if job.ended_at:
-                self.compile_seconds.labels(backend, _result(job)).observe(
-                    max(0.0, job.ended_at - job.started_at)
-                )
+            # A job stopped on its worker (its caller left) has no end of its own: now is its end.
+            ended = job.ended_at or time.perf_counter()
+            self.compile_seconds.labels(backend, _result(job)).observe(max(0.0, ended - job.started_at))
         if self._tracer is not None and backend in (
             "torch",
             "jit",

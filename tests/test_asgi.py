@@ -230,8 +230,24 @@ async def test_serving_warms_up_then_is_ready_marks_the_pool_and_answers_its_rou
     pool = acompile.CompilePool(1, target=TARGET, cache_dir=tmp_path / "cache")
     app = Starlette(routes=acompile.asgi.routes())
 
+    # A manifest the deploy names that cannot be used (its kernel's module is not there): the
+    # replica stays out of rotation, saying which file and why.
+    cold = acompile.CompilePool(1, target=TARGET, cache_dir=tmp_path / "cold", prestart=False)
+    async with acompile.asgi.serving(cold, warmup=[broken, mine], metrics=False, signals=False) as server:
+        transport = httpx.ASGITransport(app=_with_state(app, {acompile.asgi.STATE_KEY: server}))
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            with anyio.fail_after(120):
+                while True:
+                    refused = await client.get("/ready")
+                    if not refused.json()["reason"].startswith("warming up"):
+                        break
+                    await anyio.sleep(0.02)
+    assert refused.status_code == 503, refused.text
+    assert f"the warm-up manifest {broken} cannot be used" in refused.json()["reason"], refused.text
+    assert not cold.ready
+
     async with acompile.asgi.serving(
-        pool, warmup=[broken, mine, other_target], replay=missing_record, metrics=registry, signals=False
+        pool, warmup=[mine, other_target], replay=missing_record, metrics=registry, signals=False
     ) as server:
         transport = httpx.ASGITransport(app=_with_state(app, {acompile.asgi.STATE_KEY: server}))
         async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
@@ -250,12 +266,8 @@ async def test_serving_warms_up_then_is_ready_marks_the_pool_and_answers_its_rou
     assert early.status_code == 503 and early.json()["reason"].startswith("warming up"), early.text
     assert ready.json()["ready"] is True, ready.text
     warmup = health["warmup"]
-    # A manifest that fails is reported, and does not keep the server from being ready.
-    assert warmup["state"] == "failed", warmup
+    assert warmup["state"] == "done", warmup
     sources = warmup["sources"]
-    assert sources[str(broken)]["state"] == "failed" and "no file" in sources[str(broken)]["errors"][0], (
-        sources
-    )
     assert sources["specs"] | {"seconds": 0} == {
         "state": "done",
         "total": 1,

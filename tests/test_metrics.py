@@ -125,21 +125,24 @@ async def test_compiles_after_ready_are_counted_named_and_may_be_refused(
         await pool.compile(spec(128))  # warm: not counted
         await pool.compile(spec(256))  # late: compiled, counted, named
         late = pool.stats()["after_ready"]
-        assert late["compiles"] == 1 and late["by_backend"] == {"triton": 1}
-        assert late["names"] == ["triton:add_kernel"] and late["on_late"] == "warn"
-        assert "triton compiled add_kernel after the server said it was ready" in caplog.text
+        assert late["compiles"] == 1 and late["by_backend"] == {"triton": 1} and late["refused"] == 0
+        assert late["names"] == ["triton:add_kernel[BLOCK=256]"] and late["on_late"] == "warn"
+        assert "compiling add_kernel[BLOCK=256] (triton) after the server said it was ready" in caplog.text
         pool.mark_ready(on_late="refuse")
         with pytest.raises(acompile.CompiledAfterReadyError, match="scale_add_kernel") as refused:
             await pool.compile(spec(64, scale_add_kernel))
         assert refused.value.kernel == "scale_add_kernel" and refused.value.backend == "triton"
         await pool.compile(spec(256))  # a cache hit is still served
         stats = pool.stats()
-        assert stats["after_ready"]["compiles"] == 2
+        assert stats["after_ready"]["compiles"] == 1 and stats["after_ready"]["refused"] == 1
+        assert stats["after_ready"]["refused_by_backend"] == {"triton": 1}
+        assert "refused to compile scale_add_kernel[BLOCK=64] (triton)" in caplog.text
         assert stats["failed"] == 0 and stats["compiled"] == 2  # a refusal is not a failure
         with pytest.raises(ValueError, match="on_late"):
             pool.mark_ready(on_late="maybe")  # type: ignore[arg-type]
     seen = scrape(registry)
-    assert seen["acompile_compiles_after_ready_total"][(("backend", "triton"), ("library", ""))] == 2
+    assert seen["acompile_compiles_after_ready_total"][(("backend", "triton"), ("library", ""))] == 1
+    assert seen["acompile_refused_after_ready_total"][(("backend", "triton"), ("library", ""))] == 1
     assert seen["acompile_ready"][()] == 1
 
 
@@ -201,11 +204,14 @@ async def test_the_record_names_what_the_warm_up_missed(tmp_path: Path) -> None:
         await pool.compile(spec(128))  # the warm-up
         pool.mark_ready()
         await pool.compile(spec(64, scale_add_kernel))  # missed by the warm-up
+        pool.mark_ready(on_late="refuse")
+        with pytest.raises(acompile.CompiledAfterReadyError):
+            await pool.compile(spec(32, scale_add_kernel))  # refused: named for the next start
     text = record.read_text()
     entries = text.split("[[kernel]]")[1:]
-    assert len(entries) == 2, text
-    late = [e for e in entries if "compiled after the server said it was ready" in e]
-    assert len(late) == 1 and "scale_add_kernel" in late[0], text
+    assert len(entries) == 3, text
+    late = [e for e in entries if "asked for after the server said it was ready" in e]
+    assert len(late) == 2 and all("scale_add_kernel" in e for e in late), text
     command = [
         sys.executable,
         "-m",
@@ -217,4 +223,4 @@ async def test_the_record_names_what_the_warm_up_missed(tmp_path: Path) -> None:
     ]
     done = await anyio.run_process(command, check=False, env=subprocess_env())
     assert done.returncode == 0, done.stderr.decode()
-    assert "2 kernels: 2 compiled" in done.stdout.decode(), done.stdout.decode()
+    assert "3 kernels: 3 compiled" in done.stdout.decode(), done.stdout.decode()
