@@ -172,7 +172,7 @@ class _Flight:
     error: BaseException | None = None
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     backend: str = ""
-    captured: Any = None  # the listeners' capture(), in the first caller's task
+    captured: dict[Any, Any] | None = None  # each listener's capture(), in the first caller's task
     started: float = 0.0  # when its work in the pool's task group began
 
     def finish(self, result: Any = None, error: BaseException | None = None) -> None:
@@ -859,7 +859,7 @@ class CompilePool:
         if flight is None:
             flight = _Flight(request.key, background=background, backend=backend_name)
             if self._listeners:
-                flight.captured = [listener.capture() for listener in self._listeners]
+                flight.captured = self._capture()
             self._flights[request.key] = flight
             # This caller looks in the local tier itself; the flight goes on in the pool's task
             # group only where that finds nothing to load.
@@ -1020,6 +1020,16 @@ class CompilePool:
         if self._flights.get(flight.key) is flight:
             del self._flights[flight.key]
 
+    def _capture(self) -> dict[Listener, Any]:
+        """What each listener keeps of the caller's task (its tracing context), by listener."""
+        captured: dict[Listener, Any] = {}
+        for listener in self._listeners:
+            try:
+                captured[listener] = listener.capture()
+            except Exception:  # an observer's fault is never the request's
+                logger.debug("a listener of the pool failed", exc_info=True)
+        return captured
+
     def _tell(
         self, flight: _Flight, request: Request, tier: str, start: float, error: BaseException | None = None
     ) -> None:
@@ -1039,8 +1049,8 @@ class CompilePool:
             nbytes=0,
             captured=None,
         )
-        for i, listener in enumerate(self._listeners):
-            event.captured = flight.captured[i] if flight.captured and i < len(flight.captured) else None
+        for listener in self._listeners:
+            event.captured = flight.captured.get(listener) if flight.captured else None
             try:
                 listener.request_done(event)
             except Exception:  # an observer's fault is never the request's

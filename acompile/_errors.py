@@ -43,6 +43,16 @@ def bounded(text: str, limit: int = TEXT_LIMIT) -> str:
     return f"{text[:keep]}\n[... {cut} characters cut ...]\n{text[len(text) - keep :]}"
 
 
+def show(value: object) -> str:
+    """A value's repr for a message, short however large (or deep) the value is."""
+    try:
+        return bounded(repr(value), 200)
+    except RecursionError:
+        return f"a {type(value).__name__} nested too deep to show"
+    except ValueError:  # an int of more digits than Python turns into text
+        return f"an integer of {value.bit_length() if isinstance(value, int) else '?'} bits"
+
+
 class AcompileError(Exception):
     """Base class of every error acompile raises on purpose."""
 

@@ -143,7 +143,29 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise InvalidSpecError(
             f"{path} nests arrays or tables too deep to be a manifest (over {sys.getrecursionlimit()} levels)"
         ) from None
+    # Dotted keys (a.b.c... = 1) nest tables without the parser recursing: thousands deep, every
+    # later repr() of an entry (an error message) would end in a RecursionError.
+    if _depth_over(data, _MANIFEST_DEPTH):
+        raise InvalidSpecError(f"{path} nests tables or arrays over {_MANIFEST_DEPTH} deep: no manifest does")
     return data
+
+
+# The deepest nesting a manifest may have (its deepest field, a constexpr's tuple, is a few levels).
+_MANIFEST_DEPTH = 64
+
+
+def _depth_over(data: Any, limit: int) -> bool:
+    """Whether tables and arrays in ``data`` nest deeper than ``limit`` (walked without recursion)."""
+    stack: list[tuple[Any, int]] = [(data, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return False
 
 
 def load_manifest(path: str | Path) -> list[TritonSpec]:

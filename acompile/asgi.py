@@ -63,6 +63,7 @@ except ImportError as _missing:
     ) from _missing
 
 from acompile import (
+    CompiledAfterReadyError,
     CompilePool,
     InvalidSpecError,
     PoolClosedError,
@@ -401,7 +402,8 @@ def cancellable(endpoint: Callable[..., Awaitable[Any]]) -> Callable[..., Awaita
     answer, 499, is dropped by the server), and a server that starts to stop answers 503
     ``{"error": "the server is shutting down; ..."}``, as it does for ``PoolClosedError``. The
     endpoint takes a Starlette ``Request`` (for FastAPI: declare a ``request: Request``
-    parameter); anything else it raises goes through as it is."""
+    parameter). A compile refused after ready (``CompiledAfterReadyError``) is a 503 too, with
+    the kernel named; anything else it raises goes through as it is."""
 
     @functools.wraps(endpoint)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -417,6 +419,10 @@ def cancellable(endpoint: Callable[..., Awaitable[Any]]) -> Callable[..., Awaita
             return JSONResponse({"error": str(exc)}, status_code=CLIENT_CLOSED_REQUEST)
         except (ShuttingDown, PoolClosedError) as exc:
             return JSONResponse({"error": str(exc)}, status_code=503)
+        except CompiledAfterReadyError as exc:
+            # The server refuses to compile once ready (on_late="refuse"): not this request's
+            # fault, and another replica (or this one, once warmed up) may hold it.
+            return JSONResponse({"error": str(exc), "kernel": exc.kernel}, status_code=503)
 
     return wrapper
 
@@ -575,6 +581,10 @@ async def _warm_up_source(pool: CompilePool, source: Path | list[TritonSpec], en
     except InvalidSpecError as exc:  # the message names the entry at fault
         entry["errors"].append(str(exc))
         entry["unreadable"] = True  # taken out below, before anyone reads the report
+    except Exception as exc:  # a manifest's fault must end its warm-up, never the server's lifespan
+        logger.debug("warm-up of %s failed", source, exc_info=True)
+        entry["errors"].append(f"{source}: {type(exc).__name__}: {str(exc)[:300]}")
+        entry["unreadable"] = True
     else:
         mine = [spec for spec in specs if _for_target(spec, pool)]
         entry["skipped"] = len(specs) - len(mine)

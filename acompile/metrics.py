@@ -64,7 +64,8 @@ REQUEST_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 3
 # Why a worker is replaced (``stats()["workers"]["restarts"]``'s keys).
 RESTART_CAUSES = ("crash", "killed", "memory", "timeout", "abandoned", "stopped")
 
-_instrumented: dict[int, Instrumentation] = {}  # by registry
+# By registry (its id; the entry holds the registry, so the id stays its own until close()).
+_instrumented: dict[int, Instrumentation] = {}
 _lock = threading.Lock()
 
 
@@ -361,7 +362,9 @@ def instrument(
     """Export ``pool``'s metrics on ``registry`` (default: prometheus_client's global one) and
     its spans through ``tracer_provider`` (default: OpenTelemetry's global one). Call it once
     the pool is built (entered or not); one pool per registry (give another pool its own
-    ``CollectorRegistry``). Returns the ``Instrumentation``, whose ``close()`` undoes it."""
+    ``CollectorRegistry``). Returns the ``Instrumentation``, whose ``close()`` undoes it: call
+    it when the pool is done with (``acompile.asgi`` does), or the registry and the pool's
+    listener stay."""
     registry = prometheus_client.REGISTRY if registry is None else registry
     with _lock:
         held = _instrumented.get(id(registry))

@@ -23,9 +23,9 @@ TRITON_CASES: list[tuple[dict[str, Any], str]] = [
     ({"num_warps": 0}, r"num_warps must be"),
     ({"num_warps": 4.0}, r"num_warps must be"),
     ({"num_warps": "4"}, r"num_warps must be"),
-    ({"num_stages": True}, r"num_stages must be a positive integer, got True"),
-    ({"num_stages": 0}, r"num_stages must be a positive integer"),
-    ({"num_stages": "3"}, r"num_stages must be a positive integer"),
+    ({"num_stages": True}, r"num_stages must be an integer from 1 to 64, got True"),
+    ({"num_stages": 0}, r"num_stages must be an integer from 1 to 64"),
+    ({"num_stages": "3"}, r"num_stages must be an integer from 1 to 64"),
     ({"attrs": {5: [["tt.divisibility", 16]]}}, r"attrs index 5 is out of range: add_kernel has 5 param"),
     ({"attrs": {4: [["tt.divisibility", 16]]}}, r"'BLOCK' is a constexpr; attributes apply to runtime"),
     ({"attrs": {(9, 0): [["tt.divisibility", 16]]}}, r"attrs index \(9, 0\) is out of range"),
@@ -48,7 +48,8 @@ TRITON_CASES: list[tuple[dict[str, Any], str]] = [
     ({"kernel_name": "add\0kernel"}, r"kernel_name must be a Python identifier"),
     ({"target": 90}, r"target must be a string such as 'cuda:90', got int"),
     ({"target": "cuda:9\0" + "0"}, r"unknown target"),
-    ({"enable_fp_fusion": "\0"}, r"option enable_fp_fusion contains a NUL character"),
+    ({"enable_fp_fusion": "\0"}, r"option enable_fp_fusion must be True or False"),
+    ({"ptx_options": "-v\0"}, r"option ptx_options contains a NUL character"),
     ({"num_wraps": 4}, r"unknown Triton option\(s\) \['num_wraps'\]"),
 ]
 

@@ -7,6 +7,7 @@ client; these tests drive it through the ASGI interface, without a server.
 
 from __future__ import annotations
 
+import json
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -176,6 +177,16 @@ async def test_cancellable_answers_499_to_a_hang_up_and_503_on_shutdown() -> Non
     request, _ = _request()
     answer = await closed(request)
     assert (answer.status_code, answer.body) == (503, b'{"error":"the pool is closed"}')
+
+    @acompile.asgi.cancellable
+    async def refused(request: Request) -> Any:
+        raise acompile.CompiledAfterReadyError(
+            "add_kernel[BLOCK=64] (triton) is not in the cache", kernel="add_kernel"
+        )
+
+    request, _ = _request()
+    answer = await refused(request)
+    assert answer.status_code == 503 and json.loads(answer.body)["kernel"] == "add_kernel", answer.body
 
     with pytest.raises(TypeError, match="needs one"):
         await endpoint("not a request")

@@ -206,11 +206,15 @@ def test_warmup_refuses_a_manifest_that_is_no_regular_file_too_large_or_nested_t
         f.truncate(65 << 20)  # sparse: nothing written, yet over the bound by its size
     deep = tmp_path / "deep.toml"
     deep.write_text("[[kernel]]\nkernel = 'x.py:k'\nsignature = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    # Dotted keys nest tables without the parser recursing; a message's repr of it would.
+    dotted = tmp_path / "dotted.toml"
+    dotted.write_text("[[kernel]]\nkernel" + ".a" * 20_000 + " = 1\n")
     cases = {
         "/dev/zero": "/dev/zero is not a regular file (a character device): name a manifest file",
         str(fifo): f"{fifo} is not a regular file (a FIFO): name a manifest file",
         str(huge): f"{huge} is 65.0 MiB: a manifest is at most 64 MiB",
         str(deep): f"{deep} nests arrays or tables too deep",
+        str(dotted): f"{dotted} nests tables or arrays over 64 deep",
     }
     for path, message in cases.items():
         out = acompile_cmd("warmup", path, "--cache-dir", str(tmp_path / "cache"), timeout=60)

@@ -783,7 +783,7 @@ def test_a_stopped_build_holds_its_folder_until_its_last_command_is_gone(tmp_pat
             time.sleep(0.02)
         worker.send_signal(signal.SIGKILL)
         worker.wait()
-        with folder_lock(str(tmp_path), 30) as lock:
+        with folder_lock(str(tmp_path), 30, pytest.fail) as lock:
             assert lock is not None
             (tmp_path / "out.so").write_text("the library's own build")  # as run_here makes it
         deadline = time.monotonic() + 10

@@ -88,7 +88,18 @@ async def test_a_memory_hit_costs_no_observer_call(tmp_path: Path) -> None:
         def job_done(self, backend: str, job: Any) -> None:
             calls.append("job")
 
+    class Failing:  # a listener's fault is never the request's
+        def capture(self) -> None:
+            raise RuntimeError("capture")
+
+        def request_done(self, event: Any) -> None:
+            raise RuntimeError("request_done")
+
+        def job_done(self, backend: str, job: Any) -> None:
+            raise RuntimeError("job_done")
+
     async with acompile.CompilePool(1, target=TARGET, cache_dir=tmp_path / "c") as pool:
+        pool._add_listener(Failing())
         pool._add_listener(Counting())
         await pool.compile(spec(128))
         assert calls == ["capture", "job", "request"]

@@ -462,10 +462,14 @@ async def test_deep_constexprs_and_wrong_triton_options_are_refused_in_the_paren
             (dict(maxnreg=True), r"option maxnreg must be an integer"),
             (dict(num_ctas=0), r"option num_ctas must be an integer from 1 to 16, got 0"),
             (dict(num_ctas="2"), r"option num_ctas must be an integer"),
-            (dict(num_stages="3"), r"num_stages must be a positive integer, got '3'"),
+            (dict(num_stages="3"), r"num_stages must be an integer from 1 to 64, got '3'"),
+            (dict(num_stages=2**63), r"num_stages must be an integer from 1 to 64"),
+            (dict(num_stages=10**5000), r"num_stages must be an integer from 1 to 64"),
+            (dict(ptx_version=2**40), r"option ptx_version must be an integer from 0 to 2147483647"),
+            (dict(max_num_imprecise_acc_default=2**70), r"option max_num_imprecise_acc_default must be"),
             (dict(enable_fp_fusion="yes"), r"option enable_fp_fusion must be True or False, got 'yes'"),
             (dict(ptx_options=7), r"option ptx_options must be a string \(or None\), got 7"),
-            (dict(ptx_version=-1), r"option ptx_version must be a non-negative integer"),
+            (dict(ptx_version=-1), r"option ptx_version must be an integer from 0 to 2147483647"),
             (
                 dict(allowed_dot_input_precisions="tf32"),
                 r"option allowed_dot_input_precisions must be a list of strings",
@@ -483,6 +487,7 @@ async def test_deep_constexprs_and_wrong_triton_options_are_refused_in_the_paren
     from acompile._backends._triton_spec import check_options
 
     for options in ({"maxnreg": 128}, {"maxnreg": None}, {"num_ctas": 2}, {"ptx_options": "-v"},
+                    {"supported_fp8_dtypes": ["fp8e5"]},
                     {"allowed_dot_input_precisions": ["tf32", "ieee"]}, {"enable_fp_fusion": False}):  # fmt: skip
         spec = acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 64}, num_stages=1, options=options)
         assert check_options(acompile.Target("cuda", 90), spec)["num_stages"] == 1

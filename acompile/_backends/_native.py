@@ -38,6 +38,7 @@ from acompile._errors import (
     CUDACompileError,
     InvalidSpecError,
     bounded,
+    show,
 )
 from acompile._targets import Target
 from acompile._version import __version__
@@ -86,11 +87,6 @@ async def payload(request: NativeRequest) -> dict[str, Any]:
 
 
 # --- checking a spec's values ---------------------------------------------------------------------
-
-
-def show(value: Any) -> str:
-    """A value's repr for a message, short however large the value is."""
-    return bounded(repr(value), 200)
 
 
 def check_text(what: str, value: Any) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from acompile._backends._memos import remembered
-from acompile._errors import InvalidSpecError, bounded
+from acompile._errors import InvalidSpecError, show
 from acompile._targets import Target, parse_target
 
 
@@ -264,6 +264,14 @@ def _option_kind(name: str, field_: Any) -> tuple[str, bool]:
     return kind, nullable
 
 
+# Software pipelining stages: Triton's autotuners try up to 7; more is no kernel anyone builds,
+# and past a C int Triton fails in pybind's words.
+_MAX_STAGES = 64
+# Triton hands its integer options to C++ as an int: anything larger fails there in pybind's
+# words, which name no option.
+_C_INT_MAX = 2**31 - 1
+
+
 def _check_option(name: str, value: Any, kind: str, nullable: bool) -> None:
     """``InvalidSpecError`` naming the option where ``value`` is not of its ``kind`` (see
     ``_option_kind``) or out of its range: Triton would fail on it in a worker, in words of
@@ -272,7 +280,7 @@ def _check_option(name: str, value: Any, kind: str, nullable: bool) -> None:
         return
     either = " (or None)" if nullable else ""
     if kind == "int":
-        low, high = _OPTION_RANGES.get(name, (0, None))
+        low, high = _OPTION_RANGES.get(name, (0, _C_INT_MAX))
         if (
             isinstance(value, int)
             and not isinstance(value, bool)
@@ -328,8 +336,8 @@ def check_options(target: Target, spec: TritonSpec) -> dict[str, Any]:
             f"num_warps must be a power of two from 1 to 32 (1, 2, 4, 8, 16, 32), got {show(warps)}"
         )
     stages = options["num_stages"]
-    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
-        raise InvalidSpecError(f"num_stages must be a positive integer, got {show(stages)}")
+    if not isinstance(stages, int) or isinstance(stages, bool) or not 1 <= stages <= _MAX_STAGES:
+        raise InvalidSpecError(f"num_stages must be an integer from 1 to {_MAX_STAGES}, got {show(stages)}")
     kinds = _option_kinds_memo.get(target.backend, {})
     for name, value in options.items():
         if name in kinds:
@@ -347,14 +355,6 @@ def check_options(target: Target, spec: TritonSpec) -> dict[str, Any]:
         if "\\u0000" in text:
             raise InvalidSpecError(f"option {name} contains a NUL character (\\0)")
     return dict(sorted(options.items()))
-
-
-def show(value: Any) -> str:
-    """A value's repr for a message, short however large (or deep) the value is."""
-    try:
-        return bounded(repr(value), 200)
-    except RecursionError:
-        return f"a {type(value).__name__} nested too deep to show"
 
 
 # How deep a constexpr's tuples may nest: far more than any kernel's, and far enough under

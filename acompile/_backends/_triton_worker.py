@@ -180,14 +180,17 @@ def compile(payload: dict[str, Any]) -> bytes:
     src = ASTSource(fn, payload["signature"], payload["constexprs"], payload["attrs"] or None)
     target = parse_target(payload["target"]).to_triton()
     deferred = bool(_late) and _parents_key(wait=False) is None
+    # Triton's list options are tuples (it hashes them): a list, as a manifest (TOML) or JSON
+    # can only give one, is the same tuple.
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in payload["options"].items()}
     keys: list[str] = []
     try:
         with _environment(payload["env"]):
             if deferred:
                 with _under_stand_in() as keys:
-                    compiled = triton.compile(src, target=target, options=dict(payload["options"]))
+                    compiled = triton.compile(src, target=target, options=options)
             else:
-                compiled = triton.compile(src, target=target, options=dict(payload["options"]))
+                compiled = triton.compile(src, target=target, options=options)
     except Exception as exc:
         message = str(exc).strip() or type(exc).__name__
         path, saved = save_if_long(message, payload.get("log_dir"), payload["name"], payload["key"])

@@ -105,6 +105,18 @@ class Kernel:
     unkeyed: str = ""
 
 
+def _unlocked(build: Build, why: str, where: str) -> None:
+    """Say that ``build`` ran without its folder's lock (``_worker.folder_lock``), and why."""
+    logger.warning(
+        "acompile: the build folder %s %s; %s module %s was built %s without its lock",
+        build.folder,
+        why,
+        build.library,
+        build.name,
+        where,
+    )
+
+
 class ServedBuilds:
     """The ninja builds of every served JIT library of one ``serve()``; thread-safe.
 
@@ -461,7 +473,7 @@ class ServedBuilds:
             raise PortalTimeout("the pool's event loop did not take the build", True)
         started_at = time.perf_counter()
         try:
-            future.result()
+            reply = future.result()
         except CompileError as exc:
             if exc.backend != NINJA_FAILED:
                 raise  # the pool's fault (a time or memory limit, a worker lost): the caller's
@@ -471,6 +483,9 @@ class ServedBuilds:
             future.cancel()  # this thread is interrupted: the build stops with it
             raise
         self.count(f"{build.library}:builds")
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            if unlocked := json.loads(reply).get("unlocked"):
+                _unlocked(build, unlocked, "on the pool")
         logger.info(
             "acompile: %s module %s built on the pool in %.1f s",
             build.library,
@@ -482,15 +497,7 @@ class ServedBuilds:
         # A build of this folder on the pool that was stopped (a limit, a cancel, a dead worker)
         # may still be ending: its ninja removes what its commands left half-done, which could be
         # what the library's build has just made. Its lock is held until its last process is gone.
-        with folder_lock(build.folder, LOCK_WAIT) as lock:
-            if lock is None and os.path.isdir(build.folder):
-                logger.warning(
-                    "acompile: the build folder %s stayed locked %.0f s; %s builds %s anyway",
-                    build.folder,
-                    LOCK_WAIT,
-                    build.library,
-                    build.name,
-                )
+        with folder_lock(build.folder, LOCK_WAIT, lambda why: _unlocked(build, why, "here")):
             run_here()
         self.count(f"{build.library}:local_builds")
 

@@ -56,23 +56,25 @@ def _dies_with(worker: int) -> Callable[[], None]:
 
 
 @contextlib.contextmanager
-def folder_lock(folder: str, timeout: float | None = None) -> Iterator[int | None]:
+def folder_lock(folder: str, timeout: float, skipped: Callable[[str], None]) -> Iterator[int | None]:
     """Hold the build lock of ``folder`` (exclusive; the descriptor, which a child inherits to
-    hold it too). ``timeout``: how long to wait for it (None: until it is free); past that, or
-    where the folder cannot be opened, yields None (the caller goes on without it)."""
+    hold it too). Past ``timeout`` seconds of waiting, or where the folder cannot be opened,
+    yields None (the caller goes on without it) and ``skipped`` says why first."""
     try:
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
+    except OSError as exc:
+        skipped(f"cannot be opened ({exc.strerror or exc})")
         yield None
         return
     try:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = time.monotonic() + timeout
         while True:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if deadline is None else fcntl.LOCK_NB))
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if time.monotonic() >= deadline:  # type: ignore[operator]
+                if time.monotonic() >= deadline:
+                    skipped(f"stayed locked {timeout:.0f} s by another process")
                     yield None
                     return
                 time.sleep(0.02)
@@ -93,8 +95,12 @@ def compile(payload: bytes) -> bytes:
     job = json.loads(payload)
     # The folder's lock, held by ninja and every command it runs until the last of them is gone
     # (a build killed before, of this pool's or the library's own, is waited for).
-    with folder_lock(job["folder"], LOCK_WAIT) as lock:
-        return _build(job, lock)
+    unlocked: list[str] = []
+    with folder_lock(job["folder"], LOCK_WAIT, unlocked.append) as lock:
+        reply = _build(job, lock)
+    if unlocked:  # said by the library's process (the worker's log is not the user's)
+        reply = json.dumps({**json.loads(reply), "unlocked": unlocked[0]}).encode()
+    return reply
 
 
 def _build(job: dict[str, Any], lock: int | None) -> bytes:
