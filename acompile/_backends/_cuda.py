@@ -27,12 +27,11 @@ from acompile._backends._native import (
     nvcc,
     payload,
     setup,
-    show,
     verify,
     worker_config,
 )
 from acompile._cache import Entry
-from acompile._errors import InvalidSpecError
+from acompile._errors import InvalidSpecError, show
 from acompile._targets import Target, parse_target
 
 __all__ = ("WORKER_MODULE", "CudaSpec", "load", "payload", "prepare", "setup", "worker_config")

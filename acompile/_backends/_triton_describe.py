@@ -16,9 +16,9 @@ import anyio
 from acompile._backends import _triton_source
 from acompile._backends._memos import remembered
 from acompile._backends._triton_once import ahead, once
-from acompile._backends._triton_spec import TritonSpec, show
+from acompile._backends._triton_spec import TritonSpec
 from acompile._backends._triton_text import kernel_from_text
-from acompile._errors import InvalidSpecError
+from acompile._errors import InvalidSpecError, show
 
 
 def _has_cache_key(fn: Any) -> bool:

@@ -16,9 +16,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from acompile._backends._memos import remembered
-from acompile._backends._triton_spec import show
 from acompile._cache import Blobs, CorruptEntry, Entry, blob_isascii, blob_view
-from acompile._errors import StageUnavailableError
+from acompile._errors import StageUnavailableError, show
 
 if TYPE_CHECKING:
     from acompile._backends._triton_spec import TritonRequest
