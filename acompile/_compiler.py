@@ -58,6 +58,7 @@ from acompile._targets import Target, local_target, parse_target
 from acompile._torch import Portal
 from acompile._workers import (
     BACKGROUND,
+    DEFAULT_NICE,
     URGENT,
     Executor,
     ExecutorSpec,
@@ -194,7 +195,7 @@ class CompilePool:
             settings below that tune workers (``worker_nice``, ``memory_limit``,
             ``max_compile_seconds``, ``preload_timeout``, ``idle_timeout``, ``fork_workers``,
             ``preload``) are one ``WorkerSettings``, handed whole to the spec: local workers
-            and a farm's actors run with them (on a farm's nodes ``worker_nice="idle"`` is 0,
+            and a farm's actors run with them (on a farm's nodes the default and ``worker_nice="idle"`` are 0,
             and its executor, not each actor, quiesces).
         target: the default target of requests, ``"cuda:90"``, ``"cuda:80"`` ...; ``None`` means
             the local GPU (a ``DeviceUnavailableError`` where there is none).
@@ -209,13 +210,14 @@ class CompilePool:
             never starts one.
         preload: the backends each worker imports and warms up before it reports ready
             (``"triton"``); a backend not named here loads at its first job instead.
-        worker_nice: how the workers yield the CPU to this process. ``"idle"`` (the default):
-            they run under Linux's ``SCHED_IDLE`` policy, so any other task that wants a CPU,
-            first of all the event loop serving requests, preempts a compiler at once; they
-            use only the CPU nobody else wants (elsewhere: nice 19). A number from 0 to 19 is
-            added to their nice value instead: on a machine saturated by other work, where idle
-            workers would barely run, ``worker_nice=5`` keeps compiles a share; 0 runs workers
-            at this process's priority.
+        worker_nice: how the workers yield the CPU to this process. A number from 0 to 19 is
+            added to their nice value: 5 (the default) gives a compiler about a third of a
+            nice-0 task's share, so the event loop serving requests goes first, and compiles
+            still progress on a machine busy with other work; 0 runs workers at this process's
+            priority. ``"idle"``: they run under Linux's ``SCHED_IDLE`` policy, so any other task
+            that wants a CPU preempts a compiler at once; they use only the CPU nobody else wants
+            (elsewhere: nice 19), and on a machine saturated by other work they are moved to
+            nice +5 once seen starving (one warning).
         idle_timeout: quiesce the pool after this many seconds without work (``None``: never);
             the next request wakes it.
         memory_limit: a worker whose resident memory passes this many bytes (or ``"4GiB"``,
@@ -261,7 +263,7 @@ class CompilePool:
         memory_cache_size: int = 1024,
         prestart: bool = True,
         preload: tuple[str, ...] = ("triton",),
-        worker_nice: int | Literal["idle"] = "idle",
+        worker_nice: int | Literal["idle"] = DEFAULT_NICE,
         idle_timeout: float | None = None,
         memory_limit: int | str | None = None,
         max_compile_seconds: float | None = 600.0,

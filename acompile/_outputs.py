@@ -1,14 +1,20 @@
 """Build outputs that acompile serves to another compiler's user (Inductor's C++ outputs, a JIT
 library's modules): whether one is whole, how it is put where its library loads it, and the CPU
 a build for the machine that builds (``-march=native``) is for. One policy for every served
-output, used by ``_torch`` and ``_jit`` alike."""
+output, used by ``_torch`` and ``_jit`` alike.
+
+And the files a command writes at a path its user names (``--json`` reports, ``--record``): never
+through a link another user placed there, never into another user's file (``own_file_problem``,
+``write_own_file``)."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import os
 import platform
+import stat
 import struct
 
 from acompile import _files
@@ -86,3 +92,85 @@ def cpu_identity() -> str:
     except OSError:
         lines = [platform.processor()]
     return hashlib.sha256("".join(sorted(set(lines))).encode()).hexdigest()
+
+
+# How many links in a row a path given for a command's output may go through (Linux's own bound).
+_MAX_LINKS = 40
+
+
+def _owner(uid: int) -> str:
+    """A user, as a message names them."""
+    try:
+        import pwd
+
+        return f"another user ({pwd.getpwuid(uid).pw_name}, uid {uid})"
+    except (ImportError, KeyError):
+        return f"another user (uid {uid})"
+
+
+def _followed(path: str | os.PathLike[str]) -> tuple[str, str | None]:
+    """The file ``path`` names once this user's links at its end are followed, and why it may
+    not be written (a link of another user's on the way), or None."""
+    current = os.path.abspath(path)
+    for _ in range(_MAX_LINKS):
+        try:
+            info = os.lstat(current)
+        except FileNotFoundError:
+            return current, None
+        if not stat.S_ISLNK(info.st_mode):
+            return current, None
+        if info.st_uid != os.getuid():
+            return (
+                current,
+                f"{current} is a link placed by {_owner(info.st_uid)}: nothing is written through it",
+            )
+        current = os.path.abspath(os.path.join(os.path.dirname(current), os.readlink(current)))
+    return current, f"{path} goes through more than {_MAX_LINKS} links"
+
+
+def own_file_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why a command may not write the file at ``path`` for its user: a link another user placed
+    there (or on the way through this user's links), or a file another user owns; None
+    otherwise (a file of this user's, or none yet: written as ``write_own_file`` does)."""
+    final, problem = _followed(path)
+    if problem is not None:
+        return problem
+    try:
+        info = os.stat(final)
+    except OSError:
+        return None  # none yet, or none that can be looked at: the write says why
+    if stat.S_ISREG(info.st_mode) and info.st_uid != os.getuid():
+        return f"{final} is a file of {_owner(info.st_uid)}: nothing is written into it"
+    return None
+
+
+def write_own_file(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write a command's output (a report) at ``path``, which its user named: through this user's
+    links, never another user's, and never into a file another user owns (each checked on the
+    file opened, so that one put there after a check is refused as well). Raises
+    ``PermissionError`` saying which, or ``OSError``."""
+    final, problem = _followed(path)
+    if problem is not None:
+        raise PermissionError(problem)
+    try:
+        # O_NOFOLLOW: a link put at the file's name since it was looked at is not followed.
+        fd = os.open(final, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise PermissionError(
+                f"{final} is a link put there as it was written: nothing is written through it"
+            ) from exc
+        raise
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISREG(info.st_mode):
+            if info.st_uid != os.getuid():
+                raise PermissionError(
+                    f"{final} is a file of {_owner(info.st_uid)}'s: nothing is written into it"
+                )
+            os.ftruncate(fd, 0)  # only now: another user's file is left as it was
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)

@@ -4,6 +4,7 @@ tier it was asked to fill did not get every kernel."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -113,3 +114,19 @@ def test_warmup_fails_when_the_shared_tier_is_unreachable(tmp_path: Path) -> Non
     keyless, _ = warmup(manifest, tmp_path / "c", "--shared-cache", url, "--no-require-shared", key=None)
     assert "the entries were to go to the shared tier's unsigned namespace" in keyless.stderr
     assert "entries went" not in keyless.stderr
+
+
+def test_warmup_names_why_a_shared_tier_that_cannot_work_was_not_filled(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    # A URL that parses but cannot work: database 21 of a server that has 16. The reason was in
+    # one warning among the log lines; the command's own verdict did not say it.
+    manifest = make_manifest(tmp_path)
+    url = redis_server.url.rsplit("/", 1)[0] + "/21"
+    out, shared = warmup(manifest, tmp_path / "a", "--shared-cache", url)
+    assert out.returncode == 1, out.stdout + out.stderr
+    verdict = [line for line in out.stderr.splitlines() if line.startswith("acompile warmup:")]
+    assert verdict and re.search(r"it is off: \w+: ResponseError: DB index is out of range", verdict[-1]), (
+        out.stderr
+    )
+    assert shared["missing"] == 2, shared

@@ -495,6 +495,52 @@ async def test_a_deadline_around_wait_ready_fires_while_the_head_is_gone_and_a_h
 
 
 @pytest.mark.anyio
+@pytest.mark.timeout(300)
+async def test_after_the_head_is_lost_the_pools_job_counts_say_what_happened(
+    two_nodes: Cluster, tmp_path: Path
+) -> None:
+    """The head (its GCS and raylet) SIGKILLed during a storm of 20 jobs, with no local fallback:
+    once the farm is lost, ``pool.stats()["jobs"]`` counts each job where it ended (done, or
+    failed), none queued or running. It said ``queued 55, running 1, failed 0`` for 56 jobs that
+    had all failed: the connection process's last report, which outlived it."""
+    from acompile._workers import Job
+
+    cluster = two_nodes
+    farm = acompile.RayFarm(cluster.address, workers=2, runtime_env=RUNTIME_ENV)
+    results: dict[int, str] = {}
+
+    async def one(pool: acompile.CompilePool, i: int) -> None:
+        payload = {"name": f"k{i}", "action": "sleep", "seconds": 2.0}
+        try:
+            await pool.executor.run(Job("fake_backend", payload, f"k{i}"))
+            results[i] = "done"
+        except acompile.AcompileError as exc:
+            results[i] = type(exc).__name__
+
+    async with acompile.CompilePool(target=TARGET, workers=farm, cache_dir=tmp_path, preload=()) as pool:
+        with anyio.fail_after(120):
+            await pool.wait_ready()
+        with anyio.fail_after(LOST_WITHIN + 120):
+            async with anyio.create_task_group() as tg:
+                for i in range(20):
+                    tg.start_soon(one, pool, i)
+                while list(results.values()).count("done") < 2:  # noqa: ASYNC110 - no event for it
+                    await anyio.sleep(0.1)
+                head = cluster.head_node.all_processes
+                for kind in ("gcs_server", "raylet"):
+                    os.kill(head[kind][0].process.pid, signal.SIGKILL)
+        jobs = pool.stats()["jobs"]
+        farm_stats = farm.stats()
+    done = list(results.values()).count("done")
+    failed = len(results) - done
+    assert len(results) == 20 and failed >= 1, results
+    assert "FarmUnreachableError" in results.values(), results
+    assert (jobs["queued"], jobs["running"], jobs["done"], jobs["failed"]) == (0, 0, done, failed), jobs
+    assert not farm_stats["connected"] and farm_stats["queued"] == 0, farm_stats
+    assert not _brokers()
+
+
+@pytest.mark.anyio
 async def test_a_connection_process_stopped_by_a_signal_is_a_lost_cluster(
     one_node: Cluster, tmp_path: Path
 ) -> None:

@@ -803,8 +803,15 @@ async def test_job_cancelled_is_internal() -> None:
 
 
 async def test_workers_run_below_the_parent_priority(cache_dir: Path) -> None:
-    # The default: SCHED_IDLE, inherited by what workers start (forked workers, compilers).
+    # The default: nice +5 (a third of a nice-0 task's share: the loop goes first, and compiles
+    # still progress on a busy machine), inherited by what workers start (forked workers,
+    # compilers). It was SCHED_IDLE, which a busy host starved.
     async with pool(cache_dir, workers=1) as p:
+        pid = await run_job(p, FAKE, {"name": "p", "action": "pid"}, "p")
+        assert os.sched_getscheduler(pid) == os.SCHED_OTHER
+        assert psutil.Process(pid).nice() == min(19, psutil.Process().nice() + 5)
+    # SCHED_IDLE is there to be asked for.
+    async with pool(cache_dir, workers=1, worker_nice="idle") as p:
         pid = await run_job(p, FAKE, {"name": "p", "action": "pid"}, "p")
         assert os.sched_getscheduler(pid) == os.SCHED_IDLE
         assert os.sched_getscheduler(0) == os.SCHED_OTHER
@@ -1008,7 +1015,7 @@ async def test_more_idle_workers_than_cpus_busy_with_their_own_jobs_are_not_star
         # Then the pool rightly sees its workers starved by other work, and moves them to +5.
         pytest.skip("other processes keep this machine's CPUs busy: the test needs them to itself")
     workers = 6 * usable_cpus()
-    async with pool(cache_dir, workers=workers) as p:
+    async with pool(cache_dir, workers=workers, worker_nice="idle") as p:
         await p.wait_ready()
         async with anyio.create_task_group() as tg:
             for i in range(workers):
@@ -1047,7 +1054,7 @@ async def test_idle_workers_that_other_work_starves_get_a_share_and_their_jobs_r
         # Preloading Triton takes about a second of CPU: under SCHED_IDLE here, several minutes
         # (a share of about 3/1024 of a CPU). At nice +5, behind the loops, it took 5-10 s, and
         # once more than 30 s in a CI run (everything in this process is slowed by the loops too).
-        async with acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir) as p:
+        async with acompile.CompilePool(1, target="cuda:90", cache_dir=cache_dir, worker_nice="idle") as p:
             with anyio.fail_after(90):
                 await run_job(p, FAKE, {"name": "b", "action": "burn", "cpu_s": 0.5}, "b")
                 pid = await run_job(p, FAKE, {"name": "p", "action": "pid"}, "p")

@@ -269,3 +269,26 @@ async def test_a_claim_is_given_back_when_its_replica_leaves_without_publishing(
         t0 = time.perf_counter()
         assert await b.torch_host().claim(key) is None  # its own now
         assert time.perf_counter() - t0 < 2
+
+
+async def test_a_url_that_cannot_work_is_said_at_the_pools_entry_and_in_its_stats(
+    tmp_path: Path, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Database 21 of a server that has 16: every operation is refused. It turned sharing off
+    # with one warning at the first look-up, and stats() said nothing of why.
+    caplog.set_level(logging.WARNING, "acompile")
+    url = redis_server.url.rsplit("/", 1)[0] + "/21"
+    shared = acompile.SharedCache(url, signing_key=KEY)
+    async with acompile.CompilePool(1, target=TARGET, cache_dir=tmp_path / "a", shared_cache=shared) as p:
+        # Said at the entry, before any request.
+        warned = [r.getMessage() for r in caplog.records if "shared cache unavailable" in r.getMessage()]
+        assert len(warned) == 1 and "DB index is out of range" in warned[0], warned
+        cache = p.stats()["cache"]
+        assert cache["shared_available"] is False
+        assert cache["shared_problem"] == "open: ResponseError: DB index is out of range", cache
+        _, tier = await p.compile_with_tier(spec())
+        assert tier == "compile"  # the local tiers serve
+        assert p.stats()["cache"]["shared_problem"], p.stats()["cache"]
+    async with pool(tmp_path / "b", redis_server, signing_key=KEY, prestart=False) as p:
+        cache = p.stats()["cache"]
+        assert cache["shared_available"] is True and cache["shared_problem"] is None

@@ -253,7 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     _print(result)
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
+    from acompile._outputs import write_own_file
+
+    # --json names a file of this user's: never written through another user's link.
+    write_own_file(path, json.dumps(result, indent=2).encode())
     return 0 if result["identical_cubins"] == result["kernels"] else 1
 
 

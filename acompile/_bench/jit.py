@@ -370,7 +370,10 @@ def main(argv: list[str]) -> int:
     print(text)
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=2, default=str))
+    from acompile._outputs import write_own_file
+
+    # --json names a file of this user's: never written through another user's link.
+    write_own_file(path, json.dumps(document, indent=2, default=str).encode())
     print(f"\nresults written to {path}")
     crashed = [n for n, r in document["arms"].items() if r.get("crashed")]
     return 1 if crashed else 0

@@ -655,7 +655,10 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=2, default=str))
+    from acompile._outputs import write_own_file
+
+    # --json names a file of this user's: never written through another user's link.
+    write_own_file(path, json.dumps(document, indent=2, default=str).encode())
     print(f"\nresults written to {path}")
     return 1 if failed else 0
 

@@ -82,6 +82,7 @@ _ABSENT: dict[str, Any] = {
     "shared_ignored_leases": 0,
     "shared_leases_taken_over": 0,
     "shared_available": None,
+    "shared_problem": None,
     "shared_namespace": None,
     "shared_kind": None,
 }

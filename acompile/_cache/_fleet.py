@@ -180,6 +180,8 @@ class FleetTiers:
         merged["shared_writes"] = self.counts["writes"]
         merged["shared_write_failures"] = self.counts["write_failures"]
         merged["shared_available"] = all(t.available for t in self.tiers)
+        problems = [f"{self._names[i]}: {t.problem}" for i, t in enumerate(self.tiers) if t.problem]
+        merged["shared_problem"] = "; ".join(problems) or None
         merged["shared_namespace"] = self.first.namespace
         merged["shared_kind"] = "+".join(self._names)
         merged["shared_tiers"] = per_tier

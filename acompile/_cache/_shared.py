@@ -499,6 +499,8 @@ class SharedTier:
         # When the tier last went off or came back (monotonic): an operation that began before
         # it is part of what was already known, and its failure changes nothing.
         self._changed_at = 0.0
+        # Why the tier is off (the fault that began the outage, or the last probe's), or None.
+        self._problem: str | None = None
         # Redis's scripts, made at first use (None: not Redis, or not yet).
         self._scripts: dict[str, Any] = {}
         # What has been warned about once (later ones go to the debug log).
@@ -558,6 +560,21 @@ class SharedTier:
                         await check()
                 except (StoreError, TimeoutError) as exc:
                     self._fault("open", exc, started)
+            else:
+                # A memory cache (Redis, Memcached): one look-up, so that a URL that parses but
+                # cannot work (a Redis database the server does not have, a password it
+                # refuses) or a server that does not answer is said at the pool's entry, with
+                # the reason, and shows in stats() from then on (shared_problem). Bounded as
+                # two operations are; a failure is an outage, as anywhere, though not one of
+                # the entries' operations that shared_errors counts.
+                started = time.monotonic()
+                try:
+                    with anyio.fail_after(2 * self.timeout):
+                        await self.cache.exists(self._name("acompile-entry-probe"))
+                except anyio.get_cancelled_exc_class():
+                    raise
+                except Exception as exc:
+                    self._fault("open", exc, started, counted=False)
 
     def stats(self) -> dict[str, Any]:
         """This tier's part of ``stats()["cache"]``."""
@@ -570,6 +587,7 @@ class SharedTier:
             "shared_ignored_leases": self.counts["ignored_leases"],
             "shared_leases_taken_over": self.counts["leases_taken_over"],
             "shared_available": self.available,
+            "shared_problem": self.problem,
             "shared_namespace": self.namespace,
             "shared_kind": self.kind,
         }
@@ -602,6 +620,12 @@ class SharedTier:
     def available(self) -> bool:
         """False during an outage (until an operation succeeds again)."""
         return not self._down
+
+    @property
+    def problem(self) -> str | None:
+        """Why the tier is off (what the server said, or that it did not answer), None while it
+        is available."""
+        return self._problem if self._down else None
 
     @property
     def backoff(self) -> float:
@@ -683,10 +707,12 @@ class SharedTier:
             self._down_until = 0.0
             self._backoff = _BACKOFF_FIRST
             self._changed_at = time.monotonic()
+            self._problem = None
             logger.warning("shared cache is reachable again")
 
-    def _fault(self, what: str, exc: BaseException, started: float) -> None:
-        self.counts["errors"] += 1
+    def _fault(self, what: str, exc: BaseException, started: float, *, counted: bool = True) -> None:
+        if counted:
+            self.counts["errors"] += 1
         reason = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
         if started < self._changed_at:
             # Under way when the outage began (or ended): already accounted for.
@@ -702,6 +728,7 @@ class SharedTier:
             level = logging.WARNING
         self._down_until = now + self._backoff
         self._changed_at = now
+        self._problem = f"{what}: {reason}"
         logger.log(level, "shared cache unavailable (%s %s); going on with the local tiers", what, reason)
 
     def _name(self, key: str) -> str:

@@ -55,6 +55,7 @@ from acompile._errors import (
 from acompile._farm._broker import LOST_AFTER, LOST_WITHIN
 from acompile._farm._farm import Setup
 from acompile._workers import (
+    DEFAULT_NICE,
     Executor,
     Job,
     LinkedExecutor,
@@ -115,9 +116,9 @@ async def open_farm(farm: RayFarm, settings: WorkerSettings, opening: Opening) -
     def make_local() -> Executor:
         return opening.local_workers(settings)  # this machine's: the pool's own settings
 
-    # On the farm's nodes compiling is the job, on CPUs Ray reserved for it: the idle policy
-    # protects this process's event loop, which is not there.
-    on_nodes = settings.replace(nice=0) if settings.nice == "idle" else settings
+    # On the farm's nodes compiling is the job, on CPUs Ray reserved for it: the idle policy and
+    # the default nice value protect this process's event loop, which is not there.
+    on_nodes = settings.replace(nice=0) if settings.nice in ("idle", DEFAULT_NICE) else settings
     try:
         executor = await connect(
             farm, on_nodes, opening.memo_dir, local=opening.fallback, make_local=make_local
@@ -476,6 +477,8 @@ class RemoteExecutor(LinkedExecutor):
         """What ``RayFarm.stats()`` returns while (and after) this executor serves."""
         stats = dict(self._farm_stats)
         stats["connected"] = bool(stats.get("connected")) and self.lost is None and not self._closed
+        if not stats["connected"]:
+            stats["queued"] = 0  # the connection process's last word: its queue went with it
         return stats  # type: ignore[return-value]
 
     def on_stats(self, reply: Reply) -> None:

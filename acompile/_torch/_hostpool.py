@@ -26,9 +26,11 @@ import argparse
 import contextlib
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -68,6 +70,12 @@ START_TIMEOUT = 60.0
 # say); a process that hears nothing for SILENCE_LIMIT takes the server for gone.
 HEARTBEAT = 2.0
 SILENCE_LIMIT = 10.0
+# How long a process waits for a server that took its connection to say hello (it does so as it
+# accepts). One that does not: stopped by a signal, it is replaced (see _take_over); running yet
+# mute (hung), the process compiles on its own workers, and tries again later.
+HELLO_TIMEOUT = 3.0
+# How long a stopped server that was killed to be replaced may take to be gone.
+_KILL_WAIT = 5.0
 # After the server could not be started again, jobs run in their own process this long.
 _RETRY_AFTER = 30.0
 _LOST = (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError)
@@ -103,9 +111,7 @@ def socket_name() -> str:
 
 
 def peer_uid(sock: socket.socket) -> int:
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return int(uid)
+    return peer_credentials(sock)[1]
 
 
 # --- frames -------------------------------------------------------------------------------------
@@ -242,30 +248,151 @@ class _SocketLink:
 
 async def _connect(cache_root: Path, workers: int | None, idle_exit: float) -> _SocketLink:
     """Connect to the host's server (started where none listens), bounded: a server that accepts
-    and never answers (stopped by a signal, hung) must not hold anyone. Raises ``HostPoolError``."""
+    and never answers must not hold anyone. One stopped by a signal (SIGSTOP) is replaced: killed,
+    ours and confirmed as the host pool's server, under the folder's lock, and a new one started
+    (see ``_take_over``); one that is running yet mute is given up on after ``HELLO_TIMEOUT``.
+    Raises ``HostPoolError``."""
     try:
         with anyio.fail_after(START_TIMEOUT + SILENCE_LIMIT):
             ensure = functools.partial(_ensure_server, cache_root, workers, idle_exit)
             path = await anyio.to_thread.run_sync(ensure, abandon_on_cancel=True)
-            with anyio.fail_after(SILENCE_LIMIT):
-                stream = await anyio.connect_unix(path)
-                try:
-                    raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
-                    if peer_uid(raw) != os.getuid():
-                        raise HostPoolError(f"the host pool's socket {path} is served by another user")
-                    reader = BufferedByteReceiveStream(stream)
-                    header, _ = await receive_frame(reader)
-                    if header.get("op") != "hello":
-                        raise HostPoolError(f"the host pool at {path} did not say hello")
-                except BaseException:
-                    with anyio.CancelScope(shield=True):
-                        await stream.aclose()
-                    raise
+            try:
+                return await _hello(path)
+            except _Mute as mute:
+                take_over = functools.partial(_take_over, cache_root, workers, idle_exit, mute)
+                why_not = await anyio.to_thread.run_sync(take_over, abandon_on_cancel=True)
+                if why_not is not None:
+                    raise HostPoolError(
+                        f"the host pool's server (pid {mute.pid}) took the connection but said nothing "
+                        f"within {HELLO_TIMEOUT:g} s, and is not replaced: {why_not}"
+                    ) from None
+                return await _hello(path)  # the new server's
     except (*_LOST, OSError, TimeoutError, ValueError) as exc:
         # A server that dies or closes the connection during the hello (its idle exit racing a
         # new connection, a SIGKILL) is no server: never an error past this.
         raise HostPoolError(f"cannot reach the host pool: {type(exc).__name__}: {exc}") from exc
+
+
+class _Mute(HostPoolError):
+    """The server at ``path`` took a connection and said no hello in time (a ``HostPoolError``
+    where it is not replaced)."""
+
+    def __init__(self, path: str, pid: int, inode: int) -> None:
+        super().__init__(f"the host pool's server (pid {pid}) at {path} said nothing in {HELLO_TIMEOUT:g} s")
+        self.path = path
+        self.pid = pid
+        self.inode = inode
+
+
+async def _hello(path: str) -> _SocketLink:
+    """A connection to the server at ``path`` that has said hello; raises ``_Mute`` where it
+    says nothing within ``HELLO_TIMEOUT``, ``HostPoolError`` where it is not ours or says
+    something else."""
+    inode = os.stat(path).st_ino  # which socket this is: a replacement's is another
+    with anyio.fail_after(SILENCE_LIMIT):
+        stream = await anyio.connect_unix(path)
+    try:
+        raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+        pid, uid = peer_credentials(raw)
+        if uid != os.getuid():
+            raise HostPoolError(f"the host pool's socket {path} is served by another user")
+        reader = BufferedByteReceiveStream(stream)
+        try:
+            with anyio.fail_after(HELLO_TIMEOUT):
+                header, _ = await receive_frame(reader)
+        except TimeoutError:
+            raise _Mute(path, pid, inode) from None
+        if header.get("op") != "hello":
+            raise HostPoolError(f"the host pool at {path} did not say hello")
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await stream.aclose()
+        raise
     return _SocketLink(stream, reader, header)
+
+
+def _take_over(cache_root: Path, workers: int | None, idle_exit: float, mute: _Mute) -> str | None:
+    """Replace a server that did not say hello, where it is stopped by a signal: under the
+    folder's lock (one process replaces it; the others find the new one), and only where the
+    socket is still the one that process connected to, and the process behind it is this user's
+    host pool server for that socket (its command line says so). It is killed (SIGKILL reaches a
+    stopped process; its workers end with it), and a new server is started once it is gone: never
+    two servers at one socket. Returns None where a server that answers may be there now (the
+    new one, or another process's replacement), else why it is not replaced (blocking)."""
+    folder = run_folder(cache_root)
+    path = Path(mute.path)
+    lock_path = folder / (path.name + ".lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        if not _files.lock_within(fd, START_TIMEOUT):
+            return f"{lock_path} stayed locked for {START_TIMEOUT:g} s"
+        try:
+            if os.stat(path).st_ino != mute.inode:
+                return None  # replaced meanwhile, by another process
+        except FileNotFoundError:
+            return None  # gone: whoever asks next starts one
+        if not _server_of(mute.pid, path):
+            return "the process behind its socket is not this user's host pool server"
+        state = _state(mute.pid)
+        if state not in ("T", "Z", "X", None):
+            # Running, yet mute: hung, or slower than that on a loaded machine. Not killed on a
+            # guess: this process compiles on its own workers, and tries the server again later.
+            return f"it is running (state {state}), not stopped"
+        logger.warning(
+            "the host pool's server (pid %d) is stopped by a signal and answers nobody; replacing it",
+            mute.pid,
+        )
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(mute.pid, signal.SIGKILL)
+        gone_by = time.monotonic() + _KILL_WAIT
+        while not _gone(mute.pid):
+            if time.monotonic() > gone_by:
+                return f"it was killed, and still there after {_KILL_WAIT:g} s"
+            time.sleep(0.02)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # the dead server's
+        _start_and_wait(cache_root, workers, idle_exit, folder, path, deadline)
+        return None
+    finally:
+        os.close(fd)
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
+    """The process id and user id of the other end of a Unix socket (``SO_PEERCRED``: for a
+    client, those of the process that made the listening socket)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return int(pid), int(uid)
+
+
+def _server_of(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` is this user's host pool server for the socket at ``path``."""
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+            return False
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    if b"acompile._torch._hostpool" not in argv:
+        return False
+    return any(a == b"--socket" and b == os.fsencode(path) for a, b in itertools.pairwise(argv))
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter (``/proc/PID/stat``: R, S, D, T, t, Z ...), None where it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # The name is in parentheses and may hold spaces: the state follows the last ")".
+            return f.read().rpartition(b")")[2].split()[0].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def _gone(pid: int) -> bool:
+    """Whether a process has ended (a zombie has: its socket is closed)."""
+    return _state(pid) in (None, "Z", "X")
 
 
 def _ensure_server(cache_root: Path, workers: int | None, idle_exit: float) -> str:
@@ -290,18 +417,25 @@ def _ensure_server(cache_root: Path, workers: int | None, idle_exit: float) -> s
             return str(path)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # a server that died left it
-        server = _start_server(cache_root, workers, idle_exit, folder, path)
-        while not _listening(path):
-            if time.monotonic() > deadline:
-                raise HostPoolError(f"the host pool did not listen at {path} within {START_TIMEOUT:g} s")
-            if not _linux.pid_alive(server):
-                raise HostPoolError(
-                    f"the host pool's server (pid {server}) ended as it started: {_last_line(folder, path)}"
-                )
-            time.sleep(0.05)
+        _start_and_wait(cache_root, workers, idle_exit, folder, path, deadline)
         return str(path)
     finally:
         os.close(fd)
+
+
+def _start_and_wait(
+    cache_root: Path, workers: int | None, idle_exit: float, folder: Path, path: Path, deadline: float
+) -> None:
+    """Start a server at ``path`` and wait until it listens (the caller holds the lock)."""
+    server = _start_server(cache_root, workers, idle_exit, folder, path)
+    while not _listening(path):
+        if time.monotonic() > deadline:
+            raise HostPoolError(f"the host pool did not listen at {path} within {START_TIMEOUT:g} s")
+        if not _linux.pid_alive(server):
+            raise HostPoolError(
+                f"the host pool's server (pid {server}) ended as it started: {_last_line(folder, path)}"
+            )
+        time.sleep(0.05)
 
 
 def _last_line(folder: Path, path: Path) -> str:
@@ -477,6 +611,7 @@ async def serve(
             os.unlink(path)  # a dead server's (the process that started this one holds the lock)
         listener = await anyio.create_unix_listener(path)
         os.chmod(path, 0o600)
+        bound = os.stat(path).st_ino
         server = _Server(pool, idle_exit)
         try:
             async with anyio.create_task_group() as tg:
@@ -487,7 +622,10 @@ async def serve(
             with anyio.CancelScope(shield=True):
                 await listener.aclose()
             with contextlib.suppress(OSError):
-                os.unlink(path)  # ours (a process that finds none starts a server)
+                # Ours (a process that finds none starts a server), unless a successor's is
+                # there now: this server was replaced while it did not answer.
+                if os.stat(path).st_ino == bound:
+                    os.unlink(path)
 
 
 class _Server:

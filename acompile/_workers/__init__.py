@@ -70,6 +70,7 @@ _NAMES: dict[str, str | tuple[str, str]] = {
     "read_message": "_protocol",
     "combined_stats": "_executor",
     "WorkerSettings": "_settings",
+    "DEFAULT_NICE": "_settings",
     "ExecutorSpec": "_open",
     "LocalWorkers": "_open",
     "Opening": "_open",
@@ -128,6 +129,7 @@ if _typing.TYPE_CHECKING:
     from acompile._workers._queue import JobCancelled as JobCancelled
     from acompile._workers._queue import JobQueue as JobQueue
     from acompile._workers._queue import Taker as Taker
+    from acompile._workers._settings import DEFAULT_NICE as DEFAULT_NICE
     from acompile._workers._settings import WorkerSettings as WorkerSettings
     from acompile._workers._slots import NoRoom as NoRoom
     from acompile._workers._slots import PoolStats as PoolStats
@@ -142,6 +144,7 @@ __all__ = (
     "BACKGROUND",
     "BYTECODE_FOLDER",
     "BYTECODE_HELPER_NAME",
+    "DEFAULT_NICE",
     "URGENT",
     "BackendConfig",
     "Executor",

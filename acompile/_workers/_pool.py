@@ -1022,7 +1022,7 @@ def _starved(config: WorkerConfig) -> str:
         return ""
     return (
         " (workers run with worker_nice='idle': on a machine whose CPUs are busy with other work "
-        "they get only the CPU time nobody else wants; worker_nice=5 gives them a share)"
+        "they get only the CPU time nobody else wants; worker_nice=5, the default, gives them a share)"
     )
 
 

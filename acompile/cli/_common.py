@@ -149,10 +149,16 @@ def signing_key_problem() -> str | None:
 def output_path_problem(path: Path) -> str | None:
     """Why a file a command writes (a report, a bundle) cannot be written at path, as far as
     can be told before the work; None if nothing is wrong (the write can still fail: a full
-    disk). A missing folder is not made: a mistyped path would make folders nobody asked for."""
+    disk). A missing folder is not made: a mistyped path would make folders nobody asked for.
+    A link another user placed there, or a file another user owns, is refused: nothing is
+    written through the one or into the other."""
+    from acompile._outputs import own_file_problem
+
     folder = path.parent
     if path.is_dir():
         return "it is a folder: name a file"
+    if problem := own_file_problem(path):
+        return problem
     if not folder.exists():
         return f"there is no folder {folder} (create it first)"
     if not folder.is_dir():

@@ -20,6 +20,7 @@ import anyio
 
 from acompile._cache import DiskTier
 from acompile._errors import AcompileError, UntrustedFolderError
+from acompile._outputs import write_own_file
 from acompile.cli._common import (
     Progress,
     add_cache_dir,
@@ -282,11 +283,14 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
         if _report_served_entries(shared, args, alone=False):
             ok = False
         if shared["missing"] and args.require_shared:
+            # Why, where the tier is off at the end (a URL that parses but cannot work: a Redis
+            # database the server does not have), not only in a warning far above.
+            off = f"; it is off: {cache['shared_problem']}" if cache.get("shared_problem") else ""
             print(
                 f"acompile warmup: {shared['missing']} of {shared['kernels']} kernels did not reach the "
                 f"shared tier {shown(args.shared_cache)} ({shared['errors']} failed operations, "
                 f"{shared['refused']} refused entries, {shared['not_published']} not published: over "
-                "?max_value= or a fault, see the warnings above); is it reachable and writable? "
+                f"?max_value= or a fault, see the warnings above){off}; is it reachable and writable? "
                 "(--no-require-shared: fill the local cache only, exit 0)",
                 file=sys.stderr,
             )
@@ -298,7 +302,7 @@ async def _warmup_async(specs: list[Any], args: argparse.Namespace) -> int:
         if shared:
             document["shared"] = shared
         try:
-            args.json_path.write_text(json.dumps(document, indent=2, default=str))
+            write_own_file(args.json_path, json.dumps(document, indent=2, default=str).encode())
         except OSError as exc:
             # The warm-up itself is done (the table above says how it went): only the report
             # could not be written.
