@@ -1,15 +1,17 @@
 """Serving a program that knows nothing of acompile: ``acompile run -- python serve.py``.
 
 ``acompile run`` puts the serving options in ``ACOMPILE_SERVE_TORCH`` (JSON: ``serve()``'s
-keyword arguments) and runs the command. acompile registers ``autoload`` as an extension of
-torch (the entry point group ``torch.backends``, which torch loads as it is imported, since
-2.5): in every Python process of that command that imports torch, it waits for Inductor's
-compiler to be imported (``torch._inductor.compile_fx``, the first thing any torch.compile or
-engine does with Inductor), then serves torch.compile for the rest of the process.
+keyword arguments) and runs the command. acompile registers an extension of torch (the entry
+point group ``torch.backends``, which torch loads as it is imported, since 2.5): the module
+``_acompile_autoload``, outside this package, which imports nothing more where the variable is
+not set. Where it is, it imports ``acompile.inductor`` and calls ``autoload`` here: in every
+Python process of that command that imports torch, it waits for Inductor's compiler to be
+imported (``torch._inductor.compile_fx``, the first thing any torch.compile or engine does with
+Inductor), then serves torch.compile for the rest of the process.
 
 It never fails the import of torch (torch would fail with it): any problem is one warning, and
-the process runs as it would without acompile. It does nothing in acompile's own workers, in
-Inductor's compile workers, or where the variable is not set.
+the process runs as it would without acompile. It does nothing in acompile's own workers, or in
+Inductor's compile workers.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ _started = threading.Event()
 _start_lock = threading.Lock()
 # What serves torch.compile: ``acompile.inductor.serve``, which ``acompile.inductor`` hands in
 # as it is imported (``serve_with``): it is the layer above this one, which this module does not
-# import. It is always here by the time torch calls ``autoload``: torch imports this module by
-# its name, and that imports acompile's package first, which imports ``acompile.inductor``.
+# import. It is always here by the time ``autoload`` runs: the entry point imports
+# ``acompile.inductor`` first.
 _serve_torch: Callable[..., Any] | None = None
 _triggers: tuple[str, ...] = ()
 

@@ -197,7 +197,7 @@ def _python_serves(python: str, env: dict[str, str]) -> str | None:
     probe = (
         "import sys\n"
         "from importlib.metadata import entry_points, version\n"
-        "sys.exit(3) if not any(e.value.startswith('acompile._torch._autoload') "
+        "sys.exit(3) if not any(e.value.startswith(('_acompile_autoload', 'acompile._torch._autoload')) "
         "for e in entry_points(group='torch.backends')) else print(version('acompile'))\n"
     )
     try:
@@ -219,7 +219,8 @@ def _autoload_registered() -> bool:
     from importlib.metadata import entry_points
 
     return any(
-        ep.value.startswith("acompile._torch._autoload") for ep in entry_points(group="torch.backends")
+        ep.value.startswith(("_acompile_autoload", "acompile._torch._autoload"))
+        for ep in entry_points(group="torch.backends")
     )
 
 
