@@ -776,3 +776,50 @@ async def test_an_urgent_request_for_queued_warmup_work_jumps_the_queue(cache_di
             await p.compile(warmup[-1])
             finished.append("urgent")
     assert finished.index("urgent") <= 2, finished
+
+
+async def test_a_request_asked_again_is_keyed_as_if_for_the_first_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hot path (the same kernel asked again) reuses the request keyed the first time. It must
+    never hand one variant another's key: values Python holds equal (1, True, 1.0; 0.0 and -0.0)
+    are other compiles, and an environment variable that changes a compile, or the kernel's source
+    changed in place, makes another key. Each key is checked against one computed afresh."""
+    from acompile._backends import _triton
+
+    target = acompile.Target("cuda", 90)
+    memo = tmp_path / "memo"
+    memo.mkdir()
+
+    async def twice(spec: acompile.TritonSpec) -> str:
+        first = await _triton.prepare(spec, target, memo)
+        again = await _triton.prepare(spec, target, memo)
+        assert again.key == first.key == (await _triton._prepare(spec, target, memo)).key
+        return first.key
+
+    keys = [
+        await twice(acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": value}))
+        for value in (64, 1, True, 1.0, 0.0, -0.0)
+    ]
+    assert len(set(keys)) == len(keys), keys
+    spec = acompile.TritonSpec(add_kernel, ADD_SIG, {"BLOCK": 64})
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    assert await twice(spec) not in keys
+    monkeypatch.delenv("TRITON_DEFAULT_FP_FUSION")
+    assert await twice(spec) == keys[0]
+    # The source changed in place (as Triton's own tools do): another key.
+    source = tmp_path / "k.py"
+    source.write_text(
+        "import triton, triton.language as tl\n\n"
+        "@triton.jit\ndef k(x_ptr, BLOCK: tl.constexpr):\n    tl.store(x_ptr + tl.arange(0, BLOCK), 1.0)\n"
+    )
+    import importlib.util
+
+    loaded = importlib.util.spec_from_file_location("memo_kernel_for_test", source)
+    assert loaded is not None and loaded.loader is not None
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
+    fn = module.k
+    before = await twice(acompile.TritonSpec(fn, {"x_ptr": "*fp32"}, {"BLOCK": 64}))
+    fn._unsafe_update_src(fn.src.replace("1.0", "2.0"))
+    assert await twice(acompile.TritonSpec(fn, {"x_ptr": "*fp32"}, {"BLOCK": 64})) != before

@@ -144,8 +144,16 @@ def load_parent(name: str) -> ParentBackend[Any, Any, Any]:
     Raises ``BackendUnavailableError`` saying what to install when the package is missing, and
     ``ValueError`` for an unknown name.
     """
+    known = _parents.get(name)
+    if known is not None:
+        return known
     backend = get(name)
-    return cast("ParentBackend[Any, Any, Any]", _import(backend, backend.parent))
+    loaded = _parents[name] = cast("ParentBackend[Any, Any, Any]", _import(backend, backend.parent))
+    return loaded
+
+
+# The parent halves imported already, by name: every request asks (two imports' look-ups).
+_parents: dict[str, ParentBackend[Any, Any, Any]] = {}
 
 
 def load_worker(name: str) -> WorkerBackend:

@@ -23,6 +23,7 @@ each memo registered where it is made (``_memos``); ``forget()`` empties them al
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import os
@@ -96,8 +97,68 @@ def _toolchain(memo_dir: Path) -> dict[str, str]:
     return _toolchain_memo
 
 
+# Requests keyed already, by what they were made of (``_recall_key``): the same kernel asked
+# again (a memory hit, the hot path of a server) is a dictionary look-up instead of the checks of
+# its signature and options and a SHA-256 of its parts (~15 us). Bounded: the latest kept.
+_PREPARED_MAX = 4096
+_prepared: collections.OrderedDict[tuple[Any, ...], TritonRequest] = remembered(collections.OrderedDict())
+
+
+def _typed(value: Any) -> Any:
+    """``value`` as a memo's key holds it: with its type (1, 1.0 and True are equal to Python,
+    not to a compile), floats by their repr (-0.0 is 0.0 to Python), sequences element by element."""
+    kind = type(value)
+    if kind is float:
+        return (kind, repr(value))
+    if kind in (tuple, list):
+        return (kind, tuple(_typed(v) for v in value))
+    return (kind, value)
+
+
+def _recall_key(spec: TritonSpec, default_target: Target | None, memo_dir: Path) -> tuple[Any, ...] | None:
+    """What a request of ``spec`` is made of, hashable; None where it cannot be told cheaply
+    (a source string, a kernel whose Triton key is not known yet, a value that cannot be hashed)."""
+    fn = spec.fn
+    fn_hash = getattr(fn, "hash", None)
+    if not isinstance(fn_hash, str) or fn_hash.startswith("recursion:") or isinstance(fn, str):
+        return None  # not known yet (or being computed, on the parse thread)
+    try:
+        key = (
+            id(fn),  # the request holds fn: the id stays its own while the memo has it
+            fn_hash,  # Triton's key of its source: set again where the source is
+            tuple((k, _typed(v)) for k, v in spec.signature.items()),
+            tuple((k, _typed(v)) for k, v in (spec.constexprs or {}).items()),
+            spec.kernel_name,
+            _typed(spec.num_warps),
+            _typed(spec.num_stages),
+            spec.target,
+            default_target,
+            None if spec.attrs is None else tuple((k, _typed(v)) for k, v in spec.attrs.items()),
+            tuple((k, _typed(v)) for k, v in spec.options.items()),
+            tuple(_triton_env.key_environment(os.environ).items()),
+            memo_dir,
+        )
+        hash(key)
+    except (TypeError, AttributeError, RecursionError):
+        return None
+    return key
+
+
 async def prepare(spec: TritonSpec, default_target: Target | None, memo_dir: Path) -> TritonRequest:
     """Check a spec and compute its key; raises ``InvalidSpecError`` with what to change."""
+    recall = _recall_key(spec, default_target, memo_dir)
+    if recall is not None and (known := _prepared.get(recall)) is not None:
+        return known
+    request = await _prepare(spec, default_target, memo_dir)
+    recall = _recall_key(spec, default_target, memo_dir)  # the kernel's key is known now
+    if recall is not None:
+        _prepared[recall] = request
+        if len(_prepared) > _PREPARED_MAX:
+            _prepared.popitem(last=False)
+    return request
+
+
+async def _prepare(spec: TritonSpec, default_target: Target | None, memo_dir: Path) -> TritonRequest:
     target = _triton_spec.resolve_target(spec.target, default_target)
     fn, kernel_ref = await _triton_describe.resolve_kernel(spec)
     # Requests that arrive together (gather(), a warm start) are keyed a slice of the loop at a
