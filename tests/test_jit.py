@@ -256,7 +256,11 @@ def test_a_build_that_fails_raises_torchs_own_error_with_the_compilers_message(
     assert report["jit"]["failed"] == 1 and report["jit"]["puts"] == 0
 
 
-def test_builds_after_ready_are_counted_and_named(tmp_path: Path, source: tuple[Path, Path]) -> None:
+def build_marked_ready(
+    tmp_path: Path, source: tuple[Path, Path], mark: str
+) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
+    """A machine whose serving says it is ready (``serving.<mark>``) as soon as it is entered,
+    before the library builds: its report, and the process."""
     code = f"""
 import json, sys
 sys.argv = ["x", json.dumps({{"workers": 1, "jits": ["cpp_extension"]}}), {str(source[0])!r}, "42", {str(source[1])!r}]
@@ -268,7 +272,7 @@ def serve(**options):
     enter = serving.__enter__
     def entered():
         enter()
-        serving.mark_ready()
+        serving.{mark}
         return serving
     serving.__enter__ = entered
     return serving
@@ -278,7 +282,11 @@ jit_machine.main()
     env = subprocess_env(**machine(tmp_path, "m"))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1]), done
+
+
+def test_builds_after_ready_are_counted_and_named(tmp_path: Path, source: tuple[Path, Path]) -> None:
+    report, done = build_marked_ready(tmp_path, source, "mark_ready()")
     assert report["answer"] == 42
     assert report["jit"]["after_ready"] == 1 and report["jit"]["built_after_ready"] == ["answer_ext"]
     assert "built module answer_ext after the server said it was ready" in done.stderr
@@ -289,28 +297,7 @@ def test_a_server_that_refuses_builds_after_ready_gets_the_named_error(
 ) -> None:
     """``mark_ready(on_late="refuse")``: a build the warm-up missed raises CompiledAfterReadyError
     into the library (naming the module) instead of building on the request path."""
-    code = f"""
-import json, sys
-sys.argv = ["x", json.dumps({{"workers": 1, "jits": ["cpp_extension"]}}), {str(source[0])!r}, "42", {str(source[1])!r}]
-from acompile import inductor
-import jit_machine
-real_serve = inductor.serve
-def serve(**options):
-    serving = real_serve(**options)
-    enter = serving.__enter__
-    def entered():
-        enter()
-        serving.mark_ready(on_late="refuse")
-        return serving
-    serving.__enter__ = entered
-    return serving
-inductor.serve = serve
-jit_machine.main()
-"""
-    env = subprocess_env(**machine(tmp_path, "m"))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report, _ = build_marked_ready(tmp_path, source, 'mark_ready(on_late="refuse")')
     assert report.get("error", "").startswith("CompiledAfterReadyError: answer_ext"), report
     assert report["jit"]["after_ready"] == 1 and report["jit"]["builds"] == 0
     assert report["jit"]["local_builds"] == 0
