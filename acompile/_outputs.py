@@ -115,7 +115,9 @@ def _followed(path: str | os.PathLike[str]) -> tuple[str, str | None]:
     for _ in range(_MAX_LINKS):
         try:
             info = os.lstat(current)
-        except FileNotFoundError:
+        except OSError:
+            # Nothing there, or a path that cannot name a file (a file on its way): nothing to
+            # follow; the command's own checks, or its write, say what is wrong.
             return current, None
         if not stat.S_ISLNK(info.st_mode):
             return current, None
