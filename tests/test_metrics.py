@@ -235,3 +235,34 @@ async def test_the_record_names_what_the_warm_up_missed(tmp_path: Path) -> None:
     done = await anyio.run_process(command, check=False, env=subprocess_env())
     assert done.returncode == 0, done.stderr.decode()
     assert "3 kernels: 3 compiled" in done.stdout.decode(), done.stdout.decode()
+
+
+async def test_every_metric_the_operators_page_lists_is_exported(tmp_path: Path) -> None:
+    """docs/operators.md's table is what an operator builds dashboards from: each name it lists
+    is in a scrape (a pool with a shared tier, a compile done), and nothing exported is missing
+    from it."""
+    import re
+
+    from conftest import ROOT
+
+    page = (ROOT / "docs" / "operators.md").read_text()
+    table = page[page.index("| metric | type |") : page.index("Kernel names and keys are not labels")]
+    listed = set(re.findall(r"`(acompile_[a-z_]+)`", table))
+    registry = prometheus_client.CollectorRegistry()
+    shared = acompile.SharedCache(f"file://{tmp_path / 'fleet'}", unsafe_trust_unsigned=True)
+    (tmp_path / "fleet").mkdir()
+    async with acompile.CompilePool(1, target=TARGET, cache_dir=tmp_path / "c", shared_cache=shared) as pool:
+        made = acompile.metrics.instrument(pool, registry=registry)
+        await pool.compile(spec(128))
+        pool.mark_ready()
+        families = {
+            f.name for f in text_string_to_metric_families(acompile.metrics.exposition(registry)[0].decode())
+        }
+        made.close()
+    # The client names a counter's family without its _total, and adds a histogram's _created.
+    exported = {
+        name + "_total" if name + "_total" in listed else name
+        for name in families
+        if not name.endswith("_created")
+    }
+    assert listed == exported, (sorted(listed - exported), sorted(exported - listed))
