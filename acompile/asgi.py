@@ -550,10 +550,11 @@ async def _warm_up(
     )
     for error in warmup.errors:
         logger.warning("warm-up: %s", error.splitlines()[0] if error else error)
+    # A source that failed before any of its kernels was tried could not be read.
     unreadable = [
         (name, entry)
         for name, entry in warmup.sources.items()
-        if entry.pop("unreadable", False) and name != replayed
+        if entry["errors"] and not entry["total"] and not entry["failed"] and name != replayed
     ]
     if unreadable:
         # A manifest the deploy names and that cannot be read (a wrong path, a kernel module
@@ -580,11 +581,9 @@ async def _warm_up_source(pool: CompilePool, source: Path | list[TritonSpec], en
             specs = source
     except InvalidSpecError as exc:  # the message names the entry at fault
         entry["errors"].append(str(exc))
-        entry["unreadable"] = True  # taken out below, before anyone reads the report
     except Exception as exc:  # a manifest's fault must end its warm-up, never the server's lifespan
         logger.debug("warm-up of %s failed", source, exc_info=True)
         entry["errors"].append(f"{source}: {type(exc).__name__}: {str(exc)[:300]}")
-        entry["unreadable"] = True
     else:
         mine = [spec for spec in specs if _for_target(spec, pool)]
         entry["skipped"] = len(specs) - len(mine)

@@ -197,24 +197,25 @@ class _StatsCollector(Collector):
         yield GaugeMetricFamily(
             "acompile_ready", "1 once the server said it was ready.", value=1.0 if after["ready"] else 0.0
         )
-        late = CounterMetricFamily(
+        yield _by_backend(
             "acompile_compiles_after_ready",
             "Compiles after the server said it was ready (its serving KPI: 0), by backend and library.",
-            labels=["backend", "library"],
+            after["by_backend"],
         )
-        for name, count in sorted(after["by_backend"].items()):
-            backend, _, library = name.partition(":")
-            late.add_metric([backend, library], float(count))
-        yield late
-        refused = CounterMetricFamily(
+        yield _by_backend(
             "acompile_refused_after_ready",
             "Compiles refused after the server said it was ready (on_late='refuse'), by backend and library.",
-            labels=["backend", "library"],
+            after["refused_by_backend"],
         )
-        for name, count in sorted(after["refused_by_backend"].items()):
-            backend, _, library = name.partition(":")
-            refused.add_metric([backend, library], float(count))
-        yield refused
+
+
+def _by_backend(name: str, documentation: str, counts: dict[str, int]) -> Metric:
+    """A counter family of ``counts`` keyed "backend" or "backend:library", as two labels."""
+    family = CounterMetricFamily(name, documentation, labels=["backend", "library"])
+    for key, count in sorted(counts.items()):
+        backend, _, library = key.partition(":")
+        family.add_metric([backend, library], float(count))
+    return family
 
 
 class Instrumentation:
