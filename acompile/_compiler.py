@@ -1269,7 +1269,7 @@ class CompilePool:
         """What torch.compile served by this pool (``acompile.inductor.serve(pool)``) may use of
         it: its tiers, its executor, a way in from torch's threads. Raises ``PoolClosedError``
         outside ``async with``."""
-        from acompile._torch import TorchHost
+        from acompile._torch import HostPoolExecutor, TorchHost
 
         self._check_running()
         assert self._portal is not None and self._workers is not None
@@ -1289,6 +1289,7 @@ class CompilePool:
             record=self._record_module if self._recorder is not None else None,
             late=self._late,
             is_ready=lambda: self.ready,
+            host_pool=isinstance(self.executor, HostPoolExecutor),
         )
 
     async def _run_traced(self, job: Job) -> Any:

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 
-from acompile._errors import AcompileError, BackendUnavailableError, PoolClosedError, PoolError
+from acompile._errors import AcompileError, BackendUnavailableError, PoolError
 from acompile._torch import SUPPORTED, serve_with
 
 if TYPE_CHECKING:
@@ -182,10 +182,24 @@ def _serve_trusting(
     return serving
 
 
+def _gpu_for_triton() -> bool:
+    """Whether torch here has a GPU to run Triton kernels on (CUDA, ROCm, XPU): only then does
+    torch.compile hand a pool Triton compiles."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    xpu = getattr(torch, "xpu", None)
+    return bool(torch.cuda.is_available() or (xpu is not None and xpu.is_available()))
+
+
 def _own_pool_options(options: dict[str, Any], unsafe: bool) -> dict[str, Any]:
     from acompile._cache import SharedCache, shared_cache_argument
 
     options = dict(options)
+    # Without a GPU, torch.compile gives the pool no compile (see Serving._start): its workers
+    # start when something asks for them, not beside the compile.
+    options.setdefault("prestart", _gpu_for_triton())
     preload = tuple(options.get("preload", ()))
     options["preload"] = preload if "inductor" in preload else (*preload, "inductor")
     given = options.get("shared_cache")
@@ -320,19 +334,13 @@ class Serving:
             self._jits.start()
         self.active = True
 
-        def ready(done: Any) -> None:
-            if done.cancelled() or isinstance(done.exception(), PoolClosedError):
-                return  # the pool, or serving, ended first
-            if done.exception() is None:
-                served.ready.set()
-            else:
-                served.not_ready.set()
-                logger.warning(
-                    "the pool serving torch.compile has no workers (%s); Inductor compiles in this process",
-                    done.exception(),
-                )
-
-        host.portal.spawn(host.wait_ready).add_done_callback(ready)
+        if served.builds_on_pool or _gpu_for_triton():
+            # Inductor hands the pool its Triton compiles (or, on the host's pool, its C++
+            # builds): the workers, ready as soon as they can be. Without a GPU torch can use it
+            # hands this process's pool none (its C++ builds run in its own threads), and the
+            # workers start only if something asks for them (a served JIT library's build,
+            # ``wait_ready``): nothing competes with the compile for the CPU.
+            served.want_workers()
 
     def _host(self) -> TorchHost:
         if self._given is not None:
@@ -386,6 +394,7 @@ class Serving:
         served = self._served
         if served is None:
             return False
+        served.want_workers()
         deadline = None if timeout is None else time.monotonic() + timeout
         while not served.ready.wait(0.1):
             if served.host.portal.closed or (self._own is not None and self._own.gone()):

@@ -109,9 +109,12 @@ def test_the_first_machine_compiles_and_publishes_what_it_built(
     assert first["inductor"].get("fxgraph_cache_miss") == 1
     assert fx(first)["puts"] == 1 and fx(first)["misses"] == 1
     served = first["served"]
-    # Its C++ kernels were built on the pool's workers (and published), not in this process.
-    assert served["cpp"]["builds"] >= 1 and served["cpp"]["local_builds"] == 0
-    assert served["cpp"]["puts"] >= served["cpp"]["builds"]
+    # Its C++ kernels were built where Inductor builds them, in its own threads (their
+    # compilers are processes already: the pool's workers would add only a hop and a lower
+    # priority), and published.
+    assert served["cpp"]["local_builds"] >= 1 and served["cpp"]["builds"] == 0
+    assert served["cpp"]["puts"] >= served["cpp"]["local_builds"]
+    assert served["jobs"]["sent"] == 0
     assert served["errors"] == 0
     assert served["pool"]["cache"]["shared_writes"] >= served["cpp"]["puts"] + 1
 
@@ -137,6 +140,21 @@ def test_a_second_machine_is_served_from_the_first_ones_shared_tier(
     assert cpp["builds"] == 0 and cpp["local_builds"] == 0
     assert cpp["hits"]["shared"] >= 1 and sum(cpp["hits"].values()) == cpp["hits"]["shared"]
     assert second["served"]["pool"]["workers"]["started"] == 0 or second["served"]["jobs"]["sent"] == 0
+
+
+def test_without_a_gpu_serving_starts_no_worker_beside_the_compile(tmp_path: Path, headers: Path) -> None:
+    """Without a GPU, torch.compile hands the pool nothing to compile (its C++ builds run in
+    Inductor's threads): serve()'s own pool starts no worker to compete with it for the CPU,
+    and still serves the graph and the C++ outputs through its tiers. Asked for (wait_ready),
+    the workers start."""
+    env = {**machine(tmp_path, "cpu", headers=headers), **serve_options(workers=2)}
+    report = compile_in({**env, "ACOMPILE_TEST_WAIT": "0"})
+    served = report["served"]
+    assert report["ok"] and fx(report)["puts"] == 1, served
+    assert served["cpp"]["local_builds"] >= 1 and served["cpp"]["puts"] >= served["cpp"]["local_builds"]
+    assert served["pool"]["workers"]["started"] == 0, served["pool"]["workers"]
+    asked = compile_in({**machine(tmp_path, "asked", headers=headers), **serve_options(workers=2)})
+    assert asked["served"]["pool"]["workers"]["started"] == 2, asked["served"]["pool"]["workers"]
 
 
 def test_forged_and_damaged_shared_entries_are_refused_counted_and_compiled_again(
@@ -409,28 +427,30 @@ def compile_here() -> bool:
 async def test_an_async_program_serves_torch_compile_through_its_own_pool_and_quiesces_it(
     cache_dir: Path, fresh_inductor: None, tmp_path: Path
 ) -> None:
-    """The pool of an async server serves torch.compile run off its loop: the C++ builds run on
-    the pool's workers (traced), and a quiesce leaves no worker running."""
+    """The pool of an async server serves torch.compile run off its loop: the graph and the C++
+    outputs go through the pool's tiers, the C++ builds run in Inductor's own threads (no job
+    for the workers, none in the trace), and a quiesce leaves no worker running."""
     from acompile import inductor
 
     trace = tmp_path / "trace.json"
     async with acompile.CompilePool(2, cache_dir=cache_dir, preload=("inductor",), trace=trace) as pool:
-        await pool.wait_ready()  # until then Inductor compiles in this process, as with its own pool
+        await pool.wait_ready()
         async with inductor.serve(pool) as serving:
             assert await anyio.to_thread.run_sync(compile_here)
             stats = await anyio.to_thread.run_sync(serving.stats)
-        assert stats["cpp"]["builds"] >= 1 and stats["cpp"]["local_builds"] == 0, stats
+        assert stats["cpp"]["local_builds"] >= 1 and stats["cpp"]["builds"] == 0, stats
+        assert stats["cpp"]["puts"] >= stats["cpp"]["local_builds"], stats
         # Served from its set-up's thread to the compiling one (torch 2.12+ keeps settings made
         # in code per thread): the graph went through the pool's tiers.
         assert stats["caches"]["fx-graph"]["gets"] == 1 and stats["caches"]["fx-graph"]["puts"] == 1
-        assert pool.stats()["jobs"]["done"] >= stats["cpp"]["builds"]
+        assert pool.stats()["jobs"]["done"] == 0 and stats["jobs"]["sent"] == 0
         await pool.quiesce()
         await anyio.sleep(0.2)
         assert not [p for p in pool_processes() if "--template" not in " ".join(p.cmdline())]
     spans = [
         e for e in json.loads(trace.read_text())["traceEvents"] if "(torch.compile)" in e.get("name", "")
     ]
-    assert len(spans) >= stats["cpp"]["builds"]
+    assert spans == []
 
 
 @asyncio_only
@@ -477,24 +497,31 @@ async def test_a_pool_on_the_hosts_pool_runs_its_jobs_there_and_leaves_clean(
 
 
 # asyncio only: a worker killed under its job, and the retry, are shown on both loops in
-# test_faults.py; here it is what torch.compile sees of it (6 s of compiling in each run).
+# test_faults.py; here it is what torch.compile sees of it (6 s of compiling in each run). C++
+# builds go to workers where the pool is the host's (elsewhere they run in Inductor's threads).
 @asyncio_only
 @pytest.mark.anyio
 async def test_a_worker_killed_while_it_builds_a_kernel_costs_a_retry_not_the_compile(
-    cache_dir: Path, fresh_inductor: None
+    tmp_path: Path, fresh_inductor: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A worker SIGKILLed while its C++ compiler runs: that build is retried on a fresh worker,
-    torch.compile never knows (Inductor's own pool fails every kernel in flight)."""
+    """A worker of the host's pool SIGKILLed while its C++ compiler runs: that build is retried
+    on a fresh worker, torch.compile never knows (Inductor's own pool fails every kernel in
+    flight)."""
+    import tempfile
+
     import psutil
 
     from acompile import inductor
+    from acompile._torch import HostPool
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     killed: list[int] = []
 
-    def kill_a_building_worker() -> None:
+    def kill_a_building_worker(server: psutil.Process) -> None:
         deadline = time.monotonic() + 120
         while not killed and time.monotonic() < deadline:
-            for proc in pool_processes():
+            for proc in server.children(recursive=True):
                 try:
                     if any("cc1plus" in c.name() for c in proc.children(recursive=True)):
                         proc.kill()
@@ -504,15 +531,30 @@ async def test_a_worker_killed_while_it_builds_a_kernel_costs_a_retry_not_the_co
                     pass
             time.sleep(0.01)
 
-    async with acompile.CompilePool(2, cache_dir=cache_dir, preload=("inductor",)) as pool:
-        await pool.wait_ready()
-        async with inductor.serve(pool):
-            killer = threading.Thread(target=kill_a_building_worker)
-            killer.start()
-            assert await anyio.to_thread.run_sync(compile_here)
-            killer.join()
-        assert killed, "no worker was seen building"
-        assert pool.stats()["jobs"]["retried"] >= 1
+    pool = acompile.CompilePool(
+        HostPool(2), cache_dir=tmp_path / "cache", preload=("inductor",), prestart=False
+    )
+    server = None
+    try:
+        async with pool:
+            server = psutil.Process(pool.executor.server_pid)  # type: ignore[attr-defined]
+            with anyio.fail_after(120):
+                await pool.wait_ready()
+            async with inductor.serve(pool) as serving:
+                killer = threading.Thread(target=kill_a_building_worker, args=(server,))
+                killer.start()
+                assert await anyio.to_thread.run_sync(compile_here)
+                killer.join()
+                stats = await anyio.to_thread.run_sync(serving.stats)
+            assert killed, "no worker was seen building"
+            assert stats["cpp"]["builds"] >= 1 and stats["cpp"]["local_builds"] == 0, stats
+            assert pool.stats()["jobs"]["failed"] == 0
+    finally:
+        if server is not None and server.is_running():
+            children = server.children(recursive=True)
+            server.terminate()
+            server.wait(30)
+            psutil.wait_procs(children, timeout=10)
 
 
 # -- programs that know nothing of acompile, and a host's ranks ------------------------------------
@@ -788,6 +830,64 @@ def test_a_served_output_is_never_written_into_a_folder_another_user_owns(tmp_pa
     ours = tmp_path / "ours"
     _write_output(str(ours / "kernel.so"), b"\x7fELF...")
     assert (ours / "kernel.so").read_bytes() == b"\x7fELF..."
+
+
+@pytest.mark.anyio
+async def test_a_large_output_is_published_off_the_compiling_thread_and_a_header_never(
+    tmp_path: Path, fresh_inductor: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An output over a MiB is published from a thread of its own (the build returns before its
+    entry is written; ``drain()`` waits for it), and its entry serves a machine that lacks it. A
+    precompiled header is never published: it costs its builder a second of CPU to spare
+    others a build they would make as Inductor does."""
+    from torch._inductor.cpp_builder import CppBuilder, CppOptions
+
+    from acompile._torch import _served
+    from acompile._torch._served import Served, build_key
+
+    packed_on: list[str] = []
+    pack = _served._packed
+
+    def packed(data: bytes, meta: dict[str, Any]) -> Any:
+        packed_on.append(threading.current_thread().name)
+        return pack(data, meta)
+
+    monkeypatch.setattr(_served, "_packed", packed)
+    big = tmp_path / "big.cpp"
+    big.write_text('extern "C" { char blob[3 << 20] = {1}; int answer() { return blob[0] + 41; } }\n')
+    builder = CppBuilder("big", [str(big)], CppOptions(), str(tmp_path / "out"))
+    header = tmp_path / "h.h"
+    header.write_text("#include <vector>\n")
+    header_builder = CppBuilder(str(header), [str(header)], CppOptions(precompiling=True))
+    assert Path(header_builder.get_target_file_path()).suffix == ".gch"
+    async with acompile.CompilePool(
+        1, cache_dir=tmp_path / "cache", preload=("inductor",), prestart=False
+    ) as pool:
+        served = Served(pool.torch_host())
+
+        def publish() -> tuple[bool, bool]:
+            builder.build()
+            header_builder.build()
+            served.publish_output([builder])
+            served.publish_output([header_builder])
+            pending = bool(served._pending)
+            served.drain()
+            return pending, not [f for f in served._pending if not f.done()]
+
+        pending, drained = await anyio.to_thread.run_sync(publish)
+        assert pending and drained
+        assert len(packed_on) == 1 and packed_on[0].startswith("acompile-publish"), packed_on
+        assert build_key([header_builder]) is None
+
+        def fetched() -> bool:
+            target = Path(builder.get_target_file_path())
+            whole = target.read_bytes()
+            target.unlink()
+            return served.fetch_output([builder]) and target.read_bytes() == whole
+
+        assert await anyio.to_thread.run_sync(fetched)
+        assert served.counts["cpp_puts"] == 1 and served.counts["errors"] == 0
+        served.close()
 
 
 def test_a_build_killed_part_way_is_built_again_and_never_published(tmp_path: Path) -> None:

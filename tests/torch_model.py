@@ -70,7 +70,9 @@ def main() -> None:
         with inductor.serve(**options) as serving:
             # Its workers ready first: until then Inductor compiles in this process (as with its
             # own pool), and a test that counts what ran on the pool must not depend on a race.
-            serving.wait_ready(120)
+            # ACOMPILE_TEST_WAIT=0: a program that does not ask for them.
+            if os.environ.get("ACOMPILE_TEST_WAIT") != "0":
+                serving.wait_ready(120)
             report = run()
             report["active"] = serving.active
         report["served"] = serving.stats()

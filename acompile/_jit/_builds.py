@@ -444,6 +444,7 @@ class ServedBuilds:
         portal = served.host.portal
         if portal.closed or portal.on_loop_thread():
             return False
+        served.want_workers()
         deadline = time.monotonic() + _READY_WAIT
         while not served.ready.wait(0.1):
             if portal.closed or served.not_ready.is_set() or time.monotonic() >= deadline:

@@ -41,6 +41,7 @@ class TorchHost:
         late: ``late(backend, name, say=...)``: a compile about to start after the server said
             it was ready: counted, or refused (raises ``CompiledAfterReadyError``); any thread.
         is_ready: whether the server said it was ready (``CompilePool.mark_ready``).
+        host_pool: whether the jobs run on the host's pool, shared by its processes.
     """
 
     portal: Portal
@@ -58,3 +59,4 @@ class TorchHost:
     record: Callable[[str, str, dict[str, Any]], None] | None = None
     late: Callable[..., None] | None = None
     is_ready: Callable[[], bool] | None = None
+    host_pool: bool = False

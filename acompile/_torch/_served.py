@@ -35,6 +35,7 @@ import pickle
 import platform
 import shlex
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -49,7 +50,7 @@ from acompile._outputs import cpu_identity, output_problem, write_output
 from acompile._torch._caches import ENTRY_BACKEND, KINDS, cache_key, cache_parts
 from acompile._torch._host import TorchHost
 from acompile._torch._portal import START_TIMEOUT, LoopThreadError, PortalTimeout
-from acompile._workers import URGENT, Job
+from acompile._workers import DEFAULT_NICE, URGENT, Job
 
 _T = TypeVar("_T")
 
@@ -72,11 +73,16 @@ _STALL_SKIP = 10.0
 # A write hands its bytes over and returns; the pool writes them. Whatever is still on its way
 # when serving ends is waited for this long.
 _DRAIN_TIMEOUT = 30.0
-# C++ outputs over this size are compressed in their entry (a precompiled header: 156 MB of
-# which zlib's fastest level keeps 26 MB, in a second of the compiling thread).
+# C++ outputs over this size are compressed in their entry (zlib's fastest level), and published
+# from a thread of their own (see Served.publish_output).
 _COMPRESS_OVER = 1 << 20
-# The build outputs that are served (a preprocessor's output is a step, not a result).
-_SERVED_SUFFIXES = (".so", ".o", ".gch", ".pch")
+# The build outputs that are served (a preprocessor's output is a step, not a result). Not a
+# precompiled header: 156 MB on torch 2.13 (26 MB through zlib), whose publishing cost the
+# machine that built it more than a second of CPU (on a busy 2-core host, 8% of a first
+# compile), to spare its build (about 4 s) only to machines that compile kernels of their own,
+# which then build it as Inductor alone would.
+_SERVED_SUFFIXES = (".so", ".o")
+_HEADER_SUFFIXES = (".gch", ".pch")
 # What Inductor's compile functions read from the environment, handed to the worker as this
 # process has it when the job is submitted (a worker's own may differ: its Triton cache).
 # Each is the submitting process's, set or unset, for the job's time (acompile's own Triton
@@ -99,7 +105,8 @@ class Served:
 
     ``counts``: per cache kind, ``<kind>_gets``, ``<kind>_hits_<tier>``, ``<kind>_misses``,
     ``<kind>_puts``, ``<kind>_fleet_waits``; ``cpp_hits_<tier>``, ``cpp_builds`` (built on the
-    pool), ``cpp_local_builds`` (built here: the pool was not reachable), ``cpp_puts``;
+    host's pool), ``cpp_local_builds`` (built in Inductor's own threads: see ``builds_on_pool``),
+    ``cpp_puts``;
     ``jobs`` (Triton compiles sent to the pool), ``jobs_failed``; ``errors`` (a read or write
     that failed for acompile's own sake: a miss, never an error in torch.compile).
     """
@@ -115,10 +122,21 @@ class Served:
         self._torch_key: bytes | None = None
         self._stalled_until = 0.0
         self.keys: set[str] = set()
-        # Precompiled headers asked for and not needed yet, by header: (lock path, builders).
+        # Precompiled headers asked for and not needed yet, by header: (lock path, builders);
+        # and a lock for each, held while one is built (the builds that include it wait).
         self._headers: dict[str, tuple[str, Sequence[Any]]] = {}
+        self._header_locks: dict[str, threading.Lock] = {}
+        self._publisher: concurrent.futures.ThreadPoolExecutor | None = None
         self._fan: concurrent.futures.ThreadPoolExecutor | None = None
         self.context = {"cache_root": str(host.cache_root)}
+        self._wanted = False
+        # C++ builds go to the pool's workers only where it is the host's pool, shared by its
+        # processes (a cap on the host's compilers). Elsewhere a build runs where Inductor runs
+        # it, in its own threads: their compilers are processes already, as many as the pool's
+        # workers (``get_compile_threads`` is at least that while served), so the workers would
+        # add no parallelism, only a hop and their lower priority (on a busy host, 1.4x the time
+        # of Inductor alone; docs/performance.md). Their outputs are served the same.
+        self.builds_on_pool = host.host_pool
 
     # -- bookkeeping -------------------------------------------------------------------------------
 
@@ -216,11 +234,16 @@ class Served:
             return None
 
     def drain(self, timeout: float = _DRAIN_TIMEOUT) -> None:
-        """Wait (up to ``timeout``) for the writes handed to the pool."""
-        with self._lock:
-            pending = list(self._pending)
-        if pending:
-            concurrent.futures.wait(pending, timeout)
+        """Wait (up to ``timeout``) for the writes handed to the pool (and those that a write
+        being published hands it meanwhile)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                pending = [f for f in self._pending if not f.done()]
+            left = deadline - time.monotonic()
+            if not pending or left <= 0:
+                return
+            concurrent.futures.wait(pending, left)
 
     def stats(self) -> dict[str, Any]:
         """``Serving.stats()``: the counters, by cache."""
@@ -254,6 +277,28 @@ class Served:
             },
             "errors": counts["errors"],
         }
+
+    def want_workers(self) -> None:
+        """Ask the pool for its workers (once): ``ready`` is set when they are, ``not_ready``
+        where they cannot start. Until then Inductor compiles in this process."""
+        with self._lock:
+            if self._wanted:
+                return
+            self._wanted = True
+
+        def done(future: concurrent.futures.Future[Any]) -> None:
+            if future.cancelled() or isinstance(future.exception(), PoolClosedError):
+                return  # the pool, or serving, ended first
+            if future.exception() is None:
+                self.ready.set()
+            else:
+                self.not_ready.set()
+                logger.warning(
+                    "the pool serving torch.compile has no workers (%s); Inductor compiles in this process",
+                    future.exception(),
+                )
+
+        self.host.portal.spawn(self.host.wait_ready).add_done_callback(done)
 
     def parallel(self) -> bool:
         """Whether Inductor's compiles go to the pool now: once its workers have been ready
@@ -346,12 +391,37 @@ class Served:
         return True
 
     def publish_output(self, builders: Sequence[Any]) -> None:
-        """Store the group's output (the last builder's target) under its inputs' key."""
+        """Store the group's output (the last builder's target) under its inputs' key. A large
+        one (over ``_COMPRESS_OVER``: compressed, a second for 150 MB on a quiet machine) is published
+        from a thread of its own at the workers' lower priority: the builds waiting for it go
+        on at once, and it takes the CPU they leave (``drain()`` waits for it)."""
+        target = builders[-1].get_target_file_path()
+        if not target.endswith(_SERVED_SUFFIXES):
+            return
+        try:
+            size = os.path.getsize(target)
+        except OSError:
+            return
+        if size <= _COMPRESS_OVER:
+            self._publish(builders, target)
+            return
+        with self._lock:
+            if self._publisher is None:
+                self._publisher = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="acompile-publish", initializer=_yield_cpu
+                )
+            publisher = self._publisher
+        try:
+            future = publisher.submit(self._publish, builders, target)
+        except RuntimeError:  # shut down: serving ended
+            return
+        self._keep(future, CPP_KIND)
+
+    def _publish(self, builders: Sequence[Any], target: str) -> None:
         parts = build_parts(builders)
         if parts is None:
             return
         key = make_key(parts)
-        target = builders[-1].get_target_file_path()
         try:
             with open(target, "rb") as f:
                 data = f.read()
@@ -370,15 +440,15 @@ class Served:
         self, lock_path: str, builders: Sequence[Any], build_locally: Callable[[Sequence[Any]], None]
     ) -> None:
         """Inductor's ``_worker_compile_cpp``, served: under its file lock, the group's output
-        from the tiers, or else built on a pool worker (``build_locally`` where the pool cannot
-        be reached) and published.
+        from the tiers, or else built (in Inductor's thread, or on the host pool's worker: see
+        ``builds_on_pool``) and published.
 
         A precompiled header waits until a build needs it: Inductor asks for it before every
-        kernel it loads, where a kernel whose library comes from the tiers needs none, and
-        fetching one (156 MB on torch 2.13) is most of a served second machine's C++ time. A
-        compile that includes the header without it parses the header instead."""
+        kernel it loads, where a kernel whose library comes from the tiers needs none (a second
+        machine builds none), and a build that needs it waits for it (``_headers_for``). It is
+        built here, never served (see ``_SERVED_SUFFIXES``)."""
         target = builders[-1].get_target_file_path()
-        if target.endswith((".gch", ".pch")) and not os.path.exists(target):
+        if target.endswith(_HEADER_SUFFIXES) and not os.path.exists(target):
             with self._lock:
                 self._headers.setdefault(os.path.realpath(target[: -len(".gch")]), (lock_path, builders))
             return
@@ -402,7 +472,7 @@ class Served:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(builder.get_target_file_path())
             self._headers_for(builders, build_locally)
-            if self.parallel():
+            if self.builds_on_pool and self.parallel():
                 try:
                     self.run_job(_worker_build, (list(builders),), {}, _build_name(builders))
                     self.count("cpp_builds")
@@ -416,16 +486,23 @@ class Served:
             self.publish_output(builders)
 
     def _headers_for(self, builders: Sequence[Any], build_locally: Callable[[Sequence[Any]], None]) -> None:
-        """The precompiled headers these builds include, fetched or built now."""
+        """The precompiled headers these builds include, fetched or built now; where another
+        thread is building one, waited for (as Inductor on its own builds it before any kernel:
+        a kernel compiled without it parses the whole header, and on a busy machine that CPU is
+        the header's build's)."""
         for builder in builders:
             tokens = shlex.split(builder.get_command_line())
             for flag, value in itertools.pairwise(tokens):
                 if flag != "-include":
                     continue
+                header = os.path.realpath(value)
                 with self._lock:
-                    waiting = self._headers.pop(os.path.realpath(value), None)
-                if waiting is not None:
-                    self._locked_build(*waiting, build_locally)
+                    lock = self._header_locks.setdefault(header, threading.Lock())
+                with lock:
+                    with self._lock:
+                        waiting = self._headers.pop(header, None)
+                    if waiting is not None:
+                        self._locked_build(*waiting, build_locally)
 
     # -- jobs --------------------------------------------------------------------------------------
 
@@ -529,11 +606,15 @@ class Served:
             self.count("fan_out_jobs")
 
     def close(self) -> None:
-        """No more fan-out (serving ends)."""
+        """No more fan-out, nor publishing of further outputs (serving ends; those on their
+        way are still published, waited for by ``drain()``)."""
         with self._lock:
             fan, self._fan = self._fan, None
+            publisher, self._publisher = self._publisher, None
         if fan is not None:
             fan.shutdown(wait=False, cancel_futures=True)
+        if publisher is not None:
+            publisher.shutdown(wait=False)
 
     async def _run(self, payload: bytes, name: str) -> bytes:
         result: bytes = await self.host.run(Job(WORKER_MODULE, payload, name, URGENT))
@@ -644,6 +725,15 @@ def artifacts_parts(name: str) -> dict[str, Any]:
 
 def artifacts_key(name: str) -> str:
     return make_key(artifacts_parts(name))
+
+
+def _yield_cpu() -> None:
+    """Lower this thread's priority to the workers' (Linux sets a nice value per thread)."""
+    if sys.platform != "linux":
+        return
+    with contextlib.suppress(OSError):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + DEFAULT_NICE))
 
 
 def _packed(data: bytes, meta: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
