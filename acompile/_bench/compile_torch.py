@@ -35,6 +35,8 @@ import argparse
 import concurrent.futures
 import json
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -221,12 +223,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with redis_server(executable, root / "redis") as port:
             url = f"redis://127.0.0.1:{port}"
             served = {"shared_cache": {"where": f"{url}/2", "signing_key": KEY}}
-            if not args.fleet_only:
-                arms["cold"] = arm("cold", "a")
-                arms["inductor_redis_fill"] = arm(
-                    "inductor_redis_fill", "b", env=_inductor_redis(f"{url}/1", gpu)
-                )
-                arms["acompile_fill"] = arm("acompile_fill", "d", served)
+            sections = set(args.sections.split(","))
+            if "second" in sections:
+                sections.add("first")  # the second machines read what the first filled
+            if not args.fleet_only and "first" in sections:
+                # A first machine, taken in turns: Inductor alone (``cold``) and served, each on
+                # fresh folders every round; the served one on a shared tier of its own each
+                # round (another database), so that none of it is warm. The first round's
+                # machine and tier are those the second processes below read.
+                first: dict[str, list[Any]] = {"cold": [], "acompile_fill": []}
+                for i in range(args.repeat):
+                    first["cold"].append(arm(f"cold{i}", f"a{i}"))
+                    tier = {"shared_cache": {"where": f"{url}/{2 if i == 0 else 5 + i}", "signing_key": KEY}}
+                    first["acompile_fill"].append(arm(f"acompile_fill{i}", f"d{i}", tier))
+                    if i == 0:
+                        arms["inductor_redis_fill"] = arm(
+                            "inductor_redis_fill", "b", env=_inductor_redis(f"{url}/1", gpu)
+                        )
+                for name, runs in first.items():
+                    arms[name] = _median_run(runs)
+            if not args.fleet_only and "second" in sections:
                 # The three a second process is measured against, taken in turns (a machine's
                 # drift then touches all three), each a new machine every time but local_warm.
                 warm: dict[str, list[Any]] = {
@@ -235,7 +251,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "acompile_second": [],
                 }
                 for i in range(args.repeat):
-                    warm["local_warm"].append(arm(f"local_warm{i}", "a"))
+                    warm["local_warm"].append(arm(f"local_warm{i}", "a0"))
                     redis_env = _inductor_redis(f"{url}/1", gpu)
                     warm["inductor_redis_second"].append(
                         arm(f"inductor_redis_second{i}", f"c{i}", env=redis_env)
@@ -243,10 +259,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     warm["acompile_second"].append(arm(f"acompile_second{i}", f"e{i}", served))
                 for name, runs in warm.items():
                     arms[name] = _median_run(runs)
-                if gpu:
-                    arms["serial_cold"] = arm("serial_cold", "f", threads=1)
-                    arms["pool_cold"] = arm("pool_cold", "g")
-                    arms["served_threads1_cold"] = arm("served_threads1_cold", "h", {}, threads=1)
+            if not args.fleet_only and "threads" in sections and gpu:
+                # compile_threads=1, taken in turns too: Inductor serial, Inductor's own
+                # pool, served. Their Triton compiles are the critical path.
+                one: dict[str, list[Any]] = {
+                    n: [] for n in ("serial_cold", "pool_cold", "served_threads1_cold")
+                }
+                for i in range(args.repeat):
+                    one["serial_cold"].append(arm(f"serial_cold{i}", f"f{i}", threads=1))
+                    one["pool_cold"].append(arm(f"pool_cold{i}", f"g{i}"))
+                    one["served_threads1_cold"].append(
+                        arm(f"served_threads1_cold{i}", f"h{i}", {}, threads=1)
+                    )
+                for name, runs in one.items():
+                    arms[name] = _median_run(runs)
+            if not args.fleet_only and "import" in sections:
+                arms["import_torch"] = _import_torch(root, args.repeat)
             if args.fleet:
                 arms["fleet_inductor"] = _fleet(arm, args.fleet, "fi", None, _inductor_redis(f"{url}/3", gpu))
                 fleet_serve = {
@@ -257,6 +285,64 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return {"model": model, "machine": harness.machine(), "arms": arms}
+
+
+_IMPORT = (
+    "import json, sys, time\n"
+    "t = time.perf_counter()\n"
+    "import torch\n"
+    "t = time.perf_counter() - t\n"
+    "print(json.dumps({'import_s': t, 'modules': sorted(sys.modules)}))\n"
+)
+# What torch does with acompile's entry point at its import, alone in a fresh process.
+_ENTRY_POINT = (
+    "import json, time\n"
+    "from importlib.metadata import entry_points\n"
+    "(found,) = [e for e in entry_points(group='torch.backends') if e.name == 'acompile']\n"
+    "t = time.perf_counter()\n"
+    "found.load()()\n"
+    "print(json.dumps({'entry_point_s': time.perf_counter() - t}))\n"
+)
+
+
+def _import_torch(root: Path, repeat: int) -> dict[str, Any]:
+    """``import torch`` in a fresh process of this environment, where acompile is installed
+    (torch loads its ``torch.backends`` entry point) and nothing is served, against the same
+    with torch's extensions off (``TORCH_DEVICE_BACKEND_AUTOLOAD=0``), taken in turns: the
+    import's own time and the whole process's, medians, and the modules the first imports
+    that the second does not."""
+    env = harness.child_env(root / "import")
+    env.pop("ACOMPILE_SERVE_TORCH", None)
+    sides = {"installed": {}, "extensions_off": {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}}
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
+    modules: dict[str, set[str]] = {}
+    entry: list[float] = []
+
+    def child(code: str, extra: dict[str, str]) -> tuple[dict[str, Any], float]:
+        t0 = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True, timeout=300
+        )
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr[-2000:])
+        return json.loads(done.stdout.strip().splitlines()[-1]), time.perf_counter() - t0
+
+    try:
+        for _ in range(max(repeat, 5)):
+            for name, extra in sides.items():
+                out, whole = child(_IMPORT, extra)
+                samples[name].append((out["import_s"], whole))
+                modules[name] = set(out["modules"])
+            entry.append(child(_ENTRY_POINT, {})[0]["entry_point_s"])
+    except (RuntimeError, ValueError) as exc:
+        return {"crashed": str(exc)}
+    return {
+        "entry_point_s": statistics.median(entry),
+        "import_s": {n: statistics.median(i for i, _ in v) for n, v in samples.items()},
+        "process_s": {n: statistics.median(w for _, w in v) for n, v in samples.items()},
+        "samples": {n: [[round(i, 4), round(w, 4)] for i, w in v] for n, v in samples.items()},
+        "more_modules": sorted(modules["installed"] - modules["extensions_off"]),
+    }
 
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -300,13 +386,14 @@ def report(document: dict[str, Any]) -> str:
     warm_first, warm_process = warm.get("first_call_s"), warm.get("process_to_ready_s")
     rows = []
     for name, r in arms.items():
-        if name.startswith("fleet_"):
+        if name.startswith("fleet_") or name == "import_torch":
             continue
         if "crashed" in r:
             rows.append([name, "crashed", "", "", "", "", "", ""])
             continue
         served = r.get("served") or {}
-        cpp = (served.get("cpp") or {}).get("builds", "")
+        cpp_counts = served.get("cpp") or {}
+        cpp = f"{cpp_counts.get('local_builds', 0)} / {cpp_counts.get('builds', 0)}" if cpp_counts else ""
         rows.append(
             [
                 name,
@@ -336,10 +423,11 @@ def report(document: dict[str, Any]) -> str:
                 "process/warm",
                 "compile wait s",
                 "graphs compiled",
-                "C++ built (served)",
+                "C++ built here / on workers",
             ],
             rows,
         ),
+        *_targets(arms),
     ]
     for name in ("fleet_inductor", "fleet_acompile"):
         if name in arms:
@@ -350,10 +438,72 @@ def report(document: dict[str, Any]) -> str:
                 f"slowest first call {harness.fmt(f['first_call_max_s'])} s"
                 + (f"; crashed: {f['crashed']}" if f["crashed"] else "")
             )
-    bad = [n for n, r in arms.items() if not n.startswith("fleet_") and not r.get("outputs_match", False)]
+    bad = [
+        n
+        for n, r in arms.items()
+        if not n.startswith("fleet_") and n != "import_torch" and not r.get("outputs_match", False)
+    ]
     if bad:
         lines.append(f"outputs differ from eager (or the arm crashed): {bad}")
     return "\n".join(lines)
+
+
+def _pair(label: str, ours: dict[str, Any] | None, anchor: dict[str, Any] | None, anchor_name: str) -> str:
+    """One target's line: first call and whole process, ours against the anchor, with samples."""
+    if not ours or not anchor or "first_call_s" not in ours or "first_call_s" not in anchor:
+        return f"{label}: n/a (an arm crashed or did not run)"
+    parts = []
+    for key, samples, what in (
+        ("first_call_s", "samples_first_call_s", "first call"),
+        ("process_to_ready_s", "samples_process_s", "process"),
+    ):
+        a, b = ours.get(key), anchor.get(key)
+        ratio = harness.fmt(a / b if a and b else None, ".2f")
+        seen = f" (samples {ours.get(samples, [])} vs {anchor.get(samples, [])})" if samples in ours else ""
+        parts.append(f"{what} {harness.fmt(a)} vs {harness.fmt(b)} s = {ratio}x{seen}")
+    return f"{label} / {anchor_name}: " + "; ".join(parts)
+
+
+def _targets(arms: dict[str, Any]) -> list[str]:
+    """The rows the targets are read from (medians of the runs taken in turns)."""
+    lines = ["", "targets' rows (medians; whole process beside the first call):"]
+    if "acompile_fill" in arms:
+        lines.append(
+            _pair("- first machine, served", arms.get("acompile_fill"), arms.get("cold"), "Inductor alone")
+        )
+        lines.append(
+            _pair(
+                "- second machine, served", arms.get("acompile_second"), arms.get("local_warm"), "local warm"
+            )
+        )
+    if "served_threads1_cold" in arms:
+        waits = {
+            n: arms.get(n, {}).get("triton_s") for n in ("served_threads1_cold", "serial_cold", "pool_cold")
+        }
+        firsts = {n: arms.get(n, {}).get("first_call_s") for n in waits}
+        lines.append(
+            "- compile_threads=1, the compiling thread's wait for Triton: served "
+            f"{harness.fmt(waits['served_threads1_cold'])} s, "
+            f"Inductor serial {harness.fmt(waits['serial_cold'])} s, "
+            f"Inductor's own pool (default threads) {harness.fmt(waits['pool_cold'])} s; first calls "
+            + " / ".join(harness.fmt(v) for v in firsts.values())
+            + " s"
+        )
+    imported = arms.get("import_torch")
+    if imported and "crashed" not in imported:
+        i, w = imported["import_s"], imported["process_s"]
+        more = imported["more_modules"]
+        lines.append(
+            "- import torch, acompile installed, not serving: its entry point, loaded and called "
+            f"as torch does, {imported['entry_point_s'] * 1e3:.2f} ms; {len(more)} more module(s) "
+            f"than with torch's extensions off: {', '.join(more) or 'none'}. import torch itself "
+            f"{i['installed'] * 1e3:.0f} vs {i['extensions_off'] * 1e3:.0f} ms with extensions off "
+            f"(whole process {w['installed'] * 1e3:.0f} vs {w['extensions_off'] * 1e3:.0f} ms; off also "
+            "skips torch's own look-up of every installed package's entry points)"
+        )
+    elif imported:
+        lines.append(f"- import torch: crashed: {imported['crashed']}")
+    return lines
 
 
 def main(argv: list[str]) -> int:
@@ -375,12 +525,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fleet-workers", type=int, default=1, help="workers of each fleet machine's pool")
     parser.add_argument("--fleet-only", action="store_true", help="run only the fleets' arms")
     parser.add_argument(
+        "--sections",
+        default="first,second,threads,import",
+        help="comma-separated, of: first (a first machine, served and Inductor alone), second "
+        "(second machines against local warm; runs first too), threads (compile_threads=1, on a "
+        "GPU), import (import torch with acompile installed) (default: all)",
+    )
+    parser.add_argument(
         "--repeat", type=int, default=3, help="runs of each arm a second process is measured against (median)"
     )
     parser.add_argument("--json", default="bench-results/bench-torch.json")
     parser.add_argument("--redis-server", default=None, help="the redis-server to run (default: on PATH)")
     parser.add_argument("--row-timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
+    if not 1 <= args.repeat <= 10:
+        parser.error("--repeat is 1 to 10 (each first machine's round takes a database of its own)")
+    if unknown := set(args.sections.split(",")) - {"first", "second", "threads", "import"}:
+        parser.error(f"--sections: unknown {sorted(unknown)}")
     if need := harness.missing(torch=True):
         print(f"acompile bench --torch: needs {need}", file=sys.stderr)
         return 2
