@@ -417,11 +417,13 @@ def test_every_memo_of_tritons_parent_half_is_one_that_forgetting_empties() -> N
     from acompile._backends import _memos
 
     registered = {id(getattr(forget, "__self__", forget)) for forget in _memos._FORGETTERS}
-    # Kept apart, on purpose: the worker half's built kernels (a worker's, not the parent's); the
-    # toolchain's figures, forgotten under their lock by their module's own forget(); and the
-    # toolchain held in a global, forgotten by the function that sets it (both registered).
+    # Kept apart, on purpose: the worker half's built kernels and the files whose lines it
+    # registered (a worker's, not the parent's); the toolchain's figures, forgotten under their
+    # lock by their module's own forget(); and the toolchain held in a global, forgotten by the
+    # function that sets it (both registered).
     apart = {
         ("acompile._backends._triton_source", "_materialized"),
+        ("acompile._backends._triton_source", "_stand_ins"),
         ("acompile._backends._triton_toolchain", "_memo"),
         ("acompile._backends._triton", "_toolchain_memo"),
     }

@@ -148,6 +148,105 @@ async def test_a_kernel_whose_module_changed_since_it_was_imported_is_refused_no
             await p.triton(changing_kernels.scaled, signature=sig, constexprs={"BLOCK": 128})
 
 
+_AUTOTUNED_KERNEL = """
+import os
+
+import triton
+import triton.language as tl
+
+with open(os.environ["ACOMPILE_TEST_IMPORT_MARKER"], "a") as marker:
+    marker.write(f"{os.getpid()}\\n")
+
+
+def configs():
+    return [triton.Config({"BLOCK": 64}, num_warps=2), triton.Config({"BLOCK": 128}, num_warps=4)]
+
+
+@triton.autotune(configs=configs(), key=["n"])
+@triton.jit
+def doubled(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2.0, mask=offs < n)
+"""
+
+
+async def test_an_autotuned_kernel_travels_without_importing_its_module(
+    cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A kernel library's autotuned kernels build their configs with a function of the module
+    # (which imports torch): a name its decorator uses is none the worker needs.
+    marker = tmp_path / "imports.txt"
+    monkeypatch.setenv("ACOMPILE_TEST_IMPORT_MARKER", str(marker))
+    (tmp_path / "tuned_kernels.py").write_text(_AUTOTUNED_KERNEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "tuned_kernels", raising=False)
+    import tuned_kernels
+
+    from acompile._backends import _triton_source
+
+    fn = tuned_kernels.doubled.fn
+    async with pool(cache_dir, workers=1) as p:
+        k = await p.triton(
+            fn, signature={"x_ptr": "*fp32", "n": "i32"}, constexprs={"BLOCK": 64}, num_warps=2
+        )
+    ref: Any = triton_reference(fn, {"x_ptr": "*fp32", "n": "i32"}, {"BLOCK": 64}, tmp_path, num_warps=2)
+    assert k.asm["ptx"] == ref.asm["ptx"]
+    assert marker.read_text().split() == [str(os.getpid())]  # imported here only, by no worker
+    description = _triton_source.describe(fn)
+    described = {name for names in description["namespaces"].values() for name in names}
+    assert description["kind"] == "source" and "configs" not in described and "tl" in described
+
+
+_TWO_KERNELS = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def shipped(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1.0, mask=offs < n)
+
+
+# A repr hook defined here cannot travel: a worker imports this module to get this kernel.
+@triton.jit(repr=lambda specialization: "imported")
+def imported(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) - 1.0, mask=offs < n)
+"""
+
+
+def test_a_worker_that_rebuilt_a_kernel_from_source_still_imports_its_module(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import linecache
+    from collections import OrderedDict
+
+    from acompile._backends import _triton_source
+
+    module = tmp_path / "two_kernels.py"
+    module.write_text(_TWO_KERNELS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "two_kernels", raising=False)
+    import two_kernels
+
+    shipped, imported = (
+        _triton_source.describe(two_kernels.shipped),
+        _triton_source.describe(two_kernels.imported),
+    )
+    assert (shipped["kind"], imported["kind"]) == ("source", "import")
+    # Here as in a worker, which has neither imported the module nor read its file.
+    monkeypatch.delitem(sys.modules, "two_kernels")
+    monkeypatch.delitem(linecache.cache, str(module), raising=False)
+    monkeypatch.setattr(_triton_source, "_materialized", OrderedDict())
+    monkeypatch.setattr(_triton_source, "_stand_ins", {}, raising=False)
+    assert _triton_source.materialize(shipped).cache_key == two_kernels.shipped.cache_key
+    # The shipped kernel's lines, registered for its file, do not stand in for the whole file
+    # as the module is imported (Triton reads every kernel's source as the module defines it).
+    assert _triton_source.materialize(imported).cache_key == two_kernels.imported.cache_key
+    assert _triton_source.materialize(shipped).cache_key == two_kernels.shipped.cache_key
+
+
 # asyncio only: the subject is what the compiler makes of source text, not the loop.
 @asyncio_only
 async def test_a_kernel_from_source_text(cache_dir: Path) -> None:

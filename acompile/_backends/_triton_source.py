@@ -141,6 +141,14 @@ class _Describer:
         if py.__closure__:
             scope.update(zip(code.co_freevars, (c.cell_contents for c in py.__closure__), strict=True))
         tree = ast.parse(textwrap.dedent(raw))
+        node = tree.body[0]
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            # Its decorators never run in the worker (``_exec_text`` makes them inert) and are
+            # no part of Triton's key (its source starts at ``def``): the names they use, such
+            # as an autotuner's configs built by a function of the module, are not described.
+            # Described, they would have each worker import that module (a kernel library's
+            # imports torch: seconds of every worker's first job) for nothing.
+            node.decorator_list = []
         names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
         for name in sorted(names):
             if name not in scope or name in namespace:
@@ -208,6 +216,7 @@ def _import(ref: dict[str, Any]) -> Any:
         if module is None:
             if not ref.get("main_path"):
                 raise ImportError("the kernel is defined in an interactive __main__ that has no file")
+            _drop_stand_ins(module_name)
             # As multiprocessing does: re-run the script under another name, so its
             # `if __name__ == "__main__":` block stays asleep.
             namespace = runpy.run_path(ref["main_path"], run_name="__mp_main__")
@@ -215,6 +224,8 @@ def _import(ref: dict[str, Any]) -> Any:
             module.__dict__.update(namespace)
             sys.modules["__mp_main__"] = module
     else:
+        if module_name not in sys.modules:
+            _drop_stand_ins(module_name)
         module = importlib.import_module(module_name)
     obj: Any = module
     for part in ref["qualname"].split("."):
@@ -327,11 +338,27 @@ def _exec_text(raw: str, line: int) -> str:
     return pad + "".join(lines)
 
 
+# The files whose lines ``_register_lines`` put in linecache, by the module that defines them.
+# Such an entry holds the shipped functions' lines only, blanks elsewhere, and stands in for the
+# file: a later import of the module itself (a kernel that cannot travel, or whose rebuilt key
+# differs) would have Triton read its other functions' source there, and fail ("@jit functions
+# should be defined in a Python file"). ``_drop_stand_ins`` removes them before such an import.
+_stand_ins: dict[str, set[str]] = {}
+
+
+def _drop_stand_ins(module_name: str) -> None:
+    for filename in _stand_ins.pop(module_name, ()):
+        entry = linecache.cache.get(filename)
+        if entry is not None and len(entry) == 4 and entry[1] is None:  # still ours
+            del linecache.cache[filename]
+
+
 def _register_lines(functions: list[dict[str, Any]]) -> None:
     """Put each function's lines where its file had them, for ``inspect.getsourcelines``."""
     by_file: dict[str, list[dict[str, Any]]] = {}
     for fn_desc in functions:
         by_file.setdefault(fn_desc["file"], []).append(fn_desc)
+        _stand_ins.setdefault(fn_desc["module"], set()).add(fn_desc["file"])
     for filename, descs in by_file.items():
         lines: list[str] = []
         existing: Any = linecache.cache.get(filename)
