@@ -453,6 +453,18 @@ async def test_an_async_program_serves_torch_compile_through_its_own_pool_and_qu
     assert spans == []
 
 
+def stop_host_server(server: Any) -> None:
+    """Stop a host pool server a test started (it would stop a minute after its last process
+    left), and its workers with it."""
+    import psutil
+
+    if server is not None and server.is_running():
+        children = server.children(recursive=True)
+        server.terminate()
+        server.wait(30)
+        psutil.wait_procs(children, timeout=10)
+
+
 @asyncio_only
 @pytest.mark.anyio
 async def test_a_pool_on_the_hosts_pool_runs_its_jobs_there_and_leaves_clean(
@@ -489,11 +501,7 @@ async def test_a_pool_on_the_hosts_pool_runs_its_jobs_there_and_leaves_clean(
         assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
         assert server.is_running()  # the host's, not the pool's
     finally:
-        if server is not None and server.is_running():
-            children = server.children(recursive=True)
-            server.terminate()
-            server.wait(30)
-            psutil.wait_procs(children, timeout=10)
+        stop_host_server(server)
 
 
 # asyncio only: a worker killed under its job, and the retry, are shown on both loops in
@@ -550,11 +558,7 @@ async def test_a_worker_killed_while_it_builds_a_kernel_costs_a_retry_not_the_co
             assert stats["cpp"]["builds"] >= 1 and stats["cpp"]["local_builds"] == 0, stats
             assert pool.stats()["jobs"]["failed"] == 0
     finally:
-        if server is not None and server.is_running():
-            children = server.children(recursive=True)
-            server.terminate()
-            server.wait(30)
-            psutil.wait_procs(children, timeout=10)
+        stop_host_server(server)
 
 
 # -- programs that know nothing of acompile, and a host's ranks ------------------------------------
