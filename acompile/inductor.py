@@ -107,6 +107,8 @@ def serve(
     torch it cannot serve, it warns once (``UnsupportedTorchWarning``) and serves nothing:
     ``Serving.active`` is False.
     """
+    if not isinstance(host_pool, bool):
+        raise TypeError(f"host_pool must be True or False, got {host_pool!r}")
     if not isinstance(unsafe_unsigned_shared_cache, bool):
         raise TypeError(
             f"unsafe_unsigned_shared_cache must be True or False, got {unsafe_unsigned_shared_cache!r}"
@@ -444,10 +446,11 @@ class Serving:
         """What was served (safe from any thread but the pool's loop's): per cache
         (``fx-graph``, ``aot-autograd``, ``autotune``, ``bundled-autotune``, ``pgo``) the reads
         (``gets``), hits by tier, ``misses``, ``puts`` (writes) and ``fleet_waits``; ``cpp``:
-        outputs from the tiers (``hits``) and built (``builds`` on the pool, ``local_builds``
-        here); ``jobs``: compile jobs sent to the pool; ``errors``: reads and writes that failed
-        for acompile's own sake (misses for torch.compile); ``pool``: the serving pool's
-        ``stats()``. The numbers stay readable after the context ends."""
+        outputs from the tiers (``hits``), built (``local_builds`` here, in Inductor's threads;
+        ``builds`` on a host pool's workers) and published (``puts``); ``jobs``: compile jobs
+        sent to the pool; ``errors``: reads and writes that failed for acompile's own sake
+        (misses for torch.compile); ``pool``: the serving pool's ``stats()``. The numbers stay
+        readable after the context ends."""
         served = self._served
         if served is None:
             return self._last_stats or {"active": False}

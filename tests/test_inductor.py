@@ -305,6 +305,8 @@ async def test_serve_says_what_is_wrong_with_its_arguments(cache_dir: Path) -> N
         inductor.serve("redis://127.0.0.1:1/0")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"serve\(\): .*wrokers"):
         inductor.serve(wrokers=2)
+    with pytest.raises(TypeError, match="host_pool must be True or False, got 'yes'"):
+        inductor.serve(host_pool="yes")  # type: ignore[arg-type]
     async with acompile.CompilePool(1, cache_dir=cache_dir, preload=("inductor",), prestart=False) as pool:
         with pytest.raises(TypeError, match="host_pool applies to serve's own pool"):
             inductor.serve(pool, host_pool=True)

@@ -324,6 +324,31 @@ def test_an_unsupported_release_is_one_warning_and_the_library_left_as_it_was(
     jits.stop()
 
 
+def test_a_torch_that_locks_its_builds_itself_is_served_without_a_baton(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch 2.14 dropped ``FileBaton`` for a lock the kernel holds (``FileLock``): its builds are
+    served all the same, and nothing of a baton is put in (or left) in its place. (A build on
+    torch 2.14.1 itself, served and then a hit from the disk tier, was checked by hand.)"""
+    import torch.utils.cpp_extension as ext
+
+    from acompile._jit import _cpp_extension
+
+    monkeypatch.delattr(ext, "FileBaton", raising=False)
+    monkeypatch.setattr(ext, "FileLock", object(), raising=False)
+    original = ext._run_ninja_build
+    undo = _cpp_extension.install(builds=None)  # type: ignore[arg-type]
+    try:
+        assert ext._run_ninja_build is not original
+        assert not hasattr(ext, "FileBaton")
+    finally:
+        undo()
+    assert ext._run_ninja_build is original and not hasattr(ext, "FileBaton")
+    monkeypatch.delattr(ext, "FileLock")
+    with pytest.raises(_cpp_extension.Unsupported, match="neither FileBaton nor FileLock"):
+        _cpp_extension.install(builds=None)  # type: ignore[arg-type]
+
+
 def test_each_library_is_triggered_by_its_own_module() -> None:
     from acompile._jit import _library
 

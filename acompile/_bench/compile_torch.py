@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -156,6 +158,7 @@ def compile_model(o: argparse.Namespace) -> dict[str, Any]:
 
 
 CHILDREN = {"compile_model": compile_model}
+SECTIONS = ("first", "second", "threads", "import")
 
 
 # -- the orchestrator --------------------------------------------------------------------------
@@ -200,8 +203,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gpu = model == "llama"
     root = Path(tempfile.mkdtemp(prefix="acompile-bench-torch-"))
     arms: dict[str, Any] = {}
-    executable = str(Path(args.redis_server).resolve()) if args.redis_server else None
-    executable = executable or shutil.which("redis-server") or "/usr/bin/redis-server"
+    notes: list[str] = []
+    sections = set(args.sections.split(","))
+    if "second" in sections:
+        sections.add("first")  # the second machines read what the first filled
+    executable = _redis_executable(args) if _needs_redis(args) else None
 
     def arm(
         name: str,
@@ -220,12 +226,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return result
 
     try:
-        with redis_server(executable, root / "redis") as port:
+        with redis_server(executable, root / "redis") if executable else contextlib.nullcontext(0) as port:
             url = f"redis://127.0.0.1:{port}"
             served = {"shared_cache": {"where": f"{url}/2", "signing_key": KEY}}
-            sections = set(args.sections.split(","))
-            if "second" in sections:
-                sections.add("first")  # the second machines read what the first filled
             if not args.fleet_only and "first" in sections:
                 # A first machine, taken in turns: Inductor alone (``cold``) and served, each on
                 # fresh folders every round; the served one on a shared tier of its own each
@@ -259,6 +262,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     warm["acompile_second"].append(arm(f"acompile_second{i}", f"e{i}", served))
                 for name, runs in warm.items():
                     arms[name] = _median_run(runs)
+            if not args.fleet_only and "threads" in sections and not gpu:
+                notes.append(
+                    "threads: compile_threads=1 puts Triton on the critical path, on a GPU: not run here"
+                )
             if not args.fleet_only and "threads" in sections and gpu:
                 # compile_threads=1, taken in turns too: Inductor serial, Inductor's own
                 # pool, served. Their Triton compiles are the critical path.
@@ -284,7 +291,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 arms["fleet_acompile"] = _fleet(arm, args.fleet, "fa", fleet_serve, {})
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return {"model": model, "machine": harness.machine(), "arms": arms}
+    return {"model": model, "machine": harness.machine(), "arms": arms, "notes": notes}
+
+
+def _needs_redis(args: argparse.Namespace) -> bool:
+    """Whether the arms asked for use a shared tier (a first machine fills one; fleets share one)."""
+    sections = set(args.sections.split(","))
+    return bool(args.fleet) or (not args.fleet_only and bool(sections & {"first", "second"}))
+
+
+def _redis_executable(args: argparse.Namespace) -> str | None:
+    if args.redis_server:
+        return str(Path(args.redis_server).resolve())
+    return shutil.which("redis-server") or None
 
 
 _IMPORT = (
@@ -337,6 +356,7 @@ def _import_torch(root: Path, repeat: int) -> dict[str, Any]:
     except (RuntimeError, ValueError) as exc:
         return {"crashed": str(exc)}
     return {
+        "samples_each": len(entry),
         "entry_point_s": statistics.median(entry),
         "import_s": {n: statistics.median(i for i, _ in v) for n, v in samples.items()},
         "process_s": {n: statistics.median(w for _, w in v) for n, v in samples.items()},
@@ -382,12 +402,12 @@ def _summary(result: dict[str, Any]) -> str:
 
 def report(document: dict[str, Any]) -> str:
     arms = document["arms"]
+    tabled = [n for n in arms if not n.startswith("fleet_") and n != "import_torch"]
     warm = arms.get("local_warm", {})
     warm_first, warm_process = warm.get("first_call_s"), warm.get("process_to_ready_s")
     rows = []
-    for name, r in arms.items():
-        if name.startswith("fleet_") or name == "import_torch":
-            continue
+    for name in tabled:
+        r = arms[name]
         if "crashed" in r:
             rows.append([name, "crashed", "", "", "", "", "", ""])
             continue
@@ -399,36 +419,21 @@ def report(document: dict[str, Any]) -> str:
                 name,
                 harness.fmt(r["first_call_s"]),
                 harness.fmt(r.get("process_to_ready_s")),
-                harness.fmt(r["first_call_s"] / warm_first if warm_first else None, ".2f") + "x",
-                harness.fmt(
-                    r.get("process_to_ready_s") / warm_process
-                    if warm_process and r.get("process_to_ready_s")
-                    else None,
-                    ".2f",
-                )
-                + "x",
+                _times(r["first_call_s"], warm_first),
+                _times(r.get("process_to_ready_s"), warm_process),
                 harness.fmt(r["triton_s"]),
                 str(r["inductor"].get("fxgraph_cache_miss", 0)),
                 str(cpp),
             ]
         )
-    lines = [
-        f"torch.compile, model {document['model']}; ratios against local_warm",
-        harness.table(
-            [
-                "arm",
-                "first call s",
-                "process s",
-                "first/warm",
-                "process/warm",
-                "compile wait s",
-                "graphs compiled",
-                "C++ built here / on workers",
-            ],
-            rows,
-        ),
-        *_targets(arms),
-    ]
+    lines = [f"torch.compile, model {document['model']}"]
+    if rows:
+        lines[0] += "; ratios against local_warm" if warm_first else ""
+        header = ["arm", "first call s", "process s", "first/warm", "process/warm", "compile wait s"]
+        header += ["graphs compiled", "C++ built here / on workers"]
+        lines.append(harness.table(header, rows))
+    lines += _targets(arms)
+    lines += [f"- {note}" for note in document.get("notes", [])]
     for name in ("fleet_inductor", "fleet_acompile"):
         if name in arms:
             f = arms[name]
@@ -446,6 +451,10 @@ def report(document: dict[str, Any]) -> str:
     if bad:
         lines.append(f"outputs differ from eager (or the arm crashed): {bad}")
     return "\n".join(lines)
+
+
+def _times(value: float | None, anchor: float | None) -> str:
+    return f"{value / anchor:.2f}x" if value and anchor else ""
 
 
 def _pair(label: str, ours: dict[str, Any] | None, anchor: dict[str, Any] | None, anchor_name: str) -> str:
@@ -471,6 +480,7 @@ def _targets(arms: dict[str, Any]) -> list[str]:
         lines.append(
             _pair("- first machine, served", arms.get("acompile_fill"), arms.get("cold"), "Inductor alone")
         )
+    if "local_warm" in arms:
         lines.append(
             _pair(
                 "- second machine, served", arms.get("acompile_second"), arms.get("local_warm"), "local warm"
@@ -494,7 +504,8 @@ def _targets(arms: dict[str, Any]) -> list[str]:
         i, w = imported["import_s"], imported["process_s"]
         more = imported["more_modules"]
         lines.append(
-            "- import torch, acompile installed, not serving: its entry point, loaded and called "
+            f"- import torch, acompile installed, not serving (medians of {imported['samples_each']}, "
+            "taking turns): its entry point, loaded and called "
             f"as torch does, {imported['entry_point_s'] * 1e3:.2f} ms; {len(more)} more module(s) "
             f"than with torch's extensions off: {', '.join(more) or 'none'}. import torch itself "
             f"{i['installed'] * 1e3:.0f} vs {i['extensions_off'] * 1e3:.0f} ms with extensions off "
@@ -540,8 +551,23 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if not 1 <= args.repeat <= 10:
         parser.error("--repeat is 1 to 10 (each first machine's round takes a database of its own)")
-    if unknown := set(args.sections.split(",")) - {"first", "second", "threads", "import"}:
-        parser.error(f"--sections: unknown {sorted(unknown)}")
+    if unknown := set(args.sections.split(",")) - set(SECTIONS):
+        parser.error(f"--sections: unknown {sorted(unknown)}; choose among {', '.join(SECTIONS)}")
+    if _needs_redis(args) and _redis_executable(args) is None:
+        print(
+            "acompile bench --torch: the first and second machines and the fleets share a Redis "
+            "tier: install redis-server, or give --redis-server PATH (--sections import or "
+            "threads with --fleet 0 need none)",
+            file=sys.stderr,
+        )
+        return 2
+    executable = _redis_executable(args) if args.redis_server else None
+    if executable is not None and not os.access(executable, os.X_OK):
+        print(
+            f"acompile bench --torch: --redis-server {args.redis_server}: not an executable file",
+            file=sys.stderr,
+        )
+        return 2
     if need := harness.missing(torch=True):
         print(f"acompile bench --torch: needs {need}", file=sys.stderr)
         return 2

@@ -6,10 +6,11 @@ verbose, error_prefix)``, a module function every release from 2.8 to 2.14 calls
 name. Served, that call is ``ServedBuilds.run``: the library from the tiers, or built on the
 pool's workers and published. torch then loads it as always.
 
-torch guards a build with a ``FileBaton``: a lock *file* created with ``O_EXCL`` that the builder
-removes; a builder killed mid-build leaves it, and every later process waits for it forever.
-Served, the baton is a lock the kernel holds (``flock`` on that file): a killed builder's lock
-goes with its process, and a file left by an unserved process that died is not a lock at all.
+torch up to 2.13 guards a build with a ``FileBaton``: a lock *file* created with ``O_EXCL`` that
+the builder removes; a builder killed mid-build leaves it, and every later process waits for it
+forever. Served, the baton is a lock the kernel holds (``flock`` on that file): a killed
+builder's lock goes with its process, and a file left by an unserved process that died is not a
+lock at all. torch 2.14 holds such a lock itself (its ``FileLock``): nothing is swapped there.
 """
 
 from __future__ import annotations
@@ -54,9 +55,11 @@ def install(builds: ServedBuilds) -> Callable[[], None]:
         "error_prefix",
     ]:
         raise Unsupported(f"torch {torch.__version__}'s cpp_extension._run_ninja_build is not the one served")
+    # torch up to 2.13 guards a build with a FileBaton, swapped here; 2.14 takes a lock the
+    # kernel holds (its FileLock) already, which needs nothing of acompile's.
     baton = getattr(ext, "FileBaton", None)
-    if baton is None:
-        raise Unsupported(f"torch {torch.__version__}'s cpp_extension has no FileBaton")
+    if baton is None and getattr(ext, "FileLock", None) is None:
+        raise Unsupported(f"torch {torch.__version__}'s cpp_extension has neither FileBaton nor FileLock")
     extensions_root = _extensions_root()
 
     def served_run(build_directory: str, verbose: bool, error_prefix: str, *args: Any, **kwargs: Any) -> None:
@@ -88,12 +91,13 @@ def install(builds: ServedBuilds) -> Callable[[], None]:
         builds.run(build, run_here, failed)
 
     ext._run_ninja_build = served_run
-    ext.FileBaton = KernelBaton
+    if baton is not None:
+        ext.FileBaton = KernelBaton
 
     def undo() -> None:
         if ext._run_ninja_build is served_run:
             ext._run_ninja_build = original
-        if ext.FileBaton is KernelBaton:
+        if baton is not None and ext.FileBaton is KernelBaton:
             ext.FileBaton = baton
 
     return undo

@@ -271,6 +271,7 @@ def install(seams: Seams, served: Served) -> Patches:
         if served.fetch_output([builder]):
             return
         build(builder)
+        served.count("cpp_local_builds")
         served.publish_output([builder])
 
     patches.set(seams.codecache, "_worker_compile_cpp", served_compile_cpp)
