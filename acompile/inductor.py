@@ -366,6 +366,8 @@ class Serving:
             # Writes on their way to the tiers (on the loop's own thread they would wait for the
             # thread that waits: the pool's own exit waits for them then).
             served.drain()
+        elif served is not None:
+            served.drain(0)  # outputs not yet being published are dropped
         if served is not None:
             self._last_stats = self.stats()
         self._served = None

@@ -247,6 +247,52 @@ def test_a_worker_that_rebuilt_a_kernel_from_source_still_imports_its_module(
     assert _triton_source.materialize(shipped).cache_key == two_kernels.shipped.cache_key
 
 
+_THROUGH = """
+import triton
+import triton.language as tl
+
+from indirect_a import shipped as _unused  # noqa: F401
+
+
+@triton.jit(repr=lambda specialization: "through")
+def through(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2.0, mask=offs < n)
+"""
+
+
+def test_a_module_that_imports_a_rebuilt_kernels_module_still_imports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stand-in lines of a module a worker rebuilt a kernel of are dropped before any real
+    import, not only before that module's own: another module may import it on its way."""
+    import linecache
+    from collections import OrderedDict
+
+    from acompile._backends import _triton_source
+
+    (tmp_path / "indirect_a.py").write_text(_TWO_KERNELS)
+    (tmp_path / "indirect_b.py").write_text(_THROUGH)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("indirect_a", "indirect_b"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    import indirect_a
+    import indirect_b
+
+    shipped, through = (
+        _triton_source.describe(indirect_a.shipped),
+        _triton_source.describe(indirect_b.through),
+    )
+    assert (shipped["kind"], through["kind"]) == ("source", "import")
+    for name in ("indirect_a", "indirect_b"):  # as in a worker
+        monkeypatch.delitem(sys.modules, name)
+        monkeypatch.delitem(linecache.cache, str(tmp_path / f"{name}.py"), raising=False)
+    monkeypatch.setattr(_triton_source, "_materialized", OrderedDict())
+    monkeypatch.setattr(_triton_source, "_stand_ins", {}, raising=False)
+    assert _triton_source.materialize(shipped).cache_key == indirect_a.shipped.cache_key
+    assert _triton_source.materialize(through).cache_key == indirect_b.through.cache_key
+
+
 # asyncio only: the subject is what the compiler makes of source text, not the loop.
 @asyncio_only
 async def test_a_kernel_from_source_text(cache_dir: Path) -> None:

@@ -216,7 +216,7 @@ def _import(ref: dict[str, Any]) -> Any:
         if module is None:
             if not ref.get("main_path"):
                 raise ImportError("the kernel is defined in an interactive __main__ that has no file")
-            _drop_stand_ins(module_name)
+            _drop_stand_ins(also="__main__")
             # As multiprocessing does: re-run the script under another name, so its
             # `if __name__ == "__main__":` block stays asleep.
             namespace = runpy.run_path(ref["main_path"], run_name="__mp_main__")
@@ -225,7 +225,7 @@ def _import(ref: dict[str, Any]) -> Any:
             sys.modules["__mp_main__"] = module
     else:
         if module_name not in sys.modules:
-            _drop_stand_ins(module_name)
+            _drop_stand_ins()
         module = importlib.import_module(module_name)
     obj: Any = module
     for part in ref["qualname"].split("."):
@@ -346,11 +346,14 @@ def _exec_text(raw: str, line: int) -> str:
 _stand_ins: dict[str, set[str]] = {}
 
 
-def _drop_stand_ins(module_name: str) -> None:
-    for filename in _stand_ins.pop(module_name, ()):
-        entry = linecache.cache.get(filename)
-        if entry is not None and len(entry) == 4 and entry[1] is None:  # still ours
-            del linecache.cache[filename]
+def _drop_stand_ins(also: str | None = None) -> None:
+    """Before a real import: the stand-ins of every module not imported yet (the import may reach
+    any of them, directly or through its own imports), and of ``also``."""
+    for module_name in [m for m in _stand_ins if m not in sys.modules or m == also]:
+        for filename in _stand_ins.pop(module_name):
+            entry = linecache.cache.get(filename)
+            if entry is not None and len(entry) == 4 and entry[1] is None:  # still ours
+                del linecache.cache[filename]
 
 
 def _register_lines(functions: list[dict[str, Any]]) -> None:

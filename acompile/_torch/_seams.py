@@ -209,6 +209,7 @@ def install(seams: Seams, served: Served) -> Patches:
     """Serve Inductor through ``served`` until the returned patches are undone."""
     from acompile._torch import _caches
     from acompile._torch._jobs import ServedProcessPool
+    from acompile._torch._served import SERVED_SUFFIXES
 
     patches = Patches()
     # The caches: every remote cache over acompile's tiers, and every one switched on (the
@@ -271,7 +272,8 @@ def install(seams: Seams, served: Served) -> Patches:
         if served.fetch_output([builder]):
             return
         build(builder)
-        served.count("cpp_local_builds")
+        if builder.get_target_file_path().endswith(SERVED_SUFFIXES):
+            served.count("cpp_local_builds")  # a probe's library (not a header's preprocessing)
         served.publish_output([builder])
 
     patches.set(seams.codecache, "_worker_compile_cpp", served_compile_cpp)

@@ -81,7 +81,7 @@ _COMPRESS_OVER = 1 << 20
 # machine that built it more than a second of CPU (on a busy 2-core host, 8% of a first
 # compile), to spare its build (about 4 s) only to machines that compile kernels of their own,
 # which then build it as Inductor alone would.
-_SERVED_SUFFIXES = (".so", ".o")
+SERVED_SUFFIXES = (".so", ".o")
 _HEADER_SUFFIXES = (".gch", ".pch")
 # What Inductor's compile functions read from the environment, handed to the worker as this
 # process has it when the job is submitted (a worker's own may differ: its Triton cache).
@@ -128,6 +128,7 @@ class Served:
         self._headers: dict[str, tuple[str, Sequence[Any]]] = {}
         self._header_locks: dict[str, threading.Lock] = {}
         self._publisher: concurrent.futures.ThreadPoolExecutor | None = None
+        self._closed = False
         self._fan: concurrent.futures.ThreadPoolExecutor | None = None
         self.context = {"cache_root": str(host.cache_root)}
         self._wanted = False
@@ -243,8 +244,14 @@ class Served:
                 pending = [f for f in self._pending if not f.done()]
             left = deadline - time.monotonic()
             if not pending or left <= 0:
-                return
+                break
             concurrent.futures.wait(pending, left)
+        with self._lock:
+            publisher = self._publisher if self._closed else None
+        if publisher is not None:
+            # What has not started by now is dropped (a cache entry, not a result): the one
+            # being published ends, and the process's exit waits for no more.
+            publisher.shutdown(wait=False, cancel_futures=True)
 
     def stats(self) -> dict[str, Any]:
         """``Serving.stats()``: the counters, by cache."""
@@ -397,7 +404,7 @@ class Served:
         from a thread of its own at the workers' lower priority: the builds waiting for it go
         on at once, and it takes the CPU they leave (``drain()`` waits for it)."""
         target = builders[-1].get_target_file_path()
-        if not target.endswith(_SERVED_SUFFIXES):
+        if not target.endswith(SERVED_SUFFIXES):
             return
         try:
             size = os.path.getsize(target)
@@ -407,6 +414,8 @@ class Served:
             self._publish(builders, target)
             return
         with self._lock:
+            if self._closed:
+                return  # serving ended: the pool is gone, or going
             if self._publisher is None:
                 self._publisher = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="acompile-publish", initializer=_yield_cpu
@@ -447,7 +456,7 @@ class Served:
         A precompiled header waits until a build needs it: Inductor asks for it before every
         kernel it loads, where a kernel whose library comes from the tiers needs none (a second
         machine builds none), and a build that needs it waits for it (``_headers_for``). It is
-        built here, never served (see ``_SERVED_SUFFIXES``)."""
+        built here, never served (see ``SERVED_SUFFIXES``)."""
         target = builders[-1].get_target_file_path()
         if target.endswith(_HEADER_SUFFIXES) and not os.path.exists(target):
             with self._lock:
@@ -611,7 +620,8 @@ class Served:
         way are still published, waited for by ``drain()``)."""
         with self._lock:
             fan, self._fan = self._fan, None
-            publisher, self._publisher = self._publisher, None
+            self._closed = True
+            publisher = self._publisher
         if fan is not None:
             fan.shutdown(wait=False, cancel_futures=True)
         if publisher is not None:
@@ -811,7 +821,7 @@ def build_parts(builders: Sequence[Any]) -> dict[str, Any] | None:
         import torch
 
         targets = [os.path.realpath(b.get_target_file_path()) for b in builders]
-        if not targets or not targets[-1].endswith(_SERVED_SUFFIXES):
+        if not targets or not targets[-1].endswith(SERVED_SUFFIXES):
             return None
         folders = _machine_folders()
         commands = []
