@@ -106,8 +106,8 @@ class Served:
     ``counts``: per cache kind, ``<kind>_gets``, ``<kind>_hits_<tier>``, ``<kind>_misses``,
     ``<kind>_puts``, ``<kind>_fleet_waits``; ``cpp_hits_<tier>``, ``cpp_builds`` (built on the
     host's pool), ``cpp_local_builds`` (built in this process, in Inductor's own threads: see
-    ``builds_on_pool``; the direct builds of the vector-ISA probes and the header's preprocessing
-    too), ``cpp_puts``;
+    ``builds_on_pool``; the vector-ISA probes' direct builds too, not the header's
+    preprocessing), ``cpp_puts``;
     ``jobs`` (Triton compiles sent to the pool), ``jobs_failed``; ``errors`` (a read or write
     that failed for acompile's own sake: a miss, never an error in torch.compile).
     """
