@@ -910,10 +910,12 @@ async def test_serving_that_ends_drops_the_large_outputs_not_yet_being_published
     from acompile._torch._served import Served
 
     started: list[str] = []
+    publishing = threading.Event()
     pack = _served._packed
 
     def slow(data: bytes, meta: dict[str, Any]) -> Any:
         started.append(meta["file"])
+        publishing.set()
         time.sleep(1.0)
         return pack(data, meta)
 
@@ -932,7 +934,7 @@ async def test_serving_that_ends_drops_the_large_outputs_not_yet_being_published
             for builder in builders:
                 builder.build()
                 served.publish_output([builder])
-            time.sleep(0.2)  # the first is being published
+            assert publishing.wait(30)  # the first is being published
             served.close()
             t0 = time.monotonic()
             served.drain(0)
